@@ -1,0 +1,2 @@
+def main(argv=None):
+    print("k3compile")

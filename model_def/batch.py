@@ -1,0 +1,80 @@
+"""The one batch-metadata object of the step contract (like SGLang's ForwardBatch / nano-vllm's Context).
+
+Tokens of all requests are packed along one axis ([N] ids); `cu_seqlens` cuts them into requests.
+Host-side copies of the lengths ride along so reference code can loop without device syncs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    mode: str  # "prefill" | "decode" | "verify"
+    input_ids: torch.Tensor  # [N] int64, packed new tokens
+    positions: torch.Tensor  # [N] int64, absolute position of each new token
+    cu_seqlens: torch.Tensor  # [B+1] int32, new-token boundaries per request
+    seq_lens: torch.Tensor  # [B] int32, context length after this step (prefix + new)
+    page_table: torch.Tensor  # [B, max_pages] int32, KV page index per page of each request
+    state_slots: torch.Tensor  # [B] int64, KDA state slot per request
+    out_cache_loc: torch.Tensor  # [N] int64, flat KV row (page * page_size + offset) for each new token
+    page_size: int
+    logits_indices: torch.Tensor  # [M] int64, rows of the packed tokens that need logits
+    # host copies (never read from the device inside a step)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    prefix_lens_cpu: list[int] = field(default_factory=list)
+    extend_lens_cpu: list[int] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return self.state_slots.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def build(cls, mode: str, token_ids: list[list[int]], prefix_lens: list[int], page_table: list[list[int]],
+              state_slots: list[int], page_size: int, device="cpu", logits: str = "last",
+              max_pages: int | None = None) -> "ForwardBatch":
+        """Build a batch from Python lists. `logits`: "last" (one row per request) or "all"."""
+        b = len(token_ids)
+        if not (len(prefix_lens) == len(page_table) == len(state_slots) == b):
+            raise ValueError("token_ids, prefix_lens, page_table and state_slots must have one entry per request")
+        ext = [len(t) for t in token_ids]
+        if any(e == 0 for e in ext):
+            raise ValueError("every request in a batch needs at least one new token")
+        if mode == "decode" and any(e != 1 for e in ext):
+            raise ValueError("decode batches take exactly one new token per request")
+        seq = [p + e for p, e in zip(prefix_lens, ext)]
+        for i, (s, row) in enumerate(zip(seq, page_table)):
+            if len(row) * page_size < s:
+                raise ValueError(f"request {i}: {len(row)} pages of {page_size} cannot hold {s} tokens")
+        width = max_pages if max_pages is not None else max(1, max(len(r) for r in page_table))
+        pt = torch.zeros(b, width, dtype=torch.int32)
+        for i, row in enumerate(page_table):
+            pt[i, : len(row)] = torch.tensor(row[:width], dtype=torch.int32)
+        ids, pos, loc = [], [], []
+        for toks, p, row in zip(token_ids, prefix_lens, page_table):
+            ids.extend(toks)
+            for j in range(len(toks)):
+                q = p + j
+                pos.append(q)
+                loc.append(row[q // page_size] * page_size + q % page_size)
+        cu = [0]
+        for e in ext:
+            cu.append(cu[-1] + e)
+        if logits == "last":
+            li = [c - 1 for c in cu[1:]]
+        elif logits == "all":
+            li = list(range(cu[-1]))
+        else:
+            raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+        t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+        return cls(mode=mode, input_ids=t(ids, torch.int64), positions=t(pos, torch.int64),
+                   cu_seqlens=t(cu, torch.int32), seq_lens=t(seq, torch.int32), page_table=pt.to(device),
+                   state_slots=t(state_slots, torch.int64), out_cache_loc=t(loc, torch.int64), page_size=page_size,
+                   logits_indices=t(li, torch.int64), seq_lens_cpu=seq, prefix_lens_cpu=list(prefix_lens),
+                   extend_lens_cpu=ext)
