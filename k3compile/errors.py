@@ -1,0 +1,7 @@
+"""Errors that are the user's input, not our bug: the CLI prints them as one line."""
+from __future__ import annotations
+
+from k3compile.model_def.config import ConfigError
+from k3compile.model_def.checkpoint_errors import CheckpointError
+
+UserError = (ConfigError, CheckpointError, FileNotFoundError)
