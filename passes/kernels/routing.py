@@ -1,0 +1,244 @@
+"""Fused MoE routing: sigmoid + correction bias + (group limit) + top-k + gather + renorm + scale.
+
+This is the op that pass P4 puts in place of the router's chain of small ops. Semantics are those
+of Hugging Face `KimiLinearTopkRouter.forward` (DeepSeek-V3 "noaux_tc", spec §2.4), starting from
+the router logits z [T, E]:
+
+    s      = sigmoid(z)                      computed in fp32 whatever z's dtype
+    choice = s + b                           b: e_score_correction_bias [E]
+    if num_expert_group > 1:                 keep the `topk_group` groups whose two best choice
+        choice[experts of other groups] = -inf     scores have the largest sum
+    ids     = the top_k experts by choice
+    weights = s[ids]                         unbiased scores
+    if renormalize: weights /= weights.sum() + 1e-20
+    weights *= scaling
+
+Contract that transformers leaves open (it uses `topk(sorted=False)`), fixed here so the CPU
+reference and the Triton kernel give the same answer:
+  * Order within the k: descending choice score; equal choice scores go to the lower expert index.
+    Groups are chosen the same way (lower group index wins a tie).
+  * A NaN choice score (a NaN logit or bias) ranks above every number, like torch.topk does, so
+    the NaN shows up in the weights instead of being hidden.
+  * topk_ids are int64: what torch.topk returns and what gather/scatter/index_add/one_hot/bincount
+    take without a cast, so expert compute can index with them directly and the fused graph keeps
+    the dtypes of the unfused one. The cost over int32 is 64 bytes per token at top-16.
+  * topk_weights are fp32.
+
+`torch.ops.k3.fused_route(logits, bias, top_k, renormalize, scaling, num_expert_group,
+topk_group)` is the single graph node a pass targets: all knobs are plain scalars in the
+schema, the tensors are exactly the router logits and the bias buffer. CPU (and any device
+without a kernel) runs the reference; CUDA runs the Triton kernel.
+
+Testing the kernel without a GPU: with TRITON_INTERPRET=1 in the environment *before this module
+is imported* (the flag is read when the kernel is decorated), `route_triton` runs on CPU tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the op still works through the reference
+    triton = None
+
+# Above these the kernel's one-token-per-program tile stops fitting comfortably in registers
+# (and we have not tested it); the op then runs the reference on the tensor's own device.
+KERNEL_MAX_EXPERTS = 1024
+KERNEL_MAX_TOP_K = 16
+RENORM_EPS = 1e-20  # as in transformers, so a zero sum gives zeros rather than NaN
+
+
+# --------------------------------------------------------------------------- argument checks
+
+def check_route_args(logits: torch.Tensor, bias: torch.Tensor, top_k: int, num_expert_group: int,
+                     topk_group: int) -> None:
+    """Raise ValueError naming the first thing wrong with a routing call."""
+    if logits.dim() != 2:
+        raise ValueError(f"fused_route: logits must be [tokens, experts], got shape {tuple(logits.shape)}")
+    if not logits.dtype.is_floating_point:
+        raise ValueError(f"fused_route: logits must be a float tensor, got {logits.dtype}")
+    num_experts = logits.shape[1]
+    if bias.dim() != 1 or bias.shape[0] != num_experts:
+        raise ValueError(f"fused_route: bias must be [experts] = [{num_experts}], got shape {tuple(bias.shape)}")
+    if not bias.dtype.is_floating_point:
+        raise ValueError(f"fused_route: bias must be a float tensor, got {bias.dtype}")
+    if bias.device != logits.device:
+        raise ValueError(f"fused_route: bias is on {bias.device} but logits are on {logits.device}")
+    if num_expert_group < 1 or num_experts % num_expert_group != 0:
+        raise ValueError(f"fused_route: {num_experts} experts do not split into "
+                         f"num_expert_group = {num_expert_group} equal groups")
+    if not 1 <= topk_group <= num_expert_group:
+        raise ValueError(f"fused_route: topk_group = {topk_group} must be in 1..num_expert_group "
+                         f"({num_expert_group})")
+    group_size = num_experts // num_expert_group
+    if num_expert_group > 1 and group_size < 2:
+        raise ValueError(f"fused_route: group limiting ranks groups by their top-2 scores, so each group "
+                         f"needs >= 2 experts; {num_experts} experts in {num_expert_group} groups have {group_size}")
+    # Without this, the last picks would come from masked (-inf) experts: meaningless routing.
+    eligible = topk_group * group_size
+    if not 1 <= top_k <= eligible:
+        raise ValueError(f"fused_route: top_k = {top_k} must be in 1..{eligible} "
+                         f"(experts in the {topk_group} kept group(s) of {group_size})")
+
+
+# --------------------------------------------------------------------------- CPU reference
+
+def _nan_first(x: torch.Tensor) -> torch.Tensor:
+    # NaN ranks above every number (torch.topk's convention); +inf makes sorts and argmax agree.
+    return torch.where(torch.isnan(x), torch.full_like(x, float("inf")), x)
+
+
+def _top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    # A stable descending sort keeps equal values in index order: the lowest index wins ties.
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
+
+
+def route_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
+                    scaling: float, num_expert_group: int = 1,
+                    topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch routing. Returns (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
+    check_route_args(logits, bias, top_k, num_expert_group, topk_group)
+    num_tokens, num_experts = logits.shape
+    scores = logits.float().sigmoid()
+    choice = _nan_first(scores + bias.float())
+    if num_expert_group > 1:
+        grouped = choice.view(num_tokens, num_expert_group, num_experts // num_expert_group)
+        group_scores = _nan_first(grouped.topk(2, dim=-1).values.sum(dim=-1))
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, _top_indices(group_scores, topk_group), True)
+        expert_kept = kept.repeat_interleave(num_experts // num_expert_group, dim=1)
+        choice = choice.masked_fill(~expert_kept, float("-inf"))
+    ids = _top_indices(choice, top_k)
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORM_EPS)
+    return weights * scaling, ids
+
+
+# --------------------------------------------------------------------------- Triton kernel
+
+if triton is not None:
+
+    @triton.jit
+    def _fused_route_kernel(
+        logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+        logits_row_stride, scaling,
+        GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+        TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+        GROUPS_PAD: tl.constexpr, GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr,
+    ):
+        # One program routes one token. Its experts sit in a [group, expert-in-group] register
+        # tile (one row when there is no group limiting); top-k is k rounds of "take the max
+        # among experts not yet taken, lowest index on ties".
+        token = tl.program_id(0).to(tl.int64)
+        group = tl.arange(0, GROUPS_PAD)
+        col = tl.arange(0, GROUP_SIZE_PAD)
+        expert = group[:, None] * GROUP_SIZE + col[None, :]
+        valid = (group[:, None] < NUM_GROUPS) & (col[None, :] < GROUP_SIZE)
+
+        z = tl.load(logits_ptr + token * logits_row_stride + expert, mask=valid, other=0.0).to(tl.float32)
+        b = tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+        scores = tl.sigmoid(z)
+        choice = scores + b
+        choice = tl.where(choice != choice, float("inf"), choice)  # NaN ranks first
+        choice = tl.where(valid, choice, float("-inf"))
+
+        if NUM_GROUPS > 1:
+            # Group score: best + second best choice in the group (second excludes one copy of best).
+            best = tl.max(choice, axis=1)
+            best_col = tl.min(tl.where((choice == best[:, None]) & valid, col[None, :], GROUP_SIZE_PAD), axis=1)
+            second = tl.max(tl.where((col[None, :] == best_col[:, None]) | ~valid, float("-inf"), choice), axis=1)
+            group_score = best + second
+            group_score = tl.where(group_score != group_score, float("inf"), group_score)
+            group_valid = group < NUM_GROUPS
+            kept = group < 0  # all False
+            for _ in tl.static_range(TOPK_GROUP):
+                open_ = group_valid & ~kept
+                top = tl.max(tl.where(open_, group_score, float("-inf")), axis=0)
+                pick = tl.min(tl.where(open_ & (group_score == top), group, GROUPS_PAD), axis=0)
+                kept = kept | (group == pick)
+            choice = tl.where(kept[:, None], choice, float("-inf"))
+
+        slot = tl.arange(0, TOP_K_PAD)
+        out_w = tl.zeros([TOP_K_PAD], dtype=tl.float32)
+        out_id = tl.zeros([TOP_K_PAD], dtype=tl.int64)
+        taken = expert < 0  # all False
+        for i in tl.static_range(TOP_K):
+            open_ = valid & ~taken
+            top = tl.max(tl.max(tl.where(open_, choice, float("-inf")), axis=1), axis=0)
+            pick = tl.min(tl.min(tl.where(open_ & (choice == top), expert, NUM_GROUPS * GROUP_SIZE), axis=1), axis=0)
+            hit = valid & (expert == pick)  # padding columns alias the next group's indices
+            w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
+            taken = taken | hit
+            out_w = tl.where(slot == i, w, out_w)
+            out_id = tl.where(slot == i, pick.to(tl.int64), out_id)
+
+        if RENORMALIZE:
+            out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
+        out_w = out_w * scaling
+        in_k = slot < TOP_K
+        tl.store(weights_ptr + token * TOP_K + slot, out_w, mask=in_k)
+        tl.store(ids_ptr + token * TOP_K + slot, out_id, mask=in_k)
+
+
+def kernel_supports(num_experts: int, top_k: int) -> bool:
+    return triton is not None and num_experts <= KERNEL_MAX_EXPERTS and top_k <= KERNEL_MAX_TOP_K
+
+
+def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
+                 scaling: float, num_expert_group: int = 1,
+                 topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    check_route_args(logits, bias, top_k, num_expert_group, topk_group)
+    num_tokens, num_experts = logits.shape
+    if triton is None:
+        raise RuntimeError("fused_route: triton is not installed")
+    if not kernel_supports(num_experts, top_k):
+        raise ValueError(f"fused_route kernel: supports up to {KERNEL_MAX_EXPERTS} experts and top_k "
+                         f"{KERNEL_MAX_TOP_K}, got {num_experts} experts and top_k {top_k}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    bias = bias.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    group_size = num_experts // num_expert_group
+    groups_pad = triton.next_power_of_2(num_expert_group)
+    group_size_pad = triton.next_power_of_2(group_size)
+    tile = groups_pad * group_size_pad
+    _fused_route_kernel[(num_tokens,)](
+        logits, bias, weights, ids, logits.stride(0), float(scaling),
+        GROUP_SIZE=group_size, NUM_GROUPS=num_expert_group, TOPK_GROUP=topk_group,
+        TOP_K=top_k, RENORMALIZE=bool(renormalize),
+        GROUPS_PAD=groups_pad, GROUP_SIZE_PAD=group_size_pad,
+        TOP_K_PAD=triton.next_power_of_2(top_k),
+        num_warps=4 if tile >= 512 else (2 if tile >= 128 else 1),
+    )
+    return weights, ids
+
+
+# --------------------------------------------------------------------------- the k3 op
+
+@torch.library.custom_op("k3::fused_route", mutates_args=())
+def fused_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
+                scaling: float, num_expert_group: int = 1,
+                topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing in one node: (topk_weights [T, k] fp32, topk_ids [T, k] int64). See module doc."""
+    return route_reference(logits, bias, top_k, renormalize, scaling, num_expert_group, topk_group)
+
+
+@fused_route.register_kernel("cuda")
+def _fused_route_cuda(logits, bias, top_k, renormalize, scaling, num_expert_group=1, topk_group=1):
+    if kernel_supports(logits.shape[-1], top_k):
+        return route_triton(logits, bias, top_k, renormalize, scaling, num_expert_group, topk_group)
+    return route_reference(logits, bias, top_k, renormalize, scaling, num_expert_group, topk_group)
+
+
+@fused_route.register_fake
+def _fused_route_fake(logits, bias, top_k, renormalize, scaling, num_expert_group=1, topk_group=1):
+    check_route_args(logits, bias, top_k, num_expert_group, topk_group)
+    num_tokens = logits.shape[0]
+    return (logits.new_empty(num_tokens, top_k, dtype=torch.float32),
+            logits.new_empty(num_tokens, top_k, dtype=torch.int64))
