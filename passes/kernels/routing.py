@@ -160,24 +160,29 @@ if triton is not None:
                 kept = kept | (group == pick)
             choice = tl.where(kept[:, None], choice, float("-inf"))
 
+        # One max-reduction per pick: pack (choice, expert) into an int64 key ordered by "higher
+        # choice, then lower expert index". The float's bits become an order-preserving int32
+        # (negatives get their magnitude bits flipped; + 0.0 turns -0.0 into 0.0); the low 32 bits
+        # hold the complemented index. Keys are unique, so a taken expert is knocked out by value.
+        bits = (choice + 0.0).to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - expert).to(tl.int64)
+        gone = tl.full(key.shape, -9223372036854775808, tl.int64)
+        key = tl.where(valid, key, gone)
         slot = tl.arange(0, TOP_K_PAD)
-        out_w = tl.zeros([TOP_K_PAD], dtype=tl.float32)
         out_id = tl.zeros([TOP_K_PAD], dtype=tl.int64)
-        taken = expert < 0  # all False
         for i in tl.static_range(TOP_K):
-            open_ = valid & ~taken
-            top = tl.max(tl.max(tl.where(open_, choice, float("-inf")), axis=1), axis=0)
-            pick = tl.min(tl.min(tl.where(open_ & (choice == top), expert, NUM_GROUPS * GROUP_SIZE), axis=1), axis=0)
-            hit = valid & (expert == pick)  # padding columns alias the next group's indices
-            w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
-            taken = taken | hit
-            out_w = tl.where(slot == i, w, out_w)
-            out_id = tl.where(slot == i, pick.to(tl.int64), out_id)
+            best = tl.max(tl.max(key, axis=1), axis=0)
+            out_id = tl.where(slot == i, 0x7FFFFFFF - (best & 0x7FFFFFFF), out_id)
+            key = tl.where(key == best, gone, key)
 
+        # Weights are the unbiased scores of the picks: recompute them from the k logits.
+        in_k = slot < TOP_K
+        z_top = tl.load(logits_ptr + token * logits_row_stride + out_id, mask=in_k, other=0.0).to(tl.float32)
+        out_w = tl.where(in_k, tl.sigmoid(z_top), 0.0)
         if RENORMALIZE:
             out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
         out_w = out_w * scaling
-        in_k = slot < TOP_K
         tl.store(weights_ptr + token * TOP_K + slot, out_w, mask=in_k)
         tl.store(ids_ptr + token * TOP_K + slot, out_id, mask=in_k)
 

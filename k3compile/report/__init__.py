@@ -1,0 +1,17 @@
+"""Trace-guided reports: read a torch.profiler chrome trace, cut it into steps, and say where the
+GPU time goes (`k3compile report TRACE.json`).
+
+    trace.py       the trace as data (events, streams, launches) and its loader
+    categories.py  kernel/op name → model part (GEMM, KDA, attention, MoE, …)
+    steps.py       step ranges and which events belong to each step
+    analysis.py    the numbers: per-category counts, launch gaps, busy time, top kernels
+    render.py      text and JSON output
+"""
+from k3compile.report.analysis import Report, analyze
+from k3compile.report.categories import CATEGORIES, classify
+from k3compile.report.render import render_text, to_json
+from k3compile.report.steps import DEFAULT_STEP_PATTERN, segment
+from k3compile.report.trace import Trace, TraceError, load_trace
+
+__all__ = ["CATEGORIES", "DEFAULT_STEP_PATTERN", "Report", "Trace", "TraceError", "analyze",
+           "classify", "load_trace", "render_text", "segment", "to_json"]

@@ -1,0 +1,167 @@
+"""The trace report as text for a terminal, and as a JSON-ready dict with the same numbers."""
+from __future__ import annotations
+
+import dataclasses
+
+from k3compile.report.analysis import NameStats, Report, StepReport
+from k3compile.report.categories import CATEGORIES
+from k3compile.report.steps import FROM_ANNOTATIONS, FROM_PROFILER_STEPS
+
+_SHORT = {"norm/elementwise": "norm/elem", "communication": "comm", "attention": "attn"}
+_NAME_WIDTH = 100
+
+
+def to_json(report: Report) -> dict:
+    doc = dataclasses.asdict(report)
+    doc["categories"] = list(report.categories)
+    doc["devices"] = {str(k): v for k, v in report.devices.items()}
+    return doc
+
+
+def render_text(report: Report) -> str:
+    out: list[str] = [f"k3compile report: {report.path}"]
+    if report.devices:
+        out.append("devices: " + ", ".join(f"{i}: {n}" for i, n in sorted(report.devices.items())))
+    out.append(_steps_line(report))
+    if not report.steps:
+        out.append("The trace holds no events.")
+        return "\n".join(out) + "\n"
+    if report.has_gpu_events:
+        if report.outside_steps:
+            out.append(f"GPU events launched outside every step (not counted below): "
+                       f"{report.outside_steps}")
+        out += _gpu_sections(report)
+    else:
+        out.append("No GPU kernels in this trace (CPU-only profile: no CUDA activity was recorded). "
+                   "Showing top-level CPU ops per step instead.")
+        out += _cpu_sections(report)
+    return "\n".join(out) + "\n"
+
+
+def _steps_line(report: Report) -> str:
+    n = len(report.steps)
+    if report.step_source == FROM_ANNOTATIONS:
+        return f"steps: {n}, from annotations matching {report.step_pattern!r}"
+    if report.step_source == FROM_PROFILER_STEPS:
+        return f"steps: {n}, from ProfilerStep#N ranges (no annotation matched {report.step_pattern!r})"
+    return "steps: no step annotations or ProfilerStep#N ranges: the whole trace is one step"
+
+
+def _table(header: list[str], rows: list[list], first_width: int,
+           left: tuple[str, ...] = ()) -> list[str]:
+    """Columns right-aligned (numbers) except the first and those named in `left`."""
+    widths = [first_width] + [max(len(h), *(len(_cell(r[i])) for r in rows))
+                              for i, h in enumerate(header) if i > 0]
+
+    def line(cells):
+        parts = [str(cells[0])[:first_width].ljust(first_width)]
+        for h, c, w in zip(header[1:], cells[1:], widths[1:]):
+            parts.append(_cell(c).ljust(w) if h in left else _cell(c).rjust(w))
+        return "  ".join(parts).rstrip()
+    return [line(header)] + [line(r) for r in rows]
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}" if abs(value) >= 100 else f"{value:.2f}"
+    return str(value)
+
+
+def _step_width(report: Report) -> int:
+    return min(28, max(len("mean per step"), *(len(s.name) for s in report.steps)))
+
+
+def _category_rows(steps: list[StepReport], mean: dict, field: str, extra) -> list[list]:
+    rows = [[s.name] + [getattr(s.by_category[c], field) for c in CATEGORIES] + extra(s)
+            for s in steps]
+    if len(steps) > 1:
+        rows.append(["mean per step"] + [getattr(mean["by_category"][c], field)
+                                         for c in CATEGORIES] + extra(None, mean))
+    return rows
+
+
+def _gpu_sections(report: Report) -> list[str]:
+    steps, mean, width = report.steps, report.mean, _step_width(report)
+    cats = [_SHORT.get(c, c) for c in CATEGORIES]
+
+    def counts_extra(s, m=None):
+        src = m if s is None else dataclasses.asdict(s)
+        return [src["kernels"], src["graph_replayed"], src["launch_calls"],
+                src["memcpy"] + src["memset"]]
+
+    out = ["", "GPU events per step by category (count; kernels include those replayed from CUDA "
+               "graphs; launches = CPU API calls)"]
+    out += _table(["step"] + cats + ["kernels", "graph", "launches", "copies"],
+                  _category_rows(steps, mean, "count", counts_extra), width)
+
+    def time_extra(s, m=None):
+        return [m["gpu_time_us"] if s is None else s.gpu_time_us]
+
+    out += ["", "GPU time per step by category (us)"]
+    out += _table(["step"] + cats + ["total"], _category_rows(steps, mean, "time_us", time_extra),
+                  width)
+
+    out += ["", "Launch gaps per step: idle time between consecutive GPU events on one stream; "
+                "busy = GPU time (any stream) / span from first start to last end"]
+    rows = [[s.name, s.gpu_span_us, s.gpu_busy_us, _pct(s.busy_fraction), s.gap_count,
+             s.gap_total_us, s.gap_largest_us] for s in steps]
+    if len(steps) > 1:
+        rows.append(["mean per step", None, mean["gpu_busy_us"], _pct(mean["busy_fraction"]),
+                     mean["gap_count"], mean["gap_total_us"], None])
+    out += _table(["step", "span us", "busy us", "busy", "gaps", "gap total us", "largest us"],
+                  rows, width)
+
+    streams: dict[tuple[int, int], list] = {}
+    for s in steps:
+        for g in s.gaps:
+            acc = streams.setdefault((g.device, g.stream), [0, 0, 0.0, 0.0])
+            acc[0] += g.events
+            acc[1] += g.count
+            acc[2] += g.total_us
+            acc[3] = max(acc[3], g.largest_us)
+    if streams:
+        out += ["", "Launch gaps per stream, all steps"]
+        out += _table(["device/stream", "events", "gaps", "gap total us", "largest us"],
+                      [[f"{d}/{st}", n, c, round(t, 3), big]
+                       for (d, st), (n, c, t, big) in sorted(streams.items())], 14)
+
+    out += ["", "Top kernels by total GPU time, all steps"]
+    out += _names_table(report.top_kernels)
+    return out
+
+
+def _cpu_sections(report: Report) -> list[str]:
+    width = _step_width(report)
+    cats = [_SHORT.get(c, c) for c in CATEGORIES]
+    out = ["", "Top-level CPU ops per step by category (count)"]
+    rows = [[s.name] + [s.cpu_ops_by_category[c].count for c in CATEGORIES] + [s.cpu_ops]
+            for s in report.steps]
+    out += _table(["step"] + cats + ["ops"], rows, width)
+    out += ["", "CPU time per step by category (us, top-level ops)"]
+    rows = [[s.name] + [s.cpu_ops_by_category[c].time_us for c in CATEGORIES] + [s.cpu_dur_us]
+            for s in report.steps]
+    out += _table(["step"] + cats + ["step us"], rows, width)
+    out += ["", "Top CPU ops by total time, all steps"]
+    out += _names_table(report.top_cpu_ops)
+    return out
+
+
+def _names_table(stats: list[NameStats]) -> list[str]:
+    if not stats:
+        return ["(none)"]
+    rows = [[str(i + 1), s.total_us, _pct(s.share), s.count, s.mean_us, s.category,
+             _shorten(s.name)] for i, s in enumerate(stats)]
+    return _table(["#", "total us", "share", "count", "mean us", "category", "name"], rows, 3,
+                  left=("category", "name"))
+
+
+def _pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def _shorten(name: str) -> str:
+    # Demangled CUDA names run to hundreds of characters; the JSON keeps them whole.
+    name = name.removeprefix("void ")
+    return name if len(name) <= _NAME_WIDTH else name[:_NAME_WIDTH - 3] + "..."

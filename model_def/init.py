@@ -1,0 +1,34 @@
+"""Deterministic random initialization for presets (same seed, same device type -> same weights)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layers.kda import KDAMixer
+
+
+@torch.no_grad()
+def init_random(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Linear / expert weights ~ N(0, std); norms ~ 1 + N(0, 0.1); AttnRes pseudo-queries ~ N(0, D^-1/2)
+    (non-zero so random models exercise the softmax); router bias ~ N(0, 0.05); KDA gate parameters as
+    fla initializes them. Parameters are visited in name order with one generator on their device."""
+    params = dict(model.named_parameters())
+    device = next(iter(params.values())).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in sorted(params.items()):
+        if name.endswith("_res_proj.weight"):
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+        elif "norm" in name:
+            p.normal_(1.0, 0.1, generator=gen)
+        elif "conv1d" in name:
+            bound = p.shape[-1] ** -0.5
+            p.uniform_(-bound, bound, generator=gen)
+        else:
+            p.normal_(0.0, std, generator=gen)
+    for name, b in sorted(model.named_buffers()):
+        if name.endswith("e_score_correction_bias"):
+            b.normal_(0.0, 0.05, generator=gen)
+    cpu_gen = torch.Generator().manual_seed(seed + 1)
+    for m in model.modules():
+        if isinstance(m, KDAMixer):
+            m.init_special(cpu_gen)

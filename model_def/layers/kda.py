@@ -1,0 +1,75 @@
+"""Kimi Delta Attention mixer (spec §1): projections, short convs, gates, recurrence, gated norm.
+
+Parameter names are the checkpoint's. Kimi Linear: softplus decay, low-rank output gate
+(g_a_proj/g_b_proj). K3: lower-bounded decay, full-rank output gate (g_proj).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..ops import library as k3ops  # noqa: F401  (registers torch.ops.k3.*)
+from ..ops.kda_math import kda_gate
+from .common import GatedRMSNorm, StepInputs, linear
+
+
+class KDAMixer(nn.Module):
+    def __init__(self, cfg, pool_index: int):
+        super().__init__()
+        d, h, hd = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        self.num_heads, self.head_dim, self.pool_index = h, hd, pool_index
+        self.lower_bound = cfg.gate_lower_bound
+        inner = h * hd
+        self.q_proj, self.k_proj, self.v_proj = linear(d, inner), linear(d, inner), linear(d, inner)
+        # depthwise causal convs; only their weights are used (by the k3 short-conv ops)
+        conv = lambda: nn.Conv1d(inner, inner, cfg.conv_kernel_size, groups=inner, bias=False)  # noqa: E731
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = conv(), conv(), conv()
+        self.f_a_proj, self.f_b_proj = linear(d, hd), linear(hd, inner)
+        self.dt_bias = nn.Parameter(torch.empty(inner))
+        self.A_log = nn.Parameter(torch.empty(h))
+        self.b_proj = linear(d, h)
+        if cfg.kda_full_rank_gate:
+            self.g_proj = linear(d, inner)
+        else:
+            self.g_a_proj, self.g_b_proj = linear(d, hd), linear(hd, inner)
+        self.o_norm = GatedRMSNorm(hd, cfg.rms_norm_eps)
+        self.o_proj = linear(inner, d)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+
+    def _conv(self, x, conv: nn.Conv1d, stream: int, s: StepInputs):
+        off = stream * self.num_heads * self.head_dim
+        w = conv.weight.squeeze(1)
+        if s.mode == "decode":
+            return torch.ops.k3.short_conv_decode(x, w, s.conv, self.pool_index, off, s.state_slots)
+        return torch.ops.k3.short_conv_prefill(x, w, s.conv, self.pool_index, off, s.state_slots, s.cu_seqlens,
+                                               s.seq_lens)
+
+    def forward(self, x: torch.Tensor, s: StepInputs) -> torch.Tensor:
+        heads = (self.num_heads, self.head_dim)
+        q = self._conv(self.q_proj(x), self.q_conv1d, 0, s).unflatten(-1, heads)
+        k = self._conv(self.k_proj(x), self.k_conv1d, 1, s).unflatten(-1, heads)
+        v = self._conv(self.v_proj(x), self.v_conv1d, 2, s).unflatten(-1, heads)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, self.head_dim, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        if s.mode == "decode":
+            o = torch.ops.k3.kda_decode(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots)
+        else:
+            o = torch.ops.k3.kda_prefill(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots, s.cu_seqlens,
+                                         s.seq_lens)
+        o = self.o_norm(o, self.output_gate(x).unflatten(-1, heads))
+        return self.o_proj(o.flatten(-2))
+
+    @torch.no_grad()
+    def init_special(self, gen: torch.Generator) -> None:
+        """fla / transformers init for the gate parameters (spec §1.2)."""
+        if self.lower_bound is None:
+            self.A_log.copy_(torch.empty(self.A_log.shape).uniform_(1, 16, generator=gen).log())
+        else:
+            self.A_log.zero_()
+        dt = torch.empty(self.dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+        dt = dt.clamp_min(1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus

@@ -1,0 +1,60 @@
+"""Gated NoPE-MLA (spec §2.3): latent KV cache [c ; k_r] per token, optional q-LoRA and output gate.
+
+Prefill expands the cached latents through kv_b_proj; decode absorbs kv_b_proj into the query and
+the output (q_lat = [W_UK^T q_nope ; q_rope], o = W_UV · attn(q_lat, rows)) so only the 576-wide
+rows are read per token.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import library as k3ops  # noqa: F401
+from .common import RMSNorm, StepInputs, linear
+
+
+class MLAMixer(nn.Module):
+    def __init__(self, cfg, pool_index: int):
+        super().__init__()
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads, self.pool_index = h, pool_index
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scale = cfg.qk_head_dim ** -0.5
+        if cfg.q_lora_rank is None:
+            self.q_proj = linear(d, h * cfg.qk_head_dim)
+        else:
+            self.q_a_proj = linear(d, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_b_proj = linear(cfg.q_lora_rank, h * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)  # DeepSeek-style default eps, as transformers
+        self.kv_b_proj = linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        if cfg.mla_output_gate:
+            self.g_proj = linear(d, h * cfg.v_head_dim)
+        self.o_proj = linear(h * cfg.v_head_dim, d)
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.unflatten(-1, (self.num_heads, -1))
+
+    def forward(self, x: torch.Tensor, s: StepInputs) -> torch.Tensor:
+        q = self.query(x)
+        ckv = self.kv_a_proj_with_mqa(x)
+        rows = torch.cat([self.kv_a_layernorm(ckv[:, : self.kv_lora_rank]), ckv[:, self.kv_lora_rank:]], -1)
+        torch.ops.k3.kv_write(rows, s.kv, self.pool_index, s.out_cache_loc)
+        if s.mode == "decode":
+            w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))  # [H, nope+v, r]
+            w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
+            q_nope = torch.einsum("bhd,hdr->bhr", q[..., : self.nope], w_uk)
+            q_lat = torch.cat([q_nope, q[..., self.nope:]], -1)
+            o_lat = torch.ops.k3.mla_decode(q_lat, s.kv, self.pool_index, s.page_table, s.seq_lens, self.scale,
+                                            self.kv_lora_rank)
+            o = torch.einsum("bhr,hdr->bhd", o_lat, w_uv)
+        else:
+            o = torch.ops.k3.mla_prefill(q, s.kv, self.pool_index, self.kv_b_proj.weight, s.page_table, s.cu_seqlens,
+                                         s.seq_lens, self.scale, self.kv_lora_rank, self.nope)
+        o = o.flatten(-2)
+        if hasattr(self, "g_proj"):
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)

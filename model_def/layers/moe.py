@@ -1,0 +1,79 @@
+"""Feed-forward blocks: the dense GLU MLP (layer 0), and the MoE with optional latent space (spec §2.4, §4).
+
+Kimi Linear: full-width experts, one shared expert, scaling 2.446.
+K3 Stable LatentMoE: route on full-width x; experts run on z = down(x) (latent); u = Σ w_e E_e(z);
+y = up(RMSNorm(u)) + shared(x). Expert weights are stored stacked ([E, 2I, D] gate|up and
+[E, D, I] down); checkpoint I/O maps them to the per-expert `experts.{i}.w1/w3/w2` names.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import library as k3ops  # noqa: F401
+from ..ops.moe_math import glu_act, route
+from .common import RMSNorm, linear
+
+
+class GLUMLP(nn.Module):
+    def __init__(self, d: int, inter: int, cfg):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = linear(d, inter), linear(d, inter), linear(inter, d)
+        self.act, self.beta, self.linear_beta = cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu_act(self.gate_proj(x), self.up_proj(x), self.act, self.beta, self.linear_beta))
+
+
+class Router(nn.Module):
+    def __init__(self, d: int, cfg):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, d))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+        self.top_k, self.renorm, self.scaling = cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor
+        self.groups, self.topk_group = cfg.num_expert_group, cfg.topk_group
+
+    def forward(self, x: torch.Tensor):
+        logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        return route(logits, self.e_score_correction_bias, self.top_k, self.renorm, self.scaling, self.groups,
+                     self.topk_group)
+
+
+class Experts(nn.Module):
+    def __init__(self, width: int, cfg):
+        super().__init__()
+        e, i = cfg.num_experts, cfg.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, width))  # rows [0, I): w1 (gate), [I, 2I): w3 (up)
+        self.w2 = nn.Parameter(torch.empty(e, width, i))
+        self.act, self.beta, self.linear_beta = cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta
+
+    def forward(self, z, topk_weights, topk_ids):
+        return torch.ops.k3.moe_experts(z, topk_ids, topk_weights, self.w13, self.w2, self.act, self.beta,
+                                        self.linear_beta)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg.hidden_size
+        width = cfg.latent_size or d
+        self.gate = Router(d, cfg)
+        self.experts = Experts(width, cfg)
+        if cfg.num_shared_experts:
+            self.shared_experts = GLUMLP(d, cfg.moe_intermediate_size * cfg.num_shared_experts, cfg)
+        if cfg.latent_size is not None:
+            self.routed_expert_down_proj = linear(d, width)
+            self.routed_expert_up_proj = linear(width, d)
+            if cfg.latent_norm:
+                self.routed_expert_norm = RMSNorm(width, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        latent = hasattr(self, "routed_expert_down_proj")
+        u = self.experts(self.routed_expert_down_proj(x) if latent else x, weights, ids)
+        if hasattr(self, "routed_expert_norm"):
+            u = self.routed_expert_norm(u)
+        y = self.routed_expert_up_proj(u) if latent else u
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(x)
+        return y

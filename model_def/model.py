@@ -1,0 +1,137 @@
+"""The Kimi-Linear / K3 decoder as code: one module tree, three entry points sharing the layers.
+
+* `forward(input_ids [B, T]) -> logits [B, T, V]`: full sequences from an empty cache (parity).
+* `prefill(batch, cache)`: a chunk of new tokens per request, continuing from KV pages + state slots.
+* `decode(batch, cache)`: one token for each of B requests with different context lengths.
+
+The residual stream is either the plain pre-norm residual (Kimi Linear) or Block Attention
+Residuals (K3, spec §0.1 / §3.2): a running partial sum p plus a bank of block sums, read through
+a learned softmax before every sub-layer and once more before the final norm.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .batch import ForwardBatch
+from .cache import CacheSpec, CacheTensors
+from .config import ModelConfig
+from .layers.attn_res import attn_res_read
+from .layers.common import RMSNorm, StepInputs
+from .layers.kda import KDAMixer
+from .layers.mla import MLAMixer
+from .layers.moe import GLUMLP, MoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, pool_index: int):
+        super().__init__()
+        self.kind = cfg.layer_types[i]
+        self.self_attn = KDAMixer(cfg, pool_index) if self.kind == "kda" else MLAMixer(cfg, pool_index)
+        if cfg.is_moe_layer(i):
+            self.block_sparse_moe = MoE(cfg)
+        else:
+            self.mlp = GLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.attn_res_block_size is not None:
+            d = cfg.hidden_size
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.self_attention_res_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        kda_i = mla_i = 0
+        layers = []
+        for i, kind in enumerate(cfg.layer_types):
+            layers.append(DecoderLayer(cfg, i, kda_i if kind == "kda" else mla_i))
+            kda_i, mla_i = kda_i + (kind == "kda"), mla_i + (kind == "mla")
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.attn_res_block_size is not None:
+            self.output_attn_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, s: StepInputs) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.cfg.attn_res_block_size is None:
+            for layer in self.layers:
+                x = x + layer.self_attn(layer.input_layernorm(x), s)
+                x = x + layer.ffn(layer.post_attention_layernorm(x))
+            return self.norm(x)
+        return self._forward_attn_res(x, s)
+
+    def _forward_attn_res(self, emb: torch.Tensor, s: StepInputs) -> torch.Tensor:
+        eps, block = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
+        bank: list[torch.Tensor] = []
+        p = emb
+        for i, layer in enumerate(self.layers):
+            a = attn_res_read(bank + [p], layer.self_attention_res_proj.weight, layer.self_attention_res_norm.weight, eps)
+            if i % block == 0:  # block boundary: the finished partial sum becomes a bank row
+                bank.append(p)
+                p = torch.zeros_like(p)
+            p = p + layer.self_attn(layer.input_layernorm(a), s)
+            a = attn_res_read(bank + [p], layer.mlp_res_proj.weight, layer.mlp_res_norm.weight, eps)
+            p = p + layer.ffn(layer.post_attention_layernorm(a))
+        out = attn_res_read(bank + [p], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight, eps)
+        return self.norm(out)
+
+
+class K3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = K3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # ---- step contract ----
+    def cache_spec(self, dtype: torch.dtype | None = None, tp_size: int = 1) -> CacheSpec:
+        return CacheSpec.from_config(self.config, dtype or self.lm_head.weight.dtype, tp_size)
+
+    def step(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        """Run one prefill / decode step; returns logits [M, V] for `batch.logits_indices` (fp32)."""
+        if batch.mode not in ("prefill", "decode"):
+            raise ValueError(f"unsupported step mode {batch.mode!r}")
+        return self.step_tensors(batch.mode, batch.input_ids, batch.cu_seqlens, batch.seq_lens, batch.page_table,
+                                 batch.state_slots, batch.out_cache_loc, batch.logits_indices, cache.ssm,
+                                 cache.conv, cache.kv)
+
+    def step_tensors(self, mode, input_ids, cu_seqlens, seq_lens, page_table, state_slots, out_cache_loc,
+                     logits_indices, ssm, conv, kv) -> torch.Tensor:
+        """The step as a function of tensors only: this is what the compiler captures."""
+        s = StepInputs(mode, cu_seqlens, seq_lens, page_table, state_slots, out_cache_loc, ssm, conv, kv)
+        h = self.model(input_ids, s)
+        return self.lm_head(h[logits_indices]).float()
+
+    def prefill(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        assert batch.mode == "prefill"
+        return self.step(batch, cache)
+
+    def decode(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        assert batch.mode == "decode"
+        return self.step(batch, cache)
+
+    # ---- full sequences (parity) ----
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V], from an empty cache (uses a throwaway cache)."""
+        b, t = input_ids.shape
+        page = 16
+        pages_per_req = (t + page - 1) // page
+        cache = CacheTensors.allocate(self.cache_spec(), b + 1, b * pages_per_req + 1, page,
+                                      device=input_ids.device)
+        rows = [list(range(1 + i * pages_per_req, 1 + (i + 1) * pages_per_req)) for i in range(b)]
+        batch = ForwardBatch.build("prefill", input_ids.tolist(), [0] * b, rows, list(range(1, b + 1)), page,
+                                   device=input_ids.device, logits="all")
+        return self.step(batch, cache).view(b, t, -1)

@@ -1,0 +1,104 @@
+"""Kimi Delta Attention reference math (pure torch, fp32): gates, recurrent and chunked forms, short conv.
+
+Shapes per sequence: q, k [T, H, K]; v [T, H, V]; g [T, H, K] (log-decay, < 0); beta [T, H];
+state S [H, K, V] (fp32). Recurrence (spec §1.1): S <- Diag(exp g) S; S <- S + beta k (v - S^T k)^T;
+o = S^T (q / |q| * K^-1/2) with k <- k / |k| (epsilon inside the sqrt, as fla does).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2_EPS = 1e-6
+
+
+def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def kda_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int,
+             lower_bound: float | None) -> torch.Tensor:
+    """Per-channel log-decay g [..., H, K] in fp32 from the raw forget projection f [..., H*K].
+
+    softplus form (Kimi Linear): g = -exp(A_log[h]) * softplus(f + dt_bias)
+    lower-bound form (K3):       g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))
+    """
+    x = (f.float() + dt_bias.float()).unflatten(-1, (-1, head_dim))
+    a = a_log.float().exp().view(-1, 1)  # one value per head
+    if lower_bound is None:
+        # torch's softplus switches to identity above threshold 20, as fla and transformers do
+        return -a * F.softplus(x, beta=1.0, threshold=20.0)
+    return lower_bound * torch.sigmoid(a * x)
+
+
+def kda_recurrent(q, k, v, g, beta, state: torch.Tensor, scale: float | None = None):
+    """Token-by-token KDA. Returns (o [T, H, V] fp32, final state [H, K, V] fp32). Does not modify `state`."""
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k = l2norm(q) * scale, l2norm(k)
+    s = state.float().clone()
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+    for t in range(q.shape[0]):
+        s = s * g[t].exp().unsqueeze(-1)
+        kv_mem = (s * k[t].unsqueeze(-1)).sum(-2)  # S^T k: [H, V]
+        delta = (v[t] - kv_mem) * beta[t].unsqueeze(-1)
+        s = s + k[t].unsqueeze(-1) * delta.unsqueeze(-2)
+        out[t] = (s * q[t].unsqueeze(-1)).sum(-2)
+    return out, s
+
+
+def kda_chunked(q, k, v, g, beta, state: torch.Tensor, chunk_size: int = 64, scale: float | None = None):
+    """Chunkwise-parallel KDA (WY / UT transform, spec §1.3); equal to `kda_recurrent` up to fp32 rounding.
+
+    Within a chunk with inclusive log-decay prefix sums G, delta = (I + M)^-1 Diag(beta) (V - (Γ⊙K) S),
+    M[r, s] = beta_r Σ_i k_r[i] k_s[i] exp(G_r[i] - G_s[i]) for s < r. Ratios are always formed as
+    exp(G_r - G_s) with s <= r, which is <= 1, so nothing overflows however strong the decay.
+    """
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k = l2norm(q) * scale, l2norm(k)
+    T = q.shape[0]
+    pad = (-T) % chunk_size
+    if pad:  # zero k, v, beta and g: padded steps leave the state untouched
+        q, k, v, g = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    # -> [H, n_chunks, C, ...]
+    H = q.shape[1]
+    q, k, v, g = (t.transpose(0, 1).unflatten(1, (-1, chunk_size)) for t in (q, k, v, g))
+    beta = beta.transpose(0, 1).unflatten(1, (-1, chunk_size))
+    G = g.cumsum(-2)
+    diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [H, N, C(r), C(s), K] = G_r - G_s
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    decay = torch.where(causal[..., None], diff, torch.full_like(diff, float("-inf"))).exp()
+    kk = torch.einsum("hnri,hnsi,hnrsi->hnrs", k, k, decay)
+    strict = torch.ones_like(causal).tril(-1)
+    M = kk * beta.unsqueeze(-1) * strict
+    eye = torch.eye(chunk_size, device=q.device)
+    A = torch.linalg.solve_triangular(eye + M, torch.diag_embed(beta), upper=False, unitriangular=True)
+    W = A @ (G.exp() * k)  # [H, N, C, K]
+    U = A @ v  # [H, N, C, V]
+    qk = torch.einsum("hnri,hnsi,hnrsi->hnrs", q, k, decay) * causal  # inclusive of the diagonal
+    s = state.float().clone()  # [H, K, V]
+    out = torch.empty_like(U)
+    for n in range(q.shape[1]):
+        delta = U[:, n] - W[:, n] @ s
+        out[:, n] = (q[:, n] * G[:, n].exp()) @ s + qk[:, n] @ delta
+        g_last = G[:, n, -1:]  # [H, 1, K]
+        s = s * g_last.transpose(-1, -2).exp() + (k[:, n] * (g_last - G[:, n]).exp()).transpose(-1, -2) @ delta
+    out = out.flatten(1, 2).transpose(0, 1)[:T]
+    return out, s
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor):
+    """Causal depthwise conv + SiLU over one sequence continuing from `window`.
+
+    x [T, C] new inputs, weight [C, W], window [C, W-1] (the previous W-1 inputs, oldest first).
+    Returns (y [T, C], new window [C, W-1]). Math in fp32, output in x's dtype.
+    """
+    full = torch.cat([window.to(x.dtype).t(), x], 0)  # [W-1+T, C]
+    w = weight.float()
+    width = w.shape[-1]
+    frames = full.float().unfold(0, width, 1)  # [T, C, W]
+    y = F.silu((frames * w).sum(-1))
+    new_window = full[-(width - 1):].t() if width > 1 else window
+    return y.to(x.dtype), new_window

@@ -1,0 +1,168 @@
+"""The `k3::` custom ops: stateful or special steps that stay single nodes in captured graphs.
+
+Each op has a reference implementation (pure torch, used on CPU and as the fallback on any device)
+and a fake kernel so torch.fx / torch.export / make_fx can trace through it. Faster CUDA kernels
+(fla, Triton) register themselves as device overrides in `fla_backend.py`.
+
+Pools are passed whole with a layer index, so a captured step has one graph input per pool.
+Requests are cut out of the packed token axis by `cu_seqlens`; a request's prefix length is
+`seq_lens - extend_len`; a zero prefix means a fresh (zero) state, whatever the slot holds.
+"""
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+from . import attention_math, kda_math, moe_math
+
+KDA_PREFILL_CHUNK = 64
+
+
+def _lens(cu_seqlens: torch.Tensor, seq_lens: torch.Tensor):
+    cu = cu_seqlens.tolist()
+    seq = seq_lens.tolist()
+    return [(cu[i], cu[i + 1], seq[i] - (cu[i + 1] - cu[i])) for i in range(len(seq))]
+
+
+# --------------------------------------------------------------------------------------- short conv
+
+@custom_op("k3::short_conv_prefill", mutates_args=("conv_pool",))
+def short_conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, layer: int,
+                       channel_offset: int, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                       seq_lens: torch.Tensor) -> torch.Tensor:
+    """x [N, C] -> SiLU(causal depthwise conv) [N, C]; updates each request's window in conv_pool."""
+    c = x.shape[1]
+    out = torch.empty_like(x)
+    for i, (s, e, prefix) in enumerate(_lens(cu_seqlens, seq_lens)):
+        slot = int(slots[i])
+        win = conv_pool[slot, layer, channel_offset: channel_offset + c]
+        if prefix == 0:
+            win = torch.zeros_like(win)
+        out[s:e], new = kda_math.short_conv(x[s:e], weight, win)
+        conv_pool[slot, layer, channel_offset: channel_offset + c] = new
+    return out
+
+
+@short_conv_prefill.register_fake
+def _(x, weight, conv_pool, layer, channel_offset, slots, cu_seqlens, seq_lens):
+    return torch.empty_like(x)
+
+
+@custom_op("k3::short_conv_decode", mutates_args=("conv_pool",))
+def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, layer: int,
+                      channel_offset: int, slots: torch.Tensor) -> torch.Tensor:
+    """One token per request, vectorized: x [B, C]."""
+    c = x.shape[1]
+    win = conv_pool[slots, layer, channel_offset: channel_offset + c]  # [B, C, W-1]
+    full = torch.cat([win.to(x.dtype), x.unsqueeze(-1)], -1)  # [B, C, W]
+    y = torch.nn.functional.silu((full.float() * weight.float()).sum(-1)).to(x.dtype)
+    conv_pool[slots, layer, channel_offset: channel_offset + c] = full[..., 1:].to(conv_pool.dtype)
+    return y
+
+
+@short_conv_decode.register_fake
+def _(x, weight, conv_pool, layer, channel_offset, slots):
+    return torch.empty_like(x)
+
+
+# ---------------------------------------------------------------------------------------------- KDA
+
+@custom_op("k3::kda_prefill", mutates_args=("ssm_pool",))
+def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                ssm_pool: torch.Tensor, layer: int, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                seq_lens: torch.Tensor) -> torch.Tensor:
+    """Chunked KDA per request, from the slot's state (or zero for a fresh request); writes the final state."""
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    for i, (s, e, prefix) in enumerate(_lens(cu_seqlens, seq_lens)):
+        slot = int(slots[i])
+        s0 = ssm_pool[slot, layer] if prefix > 0 else torch.zeros_like(ssm_pool[slot, layer])
+        o, s1 = kda_math.kda_chunked(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], s0, KDA_PREFILL_CHUNK)
+        out[s:e] = o.to(v.dtype)
+        ssm_pool[slot, layer] = s1
+    return out
+
+
+@kda_prefill.register_fake
+def _(q, k, v, g, beta, ssm_pool, layer, slots, cu_seqlens, seq_lens):
+    return torch.empty_like(v)
+
+
+@custom_op("k3::kda_decode", mutates_args=("ssm_pool",))
+def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               ssm_pool: torch.Tensor, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """One recurrent step for B requests, vectorized over the batch (q, k [B, H, K]; v [B, H, V])."""
+    qf, kf = kda_math.l2norm(q.float()) * q.shape[-1] ** -0.5, kda_math.l2norm(k.float())
+    s = ssm_pool[slots, layer] * g.float().exp().unsqueeze(-1)  # [B, H, K, V]
+    kv_mem = (s * kf.unsqueeze(-1)).sum(-2)
+    delta = (v.float() - kv_mem) * beta.float().unsqueeze(-1)
+    s = s + kf.unsqueeze(-1) * delta.unsqueeze(-2)
+    ssm_pool[slots, layer] = s
+    return (s * qf.unsqueeze(-1)).sum(-2).to(v.dtype)
+
+
+@kda_decode.register_fake
+def _(q, k, v, g, beta, ssm_pool, layer, slots):
+    return torch.empty_like(v)
+
+
+# ---------------------------------------------------------------------------------------------- MLA
+
+@custom_op("k3::kv_write", mutates_args=("kv_pool",))
+def kv_write(rows: torch.Tensor, kv_pool: torch.Tensor, layer: int, out_cache_loc: torch.Tensor) -> None:
+    """Store new tokens' cache rows [N, W] at flat positions page * page_size + offset."""
+    page = kv_pool.shape[2]
+    kv_pool[out_cache_loc // page, layer, out_cache_loc % page] = rows.to(kv_pool.dtype)
+
+
+@kv_write.register_fake
+def _(rows, kv_pool, layer, out_cache_loc):
+    return None
+
+
+@custom_op("k3::mla_prefill", mutates_args=())
+def mla_prefill(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, kv_b_weight: torch.Tensor,
+                page_table: torch.Tensor, cu_seqlens: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                kv_lora_rank: int, nope_dim: int) -> torch.Tensor:
+    """Causal attention of each request's new queries over its whole cached context (rows already written)."""
+    H = q.shape[1]
+    v_dim = kv_b_weight.shape[0] // H - nope_dim
+    out = torch.empty(q.shape[0], H, v_dim, dtype=q.dtype, device=q.device)
+    kv_layer = kv_pool[:, layer]
+    for i, (s, e, prefix) in enumerate(_lens(cu_seqlens, seq_lens)):
+        rows = attention_math.gather_rows(kv_layer, page_table[i], prefix + e - s)
+        out[s:e] = attention_math.mla_expanded(q[s:e], rows.to(q.dtype), kv_b_weight, kv_lora_rank, nope_dim,
+                                               scale, prefix)
+    return out
+
+
+@mla_prefill.register_fake
+def _(q, kv_pool, layer, kv_b_weight, page_table, cu_seqlens, seq_lens, scale, kv_lora_rank, nope_dim):
+    H = q.shape[1]
+    return q.new_empty(q.shape[0], H, kv_b_weight.shape[0] // H - nope_dim)
+
+
+@custom_op("k3::mla_decode", mutates_args=())
+def mla_decode(q_lat: torch.Tensor, kv_pool: torch.Tensor, layer: int, page_table: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Absorbed-latent decode attention, [B, H, W] -> [B, H, r]."""
+    return attention_math.mla_decode_latent(q_lat, kv_pool[:, layer].to(q_lat.dtype), page_table, seq_lens,
+                                            scale, kv_lora_rank)
+
+
+@mla_decode.register_fake
+def _(q_lat, kv_pool, layer, page_table, seq_lens, scale, kv_lora_rank):
+    return q_lat.new_empty(q_lat.shape[0], q_lat.shape[1], kv_lora_rank)
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+
+@custom_op("k3::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor, act: str, beta: float, linear_beta: float) -> torch.Tensor:
+    """Σ_k w_k · expert_{id_k}(x) for each token; x [N, D], w13 [E, 2I, D], w2 [E, D, I]."""
+    return moe_math.moe_experts_loop(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta)
+
+
+@moe_experts.register_fake
+def _(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta):
+    return x.new_empty(x.shape[0], w2.shape[1])

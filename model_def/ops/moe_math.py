@@ -1,0 +1,64 @@
+"""Routed-expert compute reference: SiLU-GLU or SiTU-GLU experts with late routing weights."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def glu_act(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float, linear_beta: float) -> torch.Tensor:
+    """silu: silu(g) * u.  situ (K3, spec §4.3): beta tanh(g/beta) sigmoid(g) * beta' tanh(u/beta'), in fp32."""
+    if act == "silu":
+        return F.silu(gate) * up
+    if act == "situ":
+        g, u = gate.float(), up.float()
+        h = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+        return h.to(gate.dtype)
+    raise ValueError(f"unknown activation {act!r}")
+
+
+def moe_experts_loop(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta):
+    """Loop over the experts that were hit (host-side; the exact reference). x [N, D]; w13 [E, 2I, D]; w2 [E, D, I]."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    inter = w2.shape[2]
+    for e in torch.unique(topk_ids).tolist():
+        tok, slot = torch.where(topk_ids == e)
+        h = x[tok] @ w13[e].t()
+        h = glu_act(h[:, :inter], h[:, inter:], act, beta, linear_beta)
+        y = h @ w2[e].t()
+        out.index_add_(0, tok, (y * topk_weights[tok, slot, None].to(y.dtype)).float())
+    return out.to(x.dtype)
+
+
+def moe_experts_gather(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta):
+    """Static-shape variant (no host sync, CUDA-graph safe): gathers each (token, choice)'s expert weights.
+    Memory grows with N*k*expert size, so it suits decode-sized batches only."""
+    n, k = topk_ids.shape
+    inter = w2.shape[2]
+    xs = x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, 1, -1)
+    ids = topk_ids.reshape(-1)
+    h = torch.bmm(xs, w13[ids].transpose(1, 2))  # [n*k, 1, 2I]
+    h = glu_act(h[..., :inter], h[..., inter:], act, beta, linear_beta)
+    y = torch.bmm(h, w2[ids].transpose(1, 2)).view(n, k, -1)  # [n, k, D]
+    return (y.float() * topk_weights.unsqueeze(-1).float()).sum(1).to(x.dtype)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scaling: float,
+          num_expert_group: int = 1, topk_group: int = 1):
+    """noaux_tc routing (spec §2.4): select on sigmoid(z) + bias, weight by the unbiased sigmoid(z).
+
+    logits [T, E] (fp32). Returns (weights [T, k] fp32, ids [T, k] int64). Group limiting keeps the
+    `topk_group` groups whose top-2 biased scores sum highest; with one group it is a no-op.
+    """
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    if num_expert_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, num_expert_group, e // num_expert_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1).indices, 1.0)
+        choice = choice.masked_fill(~keep.bool().repeat_interleave(e // num_expert_group, 1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:  # transformers renormalizes even at k = 1 (DeepSeek skips it there); we follow transformers
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
