@@ -11,8 +11,11 @@ _SHORT = {"norm/elementwise": "norm/elem", "communication": "comm", "attention":
 _NAME_WIDTH = 100
 
 
+JSON_SCHEMA = "k3compile.report/1"
+
+
 def to_json(report: Report) -> dict:
-    doc = dataclasses.asdict(report)
+    doc = {"schema": JSON_SCHEMA, "time_unit": "us", **dataclasses.asdict(report)}
     doc["categories"] = list(report.categories)
     doc["devices"] = {str(k): v for k, v in report.devices.items()}
     return doc
@@ -41,9 +44,9 @@ def render_text(report: Report) -> str:
 def _steps_line(report: Report) -> str:
     n = len(report.steps)
     if report.step_source == FROM_ANNOTATIONS:
-        return f"steps: {n}, from annotations matching {report.step_pattern!r}"
+        return f"steps: {n}, from annotations matching '{report.step_pattern}'"
     if report.step_source == FROM_PROFILER_STEPS:
-        return f"steps: {n}, from ProfilerStep#N ranges (no annotation matched {report.step_pattern!r})"
+        return f"steps: {n}, from ProfilerStep#N ranges (no annotation matched '{report.step_pattern}')"
     return "steps: no step annotations or ProfilerStep#N ranges: the whole trace is one step"
 
 
@@ -69,16 +72,29 @@ def _cell(value) -> str:
     return str(value)
 
 
+def _label(report: Report, step: StepReport) -> str:
+    """The step's name, numbered when several steps share it (`k3.step` every time)."""
+    names = [s.name for s in report.steps]
+    return step.name if names.count(step.name) == 1 else f"{step.index} {step.name}"
+
+
 def _step_width(report: Report) -> int:
-    return min(28, max(len("mean per step"), *(len(s.name) for s in report.steps)))
+    return min(28, max(len("mean per step"), *(len(_label(report, s)) for s in report.steps)))
 
 
-def _category_rows(steps: list[StepReport], mean: dict, field: str, extra) -> list[list]:
-    rows = [[s.name] + [getattr(s.by_category[c], field) for c in CATEGORIES] + extra(s)
-            for s in steps]
+def _count(value: float) -> float | int:
+    """Mean counts print as integers when every step had the same count."""
+    return int(value) if float(value).is_integer() else value
+
+
+def _category_rows(report: Report, field: str, extra) -> list[list]:
+    steps, mean = report.steps, report.mean
+    fmt = _count if field == "count" else (lambda v: v)
+    rows = [[_label(report, s)] + [getattr(s.by_category[c], field) for c in CATEGORIES]
+            + extra(s) for s in steps]
     if len(steps) > 1:
-        rows.append(["mean per step"] + [getattr(mean["by_category"][c], field)
-                                         for c in CATEGORIES] + extra(None, mean))
+        rows.append(["mean per step"] + [fmt(getattr(mean["by_category"][c], field))
+                                         for c in CATEGORIES] + [fmt(v) for v in extra(None, mean)])
     return rows
 
 
@@ -94,22 +110,22 @@ def _gpu_sections(report: Report) -> list[str]:
     out = ["", "GPU events per step by category (count; kernels include those replayed from CUDA "
                "graphs; launches = CPU API calls)"]
     out += _table(["step"] + cats + ["kernels", "graph", "launches", "copies"],
-                  _category_rows(steps, mean, "count", counts_extra), width)
+                  _category_rows(report, "count", counts_extra), width)
 
     def time_extra(s, m=None):
         return [m["gpu_time_us"] if s is None else s.gpu_time_us]
 
     out += ["", "GPU time per step by category (us)"]
-    out += _table(["step"] + cats + ["total"], _category_rows(steps, mean, "time_us", time_extra),
+    out += _table(["step"] + cats + ["total"], _category_rows(report, "time_us", time_extra),
                   width)
 
     out += ["", "Launch gaps per step: idle time between consecutive GPU events on one stream; "
                 "busy = GPU time (any stream) / span from first start to last end"]
-    rows = [[s.name, s.gpu_span_us, s.gpu_busy_us, _pct(s.busy_fraction), s.gap_count,
+    rows = [[_label(report, s), s.gpu_span_us, s.gpu_busy_us, _pct(s.busy_fraction), s.gap_count,
              s.gap_total_us, s.gap_largest_us] for s in steps]
     if len(steps) > 1:
         rows.append(["mean per step", None, mean["gpu_busy_us"], _pct(mean["busy_fraction"]),
-                     mean["gap_count"], mean["gap_total_us"], None])
+                     _count(mean["gap_count"]), mean["gap_total_us"], None])
     out += _table(["step", "span us", "busy us", "busy", "gaps", "gap total us", "largest us"],
                   rows, width)
 
@@ -127,7 +143,7 @@ def _gpu_sections(report: Report) -> list[str]:
                       [[f"{d}/{st}", n, c, round(t, 3), big]
                        for (d, st), (n, c, t, big) in sorted(streams.items())], 14)
 
-    out += ["", "Top kernels by total GPU time, all steps"]
+    out += ["", "Top GPU kernels (and copies) by total GPU time, all steps"]
     out += _names_table(report.top_kernels)
     return out
 
@@ -136,12 +152,12 @@ def _cpu_sections(report: Report) -> list[str]:
     width = _step_width(report)
     cats = [_SHORT.get(c, c) for c in CATEGORIES]
     out = ["", "Top-level CPU ops per step by category (count)"]
-    rows = [[s.name] + [s.cpu_ops_by_category[c].count for c in CATEGORIES] + [s.cpu_ops]
-            for s in report.steps]
+    rows = [[_label(report, s)] + [s.cpu_ops_by_category[c].count for c in CATEGORIES]
+            + [s.cpu_ops] for s in report.steps]
     out += _table(["step"] + cats + ["ops"], rows, width)
     out += ["", "CPU time per step by category (us, top-level ops)"]
-    rows = [[s.name] + [s.cpu_ops_by_category[c].time_us for c in CATEGORIES] + [s.cpu_dur_us]
-            for s in report.steps]
+    rows = [[_label(report, s)] + [s.cpu_ops_by_category[c].time_us for c in CATEGORIES]
+            + [s.cpu_dur_us] for s in report.steps]
     out += _table(["step"] + cats + ["step us"], rows, width)
     out += ["", "Top CPU ops by total time, all steps"]
     out += _names_table(report.top_cpu_ops)
