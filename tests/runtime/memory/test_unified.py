@@ -180,6 +180,28 @@ class ArenaMachine(RuleBasedStateMachine):
                 del self.pins["page"][j]
         self.arena.unpin_pages(chosen)
 
+    @precondition(lambda self: len(self.slots) >= 2 or len(self.pages) >= 2)
+    @rule(data=st.data())
+    def pin_end_block_then_free_below_it(self, data):
+        """The case compaction must defer: the block that would fill the hole is in use."""
+        kind = data.draw(st.sampled_from([k for k, d in (("slot", self.slots), ("page", self.pages))
+                                          if len(d) >= 2]))
+        live = self.slots if kind == "slot" else self.pages
+        end = max(live) if kind == "slot" else min(live)  # slots grow up, pages grow down
+        below = [i for i in sorted(live) if i != end and not self.pins[kind][i]]
+        if not below:
+            return
+        victim = data.draw(st.sampled_from(below))
+        self.pins[kind][end] += 1
+        del live[victim]
+        if kind == "slot":
+            self.arena.pin_slot(end)
+            self.arena.free_slot(victim)
+        else:
+            self.arena.pin_pages([end])
+            self.arena.free_pages([victim])
+        assert self.arena.num_holes(kind) >= 1
+
     @precondition(lambda self: self.pins["slot"] or self.pins["page"])
     @rule()
     def unpin_everything(self):
