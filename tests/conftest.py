@@ -4,7 +4,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TQDM_DISABLE", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# tiny models: intra-op threads only add OpenMP spin overhead (20x slower when cores are shared)
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
