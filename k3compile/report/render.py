@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
-from k3compile.report.analysis import NameStats, Report, StepReport
+from k3compile.report.analysis import NameStats, Report
 from k3compile.report.categories import CATEGORIES
 from k3compile.report.steps import FROM_ANNOTATIONS, FROM_PROFILER_STEPS
 
-_SHORT = {"norm/elementwise": "norm/elem", "communication": "comm", "attention": "attn"}
-_NAME_WIDTH = 100
-
-
 JSON_SCHEMA = "k3compile.report/1"
+
+_SHORT = {"norm/elementwise": "norm/elem", "communication": "comm", "attention": "attn"}
+_COLUMNS = [_SHORT.get(c, c) for c in CATEGORIES]
+_MEAN = "mean per step"
+_NAME_WIDTH = 100
 
 
 def to_json(report: Report) -> dict:
@@ -28,16 +30,15 @@ def render_text(report: Report) -> str:
     out.append(_steps_line(report))
     if not report.steps:
         out.append("The trace holds no events.")
-        return "\n".join(out) + "\n"
-    if report.has_gpu_events:
+    elif report.has_gpu_events:
         if report.outside_steps:
             out.append(f"GPU events launched outside every step (not counted below): "
                        f"{report.outside_steps}")
-        out += _gpu_sections(report)
+        out += _gpu_sections(report, _labels(report))
     else:
         out.append("No GPU kernels in this trace (CPU-only profile: no CUDA activity was recorded). "
                    "Showing top-level CPU ops per step instead.")
-        out += _cpu_sections(report)
+        out += _cpu_sections(report, _labels(report))
     return "\n".join(out) + "\n"
 
 
@@ -50,9 +51,92 @@ def _steps_line(report: Report) -> str:
     return "steps: no step annotations or ProfilerStep#N ranges: the whole trace is one step"
 
 
-def _table(header: list[str], rows: list[list], first_width: int,
-           left: tuple[str, ...] = ()) -> list[str]:
-    """Columns right-aligned (numbers) except the first and those named in `left`."""
+def _labels(report: Report) -> list[str]:
+    """Step names, numbered when several steps share one (`k3.step` every time)."""
+    seen = Counter(s.name for s in report.steps)
+    return [s.name if seen[s.name] == 1 else f"{s.index} {s.name}" for s in report.steps]
+
+
+def _gpu_sections(report: Report, labels: list[str]) -> list[str]:
+    steps, mean = report.steps, report.mean
+    several = len(steps) > 1
+
+    out = ["", "GPU events per step by category (count; kernels include those replayed from CUDA "
+               "graphs; launches = CPU API calls)"]
+    rows = [[label] + [s.by_category[c].count for c in CATEGORIES]
+            + [s.kernels, s.graph_replayed, s.launch_calls, s.memcpy + s.memset]
+            for label, s in zip(labels, steps)]
+    if several:
+        rows.append([_MEAN] + [_count(mean["by_category"][c].count) for c in CATEGORIES]
+                    + [_count(mean[k]) for k in ("kernels", "graph_replayed", "launch_calls")]
+                    + [_count(mean["memcpy"] + mean["memset"])])
+    out += _table(["step"] + _COLUMNS + ["kernels", "graph", "launches", "copies"], rows)
+
+    out += ["", "GPU time per step by category (us)"]
+    rows = [[label] + [s.by_category[c].time_us for c in CATEGORIES] + [s.gpu_time_us]
+            for label, s in zip(labels, steps)]
+    if several:
+        rows.append([_MEAN] + [mean["by_category"][c].time_us for c in CATEGORIES]
+                    + [mean["gpu_time_us"]])
+    out += _table(["step"] + _COLUMNS + ["total"], rows)
+
+    out += ["", "Launch gaps per step: idle time between consecutive GPU events on one stream; "
+                "busy = GPU time (any stream) / span from first start to last end"]
+    rows = [[label, s.gpu_span_us, s.gpu_busy_us, _pct(s.busy_fraction), s.gap_count,
+             s.gap_total_us, s.gap_largest_us] for label, s in zip(labels, steps)]
+    if several:
+        rows.append([_MEAN, None, mean["gpu_busy_us"], _pct(mean["busy_fraction"]),
+                     _count(mean["gap_count"]), mean["gap_total_us"], None])
+    out += _table(["step", "span us", "busy us", "busy", "gaps", "gap total us", "largest us"],
+                  rows, labels)
+
+    streams: dict[tuple[int, int], list] = {}
+    for s in steps:
+        for g in s.gaps:
+            acc = streams.setdefault((g.device, g.stream), [0, 0, 0.0, 0.0])
+            acc[0] += g.events
+            acc[1] += g.count
+            acc[2] += g.total_us
+            acc[3] = max(acc[3], g.largest_us)
+    if streams:
+        out += ["", "Launch gaps per stream, all steps"]
+        out += _table(["device/stream", "events", "gaps", "gap total us", "largest us"],
+                      [[f"{d}/{st}", n, c, round(t, 3), big]
+                       for (d, st), (n, c, t, big) in sorted(streams.items())])
+
+    out += ["", "Top GPU kernels (and copies) by total GPU time, all steps"]
+    out += _names_table(report.top_kernels)
+    return out
+
+
+def _cpu_sections(report: Report, labels: list[str]) -> list[str]:
+    steps = report.steps
+    out = ["", "Top-level CPU ops per step by category (count)"]
+    rows = [[label] + [s.cpu_ops_by_category[c].count for c in CATEGORIES] + [s.cpu_ops]
+            for label, s in zip(labels, steps)]
+    out += _table(["step"] + _COLUMNS + ["ops"], rows)
+    out += ["", "CPU time per step by category (us, top-level ops)"]
+    rows = [[label] + [s.cpu_ops_by_category[c].time_us for c in CATEGORIES] + [s.cpu_dur_us]
+            for label, s in zip(labels, steps)]
+    out += _table(["step"] + _COLUMNS + ["step us"], rows)
+    out += ["", "Top CPU ops by total time, all steps"]
+    out += _names_table(report.top_cpu_ops)
+    return out
+
+
+def _names_table(stats: list[NameStats]) -> list[str]:
+    if not stats:
+        return ["(none)"]
+    rows = [[str(i + 1), s.total_us, _pct(s.share), s.count, s.mean_us, s.category,
+             _shorten(s.name)] for i, s in enumerate(stats)]
+    return _table(["#", "total us", "share", "count", "mean us", "category", "name"], rows,
+                  left=("category", "name"))
+
+
+def _table(header: list[str], rows: list[list], left: tuple[str, ...] = ()) -> list[str]:
+    """Columns right-aligned (numbers) except the first (labels, cut at 28 characters) and those
+    named in `left`."""
+    first_width = min(28, max(len(str(r[0])) for r in [header, *rows]))
     widths = [first_width] + [max(len(h), *(len(_cell(r[i])) for r in rows))
                               for i, h in enumerate(header) if i > 0]
 
@@ -72,105 +156,9 @@ def _cell(value) -> str:
     return str(value)
 
 
-def _label(report: Report, step: StepReport) -> str:
-    """The step's name, numbered when several steps share it (`k3.step` every time)."""
-    names = [s.name for s in report.steps]
-    return step.name if names.count(step.name) == 1 else f"{step.index} {step.name}"
-
-
-def _step_width(report: Report) -> int:
-    return min(28, max(len("mean per step"), *(len(_label(report, s)) for s in report.steps)))
-
-
 def _count(value: float) -> float | int:
     """Mean counts print as integers when every step had the same count."""
     return int(value) if float(value).is_integer() else value
-
-
-def _category_rows(report: Report, field: str, extra) -> list[list]:
-    steps, mean = report.steps, report.mean
-    fmt = _count if field == "count" else (lambda v: v)
-    rows = [[_label(report, s)] + [getattr(s.by_category[c], field) for c in CATEGORIES]
-            + extra(s) for s in steps]
-    if len(steps) > 1:
-        rows.append(["mean per step"] + [fmt(getattr(mean["by_category"][c], field))
-                                         for c in CATEGORIES] + [fmt(v) for v in extra(None, mean)])
-    return rows
-
-
-def _gpu_sections(report: Report) -> list[str]:
-    steps, mean, width = report.steps, report.mean, _step_width(report)
-    cats = [_SHORT.get(c, c) for c in CATEGORIES]
-
-    def counts_extra(s, m=None):
-        src = m if s is None else dataclasses.asdict(s)
-        return [src["kernels"], src["graph_replayed"], src["launch_calls"],
-                src["memcpy"] + src["memset"]]
-
-    out = ["", "GPU events per step by category (count; kernels include those replayed from CUDA "
-               "graphs; launches = CPU API calls)"]
-    out += _table(["step"] + cats + ["kernels", "graph", "launches", "copies"],
-                  _category_rows(report, "count", counts_extra), width)
-
-    def time_extra(s, m=None):
-        return [m["gpu_time_us"] if s is None else s.gpu_time_us]
-
-    out += ["", "GPU time per step by category (us)"]
-    out += _table(["step"] + cats + ["total"], _category_rows(report, "time_us", time_extra),
-                  width)
-
-    out += ["", "Launch gaps per step: idle time between consecutive GPU events on one stream; "
-                "busy = GPU time (any stream) / span from first start to last end"]
-    rows = [[_label(report, s), s.gpu_span_us, s.gpu_busy_us, _pct(s.busy_fraction), s.gap_count,
-             s.gap_total_us, s.gap_largest_us] for s in steps]
-    if len(steps) > 1:
-        rows.append(["mean per step", None, mean["gpu_busy_us"], _pct(mean["busy_fraction"]),
-                     _count(mean["gap_count"]), mean["gap_total_us"], None])
-    out += _table(["step", "span us", "busy us", "busy", "gaps", "gap total us", "largest us"],
-                  rows, width)
-
-    streams: dict[tuple[int, int], list] = {}
-    for s in steps:
-        for g in s.gaps:
-            acc = streams.setdefault((g.device, g.stream), [0, 0, 0.0, 0.0])
-            acc[0] += g.events
-            acc[1] += g.count
-            acc[2] += g.total_us
-            acc[3] = max(acc[3], g.largest_us)
-    if streams:
-        out += ["", "Launch gaps per stream, all steps"]
-        out += _table(["device/stream", "events", "gaps", "gap total us", "largest us"],
-                      [[f"{d}/{st}", n, c, round(t, 3), big]
-                       for (d, st), (n, c, t, big) in sorted(streams.items())], 14)
-
-    out += ["", "Top GPU kernels (and copies) by total GPU time, all steps"]
-    out += _names_table(report.top_kernels)
-    return out
-
-
-def _cpu_sections(report: Report) -> list[str]:
-    width = _step_width(report)
-    cats = [_SHORT.get(c, c) for c in CATEGORIES]
-    out = ["", "Top-level CPU ops per step by category (count)"]
-    rows = [[_label(report, s)] + [s.cpu_ops_by_category[c].count for c in CATEGORIES]
-            + [s.cpu_ops] for s in report.steps]
-    out += _table(["step"] + cats + ["ops"], rows, width)
-    out += ["", "CPU time per step by category (us, top-level ops)"]
-    rows = [[_label(report, s)] + [s.cpu_ops_by_category[c].time_us for c in CATEGORIES]
-            + [s.cpu_dur_us] for s in report.steps]
-    out += _table(["step"] + cats + ["step us"], rows, width)
-    out += ["", "Top CPU ops by total time, all steps"]
-    out += _names_table(report.top_cpu_ops)
-    return out
-
-
-def _names_table(stats: list[NameStats]) -> list[str]:
-    if not stats:
-        return ["(none)"]
-    rows = [[str(i + 1), s.total_us, _pct(s.share), s.count, s.mean_us, s.category,
-             _shorten(s.name)] for i, s in enumerate(stats)]
-    return _table(["#", "total us", "share", "count", "mean us", "category", "name"], rows, 3,
-                  left=("category", "name"))
 
 
 def _pct(fraction: float | None) -> str:

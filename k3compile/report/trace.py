@@ -13,6 +13,7 @@ sums and gaps are exact.
 """
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -29,6 +30,7 @@ ANNOTATION = "annotation"  # record_function / ProfilerStep#N ranges
 OTHER = "other"
 
 GPU_KINDS = (KERNEL, MEMCPY, MEMSET)
+_LINKED_KINDS = GPU_KINDS + (RUNTIME,)  # the two ends of a launch, tied by a correlation id
 
 _KIND_OF_CAT = {
     "kernel": KERNEL,
@@ -161,16 +163,8 @@ def _int_or_none(value: Any) -> int | None:
 
 
 def _parse_events(path: str, raw_events: list) -> list[Event]:
-    # Flow events ('s' on the launching CPU thread, 'f' on the GPU stream, cat "ac2g") carry the
-    # correlation id too; they are the link when an event's own args lack it.
-    flow_at: dict[tuple, int] = {}
-    for e in raw_events:
-        if isinstance(e, dict) and e.get("ph") in ("s", "f") and e.get("cat") == "ac2g":
-            flow_id = _int_or_none(e.get("id"))
-            if flow_id is not None and isinstance(e.get("ts"), (int, float)):
-                flow_at[(e.get("pid"), e.get("tid"), round(e["ts"] * 1000))] = flow_id
-
     events = []
+    unlinked = []  # indexes into `events` of GPU events and API calls without a correlation arg
     for index, e in enumerate(raw_events):
         if not isinstance(e, dict):
             raise TraceError(f"{path}: event #{index} is a {type(e).__name__}, not an object")
@@ -185,8 +179,8 @@ def _parse_events(path: str, raw_events: list) -> list[Event]:
         dur = max(0, _ns(e.get("dur"), "dur", path, index, name))
         args = e.get("args") if isinstance(e.get("args"), dict) else {}
         correlation = _int_or_none(args.get("correlation"))
-        if correlation is None and kind in GPU_KINDS + (RUNTIME,):
-            correlation = flow_at.get((e.get("pid"), e.get("tid"), ts))
+        if correlation is None and kind in _LINKED_KINDS:
+            unlinked.append(len(events))
         device = stream = None
         if kind in GPU_KINDS:
             # GPU events sit on pid = device, tid = stream; args repeat both when present.
@@ -199,8 +193,25 @@ def _parse_events(path: str, raw_events: list) -> list[Event]:
         events.append(Event(name=name, kind=kind, cat=cat, ts=ts, dur=dur, pid=e.get("pid"),
                             tid=e.get("tid"), correlation=correlation, device=device,
                             stream=stream, args=args))
+    if unlinked:
+        flow_at = _flow_ids(raw_events)
+        for i in unlinked:
+            ev = events[i]
+            events[i] = dataclasses.replace(ev, correlation=flow_at.get((ev.pid, ev.tid, ev.ts)))
     events.sort(key=lambda ev: (ev.ts, -ev.dur))  # parents before the children they contain
     return events
+
+
+def _flow_ids(raw_events: list) -> dict[tuple, int]:
+    """Flow events ('s' on the launching CPU thread, 'f' on the GPU stream, cat "ac2g") carry the
+    correlation id too, at the same thread and timestamp as the events they link."""
+    flow_at: dict[tuple, int] = {}
+    for e in raw_events:
+        if e.get("ph") in ("s", "f") and e.get("cat") == "ac2g":
+            flow_id = _int_or_none(e.get("id"))
+            if flow_id is not None and isinstance(e.get("ts"), (int, float)):
+                flow_at[(e.get("pid"), e.get("tid"), round(e["ts"] * 1000))] = flow_id
+    return flow_at
 
 
 def _device_names(props: Any) -> dict[int, str]:
