@@ -58,19 +58,22 @@ class Segmentation:
 
 def find_steps(trace: Trace, pattern: str = DEFAULT_STEP_PATTERN) -> tuple[list[Step], str]:
     regex = re.compile(pattern)
-    annotations = trace.of_kind(ANNOTATION, OP)  # old torch wrote ProfilerStep#N as a cpu_op
-    for source, ranges in ((FROM_ANNOTATIONS, [e for e in annotations if e.kind == ANNOTATION
-                                               and regex.search(e.name)]),
-                           (FROM_PROFILER_STEPS, [e for e in annotations
-                                                  if _PROFILER_STEP.match(e.name)])):
-        outermost = _outermost(ranges)
-        if outermost:
-            return [Step(i, e.name, e.ts, e.end) for i, e in enumerate(outermost)], source
+    ranges = trace.of_kind(ANNOTATION, OP)  # older torch wrote ProfilerStep#N as a cpu_op
+    annotated = _outermost([e for e in ranges if e.kind == ANNOTATION and regex.search(e.name)])
+    if annotated:
+        return _as_steps(annotated), FROM_ANNOTATIONS
+    profiler_steps = _outermost([e for e in ranges if _PROFILER_STEP.match(e.name)])
+    if profiler_steps:
+        return _as_steps(profiler_steps), FROM_PROFILER_STEPS
     if not trace.events:
         return [], WHOLE_TRACE
     start = min(e.ts for e in trace.events)
     end = max(e.end for e in trace.events)
     return [Step(0, "whole trace", start, end)], WHOLE_TRACE
+
+
+def _as_steps(ranges: list[Event]) -> list[Step]:
+    return [Step(i, e.name, e.ts, e.end) for i, e in enumerate(ranges)]
 
 
 def _outermost(ranges: list[Event]) -> list[Event]:
