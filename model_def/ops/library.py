@@ -166,3 +166,6 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 @moe_experts.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta):
     return x.new_empty(x.shape[0], w2.shape[1])
+
+
+from . import cuda_backend  # noqa: E402,F401  (registers CUDA overrides)
