@@ -1,0 +1,92 @@
+"""Capture a model_def step (decode / prefill chunk) as a torch.fx GraphModule.
+
+Why make_fx and not torch.export: the steps mutate the KV / state pools in place through `k3::`
+custom ops. torch.export functionalizes those mutations into `auto_functionalized` nodes plus
+copy-backs, which every pass would have to see through and which break the "pools are fixed
+buffers" contract CUDA graphs need (the pitfalls vLLM's FixFunctionalizationPass exists for).
+make_fx without functionalization keeps each stateful op as one in-place node, traces plain
+modules to ATen ops (linear -> t + mm), and with symbolic shapes one graph serves every batch
+size / token count. Parameters are lifted to get_attr constants named after the parameter.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from k3compile.model_def.batch import ForwardBatch
+from k3compile.model_def.cache import CacheTensors
+
+# Graph inputs, in order. The pools are the last three.
+STEP_INPUTS = ("input_ids", "cu_seqlens", "seq_lens", "page_table", "state_slots", "out_cache_loc",
+               "logits_indices", "ssm", "conv", "kv")
+MODES = ("decode", "prefill")
+
+
+def step_args(batch: ForwardBatch, cache: CacheTensors) -> tuple:
+    return (batch.input_ids, batch.cu_seqlens, batch.seq_lens, batch.page_table, batch.state_slots,
+            batch.out_cache_loc, batch.logits_indices, cache.ssm, cache.conv, cache.kv)
+
+
+def example_batch(mode: str, cache: CacheTensors, device) -> ForwardBatch:
+    """A small batch whose sizes are all >= 2 and distinct, so symbolic tracing does not specialize them."""
+    n_req, page = 3, cache.page_size
+    new = [1, 1, 1] if mode == "decode" else [2, 5, 3]
+    prefix = [3, 0, 6]
+    max_pages = 4
+    table = [[1 + r * max_pages + j for j in range(max_pages)] for r in range(n_req)]
+    return ForwardBatch.build(mode, [[1] * n for n in new], prefix, table, [1, 2, 3], page, device=device,
+                              max_pages=max_pages)
+
+
+def _param_attr_name(name: str) -> str:
+    return "w_" + re.sub(r"[^0-9a-zA-Z_]", "_", name)
+
+
+@torch.no_grad()
+def capture_step(model: torch.nn.Module, mode: str, page_size: int = 4) -> torch.fx.GraphModule:
+    """Trace `model.step_tensors(mode, ...)` to an ATen-level GraphModule with symbolic sizes."""
+    if mode not in MODES:
+        raise ValueError(f"unknown step mode {mode!r}; expected one of {MODES}")
+    device = model.lm_head.weight.device
+    spec = model.cache_spec()
+    cache = CacheTensors.allocate(spec, 4, 16, page_size, device)
+    args = step_args(example_batch(mode, cache, device), cache)
+
+    def step(*a):
+        return model.step_tensors(mode, *a)
+
+    # parameters are real tensors closed over by the trace: allow them next to the fake inputs
+    gm = make_fx(step, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*args)
+    _name_inputs(gm)
+    _name_params(gm, model)
+    gm.meta["k3"] = {"mode": mode, "inputs": list(STEP_INPUTS)}
+    gm.recompile()
+    return gm
+
+
+def _name_inputs(gm: torch.fx.GraphModule) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, STEP_INPUTS):
+        node.name = node.target = name
+
+
+def _name_params(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """make_fx names lifted weights `_param_constantN`; rename them after the parameters they are."""
+    by_ptr = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        by_ptr.setdefault((t.data_ptr(), tuple(t.shape), t.dtype), name)
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        t = getattr(gm, node.target)
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)
+        if key not in by_ptr:
+            continue  # a constant made during tracing (not a parameter): keep make_fx's name
+        new = _param_attr_name(by_ptr[key])
+        if not hasattr(gm, new):
+            gm.register_buffer(new, t, persistent=True)
+        delattr(gm, node.target)
+        node.target = new
+        node.name = new
