@@ -50,3 +50,19 @@ def mla_decode_latent(q_lat: torch.Tensor, kv_layer: torch.Tensor, page_table: t
     scores = scores.masked_fill(pos[None, None, :] >= seq_lens[:, None, None], float("-inf"))
     probs = scores.softmax(-1).to(q_lat.dtype)
     return torch.einsum("bhl,blr->bhr", probs, rows[..., :kv_lora_rank])
+
+
+def mla_expanded_sdpa(q: torch.Tensor, rows: torch.Tensor, kv_b_weight: torch.Tensor, kv_lora_rank: int,
+                      nope_dim: int, scale: float, prefix_len: int) -> torch.Tensor:
+    """`mla_expanded` through F.scaled_dot_product_attention (fused kernels on CUDA); same math."""
+    T, H, _ = q.shape
+    L = rows.shape[0]
+    c, k_r = rows[:, :kv_lora_rank], rows[:, kv_lora_rank:]
+    kv = (c @ kv_b_weight.t()).unflatten(-1, (H, -1))
+    k = torch.cat([kv[..., :nope_dim], k_r.unsqueeze(1).expand(L, H, k_r.shape[-1])], -1)
+    v = kv[..., nope_dim:]
+    # query t sits at absolute position prefix_len + t: causal aligned to the bottom-right corner
+    allowed = torch.arange(L, device=q.device)[None, :] <= (torch.arange(T, device=q.device) + prefix_len)[:, None]
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                         attn_mask=allowed, scale=scale)
+    return o.transpose(0, 1)

@@ -60,5 +60,24 @@ def _register_grouped_moe() -> None:
     BACKENDS["moe"] = "grouped_mm (bf16, sm90+) / gather"
 
 
+def _register_sdpa_prefill() -> None:
+    from . import attention_math
+
+    @library.mla_prefill.register_kernel("cuda")
+    def _mla_prefill_sdpa(q, kv_pool, layer, kv_b_weight, page_table, cu_seqlens, seq_lens, scale, kv_lora_rank,
+                          nope_dim):
+        h = q.shape[1]
+        out = q.new_empty(q.shape[0], h, kv_b_weight.shape[0] // h - nope_dim)
+        kv_layer = kv_pool[:, layer]
+        for i, (s, e, prefix) in enumerate(library._lens(cu_seqlens, seq_lens)):
+            rows = attention_math.gather_rows(kv_layer, page_table[i], prefix + e - s).to(q.dtype)
+            out[s:e] = attention_math.mla_expanded_sdpa(q[s:e], rows, kv_b_weight, kv_lora_rank, nope_dim, scale,
+                                                        prefix)
+        return out
+
+    BACKENDS["mla_prefill"] = "sdpa"
+
+
 _register_fla()
 _register_grouped_moe()
+_register_sdpa_prefill()
