@@ -48,7 +48,10 @@ from .unified import UnifiedArena
 
 SGLANG_DEFAULT_RATIO = 0.9  # state : KV
 DEFAULT_STATE_FRACTION = SGLANG_DEFAULT_RATIO / (1 + SGLANG_DEFAULT_RATIO)
-DEFAULT_RESERVE_RATIO = 0.3  # share of the remaining output reserved at admission (see module doc)
+# Share of each request's remaining output reserved at admission. SGLang starts its estimate at
+# 0.7 and decays it to 0.7 * 0.14 = 0.098 over 600 steps without retraction; 0.3 is a constant in
+# between, low enough that long decodes still run into retraction (the event the benchmark counts).
+DEFAULT_RESERVE_RATIO = 0.3
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,9 @@ def simulate(mem: KVStateMemory, arrivals: list[Arrival], reserve_ratio: float =
     running: dict[int, _Request] = {}  # admission order: the last one is the newest
     events: list[tuple] = []  # (step, kind 0=finish 1=page, admit seq, rid, epoch)
     admit_seq = 0
+    for a in arrivals:
+        if a.prompt_len < 1 or a.output_len < 1 or a.step < 0:
+            raise ValueError(f"an arrival needs step >= 0 and prompt and output lengths >= 1, got {a}")
     arrivals = sorted(arrivals, key=lambda a: a.step)
     nxt = 0
     stats = dict(max_concurrent=0, peak_kv_tokens=0, retractions=0, finished=0, rejected=0, output_tokens=0,
@@ -178,12 +184,11 @@ def simulate(mem: KVStateMemory, arrivals: list[Arrival], reserve_ratio: float =
         mem.free_slot(slot)
         del running[r.rid]
 
-    def schedule_page_need(r: _Request, after_d: int):
-        # next step at which KV length crosses into a new page, if before the last token
-        remaining = r.output_len - r.generated
+    def schedule_page_need(r: _Request):
+        # the d-th decode step after admission leaves kv_at_admit + d tokens of KV (none for the
+        # last token): the next page is needed when that passes the pages held
         d = len(r.pages) * ps - r.kv_at_admit + 1
-        d = max(d, after_d + 1)
-        if d < remaining:
+        if d < r.output_len - r.generated:
             heapq.heappush(events, (r.admit_step + d, 1, r.admit_seq, r.rid, r.epoch))
 
     def retract_newest(t: int):
@@ -220,8 +225,6 @@ def simulate(mem: KVStateMemory, arrivals: list[Arrival], reserve_ratio: float =
         # 2. arrivals join the queue
         while nxt < len(arrivals) and arrivals[nxt].step <= t:
             a = arrivals[nxt]
-            if a.prompt_len < 1 or a.output_len < 1:
-                raise ValueError(f"arrival {nxt} needs prompt and output lengths >= 1, got {a}")
             queue.append(_Request(nxt, a.prompt_len, a.output_len))
             nxt += 1
         # 3. page boundary crossings, oldest admitted first; out of memory retracts the newest
@@ -241,7 +244,7 @@ def simulate(mem: KVStateMemory, arrivals: list[Arrival], reserve_ratio: float =
                 if len(r.pages) < r.reserve_target:
                     reserved -= 1  # a reserved page became a held one
                 r.pages.append(p)
-                schedule_page_need(r, t - r.admit_step)
+                schedule_page_need(r)
                 break
         # 4. FCFS admission
         while queue:
@@ -270,7 +273,7 @@ def simulate(mem: KVStateMemory, arrivals: list[Arrival], reserve_ratio: float =
             reserved += target - need
             stats["prefill_tokens"] += kv
             heapq.heappush(events, (t + r.output_len - r.generated, 0, r.admit_seq, r.rid, r.epoch))
-            schedule_page_need(r, 0)
+            schedule_page_need(r)
         stats["max_concurrent"] = max(stats["max_concurrent"], len(running))
         stats["peak_kv_tokens"] = max(stats["peak_kv_tokens"], kv_base + len(running) * t)
         # 5. jump to the next step where anything happens
@@ -280,7 +283,6 @@ def simulate(mem: KVStateMemory, arrivals: list[Arrival], reserve_ratio: float =
         if not upcoming:
             break
         t = min(upcoming)
-    stats["steps"] = t
     stats["unfinished"] = len(arrivals) - stats["finished"] - stats["rejected"]
     # steps to serve everything; undefined when some request was rejected or cut off by max_steps
     stats["makespan"] = t if stats["finished"] == len(arrivals) else None
@@ -365,14 +367,17 @@ def k3_spec(tp_size: int = 8) -> CacheSpec:
 
 
 def run_capacity_benchmark(spec: CacheSpec | None = None, budget_bytes: int = 64 << 30, page_size: int = 64,
-                           seed: int = 0, workloads: dict[str, list[Arrival]] | None = None, **kwargs) -> dict:
+                           seed: int = 0, workloads: dict[str, list[Arrival]] | None = None,
+                           default_fraction: float = DEFAULT_STATE_FRACTION,
+                           reserve_ratio: float = DEFAULT_RESERVE_RATIO) -> dict:
     """All three workloads at one budget; defaults are K3 at TP 8 with 64 GiB for KV + state."""
     spec = spec or k3_spec()
     workloads = workloads if workloads is not None else default_workloads(seed)
     return {
         "budget_bytes": budget_bytes, "page_size": page_size, "slot_bytes": spec.slot_bytes,
-        "page_bytes": spec.page_bytes(page_size), "default_state_fraction": kwargs.get(
-            "default_fraction", DEFAULT_STATE_FRACTION),
-        "workloads": {name: compare_allocators(spec, budget_bytes, page_size, arr, **kwargs)
+        "page_bytes": spec.page_bytes(page_size), "default_state_fraction": default_fraction,
+        "reserve_ratio": reserve_ratio,
+        "workloads": {name: compare_allocators(spec, budget_bytes, page_size, arr, default_fraction=default_fraction,
+                                               reserve_ratio=reserve_ratio)
                       for name, arr in workloads.items()},
     }

@@ -15,9 +15,10 @@ Layout of an arena of N bytes (S = slot_bytes, P = page_bytes, both multiples of
   R-1, R-2, ... Step code indexes slots and pages exactly as with split pools; the allocator makes
   sure live slot rows and live page rows never share a byte.
 * Index 0 of each kind is the padding sink (base.py). Slot 0 sits at byte 0; page 0 is the lowest
-  page row, also near byte 0. Both sinks live in a reserved low region of `k` slot rows that is
-  never handed out (k = 1 unless a page is bigger than a slot); dummy requests may scribble over
-  both sinks at once, which is harmless because nothing real lives there.
+  page row, within P bytes of byte 0. Both sinks live in a reserved low region of the first `k`
+  slot rows, never handed out (k = ceil((start of page 0 + P) / S): 1 for K3, whose page is a few
+  percent of a slot); dummy requests may scribble over both sinks at once, which is harmless
+  because nothing real lives there.
 
 Compaction. A band is rows at positions 0..count-1 counted from its base (slots: row k + pos,
 pages: row R-1 - pos). Freeing a block turns its row into a hole; then, while the band has holes,
@@ -27,11 +28,10 @@ the farthest hole first means each block moves at most once per free.
 
 Pinned blocks (in a batch being built or run, `pin_*`/`unpin_*`, counted) are never moved. If the
 end block of a band is pinned, compaction stops there and the remaining holes stay on a small
-per-kind hole list; allocations fill holes before growing the band, and unpinning resumes
-compaction. Invariant, stated honestly: the free region between the bands is always one
-contiguous piece, and when no block is pinned (or no free happened behind a pinned end block)
-there are no holes at all, i.e. all free memory is that one piece. With pins there can be holes
-inside a band, never more than the number of blocks freed while the end was pinned.
+per-kind hole list; allocations fill holes before growing the band, and the unpin that releases
+the end block resumes compaction. Invariants: the free region between the bands is always one
+contiguous piece; a band has holes only while its end block is pinned, so with nothing pinned all
+free memory is that one piece. Holes never outnumber the blocks freed behind a pinned end block.
 
 Why moves are safe with respect to kernels already enqueued: a move is one copy kernel on the
 current (forward) stream. Every step kernel that read or wrote the source or destination rows

@@ -293,6 +293,9 @@ class ArenaMachine(RuleBasedStateMachine):
         assert a.num_holes("slot") == slot_holes and a.num_holes("page") == page_holes
         if slot_holes or page_holes:
             event("holes behind a pinned end block")
+        # holes exist only behind a pinned end block (slots end at the top, pages at the bottom)
+        assert not slot_holes or self.pins["slot"][max(self.slots)]
+        assert not page_holes or self.pins["page"][min(self.pages)]
         page_bottom = self.page_range(bottom_row)[0] if self.pages else a.buffer.numel()
         assert a.free_region() == (slot_top, page_bottom)
         assert a.num_free_slots() == slot_holes + (page_bottom - slot_top) // S
