@@ -89,8 +89,24 @@ class SplitPools:
     def num_used_pages(self) -> int:
         return self._pages.num_used()
 
+    def can_fit(self, n_slots: int, n_pages: int) -> bool:
+        return n_slots <= self.num_free_slots() and n_pages <= self.num_free_pages()
+
+    # split pools never move blocks: pins and relocation listeners have nothing to do
+    def pin_slot(self, slot: int) -> None:
+        pass
+
+    def unpin_slot(self, slot: int) -> None:
+        pass
+
+    def pin_pages(self, pages: list[int]) -> None:
+        pass
+
+    def unpin_pages(self, pages: list[int]) -> None:
+        pass
+
     def add_relocation_listener(self, fn: RelocationListener) -> None:
-        pass  # split pools never move blocks
+        pass
 
     @property
     def total_slots(self) -> int:
