@@ -93,6 +93,8 @@ def _list_weight_files(path: str) -> list[str]:
                 weight_map = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: malformed index file ({e!r})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: malformed index file (weight_map must map tensor names to file names)")
         files = sorted(set(weight_map.values()))
         for fn in files:
             if not os.path.isfile(os.path.join(path, fn)):
@@ -133,6 +135,8 @@ def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> No
             if name is None:
                 continue
             tgt = targets.get(name)
+            if tgt is None and 0 in h.get_slice(raw).get_shape():
+                continue  # zero-width tensor (transformers writes empty shared_experts when there are none)
             if tgt is None:
                 raise CheckpointError(f"unexpected tensor '{raw}' in {os.path.basename(fn)} (not part of this model)")
             if name in seen:

@@ -304,6 +304,7 @@ def config_from_hf_dict(raw: dict, name: str = "checkpoint") -> ModelConfig:
     mt = d.get("model_type")
     if mt not in ("kimi_linear", "kimi_k3", None):
         raise ConfigError(f"{name}: unknown model_type '{mt}' (k3compile reads 'kimi_linear' and K3 configs)")
+    d = _with_linear_attn_config(d)
     missing = [k for k in _REQUIRED if d.get(k) is None]
     if missing:
         raise ConfigError(f"{name}: config.json is missing required field(s): {', '.join(missing)}")
@@ -371,6 +372,25 @@ def config_from_hf_dict(raw: dict, name: str = "checkpoint") -> ModelConfig:
         latent_size=d.get("routed_expert_hidden_size"), latent_norm=bool(d.get("latent_moe_use_norm", False)),
         attn_res_block_size=d.get("attn_res_block_size"),
     )
+
+
+def _with_linear_attn_config(d: dict) -> dict:
+    """transformers' KimiLinearConfig can be built from `layer_types` + `linear_num_heads` / `linear_head_dim`
+    (its own serialization then has no `linear_attn_config`): rebuild the checkpoint-style block from them."""
+    if d.get("linear_attn_config") is not None or not isinstance(d.get("layer_types"), list):
+        return d
+    kinds = d["layer_types"]
+    unknown = sorted(set(kinds) - {"full_attention", "linear_attention"})
+    if unknown:
+        raise ConfigError(f"layer_types holds unknown kinds {unknown} (expected full_attention / linear_attention)")
+    d = dict(d)
+    d["linear_attn_config"] = {
+        "full_attn_layers": [i + 1 for i, k in enumerate(kinds) if k == "full_attention"],
+        "kda_layers": [i + 1 for i, k in enumerate(kinds) if k == "linear_attention"],
+        "num_heads": d.get("linear_num_heads"), "head_dim": d.get("linear_head_dim"),
+        "short_conv_kernel_size": d.get("linear_conv_kernel_dim", 4),
+    }
+    return d
 
 
 def load_hf_config(path: str) -> ModelConfig:
