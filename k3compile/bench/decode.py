@@ -1,0 +1,371 @@
+"""k3compile bench decode: decode-step latency, tok/s, launches and % of HBM roofline, per arm and batch.
+
+    k3compile bench decode --model k3-mini-6b --dtype bf16 --batch 1,8,64 --context 512 --out traces/
+
+Protocol (../shared/docs/BENCHMARKS.md): every arm is built and warmed up first (>= 20 steps);
+then, for each repetition, every arm times >= 200 consecutive steps with CUDA events, arms
+interleaved within the repetition; >= 5 repetitions give the median and spread. Each arm's first
+output is compared with eager's from the same pool state (max |diff| is reported). Kernel counts
+come from a torch.profiler trace of 3 annotated steps (kept under OUT/traces/, readable with
+`k3compile report`). The copy bandwidth for the roofline is measured in the same process.
+
+Every request in a batch has the same context length; all steps decode at the same position
+(the KV row and state are rewritten each step), so every step does the same work. Pools are
+filled with random values so attention and routing see non-degenerate data.
+
+Results: OUT/decode_<model>_<dtype>.json (config, environment, raw samples, summary) and .md,
+rewritten after every batch size, so a run stopped by a time limit keeps what it measured.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+DEFAULT_TIME_BUDGET_CUDA = 560.0  # seconds: one GPU command must finish within 10 minutes
+
+
+def register(sub) -> None:
+    from k3compile.commands.build import add_pipeline_args
+
+    from .decode_arms import ARMS, DEFAULT_ARMS
+
+    p = sub.add_parser("decode", help="decode step latency / tok/s / launches / roofline across arms")
+    p.add_argument("--model", help="preset or checkpoint (default: the engine's source model)")
+    p.add_argument("--engine", help="engine directory for the 'engine' arm (default: build one in memory)")
+    p.add_argument("--batch", default="1,8,64", help="comma-separated batch sizes")
+    p.add_argument("--context", type=int, default=512, help="context length of every request")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--steps", type=int, default=200, help="timed steps per repetition")
+    p.add_argument("--warmup", type=int, default=20, help="warm-up steps per arm and batch size")
+    p.add_argument("--reps", type=int, default=5, help="repetitions (arms interleaved within each)")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
+    p.add_argument("--out", default="traces", help="output folder for JSON, markdown and traces")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--copy-gib", type=float, default=None, help="size of the bandwidth copy (default 4 GiB on "
+                                                                 "CUDA, 0.25 on CPU)")
+    p.add_argument("--compile-static", action="store_true",
+                   help="torch.compile arms: specialize per batch size (one compile each) instead of dynamic=True")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help=f"seconds; arms not started in time are skipped (default {DEFAULT_TIME_BUDGET_CUDA:.0f} on "
+                        f"CUDA, none on CPU)")
+    add_pipeline_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _parse_ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ValueError(f"{what}: expected positive integers, got {text!r}")
+    return vals
+
+
+def run(args) -> int:
+    import torch
+
+    from k3compile.model_def.config import ConfigError
+
+    from .decode_arms import ARMS
+
+    batches = _parse_ints(args.batch, "--batch")
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise ConfigError(f"--arms: unknown arm(s) {unknown}; known: {', '.join(ARMS)}")
+    if "eager" not in arms:
+        arms.insert(0, "eager")  # the reference every other arm's output is checked against
+    if args.model is None and args.engine is None:
+        raise ConfigError("bench decode needs --model or --engine")
+    for name in ("steps", "reps", "context"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be >= 1")
+    if args.warmup < 0:
+        raise ConfigError("--warmup must be >= 0")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available")
+    bench = DecodeBench(args, batches, arms, device)
+    with torch.no_grad():  # inference: no autograd graph behind any arm
+        bench.run()
+    return 0
+
+
+class DecodeBench:
+    def __init__(self, args, batches, arms, device):
+        import torch
+
+        self.args, self.batches, self.arms, self.device = args, batches, arms, device
+        self.t0 = time.perf_counter()
+        budget = args.time_budget if args.time_budget is not None else (
+            DEFAULT_TIME_BUDGET_CUDA if device.type == "cuda" else None)
+        self.deadline = None if not budget else self.t0 + budget
+        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
+        self.results: list[dict] = []
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
+    # ---- setup ----
+    def _load(self):
+        import torch
+
+        from k3compile.engine import Engine
+        from k3compile.engine.engine import DTYPE_NAMES
+        from k3compile.model_def.config import ConfigError
+        from k3compile.model_def.loader import load_model
+
+        a = self.args
+        self.engine = None
+        if a.engine:
+            self.log(f"loading engine {a.engine}")
+            self.engine = Engine.load(a.engine, device=self.device)
+            if self.engine.dtype != self.dtype:
+                raise ConfigError(f"--dtype {a.dtype}: engine {a.engine} is {DTYPE_NAMES[self.engine.dtype]}")
+        source = a.model or self.engine.manifest["model"]["source"]
+        self.log(f"loading {source} ({a.dtype}) on {self.device}")
+        self.model = load_model(source, dtype=self.dtype, device=self.device, seed=a.seed, progress=False)
+        self.model_name = self.model.config.name
+        torch.manual_seed(a.seed)
+
+    def _allocate(self):
+        """One set of pools for the largest batch; smaller batches use its first slots and pages."""
+        import torch
+
+        from k3compile.model_def.batch import ForwardBatch
+        from k3compile.model_def.cache import CacheTensors
+
+        a, page = self.args, 16
+        self.pages_per_req = -(-a.context // page)
+        self.spec = self.model.cache_spec()
+        bmax = max(self.batches)
+        self.cache = CacheTensors.allocate(self.spec, bmax + 1, bmax * self.pages_per_req + 1, page, self.device)
+        gen = torch.Generator(device=self.device).manual_seed(a.seed)
+        self.cache.kv.normal_(generator=gen)
+        self.cache.ssm.normal_(0.0, 0.05, generator=gen)
+        self.cache.conv.normal_(0.0, 0.5, generator=gen)
+        tokens = torch.randint(0, min(self.model.config.vocab_size, 256), (bmax,), generator=gen,
+                               device=self.device).tolist()
+        self.make_batch = lambda b: ForwardBatch.build(
+            "decode", [[t] for t in tokens[:b]], [a.context - 1] * b,
+            [list(range(1 + r * self.pages_per_req, 1 + (r + 1) * self.pages_per_req)) for r in range(b)],
+            list(range(1, b + 1)), page, device=self.device)
+
+    def _context(self):
+        from k3compile.capture import capture_step
+        from k3compile.commands.build import pipeline_from_args
+        from k3compile.engine.build import compile_graphs
+
+        from .decode_arms import BenchContext
+
+        memo = {}
+
+        def get_engine():
+            if "engine" not in memo:
+                if self.engine is not None:
+                    memo["engine"] = self.engine
+                else:
+                    self.log("building the engine's decode graph in memory (capture + passes)")
+                    graphs, reports = compile_graphs(self.model, pipeline_from_args(self.args), ("decode",),
+                                                     log=self.log)
+                    memo["engine"], self.pass_reports = graphs, reports
+            return memo["engine"]
+
+        def get_unpassed():
+            if "unpassed" not in memo:
+                self.log("capturing the unpassed decode graph")
+                memo["unpassed"] = {"decode": capture_step(self.model, "decode")}
+            return memo["unpassed"]
+
+        self.pass_reports = None
+        return BenchContext(self.model, self.cache, self.device, self.args.context, get_engine, get_unpassed,
+                            compile_dynamic=not self.args.compile_static)
+
+    # ---- the run ----
+    def run(self) -> None:
+        from .results import environment
+        from .timing import copy_bandwidth, init_profiler_for_cuda_graphs
+
+        a = self.args
+        os.makedirs(os.path.join(a.out, "traces"), exist_ok=True)
+        if self.device.type == "cuda":
+            init_profiler_for_cuda_graphs()
+        self._load()
+        self._allocate()
+        ctx = self._context()
+        gib = a.copy_gib if a.copy_gib is not None else (4.0 if self.device.type == "cuda" else 0.25)
+        self.log(f"measuring copy bandwidth ({gib:g} GiB)")
+        self.bandwidth = copy_bandwidth(int(gib * 2**30), self.device)
+        self.log(f"  {self.bandwidth['bytes_per_s'] / 1e9:.0f} GB/s")
+        self.env = environment(self.device)
+        self.bytes = {}
+        stem = f"decode_{self.model_name}_{a.dtype}"
+        self.json_path, self.md_path = os.path.join(a.out, stem + ".json"), os.path.join(a.out, stem + ".md")
+        for b in self.batches:
+            self._bench_batch(ctx, b)
+            self._write(ctx)
+        self.log(f"wrote {self.json_path} and {self.md_path}")
+        print(open(self.md_path).read())
+
+    def _bench_batch(self, ctx, b: int) -> None:
+        import torch
+
+        from .decode_arms import ARMS
+        from .roofline import roofline_pct, routed_experts, step_bytes
+        from .timing import profile_steps, summarize, sync, time_steps
+
+        a = self.args
+        batch = self.make_batch(b)
+        pools = (self.cache.ssm, self.cache.conv, self.cache.kv)
+        snapshot = [t.clone() for t in pools]
+
+        def restore():
+            for t, s in zip(pools, snapshot):
+                t.copy_(s)
+
+        # bytes per step, from one eager step's routing
+        experts = routed_experts(self.model, lambda: self.model.step(batch, self.cache))
+        restore()
+        self.bytes[b] = step_bytes(self.model, self.spec, b, a.context, len(set(batch.input_ids.tolist())), experts)
+        fns, rows = {}, {}
+        reference = None
+        for name in self.arms:
+            arm = ARMS[name]
+            row = rows[name] = {"arm": name, "description": arm.description, "batch": b}
+            if arm.needs_cuda and self.device.type != "cuda":
+                row.update(status="skipped", reason=arm.needs_cuda)
+                continue
+            if self.out_of_time():
+                row.update(status="skipped", reason="time budget exhausted before this arm was set up")
+                continue
+            self.log(f"bs={b}: setting up {name}")
+            t_setup = time.perf_counter()
+            try:
+                fn = arm.make(ctx, batch)
+                restore()
+                out = fn().float().clone()  # first call: compiles / warms up; checked against eager
+                sync(self.device)
+                restore()
+                if reference is None:
+                    reference = out
+                row["max_abs_diff_vs_eager"] = float((out - reference).abs().max())
+                for _ in range(a.warmup):
+                    fn()
+                sync(self.device)
+            except Exception as e:  # one broken arm must not lose the others' numbers
+                row.update(status="failed", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                self.log(f"  {name} failed: {row['reason']}")
+                continue
+            row["setup_s"] = round(time.perf_counter() - t_setup, 2)
+            row["status"], row["samples_ms"] = "ok", []
+            fns[name] = fn
+        for rep in range(a.reps):
+            if self.out_of_time():
+                self.log(f"bs={b}: time budget exhausted after {rep} repetitions")
+                break
+            order = list(fns) if rep % 2 == 0 else list(reversed(fns))  # alternate who goes first
+            for name in order:
+                rows[name]["samples_ms"].append(time_steps(fns[name], a.steps, self.device))
+            self.log(f"bs={b} rep {rep + 1}/{a.reps}: " + ", ".join(
+                f"{n} {rows[n]['samples_ms'][-1]:.3f} ms" for n in fns))
+        for name, fn in fns.items():
+            row = rows[name]
+            trace = os.path.join(a.out, "traces", f"decode_{self.model_name}_{a.dtype}_{name}_bs{b}.json.gz")
+            try:
+                row.update(profile_steps(fn, 3, self.device, trace))
+            except Exception as e:
+                row["profile_error"] = f"{type(e).__name__}: {e}"
+            if not row["samples_ms"]:
+                row.update(status="skipped", reason="time budget exhausted before timing")
+                continue
+            s = summarize(row["samples_ms"])
+            row.update(s)
+            row["tok_s"] = b / (s["median_ms"] / 1e3)
+            row["roofline_pct"] = roofline_pct(self.bytes[b]["total"], self.bandwidth["bytes_per_s"], s["median_ms"])
+        eager = rows.get("eager", {}).get("median_ms")
+        for row in rows.values():
+            if eager and row.get("median_ms"):
+                row["speedup_vs_eager"] = eager / row["median_ms"]
+        self.results.extend(rows.values())
+        del fns
+        restore()
+        del snapshot
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- output ----
+    def _protocol(self) -> dict:
+        a = self.args
+        ok = a.steps >= 200 and a.warmup >= 20 and a.reps >= 5
+        return {"steps": a.steps, "warmup": a.warmup, "reps": a.reps, "timer": "cuda events" if
+                self.device.type == "cuda" else "perf_counter", "meets_benchmarks_md": ok,
+                "interleaving": "arms alternate within each repetition (order reversed every other one)"}
+
+    def _write(self, ctx) -> None:
+        from .results import write_json
+        from .roofline import FORMULA
+
+        a = self.args
+        doc = {"bench": "decode",
+               "config": {"model": self.model_name, "engine": a.engine, "dtype": a.dtype, "batches": self.batches,
+                          "context": a.context, "arms": self.arms, "seed": a.seed, "passes": a.passes,
+                          "disable_pass": a.disable_pass, "enable_pass": a.enable_pass, "pass_opt": a.pass_opt,
+                          "pass_config": a.pass_config,
+                          "compile": ctx.notes, "command": " ".join(sys.argv)},
+               "protocol": self._protocol(),
+               "environment": self.env,
+               "copy_bandwidth": self.bandwidth,
+               "roofline_formula": FORMULA,
+               "bytes_per_step": {str(k): v for k, v in self.bytes.items()},
+               "engine_passes": self.pass_reports if self.engine is None else self.engine.manifest.get("passes"),
+               "results": self.results,
+               "elapsed_s": round(time.perf_counter() - self.t0, 1)}
+        write_json(self.json_path, doc)
+        with open(self.md_path, "w") as f:
+            f.write(render_markdown(doc))
+
+
+def render_markdown(doc: dict) -> str:
+    env, cfg, proto = doc["environment"], doc["config"], doc["protocol"]
+    dev = env["device"]
+    lines = [f"# decode: {cfg['model']} {cfg['dtype']}, context {cfg['context']}", "",
+             f"Device: {dev.get('name')} ({dev.get('type')}); torch {env['torch']}, triton {env.get('triton')}; "
+             f"commit {env.get('git_commit')}.",
+             f"Protocol: {proto['warmup']} warm-up steps, {proto['reps']} reps x {proto['steps']} steps "
+             f"({proto['timer']}), arms interleaved"
+             + ("" if proto["meets_benchmarks_md"] else " — **below the BENCHMARKS.md minimums (smoke run)**") + ".",
+             f"Copy bandwidth (same process): {doc['copy_bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s "
+             f"({doc['copy_bandwidth']['formula']}).", ""]
+    if dev.get("type") != "cuda":
+        lines += ["CPU run: times are for relative comparisons only (BENCHMARKS.md rule 7); kernel counts are "
+                  "replaced by top-level CPU ops per step.", ""]
+    lines += ["| arm | batch | median ms | p10–p90 ms | tok/s | kernels/step | CPU ops/step | % HBM roofline | "
+              "vs eager | max abs diff vs eager |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in doc["results"]:
+        if r.get("status") != "ok" or "median_ms" not in r:
+            lines.append(f"| {r['arm']} | {r['batch']} | {r.get('status')}: {r.get('reason', '')} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['arm']} | {r['batch']} | {r['median_ms']:.3f} | {r['p10_ms']:.3f}–{r['p90_ms']:.3f} | "
+            f"{r['tok_s']:.1f} | {_n(r.get('kernels_per_step'))} | {_n(r.get('cpu_ops_per_step'))} | "
+            f"{r['roofline_pct']:.1f} | {r.get('speedup_vs_eager', 0):.2f}x | "
+            f"{r.get('max_abs_diff_vs_eager', 0):.2e} |")
+    lines += ["", f"% HBM roofline: {doc['roofline_formula']}.", "", "Bytes per step:", ""]
+    for b, d in doc["bytes_per_step"].items():
+        lines.append(f"- batch {b}: {d['total'] / 1e6:.1f} MB = dense weights {d['dense_weights'] / 1e6:.1f} + routed "
+                     f"experts {d['routed_expert_weights'] / 1e6:.1f} + embedding rows {d['embedding_rows'] / 1e6:.3f}"
+                     f" + KV read {d['kv_read'] / 1e6:.1f} + KV write {d['kv_write'] / 1e6:.3f} + state "
+                     f"{d['state_read_write'] / 1e6:.1f}")
+    lines += ["", f"Command: `{cfg['command']}`", ""]
+    return "\n".join(lines)
+
+
+def _n(v) -> str:
+    return "–" if v is None else f"{v:g}"

@@ -1,0 +1,99 @@
+"""The arms of `k3compile bench decode`: ways to run the same decode step on the same batch.
+
+    eager                    model_def's step, op by op (the reference path)
+    compile-max-autotune     torch.compile(step, mode="max-autotune-no-cudagraphs")
+    compile-reduce-overhead  torch.compile(step, mode="reduce-overhead") (Inductor + CUDA-graph trees)
+    graphs                   the captured, unpassed step graph replayed from CUDA graphs (our executor)
+    engine                   the engine (passes P1-P4) replayed from CUDA graphs (our executor)
+    engine-inductor          the engine's decode graph through Inductor, then CUDA graphs (opt-in)
+
+Each arm's `make(ctx, batch)` returns a zero-argument function that runs one decode step and
+returns the logits; setup work (compilation, graph capture) happens in `make` or the first calls,
+which the bench keeps out of the timed steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from k3compile.capture import step_args
+from k3compile.runtime.executor import Executor
+
+COMPILE_MODES = {"compile-max-autotune": "max-autotune-no-cudagraphs", "compile-reduce-overhead": "reduce-overhead"}
+
+
+@dataclass
+class BenchContext:
+    model: torch.nn.Module
+    cache: object  # CacheTensors shared by every arm (contents do not matter to timing)
+    device: torch.device
+    context: int
+    get_engine: Callable[[], object]  # the post-pass provider (built or loaded on first use)
+    get_unpassed: Callable[[], object]  # {"decode": captured graph}
+    compile_dynamic: bool = True
+    compiled: dict = field(default_factory=dict)  # arm name -> compiled step (shared across batch sizes)
+    notes: dict = field(default_factory=dict)  # arm name -> how it was built (fullgraph or not, ...)
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    description: str
+    needs_cuda: str | None  # why, when it does
+    make: Callable
+
+
+def _eager(ctx: BenchContext, batch):
+    args = step_args(batch, ctx.cache)
+    return lambda: ctx.model.step_tensors("decode", *args)
+
+
+def _compiled(ctx: BenchContext, batch, arm: str):
+    mode = COMPILE_MODES[arm]
+    if arm not in ctx.compiled:
+        model = ctx.model
+
+        def decode_step(*a):
+            return model.step_tensors("decode", *a)
+        if mode == "reduce-overhead":
+            # the pools are mutated in place and never move: static addresses keep CUDA-graph trees
+            # from copying them into private buffers (and from refusing to graph a mutated input)
+            for t in (ctx.cache.ssm, ctx.cache.conv, ctx.cache.kv):
+                torch._dynamo.mark_static_address(t)
+        ctx.compiled[arm] = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=ctx.compile_dynamic)
+        ctx.notes[arm] = {"mode": mode, "fullgraph": True, "dynamic": ctx.compile_dynamic}
+    fn = ctx.compiled[arm]
+    args = step_args(batch, ctx.cache)
+    if mode == "reduce-overhead":
+        def run():
+            torch.compiler.cudagraph_mark_step_begin()  # outputs of the previous replay may be overwritten
+            return fn(*args)
+        return run
+    return lambda: fn(*args)
+
+
+def _executor(ctx: BenchContext, batch, provider, compile_decode=None):
+    ex = Executor(provider, ctx.cache, device=ctx.device, cuda_graphs=ctx.device.type == "cuda",
+                  buckets=(batch.batch_size,), max_context=ctx.context, compile_decode=compile_decode)
+    return lambda: ex.run(batch)
+
+
+CUDA_ONLY_COMPILE = ("needs CUDA: torch.compile baselines are measured on the GPU (Inductor's CPU build of "
+                     "the whole step takes minutes on a small CPU and is not a deployment target)")
+
+ARMS = {a.name: a for a in (
+    Arm("eager", "model_def step, eager", None, _eager),
+    Arm("compile-max-autotune", 'torch.compile(mode="max-autotune-no-cudagraphs")', CUDA_ONLY_COMPILE,
+        lambda ctx, b: _compiled(ctx, b, "compile-max-autotune")),
+    Arm("compile-reduce-overhead", 'torch.compile(mode="reduce-overhead")', CUDA_ONLY_COMPILE,
+        lambda ctx, b: _compiled(ctx, b, "compile-reduce-overhead")),
+    Arm("graphs", "captured step graph, no passes, CUDA graphs", "needs CUDA (CUDA graphs)",
+        lambda ctx, b: _executor(ctx, b, ctx.get_unpassed())),
+    Arm("engine", "engine (P1-P4) + CUDA graphs (eager graph on CPU)", None,
+        lambda ctx, b: _executor(ctx, b, ctx.get_engine())),
+    Arm("engine-inductor", "engine (P1-P4) through Inductor, then CUDA graphs", "needs CUDA (CUDA graphs)",
+        lambda ctx, b: _executor(ctx, b, ctx.get_engine(), compile_decode="max-autotune-no-cudagraphs")),
+)}
+DEFAULT_ARMS = ("eager", "compile-max-autotune", "compile-reduce-overhead", "graphs", "engine")

@@ -1,0 +1,53 @@
+"""Bench results as files (BENCHMARKS.md rule 6): the environment, JSON, and a markdown table."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+
+import torch
+
+
+def environment(device: torch.device) -> dict:
+    import k3compile
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "k3compile": k3compile.__version__,
+           "git_commit": git_commit(), "host": platform.node(), "cpu_threads": torch.get_num_threads()}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env["device"] = {"type": "cuda", "name": p.name, "capability": f"{p.major}.{p.minor}",
+                         "memory_bytes": p.total_memory, "sm_count": p.multi_processor_count,
+                         "cuda": torch.version.cuda}
+    else:
+        env["device"] = {"type": device.type, "name": platform.processor() or platform.machine()}
+    from k3compile.model_def.ops.cuda_backend import BACKENDS
+    env["k3_op_backends"] = dict(BACKENDS)
+    return env
+
+
+def git_commit() -> str | None:
+    """HEAD of the repository this package runs from (with '-dirty' when the tree has changes)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def write_json(path: str, doc: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, allow_nan=False, default=str)
+        f.write("\n")
+    os.replace(tmp, path)  # a run killed mid-write keeps the previous complete file

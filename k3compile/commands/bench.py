@@ -1,0 +1,18 @@
+"""k3compile bench NAME ...: dispatches to the bench modules listed in BENCHES (one module per bench)."""
+from __future__ import annotations
+
+import importlib
+
+# bench name -> module exposing register(subparsers) (which sets func); add new benches here
+BENCHES = {
+    "decode": "k3compile.bench.decode",
+}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="measured benchmarks (JSON + markdown results)")
+    benches = p.add_subparsers(dest="bench", metavar="BENCH")
+    benches.required = True
+    for module in BENCHES.values():
+        importlib.import_module(module).register(benches)
+    return p

@@ -1,0 +1,122 @@
+"""A built engine: post-pass step graphs + their weights, with the model's step contract.
+
+    engine = Engine.load("engines/mini", device="cuda")
+    logits = engine.step(batch, cache)          # same contract as K3ForCausalLM.step
+    spec = engine.cache_spec()                  # what the runtime allocates pools for
+
+Loading never re-runs capture or passes: it checks the manifest's format version and every file's
+sha256, imports the kernel plugins the graphs name, reads the weights, and rebuilds each graph
+from its JSON (graph_io). `Engine(...)` directly wraps in-memory graphs (what `build` saves, and
+what the bench uses to time a pipeline without a round trip through the disk).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.fx
+
+from k3compile.capture import STEP_INPUTS, step_args
+from k3compile.model_def.batch import ForwardBatch
+from k3compile.model_def.cache import CacheSpec, CacheTensors
+from k3compile.model_def.config import ConfigError, ModelConfig
+
+from . import format as fmt
+from .graph_io import GraphFormatError, graph_from_dict
+from .plugins import import_plugins
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+class Engine:
+    def __init__(self, config: ModelConfig, graphs: dict[str, torch.fx.GraphModule], dtype: torch.dtype,
+                 page_size: int = 16, decode_buckets=fmt.DECODE_BUCKETS, manifest: dict | None = None,
+                 path: str | None = None):
+        if not graphs:
+            raise ValueError("an engine needs at least one step graph")
+        self.config, self.graphs, self.dtype = config, graphs, dtype
+        self.page_size, self.decode_buckets = page_size, tuple(decode_buckets)
+        self.manifest, self.path = manifest or {}, path
+
+    # ---- the step contract (same as K3ForCausalLM) ----
+    @property
+    def device(self) -> torch.device:
+        for gm in self.graphs.values():
+            for t in gm.buffers():
+                return t.device
+        return torch.device("cpu")
+
+    def cache_spec(self, dtype: torch.dtype | None = None, tp_size: int = 1) -> CacheSpec:
+        if tp_size != 1:
+            raise ValueError(f"this engine was built for topology 'single'; tp_size {tp_size} needs a TP engine")
+        return CacheSpec.from_config(self.config, dtype or self.dtype, 1)
+
+    @torch.no_grad()
+    def step_tensors(self, mode: str, *args: torch.Tensor) -> torch.Tensor:
+        if mode not in self.graphs:
+            raise ValueError(f"unsupported step mode {mode!r}; this engine has {sorted(self.graphs)}")
+        if len(args) != len(STEP_INPUTS):
+            raise TypeError(f"a step takes {len(STEP_INPUTS)} tensors ({', '.join(STEP_INPUTS)}), got {len(args)}")
+        return self.graphs[mode](*args)
+
+    def step(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        """Run one prefill / decode step; returns logits [M, V] for `batch.logits_indices` (fp32)."""
+        return self.step_tensors(batch.mode, *step_args(batch, cache))
+
+    def prefill(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        if batch.mode != "prefill":
+            raise ValueError(f"prefill() got a {batch.mode!r} batch")
+        return self.step(batch, cache)
+
+    def decode(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        if batch.mode != "decode":
+            raise ValueError(f"decode() got a {batch.mode!r} batch")
+        return self.step(batch, cache)
+
+    def __repr__(self) -> str:
+        where = f" from {self.path}" if self.path else ""
+        dtype = DTYPE_NAMES.get(self.dtype, self.dtype)
+        return f"Engine({self.config.name}, {dtype}, graphs={sorted(self.graphs)}{where})"
+
+    # ---- loading ----
+    @classmethod
+    def load(cls, path: str, device=None, verify_checksums: bool = True) -> "Engine":
+        """Restore an engine directory written by `k3compile build` (see format.py for the layout)."""
+        m = fmt.read_manifest(path)
+        fmt.verify_files(path, m["files"], check_hashes=verify_checksums)
+        for need in (fmt.WEIGHTS, *(fmt.graph_file(mode) for mode in m["graphs"])):
+            if need not in m["files"]:
+                raise fmt.EngineError(f"{path}/{fmt.MANIFEST}: '{need}' is not listed in 'files'")
+        model = m["model"]
+        try:
+            config = ModelConfig.from_hf_dict(model["hf_config"], name=model.get("name", "engine"))
+        except (ConfigError, KeyError, TypeError) as e:
+            raise fmt.EngineError(f"{path}/{fmt.MANIFEST}: bad model config ({e})") from None
+        if m["dtype"] not in DTYPES_BY_NAME:
+            raise fmt.EngineError(f"{path}/{fmt.MANIFEST}: unknown dtype {m['dtype']!r}")
+        import_plugins(m.get("kernel_plugins", []), f"{path}/{fmt.MANIFEST}")
+        device = torch.device(device) if device is not None else None
+        weights = _load_weights(os.path.join(path, fmt.WEIGHTS), device)
+        graphs = {}
+        for mode in m["graphs"]:
+            rel = fmt.graph_file(mode)
+            d = fmt.read_json(os.path.join(path, rel), f"the {mode} step graph")
+            if isinstance(d, dict) and d.get("mode") != mode:
+                raise fmt.EngineError(f"{path}/{rel}: holds a {d.get('mode')!r} graph, expected {mode!r}")
+            try:
+                graphs[mode] = graph_from_dict(d, weights, STEP_INPUTS, device, source=f"{path}/{rel}")
+            except GraphFormatError as e:
+                raise fmt.EngineError(str(e)) from None
+        return cls(config, graphs, DTYPES_BY_NAME[m["dtype"]], page_size=int(m["page_size"]),
+                   decode_buckets=m["decode_buckets"], manifest=m, path=path)
+
+
+def _load_weights(path: str, device: torch.device | None) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path, device=str(device) if device is not None else "cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise fmt.EngineError(f"{path}: cannot read the weights ({e})") from None

@@ -1,0 +1,84 @@
+"""`k3compile bench decode` runs end to end on CPU at tiny sizes: JSON + markdown + traces, CUDA-only arms
+reported as skipped with the reason; the roofline's byte count follows its formula."""
+import json
+
+import pytest
+import torch
+
+from k3compile import cli
+from k3compile.bench.roofline import roofline_pct, routed_experts, step_bytes
+from k3compile.model_def.batch import ForwardBatch
+from k3compile.model_def.cache import CacheTensors
+from k3compile.model_def.loader import load_model
+from k3compile.report.trace import load_trace
+
+
+@pytest.fixture
+def main(monkeypatch):
+    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, *(c for c in ("bench",) if c not in cli.COMMANDS)])
+    return cli.main
+
+
+def test_cpu_smoke_run_writes_json_markdown_and_traces(main, tmp_path, capsys):
+    out = tmp_path / "traces"
+    rc = main(["bench", "decode", "--model", "k3-tiny", "--batch", "1,2", "--steps", "3", "--warmup", "1",
+               "--reps", "2", "--context", "16", "--dtype", "fp32", "--device", "cpu", "--copy-gib", "0.01",
+               "--out", str(out)])
+    assert rc == 0
+    doc = json.load(open(out / "decode_k3-tiny_fp32.json"))
+    assert doc["protocol"]["meets_benchmarks_md"] is False  # a smoke run says so
+    assert doc["environment"]["torch"] == torch.__version__ and "git_commit" in doc["environment"]
+    assert doc["copy_bandwidth"]["bytes_per_s"] > 0
+    rows = {(r["arm"], r["batch"]): r for r in doc["results"]}
+    assert set(rows) == {(a, b) for a in ("eager", "compile-max-autotune", "compile-reduce-overhead", "graphs",
+                                          "engine") for b in (1, 2)}
+    for b in (1, 2):
+        for arm in ("compile-max-autotune", "compile-reduce-overhead", "graphs"):
+            assert rows[arm, b]["status"] == "skipped" and "needs CUDA" in rows[arm, b]["reason"]
+        for arm in ("eager", "engine"):
+            r = rows[arm, b]
+            assert r["status"] == "ok" and len(r["samples_ms"]) == 2
+            assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+            assert r["tok_s"] == pytest.approx(b / (r["median_ms"] / 1e3))
+            total = doc["bytes_per_step"][str(b)]["total"]
+            assert r["roofline_pct"] == pytest.approx(roofline_pct(total, doc["copy_bandwidth"]["bytes_per_s"],
+                                                                   r["median_ms"]))
+            assert r["cpu_ops_per_step"] > 0 and r["profiled_steps"] == 3
+            assert load_trace(r["trace"]).events  # a trace `k3compile report` can read
+        assert rows["engine", b]["max_abs_diff_vs_eager"] < 1e-4
+        # the engine (P1-P4) runs fewer ops per step than eager model_def
+        assert rows["engine", b]["cpu_ops_per_step"] < rows["eager", b]["cpu_ops_per_step"]
+    assert [p["name"] for p in doc["engine_passes"]["decode"]["passes"]][-1] == "p04_fused_routing"
+    md = open(out / "decode_k3-tiny_fp32.md").read()
+    assert "| engine | 2 |" in md and "skipped: needs CUDA" in md and "% HBM roofline" in md
+    assert "| engine | 2 |" in capsys.readouterr().out
+
+
+def test_bad_arguments_are_reported(main, tmp_path, capsys):
+    assert main(["bench", "decode", "--model", "k3-tiny", "--arms", "eager,warp-drive", "--out", str(tmp_path)]) == 2
+    assert "unknown arm(s) ['warp-drive']" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--batch: expected positive integers"):
+        main(["bench", "decode", "--model", "k3-tiny", "--batch", "0", "--out", str(tmp_path)])
+
+
+def test_step_bytes_follow_the_formula():
+    model = load_model("k3-tiny", dtype=torch.float32)
+    spec = model.cache_spec()
+    cache = CacheTensors.allocate(spec, 3, 9, 4)
+    batch = ForwardBatch.build("decode", [[5], [5]], [6, 9], [[1, 2], [3, 4, 5]], [1, 2], 4)
+    routed = routed_experts(model, lambda: model.step(batch, cache))
+    moe_layers = [i for i in range(model.config.num_hidden_layers) if model.config.is_moe_layer(i)]
+    assert sorted(routed) == moe_layers and all(2 <= n <= 4 for n in routed.values())  # top-2 of 2 tokens
+    got = step_bytes(model, spec, 2, 10, 1, routed)
+    layer = model.model.layers[moe_layers[0]].block_sparse_moe.experts
+    per_expert = (layer.w13[0].numel() + layer.w2[0].numel()) * 4
+    assert got["routed_expert_weights"] == per_expert * sum(routed.values())
+    assert got["embedding_rows"] == 1 * model.config.hidden_size * 4  # one distinct token
+    assert got["kv_read"] == 2 * 10 * spec.kv_bytes_per_token
+    assert got["state_read_write"] == 2 * 2 * (spec.ssm_bytes_per_slot + spec.conv_bytes_per_slot)
+    all_weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    experts_all = sum(t.numel() * 4 for n, t in model.named_parameters() if ".experts." in n)
+    embed_all = model.model.embed_tokens.weight.numel() * 4
+    assert got["dense_weights"] == all_weights - experts_all - embed_all
+    assert got["total"] == sum(got[k] for k in ("dense_weights", "routed_expert_weights", "embedding_rows",
+                                                "kv_read", "kv_write", "state_read_write"))
