@@ -64,9 +64,13 @@ def raw_inputs(T, seed, gate="softplus", heads=H):
 # ------------------------------------------------------------------------------- recurrence forms
 
 @pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
-def test_recurrent_equals_naive_oracle(gate):
+@pytest.mark.parametrize("form", ["recurrent", "chunked"])
+def test_equals_naive_oracle(gate, form):
     q, k, v, g, beta, s0 = raw_inputs(21, 1, gate)
-    out, s1 = kda_recurrent(q, k, v, g, beta, s0)
+    if form == "recurrent":
+        out, s1 = kda_recurrent(q, k, v, g, beta, s0)
+    else:
+        out, s1 = kda_chunked(q, k, v, g, beta, s0, chunk_size=8)
     ref_out, ref_s = naive_kda(unit(q) * K ** -0.5, unit(k), v, g, beta, s0)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s1.double(), ref_s, atol=1e-5, rtol=1e-5)
