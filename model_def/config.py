@@ -200,6 +200,10 @@ def validate(c: ModelConfig) -> None:
         need(1 <= c.topk_group <= c.num_expert_group,
              f"topk_group ({c.topk_group}) must be in 1..num_expert_group ({c.num_expert_group})")
         need(c.moe_intermediate_size > 0, "moe_intermediate_size must be > 0")
+        kept = c.topk_group * (c.num_experts // c.num_expert_group)
+        need(c.num_experts_per_token <= kept,
+             f"num_experts_per_token ({c.num_experts_per_token}) exceeds the experts left by group limiting "
+             f"(topk_group {c.topk_group} x {c.num_experts // c.num_expert_group} per group = {kept})")
     need(c.first_k_dense_replace >= 0 and c.moe_layer_freq >= 1, "first_k_dense_replace >= 0 and moe_layer_freq >= 1")
     if c.latent_size is not None:
         need(0 < c.latent_size, f"routed_expert_hidden_size must be > 0, got {c.latent_size}")

@@ -2,7 +2,7 @@
 
 Each op has a reference implementation (pure torch, used on CPU and as the fallback on any device)
 and a fake kernel so torch.fx / torch.export / make_fx can trace through it. Faster CUDA kernels
-(fla, Triton) register themselves as device overrides in `fla_backend.py`.
+(fla, Triton) register themselves as device overrides in `cuda_backend.py`.
 
 Pools are passed whole with a layer index, so a captured step has one graph input per pool.
 Requests are cut out of the packed token axis by `cu_seqlens`; a request's prefix length is

@@ -257,3 +257,10 @@ def test_meta_only_presets_refuse_real_devices():
     with pytest.raises(ConfigError, match="device='meta'"):
         k3compile.load_model("kimi-linear-48b")
     assert next(k3compile.load_model("kimi-linear-48b", device="meta").parameters()).device == torch.device("meta")
+
+
+def test_top_k_larger_than_group_limited_experts_is_rejected():
+    d = _good()
+    d.update(num_experts=8, num_expert_group=4, topk_group=1, num_experts_per_token=3)
+    with pytest.raises(ConfigError, match="num_experts_per_token"):
+        config_from_hf_dict(d)
