@@ -50,11 +50,6 @@ def noop_views(gm: GraphModule, config: NoopViewsConfig) -> int:
     for node in list(gm.graph.nodes):
         if not _is_view_node(node) or not isinstance(node.meta.get("val"), torch.Tensor):
             continue  # multi-output views (split) are left alone
-        if _is_noop(node):
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-            matches += 1
-            continue
         inner = node.args[0]
         if (config.collapse_chains and node.target in _RESHAPES and inner.op == "call_function"
                 and inner.target in _RESHAPES and isinstance(inner.args[0], Node)):
@@ -63,4 +58,8 @@ def noop_views(gm: GraphModule, config: NoopViewsConfig) -> int:
                 node.args = (inner.args[0], *node.args[1:])  # same sizes, contiguous strides: meta unchanged
                 erase_if_dead(gm, [inner])
                 matches += 1
+        if _is_noop(node):  # (also after a collapse: view(view(x, a), x.shape) is x)
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            matches += 1
     return matches

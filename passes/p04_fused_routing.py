@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import erase_if_dead, erase_subgraph, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
+from .graph_utils import (erase_if_dead, erase_subgraph, fake_mode_of, is_call, known_equal, replace_uses, set_meta_val,
+                          val_of)
 from .kernels import routing  # noqa: F401  (registers torch.ops.k3.fused_route)
 from .registry import PassConfig, register_pass
 
@@ -110,7 +111,7 @@ def _match_groups(masked: Node, choice: Node, nodes: set) -> tuple[int, int]:
     g_val, c_val = val_of(grouped), val_of(choice)
     _need(g_val is not None and g_val.dim() == 3 and isinstance(g_val.shape[1], int))
     num_groups = g_val.shape[1]
-    _need(num_groups * g_val.shape[2] == c_val.shape[1])
+    _need(known_equal(num_groups * g_val.shape[2], c_val.shape[1]))
     chain += [as_bool, keep, zeros, picked, group_topk, group_scores, top2, pair_topk, grouped]
     # the unused top-k values / indices of the two group top-ks belong to the pattern too
     for tk in (group_topk, pair_topk):
@@ -139,7 +140,7 @@ def _match(topk: Node):
     s_val, b_val = val_of(scores), val_of(bias)
     _need(s_val is not None and s_val.dtype == torch.float32 and s_val.dim() == 2)
     _need(b_val is not None and b_val.dim() == 1 and b_val.dtype.is_floating_point
-          and isinstance(s_val.shape[1], int) and b_val.shape[0] == s_val.shape[1])
+          and known_equal(b_val.shape[0], s_val.shape[1]))
     nodes.update([choice, scores])
     logits = scores.args[0]
     if is_call(logits, aten._to_copy.default) and set(logits.kwargs) == {"dtype"} \
