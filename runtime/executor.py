@@ -24,7 +24,8 @@ ceil(max_context / page_size), fixed per executor; batches with longer contexts 
 
 `pad_to_buckets` runs that same padded path without graph capture (on CPU, so tests can check
 that padding changes no real request's numbers). `compile_decode` hands the decode step to
-Inductor (`torch.compile(mode=...)`) before capture; off by default until it measures faster.
+Inductor (`torch.compile(mode=...)`) before capture; off by default until it measures faster, and
+it needs the pools as separate tensors (aot_autograd cannot mutate two views of one buffer).
 """
 from __future__ import annotations
 
@@ -100,6 +101,9 @@ class Executor:
         self._prefill = step_function(provider, "prefill") if _has_mode(provider, "prefill") else None
         self._decode = step_function(provider, "decode")
         if compile_decode:
+            if _pools_alias(cache):
+                raise ValueError("compile_decode needs pools that are separate tensors: aot_autograd cannot trace "
+                                 "in-place updates of two views of one buffer (the slot layout of split pools)")
             self._decode = torch.compile(self._decode, mode=compile_decode, fullgraph=True)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if self.pad_to_buckets:
@@ -192,6 +196,11 @@ class Executor:
         else:
             out = self._decode(*self._static_args(bs))
         return out[:b]
+
+
+def _pools_alias(cache: CacheTensors) -> bool:
+    ptrs = [t.untyped_storage().data_ptr() for t in (cache.ssm, cache.conv, cache.kv)]
+    return len(set(ptrs)) < len(ptrs)
 
 
 def _has_mode(provider, mode: str) -> bool:

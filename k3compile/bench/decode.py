@@ -151,6 +151,8 @@ class DecodeBench:
         self.cache.kv.normal_(generator=gen)
         self.cache.ssm.normal_(0.0, 0.05, generator=gen)
         self.cache.conv.normal_(0.0, 0.5, generator=gen)
+        self.cache_unaliased = CacheTensors(ssm=self.cache.ssm.clone(), conv=self.cache.conv.clone(),
+                                            kv=self.cache.kv.clone(), page_size=page)
         tokens = torch.randint(0, min(self.model.config.vocab_size, 256), (bmax,), generator=gen,
                                device=self.device).tolist()
         self.make_batch = lambda b: ForwardBatch.build(
@@ -185,8 +187,8 @@ class DecodeBench:
             return memo["unpassed"]
 
         self.pass_reports = None
-        return BenchContext(self.model, self.cache, self.device, self.args.context, get_engine, get_unpassed,
-                            compile_dynamic=not self.args.compile_static)
+        return BenchContext(self.model, self.cache, self.cache_unaliased, self.device, self.args.context, get_engine,
+                            get_unpassed, compile_dynamic=not self.args.compile_static)
 
     # ---- the run ----
     def run(self) -> None:
@@ -225,10 +227,12 @@ class DecodeBench:
         batch = self.make_batch(b)
         pools = (self.cache.ssm, self.cache.conv, self.cache.kv)
         snapshot = [t.clone() for t in pools]
+        unaliased = (self.cache_unaliased.ssm, self.cache_unaliased.conv, self.cache_unaliased.kv)
 
-        def restore():
-            for t, s in zip(pools, snapshot):
+        def restore():  # every arm's first step starts from the same pool contents
+            for t, u, s in zip(pools, unaliased, snapshot):
                 t.copy_(s)
+                u.copy_(s)
 
         # bytes per step, from one eager step's routing
         experts = routed_experts(self.model, lambda: self.model.step(batch, self.cache))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
@@ -45,9 +46,20 @@ def git_commit() -> str | None:
         return None
 
 
+def _finite(x):
+    """JSON has no NaN/inf: a broken arm's non-finite numbers are written as strings."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return repr(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def write_json(path: str, doc: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, allow_nan=False, default=str)
+        json.dump(_finite(doc), f, indent=1, allow_nan=False, default=str)
         f.write("\n")
     os.replace(tmp, path)  # a run killed mid-write keeps the previous complete file
