@@ -82,3 +82,23 @@ def test_step_bytes_follow_the_formula():
     assert got["dense_weights"] == all_weights - experts_all - embed_all
     assert got["total"] == sum(got[k] for k in ("dense_weights", "routed_expert_weights", "embedding_rows",
                                                 "kv_read", "kv_write", "state_read_write"))
+
+
+@pytest.mark.gpu
+def test_gpu_smoke_run_counts_kernels_inside_graph_replays(main, tmp_path):
+    out = tmp_path / "traces"
+    assert main(["bench", "decode", "--model", "k3-tiny", "--batch", "1,4", "--steps", "10", "--warmup", "3",
+                 "--reps", "2", "--context", "64", "--dtype", "bf16", "--device", "cuda", "--copy-gib", "0.5",
+                 "--arms", "eager,graphs,engine", "--out", str(out)]) == 0
+    doc = json.load(open(out / "decode_k3-tiny_bf16.json"))
+    rows = {(r["arm"], r["batch"]): r for r in doc["results"]}
+    for b in (1, 4):
+        assert all(rows[a, b]["status"] == "ok" for a in ("eager", "graphs", "engine")), rows
+        eager_kernels = rows["eager", b]["kernels_per_step"]
+        assert eager_kernels > 100
+        for arm in ("graphs", "engine"):
+            r = rows[arm, b]
+            assert r["graph_replayed_per_step"] > 0  # CUPTI saw the kernels inside the replay
+            assert r["kernels_per_step"] > 100
+            assert r["max_abs_diff_vs_eager"] < 0.1
+        assert rows["engine", b]["kernels_per_step"] < rows["graphs", b]["kernels_per_step"]  # P1-P4 fewer launches
