@@ -2,17 +2,16 @@
 
 The rule, node by node (an eager run on a GPU launches roughly one kernel per counted node):
 
-| node                                                                      | launches |
-|---------------------------------------------------------------------------|----------|
-| placeholder, get_attr, output                                             | 0        |
-| ATen view ops (schema returns an alias of the input: view, reshape, t,    | 0        |
-|   permute, transpose, expand, slice, select, split*, (un)squeeze, alias,  |          |
-|   detach, as_strided, unbind, ...)  and `_unsafe_view`                     |          |
-| `operator.getitem`, `aten.sym_size/sym_stride/sym_numel/sym_storage_offset`| 0        |
-| host-side scalar math on sizes (`operator.*`, `math.*`, `torch.sym_*`)     | 0        |
-| allocations without a fill (`empty`, `empty_like`, `empty_strided`,       | 0        |
-|   `new_empty`)                                                            |          |
-| every other call (compute, copies and casts, `zeros_like`, `cat`, k3 ops) | 1        |
+| node                                                                          | launches |
+|-------------------------------------------------------------------------------|----------|
+| placeholder, get_attr, output                                                 | 0        |
+| ATen view op (its schema returns an alias of the input: view, reshape, t,     | 0        |
+| permute, transpose, expand, slice, select, split*, (un)squeeze, alias, detach,|          |
+| as_strided, unbind, ...) and `_unsafe_view`                                   |          |
+| `operator.getitem`; `aten.sym_size/sym_stride/sym_numel/sym_storage_offset`   | 0        |
+| host-side scalar math on sizes (`operator.*`, `math.*`, `torch.sym_*`)        | 0        |
+| allocation without a fill (`empty`, `empty_like`, `empty_strided`, `new_empty`)| 0        |
+| every other call: compute, copies and casts, `zeros_like`, `cat`, `k3::` ops  | 1        |
 
 It is an estimate: a `k3::` op counts as one launch whatever its implementation runs (the CPU
 references loop in Python; the fused CUDA kernels are one launch each), `reshape` counts as a view

@@ -16,6 +16,7 @@ the table for the human-readable build report.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -98,9 +99,9 @@ def snapshot(gm: GraphModule) -> GraphModule:
     """A copy of the graph that shares the weight tensors (cheap: nothing large is copied)."""
     g = torch.fx.Graph()
     g.output(g.graph_copy(gm.graph, {}))
-    copy = GraphModule(gm, g)
-    copy.meta = dict(gm.meta)
-    return copy
+    clone = GraphModule(gm, g)
+    clone.meta = copy.deepcopy(gm.meta)  # plain dicts (mode, merged-weight provenance): passes edit them
+    return clone
 
 
 def _check_graph(gm: GraphModule, name: str) -> None:

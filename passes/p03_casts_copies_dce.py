@@ -28,7 +28,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .graph_utils import (add_constant, attr_tensor, drop_unused_constants, eliminate_dead_code, fake_mode_of,
-                          mutated_roots, replace_uses, same_layout, set_meta_val, val_of, view_root)
+                          is_call, mutated_roots, replace_uses, same_layout, set_meta_val, val_of, view_root)
 from .registry import PassConfig, register_pass
 
 aten = torch.ops.aten
@@ -89,11 +89,13 @@ class _Rewriter:
 
 def _fold_constant_casts(gm: GraphModule) -> int:
     folded, made = 0, {}
-    fake_mode = None
+    fake_mode, written = None, mutated_roots(gm)
     for node in list(gm.graph.nodes):
         if not (node.op == "call_function" and node.target == aten._to_copy.default and node.args
                 and isinstance(node.args[0], Node) and node.args[0].op == "get_attr"):
             continue
+        if node.args[0] in written:
+            continue  # a buffer the step updates in place is not a constant
         w_node = node.args[0]
         w = attr_tensor(gm, w_node)
         dtype = _plain_cast_dtype(node, w)
@@ -126,13 +128,13 @@ def _remove_casts(gm: GraphModule, rw: _Rewriter) -> int:
                 rw.replace(node, src)
                 removed += 1
             continue
-        inner_dtype = _plain_cast_dtype(src, val_of(src.args[0]) if src.args else None) \
-            if src.op == "call_function" else None
-        if inner_dtype is None or not isinstance(src.args[0], Node) or val_of(src.args[0]) is None:
+        origin = src.args[0] if is_call(src, aten._to_copy.default) and isinstance(src.args[0], Node) else None
+        if origin is None or val_of(origin) is None:
             continue
-        origin = src.args[0]
-        if inner_dtype not in _EXACT_WIDENING.get(val_of(origin).dtype, ()):
+        if _plain_cast_dtype(src, val_of(origin)) not in _EXACT_WIDENING.get(val_of(origin).dtype, ()):
             continue  # the first step rounds: the chain is not redundant
+        if view_root(origin) in rw.mutated:
+            continue  # origin may change between the two casts: the first one is a snapshot
         if dtype == val_of(origin).dtype:  # up and back down: exactly the original values
             if rw.can_alias(node, origin):
                 rw.replace(node, origin)
