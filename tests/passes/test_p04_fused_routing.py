@@ -46,7 +46,9 @@ def test_one_fused_route_per_moe_layer(name, mode):
     for node in gm.graph.nodes:  # the bias is the router's correction-bias buffer
         if node.target == FUSED:
             assert node.args[1].op == "get_attr" and node.args[1].target.endswith("e_score_correction_bias")
+    code = gm.code
     assert run_pass(gm, P4) == 0
+    assert gm.code == code
 
 
 @pytest.mark.parametrize("name,mode,dtype", [("k3-tiny", "prefill", torch.float32),
