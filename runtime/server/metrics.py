@@ -1,0 +1,62 @@
+"""/metrics: the engine's metrics and the server's request counters in Prometheus text format.
+
+Uses its own CollectorRegistry (not the process-global one), so several servers in one process,
+as in the tests, don't collide. Engine figures are read at scrape time from the snapshot the
+engine thread publishes after each iteration (`AsyncEngine.metrics()`); nothing here touches the
+engine itself.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "k3compile"
+
+# engine metrics key -> (metric name without prefix, kind, help)
+ENGINE_METRICS = {
+    "running": ("requests_running", "gauge", "requests in the running batch"),
+    "queued": ("requests_queued", "gauge", "requests waiting to be scheduled"),
+    "in_flight": ("requests_in_engine", "gauge", "requests the engine holds (running, queued or finishing)"),
+    "tokens_per_s": ("generation_tokens_per_second", "gauge", "generated tokens per second, last 10 s"),
+    "generated_tokens": ("generation_tokens", "counter", "tokens generated"),
+    "prefill_tokens": ("prefill_tokens", "counter", "prompt tokens computed by prefill (cache hits excluded)"),
+    "cache_hit_tokens": ("cache_hit_tokens", "counter", "prompt tokens served from the prefix cache"),
+    "cache_hit_rate": ("cache_hit_rate", "gauge", "cache hit tokens / prompt tokens looked up"),
+    "kv_pool_usage": ("kv_pool_usage", "gauge", "fraction of KV pages in use"),
+    "state_pool_usage": ("state_pool_usage", "gauge", "fraction of KDA state slots in use"),
+    "checkpoints": ("cache_checkpoints", "gauge", "KDA state checkpoints held by the prefix cache"),
+    "retractions": ("retractions", "counter", "requests retracted under memory pressure"),
+}
+
+
+class _EngineCollector:
+    def __init__(self, front):
+        self.front = front
+
+    def collect(self):
+        snap = self.front.metrics()
+        yield GaugeMetricFamily(f"{PREFIX}_engine_healthy", "1 when the engine serves requests, else 0",
+                                value=0.0 if self.front.health() else 1.0)
+        for key, (name, kind, help_) in ENGINE_METRICS.items():
+            value = snap.get(key)
+            if not _is_number(value):
+                continue
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(f"{PREFIX}_{name}", help_, value=float(value))
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class ServerMetrics:
+    def __init__(self, front):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(front))
+        self.requests = Counter(f"{PREFIX}_requests", "finished requests by finish reason", ["finish_reason"],
+                                registry=self.registry)
+        self.errors = Counter(f"{PREFIX}_request_errors", "requests answered with an error, by HTTP status",
+                              ["status"], registry=self.registry)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
