@@ -130,8 +130,10 @@ class DecodeBench:
             if self.engine.dtype != self.dtype:
                 raise ConfigError(f"--dtype {a.dtype}: engine {a.engine} is {DTYPE_NAMES[self.engine.dtype]}")
         source = a.model or self.engine.manifest["model"]["source"]
+        # a preset engine's weights came from its build seed: the model arms use the same weights
+        seed = self.engine.manifest.get("build", {}).get("seed", a.seed) if self.engine is not None else a.seed
         self.log(f"loading {source} ({a.dtype}) on {self.device}")
-        self.model = load_model(source, dtype=self.dtype, device=self.device, seed=a.seed, progress=False)
+        self.model = load_model(source, dtype=self.dtype, device=self.device, seed=seed, progress=False)
         self.model_name = self.model.config.name
         torch.manual_seed(a.seed)
 
@@ -142,7 +144,8 @@ class DecodeBench:
         from k3compile.model_def.batch import ForwardBatch
         from k3compile.model_def.cache import CacheTensors
 
-        a, page = self.args, 16
+        a = self.args
+        page = self.engine.page_size if self.engine is not None else 16
         self.pages_per_req = -(-a.context // page)
         self.spec = self.model.cache_spec()
         bmax = max(self.batches)
@@ -151,8 +154,10 @@ class DecodeBench:
         self.cache.kv.normal_(generator=gen)
         self.cache.ssm.normal_(0.0, 0.05, generator=gen)
         self.cache.conv.normal_(0.0, 0.5, generator=gen)
-        self.cache_unaliased = CacheTensors(ssm=self.cache.ssm.clone(), conv=self.cache.conv.clone(),
-                                            kv=self.cache.kv.clone(), page_size=page)
+        self.cache_unaliased = None
+        if any(arm.startswith("compile") or arm == "engine-inductor" for arm in self.arms):
+            self.cache_unaliased = CacheTensors(ssm=self.cache.ssm.clone(), conv=self.cache.conv.clone(),
+                                                kv=self.cache.kv.clone(), page_size=page)
         tokens = torch.randint(0, min(self.model.config.vocab_size, 256), (bmax,), generator=gen,
                                device=self.device).tolist()
         self.make_batch = lambda b: ForwardBatch.build(
@@ -227,12 +232,14 @@ class DecodeBench:
         batch = self.make_batch(b)
         pools = (self.cache.ssm, self.cache.conv, self.cache.kv)
         snapshot = [t.clone() for t in pools]
-        unaliased = (self.cache_unaliased.ssm, self.cache_unaliased.conv, self.cache_unaliased.kv)
+        copies = [pools]
+        if self.cache_unaliased is not None:
+            copies.append((self.cache_unaliased.ssm, self.cache_unaliased.conv, self.cache_unaliased.kv))
 
         def restore():  # every arm's first step starts from the same pool contents
-            for t, u, s in zip(pools, unaliased, snapshot):
-                t.copy_(s)
-                u.copy_(s)
+            for group in copies:
+                for t, s in zip(group, snapshot):
+                    t.copy_(s)
 
         # bytes per step, from one eager step's routing
         experts = routed_experts(self.model, lambda: self.model.step(batch, self.cache))

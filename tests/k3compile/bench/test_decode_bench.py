@@ -54,6 +54,24 @@ def test_cpu_smoke_run_writes_json_markdown_and_traces(main, tmp_path, capsys):
     assert "| engine | 2 |" in capsys.readouterr().out
 
 
+def test_engine_directory_arm(main, tmp_path):
+    from k3compile.engine.build import BuildOptions, build_engine
+    from k3compile.passes.pipeline import PipelineConfig
+
+    engine_dir = str(tmp_path / "engine")
+    build_engine(BuildOptions("k3-tiny", dtype=torch.float32, seed=3, pipeline=PipelineConfig.default()), engine_dir,
+                 log=lambda m: None)
+    out = tmp_path / "out"
+    assert main(["bench", "decode", "--engine", engine_dir, "--batch", "2", "--steps", "2", "--warmup", "1",
+                 "--reps", "2", "--context", "16", "--dtype", "fp32", "--device", "cpu", "--copy-gib", "0.01",
+                 "--arms", "eager,engine", "--out", str(out)]) == 0
+    doc = json.load(open(out / "decode_k3-tiny_fp32.json"))
+    engine = next(r for r in doc["results"] if r["arm"] == "engine")
+    # the model arms were loaded with the engine's build seed: same weights, same logits
+    assert engine["status"] == "ok" and engine["max_abs_diff_vs_eager"] < 1e-4
+    assert doc["engine_passes"]["decode"]["passes"][0]["name"] == "p01_gemm_merge"
+
+
 def test_bad_arguments_are_reported(main, tmp_path, capsys):
     assert main(["bench", "decode", "--model", "k3-tiny", "--arms", "eager,warp-drive", "--out", str(tmp_path)]) == 2
     assert "unknown arm(s) ['warp-drive']" in capsys.readouterr().err

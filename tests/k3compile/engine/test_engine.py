@@ -160,3 +160,25 @@ def test_plugin_modules_outside_the_package_are_not_imported(copy):
                lambda m: m["kernel_plugins"].append({"op": "k3.x.default", "module": "os"}))
     with pytest.raises(EngineError, match="outside the k3compile package"):
         Engine.load(copy)
+
+
+def test_a_failed_build_leaves_nothing_behind(tmp_path):
+    from k3compile.engine.build import BuildOptions, build_engine
+    from k3compile.model_def.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown model 'no-such-model'"):
+        build_engine(BuildOptions("no-such-model", dtype=torch.float32), str(tmp_path / "e"), log=lambda m: None)
+    assert os.listdir(tmp_path) == []  # neither the engine nor its staging directory
+    with pytest.raises(ConfigError, match="topology 'tp8' is not supported"):
+        build_engine(BuildOptions("k3-tiny", topology="tp8"), str(tmp_path / "e"), log=lambda m: None)
+
+
+def test_checkpoint_tokenizer_files_are_copied(tmp_path):
+    from k3compile.engine.emit import _copy_tokenizer
+
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenization_kimi.py", "model.safetensors"):
+        (src / name).write_text(name)
+    _copy_tokenizer(str(src), str(tmp_path / "tok"))
+    assert sorted(os.listdir(tmp_path / "tok")) == ["tokenization_kimi.py", "tokenizer.json", "tokenizer_config.json"]
