@@ -29,7 +29,8 @@ from torch.fx import GraphModule
 from .launches import count_launches, count_nodes
 from .pipeline import PipelineConfig, add_pass_arguments, pipeline_from_args, pipeline_from_flags  # noqa: F401
 from .registry import get_pass
-from .verify import PassVerificationError, compare_graphs, randomized_inputs
+from .verify import (TOLERANCES, PassVerificationError, compare_results, graph_precision, randomized_inputs,
+                     run_checked, run_graph)
 
 
 class PassError(RuntimeError):
@@ -116,6 +117,26 @@ def _check_graph(gm: GraphModule, name: str) -> None:
     gm.recompile()
 
 
+class _Verifier:
+    """Runs the graph after each pass and compares with its run before the pass (the previous
+    pass's run, so each graph runs once)."""
+
+    def __init__(self, gm: GraphModule, inputs, tolerance: float | None):
+        self.inputs = inputs
+        self.tol = tolerance if tolerance is not None else TOLERANCES.get(graph_precision(gm), 1e-5)
+        self.names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self.reference = run_graph(gm, inputs)
+
+    def check(self, gm: GraphModule, pass_name: str) -> float:
+        try:
+            result = run_checked(gm, self.inputs)
+            cmp = compare_results(result, self.reference, self.names, self.tol)
+        except PassVerificationError as e:
+            raise PassVerificationError(f"pass {pass_name} changed the step's results: {e}") from e
+        self.reference = result
+        return cmp.max_rel_err
+
+
 def _returns(node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return schema is None or len(schema.returns) > 0
@@ -134,13 +155,12 @@ class PassManager:
         name = graph_name or gm.meta.get("k3", {}).get("mode", "step")
         report = PipelineReport(graph=name, pipeline=self.config.to_dict(), verified=self.verify,
                                 nodes_before=count_nodes(gm), launches_before=count_launches(gm))
-        inputs = input_names = None
+        verifier = None
         if self.verify:
             if example_inputs is None:
                 raise ValueError("verify=True needs example_inputs: a valid step's inputs, e.g. "
                                  "k3compile.passes.verify.step_inputs(model, mode)")
-            inputs = randomized_inputs(example_inputs, self.verify_seed)
-            input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+            verifier = _Verifier(gm, randomized_inputs(example_inputs, self.verify_seed), self.verify_tolerance)
         if self.dump_dir:
             os.makedirs(self.dump_dir, exist_ok=True)
             self._dump(gm, "00_captured.py", f"{name} graph as captured")
@@ -150,15 +170,14 @@ class PassManager:
             if not cfg.enabled:
                 report.skipped.append(pass_name)
                 continue
-            report.passes.append(self._run_one(gm, pos, pass_name, cfg, inputs, input_names))
+            report.passes.append(self._run_one(gm, pos, pass_name, cfg, verifier))
         report.seconds = time.perf_counter() - start
         report.nodes_after, report.launches_after = count_nodes(gm), count_launches(gm)
         gm.meta.setdefault("k3", {})["passes"] = report.to_dict()
         return report
 
-    def _run_one(self, gm, pos, pass_name, cfg, inputs, input_names) -> PassRecord:
+    def _run_one(self, gm, pos, pass_name, cfg, verifier) -> PassRecord:
         spec = get_pass(pass_name)
-        before = snapshot(gm) if self.verify else None
         nodes0, launches0 = count_nodes(gm), count_launches(gm)
         t0 = time.perf_counter()
         try:
@@ -171,12 +190,8 @@ class PassManager:
         _check_graph(gm, pass_name)
         rec = PassRecord(pass_name, dataclasses.asdict(cfg), matches, nodes0, count_nodes(gm), launches0,
                          count_launches(gm), seconds)
-        if before is not None:
-            try:
-                cmp = compare_graphs(before, gm, inputs, input_names, self.verify_tolerance)
-            except PassVerificationError as e:
-                raise PassVerificationError(f"pass {pass_name} changed the step's results: {e}") from e
-            rec.max_rel_err = cmp.max_rel_err
+        if verifier is not None:
+            rec.max_rel_err = verifier.check(gm, pass_name)
         if self.dump_dir:
             rec.dump = self._dump(gm, f"{pos:02d}_{pass_name}.py",
                                   f"after {pass_name}: {matches} matches, nodes {nodes0} -> {rec.nodes_after}, "

@@ -112,18 +112,20 @@ def rel_err(after: torch.Tensor, before: torch.Tensor) -> float:
     return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 
-def compare_graphs(before: GraphModule, after: GraphModule, inputs, input_names=None,
-                   tolerance: float | None = None) -> Comparison:
-    """Run both graphs on copies of `inputs`; raise PassVerificationError if they differ beyond tolerance."""
-    tol = tolerance if tolerance is not None else TOLERANCES.get(graph_precision(before), 1e-5)
-    names = list(input_names) if input_names else [f"input {i}" for i in range(len(inputs))]
-    ref_out, ref_in = run_graph(before, inputs)
+def run_checked(gm: GraphModule, inputs) -> tuple[list, list]:
+    """run_graph, with a failure to run reported as a verification error."""
     try:
-        new_out, new_in = run_graph(after, inputs)
+        return run_graph(gm, inputs)
     except Exception as e:
         raise PassVerificationError(f"the graph no longer runs: {type(e).__name__}: {e}") from e
+
+
+def compare_results(new: tuple[list, list], ref: tuple[list, list], input_names, tolerance: float) -> Comparison:
+    """Compare two `run_graph` results (outputs, inputs after); raise PassVerificationError beyond tolerance."""
+    (new_out, new_in), (ref_out, ref_in) = new, ref
     if len(new_out) != len(ref_out):
         raise PassVerificationError(f"the graph returns {len(new_out)} outputs instead of {len(ref_out)}")
+    names = list(input_names) if input_names else [f"input {i}" for i in range(len(ref_in))]
     pairs = [(f"output {i}" if len(ref_out) > 1 else "logits", a, b) for i, (a, b) in enumerate(zip(new_out, ref_out))]
     pairs += [(names[i], a, b) for i, (a, b) in enumerate(zip(new_in, ref_in)) if isinstance(b, torch.Tensor)]
     worst, worst_err, failures = "", 0.0, []
@@ -131,9 +133,16 @@ def compare_graphs(before: GraphModule, after: GraphModule, inputs, input_names=
         err = rel_err(a, b)
         if err > worst_err or not worst:
             worst, worst_err = name, err
-        if err > tol:
+        if err > tolerance:
             detail = "shape/dtype/non-finite mismatch" if err == float("inf") else f"max rel err {err:.3g}"
             failures.append(f"{name} ({detail})")
     if failures:
-        raise PassVerificationError(f"results differ beyond tolerance {tol:g}: {', '.join(failures)}")
-    return Comparison(worst_err, worst, tol)
+        raise PassVerificationError(f"results differ beyond tolerance {tolerance:g}: {', '.join(failures)}")
+    return Comparison(worst_err, worst, tolerance)
+
+
+def compare_graphs(before: GraphModule, after: GraphModule, inputs, input_names=None,
+                   tolerance: float | None = None) -> Comparison:
+    """Run both graphs on copies of `inputs` and compare (tolerance by `before`'s precision by default)."""
+    tol = tolerance if tolerance is not None else TOLERANCES.get(graph_precision(before), 1e-5)
+    return compare_results(run_checked(after, inputs), run_graph(before, inputs), input_names, tol)
