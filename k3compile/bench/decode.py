@@ -15,6 +15,11 @@ filled with random values so attention and routing see non-degenerate data.
 
 Results: OUT/decode_<model>_<dtype>.json (config, environment, raw samples, summary) and .md,
 rewritten after every batch size, so a run stopped by a time limit keeps what it measured.
+
+Time: on a GPU the default --time-budget (560 s) skips arms and repetitions that would start after
+it, so one command fits a 10-minute limit. The torch.compile arms compile once each (dynamic=True;
+--compile-static compiles per batch size); --bounded-autotune drops max-autotune's per-kernel
+coordinate-descent tuning, the part of its compile time that grows with the size of the step.
 """
 from __future__ import annotations
 
@@ -47,6 +52,8 @@ def register(sub) -> None:
                                                                  "CUDA, 0.25 on CPU)")
     p.add_argument("--compile-static", action="store_true",
                    help="torch.compile arms: specialize per batch size (one compile each) instead of dynamic=True")
+    p.add_argument("--bounded-autotune", action="store_true",
+                   help="max-autotune arm without coordinate-descent tuning (bounds its compile time)")
     p.add_argument("--time-budget", type=float, default=None,
                    help=f"seconds; arms not started in time are skipped (default {DEFAULT_TIME_BUDGET_CUDA:.0f} on "
                         f"CUDA, none on CPU)")
@@ -193,7 +200,8 @@ class DecodeBench:
 
         self.pass_reports = None
         return BenchContext(self.model, self.cache, self.cache_unaliased, self.device, self.args.context, get_engine,
-                            get_unpassed, compile_dynamic=not self.args.compile_static)
+                            get_unpassed, compile_dynamic=not self.args.compile_static,
+                            bounded_autotune=self.args.bounded_autotune)
 
     # ---- the run ----
     def run(self) -> None:

@@ -36,6 +36,7 @@ class BenchContext:
     get_engine: Callable[[], object]  # the post-pass provider (built or loaded on first use)
     get_unpassed: Callable[[], object]  # {"decode": captured graph}
     compile_dynamic: bool = True
+    bounded_autotune: bool = False  # max-autotune without its per-kernel coordinate-descent tuning
     compiled: dict = field(default_factory=dict)  # arm name -> compiled step (shared across batch sizes)
     notes: dict = field(default_factory=dict)  # arm name -> how it was built (fullgraph or not, ...)
 
@@ -67,7 +68,14 @@ def _compiled(ctx: BenchContext, batch, arm: str):
                 torch._dynamo.mark_static_address(t)
         ctx.notes[arm] = {"mode": mode, "fullgraph": True, "dynamic": ctx.compile_dynamic,
                           "pools": "separate tensors (aot_autograd cannot mutate two views of one buffer)"}
-        ctx.compiled[arm] = _compile_fullgraph_if_possible(decode_step, mode, ctx.compile_dynamic, ctx.notes[arm])
+        kw = {"mode": mode}
+        if mode == "max-autotune-no-cudagraphs" and ctx.bounded_autotune:
+            # the mode's options minus coordinate-descent tuning of every pointwise/reduction kernel,
+            # which dominates compile time on a large unrolled step; GEMM autotuning stays
+            kw = {"options": {"max_autotune": True, "coordinate_descent_tuning": False}}
+            ctx.notes[arm].update(mode="options equal to max-autotune-no-cudagraphs but coordinate descent off",
+                                  options=kw["options"])
+        ctx.compiled[arm] = _compile_fullgraph_if_possible(decode_step, kw, ctx.compile_dynamic, ctx.notes[arm])
     fn = ctx.compiled[arm]
     args = step_args(batch, ctx.cache_unaliased)
     if mode == "reduce-overhead":
@@ -78,10 +86,10 @@ def _compiled(ctx: BenchContext, batch, arm: str):
     return lambda: fn(*args)
 
 
-def _compile_fullgraph_if_possible(fn, mode: str, dynamic: bool, notes: dict):
-    """torch.compile(fullgraph=True); if Dynamo cannot trace the step as one graph, fall back to graph breaks
-    (recorded in notes) rather than dropping the baseline."""
-    state = {"fn": torch.compile(fn, mode=mode, fullgraph=True, dynamic=dynamic)}
+def _compile_fullgraph_if_possible(fn, kw: dict, dynamic: bool, notes: dict):
+    """torch.compile(fullgraph=True, **kw); if Dynamo cannot trace the step as one graph, fall back to graph
+    breaks (recorded in notes) rather than dropping the baseline."""
+    state = {"fn": torch.compile(fn, fullgraph=True, dynamic=dynamic, **kw)}
 
     def call(*args):
         try:
@@ -90,7 +98,7 @@ def _compile_fullgraph_if_possible(fn, mode: str, dynamic: bool, notes: dict):
             if not notes["fullgraph"]:
                 raise
             notes.update(fullgraph=False, graph_break=str(e).splitlines()[0][:300])
-            state["fn"] = torch.compile(fn, mode=mode, fullgraph=False, dynamic=dynamic)
+            state["fn"] = torch.compile(fn, fullgraph=False, dynamic=dynamic, **kw)
             return state["fn"](*args)
     return call
 
