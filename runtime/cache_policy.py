@@ -1,0 +1,51 @@
+"""Which KDA states the scheduler hands to the prefix cache, and how many the cache keeps.
+
+Snapshots are only possible where a forward ends at a checkpoint boundary (a multiple of the
+cache's checkpoint interval): at the end of a prefill chunk, and every `track_interval` tokens in
+decode. A policy says which of those snapshots are donated to the tree:
+
+* `none`: no prefix cache at all.
+* `end`: only the newest snapshot when a request finishes (or is retracted).
+* `every_chunk`: every prefill chunk end and every decode track point (dense; the most memory).
+* `sparse` (ours): Marconi-style admission -- the state at the branch point a request's match
+  reported (so the next request forking there restores directly), the state at the end of the
+  request (multi-turn reuse) and at the prompt's end (repeated prompts); the last prefill chunk
+  is cut at the prompt's last checkpoint boundary so that state exists. A per-path cap with LRU
+  bounds what stays. See `k3compile bench cache` for how these compare.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    name: str
+    enabled: bool = True
+    donate_chunks: bool = False  # every prefill chunk that ends on a checkpoint boundary
+    donate_decode: bool = False  # every decode track point
+    donate_handover: bool = False  # the newest snapshot when prefill hands over to decode
+    donate_finish: bool = False  # the newest snapshot at finish and at retraction
+    branch_points: bool = False  # end a chunk at the match's branch point and donate the state there
+    split_prompt_tail: bool = False  # end a chunk at the last boundary before the prompt's end
+    max_checkpoints_per_path: int | None = None
+    max_checkpoints: int | None = None
+
+    def with_caps(self, per_path: int | None, total: int | None) -> "CachePolicy":
+        return replace(self, max_checkpoints_per_path=per_path, max_checkpoints=total)
+
+
+POLICIES = {
+    "none": CachePolicy("none", enabled=False),
+    "end": CachePolicy("end", donate_finish=True),
+    "every_chunk": CachePolicy("every_chunk", donate_chunks=True, donate_decode=True, donate_handover=True,
+                               donate_finish=True),
+    "sparse": CachePolicy("sparse", donate_handover=True, donate_finish=True, branch_points=True,
+                          split_prompt_tail=True, max_checkpoints_per_path=4),
+}
+
+
+def get_policy(name: str) -> CachePolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown cache policy {name!r}; known: {', '.join(POLICIES)}")
+    return POLICIES[name]

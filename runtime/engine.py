@@ -1,0 +1,359 @@
+"""LLMEngine: model + memory + hybrid radix cache + scheduler + runner, driven one step at a time.
+
+    engine = LLMEngine(EngineArgs(model="k3-tiny"))
+    engine.add_request("r1", prompt_ids, SamplingParams(max_new_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step():           # RequestOutput: new tokens, finished, finish_reason
+            ...
+    engine.generate([ids_a, ids_b], SamplingParams(max_new_tokens=8))   # offline convenience
+
+Memory. A byte budget (`memory_bytes`) becomes split pools (`state_fraction` of it for KDA state
+slots, the rest KV pages) or, with `enable_unified_memory`, one arena both kinds share.
+
+Running limit. With the prefix cache each running request can hold up to MAX_TRANSIENT_SLOTS (4)
+state slots (working slot, newest complete snapshot, the snapshot of the batch in flight and the
+one being built), without it exactly one, so by default
+
+    max_running = max(1, state_slot_capacity // slots_per_request)
+
+where the capacity is the split pools' slot count, or for the unified arena the slots its whole
+free space could hold. Checkpoints compete for the remaining slots and are evicted under pressure.
+
+Context. `max_context` defaults to the model's max_position_embeddings, capped at 32768 and at what
+one request can hold alone (every KV page, less its slots in an arena). A request's prompt plus
+max_new_tokens must fit in it.
+
+Stop conditions: the tokenizer's eos (unless ignore_eos), the request's stop_token_ids, and
+max_new_tokens ("length"). The token that stopped a request is part of its output.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from k3compile.runtime.cache.radix import HybridRadixCache
+from k3compile.runtime.cache.request_table import RequestTable
+from k3compile.runtime.cache.state_slots import MAX_TRANSIENT_SLOTS
+from k3compile.runtime.executor import provider_device
+from k3compile.runtime.memory.pools import SplitPools
+from k3compile.runtime.memory.unified import UnifiedArena
+from k3compile.runtime.sampling import SamplingParams
+
+from .cache_policy import get_policy
+from .inflight_memory import InFlightMemory
+from .model_runner import ModelRunner
+from .request import Request
+from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+
+DEFAULT_MEMORY_BYTES = 64 << 20  # sized for tiny models on CPU
+DEFAULT_STATE_FRACTION = 0.5
+MAX_DEFAULT_CONTEXT = 32768
+MAX_CHECKPOINT_INTERVAL = 64  # default boundary grid (SGLang's mamba_cache_chunk_size: the FLA chunk)
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = "k3-tiny"
+    engine_dir: str | None = None
+    dtype: str = "fp32"
+    device: str = "cpu"
+    seed: int = 0
+    page_size: int = 16
+    chunk_size: int = 256
+    max_batch_tokens: int = 2048
+    max_running: int | None = None
+    memory_bytes: int | None = None  # None: DEFAULT_MEMORY_BYTES
+    state_fraction: float | None = None  # split pools only; None: DEFAULT_STATE_FRACTION
+    enable_unified_memory: bool = False
+    enable_prefix_cache: bool = True
+    overlap: bool = False
+    track_interval: int = 256
+    max_context: int | None = None
+    # cache policy knobs (runtime/cache_policy.py)
+    cache_policy: str = "sparse"  # none | end | every_chunk | sparse
+    checkpoint_interval: int | None = None  # boundary grid; None: largest multiple of page_size <= 64 dividing both
+    max_checkpoints_per_path: int | None = None  # None: the policy's; 0: no cap
+    max_checkpoints: int | None = None  # None: the policy's; 0: no cap
+    cuda_graphs: bool | None = None  # None: on for CUDA devices
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+def _checkpoint_interval(args: EngineArgs) -> int:
+    p, c, t = args.page_size, args.chunk_size, args.track_interval
+    if args.checkpoint_interval is not None:
+        g = args.checkpoint_interval
+        if g < 1 or g % p or c % g or t % g:
+            raise ValueError(f"checkpoint_interval {g} must be a positive multiple of page_size {p} that divides "
+                             f"chunk_size {c} and track_interval {t}")
+        return g
+    return max(g for g in range(p, max(p, MAX_CHECKPOINT_INTERVAL) + 1, p) if c % g == 0 and t % g == 0)
+
+
+def _check_args(args: EngineArgs) -> None:
+    from k3compile.info import DTYPES
+
+    if args.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if args.model is None and args.engine_dir is None:
+        raise ValueError("give a model (preset or checkpoint directory) or an engine_dir")
+    for name in ("page_size", "chunk_size", "max_batch_tokens", "track_interval"):
+        v = getattr(args, name)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    p = args.page_size
+    if args.chunk_size % p or args.track_interval % p:
+        raise ValueError(f"chunk_size ({args.chunk_size}) and track_interval ({args.track_interval}) must be "
+                         f"multiples of page_size ({p}) so checkpoints land on page boundaries")
+    if args.max_running is not None and args.max_running < 1:
+        raise ValueError(f"max_running must be >= 1, got {args.max_running}")
+    if args.memory_bytes is not None and args.memory_bytes <= 0:
+        raise ValueError(f"memory_bytes must be positive, got {args.memory_bytes}")
+    if args.state_fraction is not None and not 0.0 < args.state_fraction < 1.0:
+        raise ValueError(f"state_fraction must be in (0, 1), got {args.state_fraction}")
+    if args.max_context is not None and args.max_context < 2:
+        raise ValueError(f"max_context must be >= 2, got {args.max_context}")
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, model=None, eos_token_id: int | None = None):
+        """`model`: an already loaded model or compiled Engine to use instead of loading args.model."""
+        _check_args(args)
+        self.args = args
+        self.provider = model if model is not None else self._load(args)
+        self.config = self.provider.config
+        self.tokenizer = self._tokenizer(args)
+        if eos_token_id is None:
+            eos_token_id = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer else self.config.eos_token_id
+        self.eos_token_id = eos_token_id
+        device = str(provider_device(self.provider))
+
+        spec = self.provider.cache_spec()
+        budget = args.memory_bytes or DEFAULT_MEMORY_BYTES
+        if args.enable_unified_memory:
+            inner = UnifiedArena.from_budget(spec, budget, args.page_size, device=device)
+        else:
+            inner = SplitPools.from_budget(spec, budget, args.page_size,
+                                           args.state_fraction or DEFAULT_STATE_FRACTION, device=device)
+        self.memory = InFlightMemory(inner)
+        policy = get_policy(args.cache_policy if args.enable_prefix_cache else "none")
+        per_path = policy.max_checkpoints_per_path if args.max_checkpoints_per_path is None else (
+            args.max_checkpoints_per_path or None)
+        total = policy.max_checkpoints if args.max_checkpoints is None else (args.max_checkpoints or None)
+        self.policy = policy.with_caps(per_path, total)
+        interval = _checkpoint_interval(args)
+        self.cache = HybridRadixCache(self.memory, interval, per_path, total)
+        self.table = RequestTable(self.cache)
+
+        slots_per_request = MAX_TRANSIENT_SLOTS if self.policy.enabled else 1
+        slot_capacity, page_capacity = self._capacity(inner, spec, slots_per_request)
+        self.max_context = self._max_context(args, page_capacity)
+        max_running = args.max_running or max(1, slot_capacity // slots_per_request)
+        self.scheduler = Scheduler(self.memory, self.cache, self.table, self.policy, SchedulerConfig(
+            page_size=args.page_size, chunk_size=args.chunk_size, max_batch_tokens=args.max_batch_tokens,
+            max_running=max_running, track_interval=args.track_interval, checkpoint_interval=interval,
+            device=device))
+        self.runner = ModelRunner(self.provider, self.memory, self.max_context, overlap=args.overlap,
+                                  cuda_graphs=args.cuda_graphs)
+        self._requests: dict[str, Request] = {}  # added and not yet reported finished
+        self._outbox: dict[str, Request] = {}  # requests with something to report at the next step
+        self._inflight: ScheduledBatch | None = None
+        self._gen_ids = itertools.count()
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _load(args: EngineArgs):
+        from k3compile.info import DTYPES
+
+        if args.engine_dir is not None:
+            from k3compile.engine import Engine
+            from k3compile.engine.engine import DTYPE_NAMES
+
+            engine = Engine.load(args.engine_dir, device=args.device)
+            if DTYPE_NAMES[engine.dtype] != args.dtype:
+                raise ValueError(f"engine {args.engine_dir} was built for {DTYPE_NAMES[engine.dtype]}, "
+                                 f"not dtype {args.dtype}")
+            return engine
+        from k3compile.model_def.loader import load_model
+        return load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, seed=args.seed, progress=False)
+
+    def _tokenizer(self, args: EngineArgs):
+        from k3compile.tokenizer import load_tokenizer
+
+        if args.engine_dir is not None:
+            from k3compile.engine.format import TOKENIZER_DIR
+            tok_dir = os.path.join(args.engine_dir, TOKENIZER_DIR)
+            source = tok_dir if os.path.isdir(tok_dir) else args.engine_dir
+        else:
+            source = args.model
+        try:
+            return load_tokenizer(source, self.config)
+        except ValueError:
+            return None  # no tokenizer for this model: token ids only
+
+    @staticmethod
+    def _capacity(inner, spec, slots_per_request: int) -> tuple[int, int]:
+        """(state slots the memory can hold, KV pages one request can hold alone)."""
+        if isinstance(inner, SplitPools):
+            return inner.total_slots, inner.total_pages
+        free = inner.free_bytes()
+        pages_alone = (free - slots_per_request * inner.slot_bytes) // inner.page_bytes
+        return free // inner.slot_bytes, max(0, pages_alone)
+
+    def _max_context(self, args: EngineArgs, page_capacity: int) -> int:
+        cap = page_capacity * args.page_size
+        if args.max_context is not None:
+            if args.max_context > cap:
+                raise ValueError(f"max_context {args.max_context} does not fit the memory: one request can hold "
+                                 f"at most {cap} tokens of KV with memory_bytes={args.memory_bytes}")
+            return args.max_context
+        ctx = min(self.config.max_position_embeddings, MAX_DEFAULT_CONTEXT, cap)
+        if ctx < 2:
+            raise ValueError(f"memory_bytes={args.memory_bytes} leaves room for {cap} tokens per request")
+        return ctx
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid!r}: token id(s) {bad[:5]} outside the vocabulary [0, {self.config.vocab_size})")
+        if len(prompt) + params.max_new_tokens > self.max_context:
+            raise ValueError(f"request {rid!r}: prompt ({len(prompt)} tokens) + max_new_tokens "
+                             f"({params.max_new_tokens}) exceeds the context length {self.max_context}")
+        stops = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stops.add(self.eos_token_id)
+        req = Request(rid, prompt, params, frozenset(stops), generator=params.generator())
+        self._requests[rid] = req
+        self.scheduler.add(req)
+
+    def abort(self, rid: str) -> None:
+        req = self._requests.get(rid)
+        if req is None or req.finished:
+            return
+        self.scheduler.abort(req)
+        self._outbox[rid] = req
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or self._inflight is not None or bool(self.scheduler.running) \
+            or bool(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list["RequestOutput"]:
+        """One scheduler iteration. Not thread-safe: call from one thread."""
+        if not self.args.overlap:
+            batch = self.scheduler.schedule()
+            if batch is not None:
+                logits = self.runner.run(batch)
+                self._note(self.scheduler.process(batch, self.runner.sample(batch, logits)))
+            return self._collect()
+        # Overlap: plan batch N+1 while batch N runs, then finish N, then launch N+1.
+        nxt = self.scheduler.schedule()
+        if self._inflight is not None:
+            done, self._inflight = self._inflight, None
+            logits = self.runner.wait()
+            self._note(self.scheduler.process(done, self.runner.sample(done, logits)))
+        if nxt is not None:
+            if all(row.req.finished for row in nxt.rows):  # everyone in it finished meanwhile
+                self.scheduler.process(nxt, [None] * len(nxt.rows))
+            else:
+                self._fill_placeholders(nxt)
+                self.runner.launch(nxt)
+                self._inflight = nxt
+        return self._collect()
+
+    @staticmethod
+    def _fill_placeholders(batch: ScheduledBatch) -> None:
+        if not batch.placeholders:
+            return
+        idx, toks = [], []
+        for i, row in batch.placeholders:
+            req = row.req
+            idx.append(i)
+            toks.append(req.token_at(row.start) if row.start < req.num_tokens else 0)  # 0: a zombie row
+        ids = batch.forward.input_ids
+        ids[torch.tensor(idx, device=ids.device)] = torch.tensor(toks, dtype=ids.dtype, device=ids.device)
+
+    def _note(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            self._outbox[r.rid] = r
+
+    def _collect(self) -> list[RequestOutput]:
+        outs = []
+        for rid, req in self._outbox.items():
+            new = req.output_ids[req.num_reported:]
+            if not new and not (req.finished and not req.finish_reported):
+                continue
+            req.num_reported = len(req.output_ids)
+            if req.finished:
+                req.finish_reported = True
+                self._requests.pop(rid, None)
+            outs.append(RequestOutput(rid, list(new), req.finished, req.finish_reason, len(req.prompt_ids),
+                                      len(req.output_ids), req.cached_tokens))
+        self._outbox.clear()
+        return outs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion (alongside anything already queued); outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        rids = [f"generate-{next(self._gen_ids)}" for _ in prompts]
+        for rid, ids, p in zip(rids, prompts, plist):
+            self.add_request(rid, ids, p)
+        out = {rid: [] for rid in rids}
+        pending = set(rids)
+        while pending:
+            for o in self.step():
+                if o.rid in out:
+                    out[o.rid].extend(o.new_token_ids)
+                    if o.finished:
+                        pending.discard(o.rid)
+        return [out[rid] for rid in rids]
+
+    # ------------------------------------------------------------------ metrics
+    def metrics(self) -> dict:
+        s, mem, inner = self.scheduler, self.memory, self.memory.inner
+        used_s, used_p = mem.num_used_slots(), mem.num_used_pages()
+        total_s, total_p = used_s + mem.num_free_slots(), used_p + mem.num_free_pages()
+        st = self.cache.stats()
+        return {
+            "running": s.num_running(), "queued": len(s.waiting), "max_running": s.cfg.max_running,
+            "generated_tokens": s.generated_tokens, "prefill_tokens": s.prefill_tokens,
+            "prompt_tokens": s.prompt_tokens, "cache_hit_tokens": s.cache_hit_tokens,
+            "cache_hit_rate": s.cache_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            "slots_used": used_s, "slots_total": total_s, "pages_used": used_p, "pages_total": total_p,
+            "state_pool_usage": used_s / total_s if total_s else 0.0,
+            "kv_pool_usage": used_p / total_p if total_p else 0.0,
+            "checkpoints": st.num_checkpoints, "checkpoint_bytes": st.checkpoint_bytes,
+            "peak_checkpoint_bytes": st.peak_checkpoint_bytes, "tree_pages": st.num_pages,
+            "retractions": s.retractions, "unified_memory": isinstance(inner, UnifiedArena),
+            "cache_policy": self.policy.name,
+        }
+
+    def close(self) -> None:
+        self.runner.close()
+
+    def __del__(self):
+        runner = getattr(self, "runner", None)
+        if runner is not None and runner._worker is not None:
+            runner._worker.shutdown(wait=False)

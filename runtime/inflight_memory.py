@@ -1,0 +1,139 @@
+"""Memory as the scheduler sees it: blocks of scheduled batches are pinned; freeing one waits.
+
+A batch's metadata bakes in slot and page indices when it is built, and with the overlap scheduler
+it is built while the previous batch still runs. Until that batch has run, none of its blocks may
+move (unified-arena compaction) or be handed to someone else (a freed page reused by a request
+whose copy-on-write restore runs right away on the scheduler thread). So the scheduler pins every
+block of a batch when it builds it and unpins them when it has processed the results; a free of a
+pinned block -- e.g. a duplicate page the tree frees when a request donates its prefix while its
+next decode batch is already built -- is deferred to the last unpin (mini-sglang's lazy-free
+region plays the same role).
+
+Wraps any KVStateMemory; the tree and the request table register their relocation listeners
+here and hear every move of the inner memory.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from k3compile.runtime.memory.base import KVStateMemory, RelocationListener
+
+
+class InFlightMemory:
+    def __init__(self, inner: KVStateMemory):
+        self.inner = inner
+        self.spec, self.page_size, self.tensors = inner.spec, inner.page_size, inner.tensors
+        self._pins = {"slot": Counter(), "page": Counter()}
+        self._deferred = {"slot": set(), "page": set()}  # freed by their owner, waiting for the last unpin
+        self._listeners: list[RelocationListener] = []
+        inner.add_relocation_listener(self._moved)
+
+    # ---- allocation ----
+    def alloc_slot(self) -> int:
+        return self.inner.alloc_slot()
+
+    def alloc_pages(self, n: int) -> list[int]:
+        return self.inner.alloc_pages(n)
+
+    def free_slot(self, slot: int) -> None:
+        if self._pins["slot"][slot]:
+            self._deferred["slot"].add(slot)
+        else:
+            self.inner.free_slot(slot)
+
+    def free_pages(self, pages: list[int]) -> None:
+        pins, now = self._pins["page"], []
+        for pg in pages:
+            if pins[pg]:
+                self._deferred["page"].add(pg)
+            else:
+                now.append(pg)
+        if now:
+            self.inner.free_pages(now)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.inner.copy_slot(src, dst)
+
+    # ---- pins ----
+    def pin(self, slots: list[int], pages: list[int]) -> None:
+        for s in slots:
+            self.inner.pin_slot(s)
+        self.inner.pin_pages(pages)
+        self._pins["slot"].update(slots)
+        self._pins["page"].update(pages)
+
+    def unpin(self, slots: list[int], pages: list[int]) -> None:
+        released = {"slot": self._unpin_counts("slot", slots), "page": self._unpin_counts("page", pages)}
+        self._releasing = released  # relocations during the unpins below re-key these
+        try:
+            for s in slots:
+                self.inner.unpin_slot(s)  # may compact: blocks no longer pinned can move
+            self.inner.unpin_pages(pages)
+        finally:
+            self._releasing = None
+        for s in released["slot"]:
+            self._deferred["slot"].discard(s)
+            self.inner.free_slot(s)
+        if released["page"]:
+            self._deferred["page"].difference_update(released["page"])
+            self.inner.free_pages(sorted(released["page"]))
+
+    def _unpin_counts(self, kind: str, ids: list[int]) -> set[int]:
+        pins, out = self._pins[kind], set()
+        for i in ids:
+            if pins[i] <= 0:
+                raise ValueError(f"{kind} {i} unpinned more often than pinned")
+            pins[i] -= 1
+            if not pins[i]:
+                del pins[i]
+                if i in self._deferred[kind]:
+                    out.add(i)
+        return out
+
+    def num_pinned(self) -> int:
+        return len(self._pins["slot"]) + len(self._pins["page"])
+
+    def num_deferred(self, kind: str) -> int:
+        return len(self._deferred[kind])
+
+    # ---- the rest of the protocol ----
+    def num_free_slots(self) -> int:
+        return self.inner.num_free_slots()
+
+    def num_free_pages(self) -> int:
+        return self.inner.num_free_pages()
+
+    def num_used_slots(self) -> int:
+        return self.inner.num_used_slots()
+
+    def num_used_pages(self) -> int:
+        return self.inner.num_used_pages()
+
+    def can_fit(self, n_slots: int, n_pages: int) -> bool:
+        return self.inner.can_fit(n_slots, n_pages)
+
+    def pin_slot(self, slot: int) -> None:
+        self.pin([slot], [])
+
+    def unpin_slot(self, slot: int) -> None:
+        self.unpin([slot], [])
+
+    def pin_pages(self, pages: list[int]) -> None:
+        self.pin([], list(pages))
+
+    def unpin_pages(self, pages: list[int]) -> None:
+        self.unpin([], list(pages))
+
+    def add_relocation_listener(self, fn: RelocationListener) -> None:
+        self._listeners.append(fn)
+
+    _releasing: dict | None = None
+
+    def _moved(self, kind: str, old: int, new: int) -> None:
+        # Pinned blocks never move; a deferred block moves only between its last unpin and its free.
+        for group in (self._deferred[kind], (self._releasing or {}).get(kind, set())):
+            if old in group:
+                group.discard(old)
+                group.add(new)
+        for fn in self._listeners:
+            fn(kind, old, new)

@@ -1,0 +1,78 @@
+"""Runs scheduled batches: the forward through the executor, then the batch's snapshot copies, then sampling.
+
+The forward and the copies after it are one unit of work, executed in order, like kernels on one
+stream: a snapshot copy sees the forward that ended at its position, and the next batch's forward
+(which overwrites the working slot) comes after the copy. With `overlap`, that unit runs on a
+single worker thread (the CPU stand-in for the device's stream) while the scheduler prepares the
+next batch; `launch` returns at once and `wait` returns the logits.
+
+Logits of a CUDA-graph replay are a view of the graph's static output: they are sampled before the
+next batch is launched, which the engine's loop guarantees.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from k3compile.runtime.executor import Executor
+from k3compile.runtime.sampling import sample
+
+from .inflight_memory import InFlightMemory
+from .scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, provider, memory: InFlightMemory, max_context: int, overlap: bool = False,
+                 cuda_graphs: bool | None = None):
+        self.memory = memory
+        self.executor = Executor(provider, memory.tensors, cuda_graphs=cuda_graphs, max_context=max_context)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="k3-forward") if overlap else None
+        self._future: Future | None = None
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        with torch.no_grad():
+            logits = self.executor.run(batch.forward)
+            for working, snap in batch.snapshot_copies:
+                self.memory.copy_slot(working, snap)
+        return logits
+
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        return self._forward(batch)
+
+    def launch(self, batch: ScheduledBatch) -> None:
+        if self._future is not None:
+            raise RuntimeError("a batch is already in flight")
+        if self._worker is None:
+            raise RuntimeError("launch needs a runner built with overlap=True")
+        self._future = self._worker.submit(self._forward, batch)
+
+    def wait(self) -> torch.Tensor:
+        fut, self._future = self._future, None
+        if fut is None:
+            raise RuntimeError("no batch in flight")
+        return fut.result()
+
+    @staticmethod
+    def sample(batch: ScheduledBatch, logits: torch.Tensor) -> list[int | None]:
+        """One token per sampling row of a live request (greedy rows in one argmax); None elsewhere."""
+        out: list[int | None] = [None] * len(batch.rows)
+        rows = [i for i, r in enumerate(batch.rows) if r.samples and not r.req.finished]
+        if not rows:
+            return out
+        # Prefill logits are one row per request; decode rows too.
+        greedy = [i for i in rows if batch.rows[i].req.params.temperature == 0.0]
+        if greedy:
+            top = logits[greedy].argmax(-1).tolist()
+            for i, t in zip(greedy, top):
+                out[i] = int(t)
+        for i in rows:
+            req = batch.rows[i].req
+            if req.params.temperature != 0.0:
+                out[i] = sample(logits[i], req.params, req.generator)
+        return out
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None

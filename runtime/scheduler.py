@@ -1,0 +1,366 @@
+"""Continuous batching over the hybrid radix cache: what runs next, and what each result changes.
+
+    batch = scheduler.schedule()          # admission, chunking, pages, snapshots, metadata; None: nothing to run
+    ... run batch.forward, then copy each (working -> snapshot) slot pair in batch.snapshot_copies
+    scheduler.process(batch, tokens)      # sampled tokens in; finishes, donations, releases, retractions
+
+Batches. Prefill first: every running request still in prefill gets its next chunk, then waiting
+requests are admitted (FCFS) while the token budget (`max_batch_tokens`), the running limit and
+memory allow. Without prefill work, one decode step for every running request. A request appears
+at most once per batch.
+
+Chunks end at absolute multiples of `chunk_size`, at the prompt's end, and -- so the cache can
+take a state there -- at the branch point the admission match reported and (policy
+`split_prompt_tail`) at the prompt's last checkpoint boundary. A chunk cut short by the budget
+is pulled back to a checkpoint boundary when one lies inside it.
+
+State moves (runtime/cache/state_slots.py): admission restores the working slot from the matched
+checkpoint (copy-on-write; zero state on a miss). A chunk that ends on a checkpoint boundary, and
+a decode step that reaches a multiple of `track_interval`, get a snapshot slot when the batch is
+built; the runner copies the working state into it right after the forward, before any later
+forward can write the working slot. Only once `process` has seen the batch finish is the
+snapshot "complete"; older complete snapshots are then dropped, and the policy decides whether it
+is donated now (chunk / decode track point / branch point / prompt end) or kept for the finish.
+
+Overlap. `schedule` may run while the previous batch is still in flight: positions advance at
+scheduling time (`num_scheduled`), and a decode row whose input token is still being sampled
+gets a placeholder that the engine fills from the request's tokens before launching. A request
+that finishes or is aborted by the in-flight batch rides along in the next one as a harmless
+zombie (its own slot and pages); its resources are released only when no batch includes it.
+Every block a batch references is pinned while it exists (InFlightMemory), so nothing it reads
+moves or is reused underneath it.
+
+Memory pressure. Admission needs the working slot plus pages for the whole remaining prefill;
+the tree gives up LRU checkpoints, then LRU leaves, to make room. When a running request cannot
+get pages for its next step, the newest running request is retracted: its newest complete
+snapshot is donated (so its prefix may stay in the tree), everything else goes back to memory,
+and it returns to the front of the queue to be re-admitted and recompute what it lost
+(prompt + output so far is prefilled again, so its outputs are unchanged). A retraction of a
+request in flight waits until its batch is processed; only one retraction is pending at a time.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from k3compile.model_def.batch import ForwardBatch
+from k3compile.runtime.cache.radix import HybridRadixCache
+from k3compile.runtime.cache.request_table import RequestTable
+from k3compile.runtime.cache.state_slots import TooManyStateSlotsError
+from k3compile.runtime.memory.base import OutOfMemoryError
+
+from .cache_policy import CachePolicy
+from .inflight_memory import InFlightMemory
+from .request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    chunk_size: int
+    max_batch_tokens: int
+    max_running: int
+    track_interval: int
+    checkpoint_interval: int
+    device: str = "cpu"
+
+
+@dataclass
+class Row:
+    req: Request
+    start: int  # computes positions [start, end)
+    end: int
+    samples: bool  # its logits give the request's next token
+    snapshot: int | None = None  # position whose state is copied into a snapshot slot after the forward
+
+
+@dataclass
+class ScheduledBatch:
+    mode: str  # "prefill" | "decode"
+    rows: list[Row]
+    forward: ForwardBatch
+    snapshot_copies: list[tuple[int, int]]  # (working slot, snapshot slot), run right after the forward
+    placeholders: list[tuple[int, Row]] = field(default_factory=list)  # (input_ids index, row): token not sampled yet
+    pinned: tuple[list[int], list[int]] = ([], [])  # (slots, pages) pinned while the batch exists
+
+
+class Scheduler:
+    def __init__(self, memory: InFlightMemory, cache: HybridRadixCache, table: RequestTable, policy: CachePolicy,
+                 cfg: SchedulerConfig):
+        self.memory, self.cache, self.table, self.policy, self.cfg = memory, cache, table, policy, cfg
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._admissions = 0
+        # counters for metrics
+        self.retractions = 0
+        self.prefill_tokens = 0  # tokens computed by prefill rows (cache hits excluded, recomputation included)
+        self.generated_tokens = 0
+        self.prompt_tokens = 0  # prompt tokens of first admissions
+        self.cache_hit_tokens = 0  # of those, served from the cache
+
+    # ------------------------------------------------------------------ requests in and out
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def abort(self, req: Request) -> None:
+        """Finish now; resources go back at once, or when the last batch that includes it is processed."""
+        if req.finished:
+            return
+        req.finish("abort")
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._settle(req)
+
+    def num_running(self) -> int:
+        return sum(1 for r in self.running if not r.finished)
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> ScheduledBatch | None:
+        for _ in range(len(self.running) + 1):  # each round without a batch retracts one request
+            batch = self._schedule_prefill() or self._schedule_decode()
+            if batch is not None or not self._stuck():
+                return batch
+            self._retract(self._newest())
+        return None
+
+    def _stuck(self) -> bool:
+        """Running requests exist, none is in flight or being retracted, and nothing could be scheduled."""
+        live = [r for r in self.running if not r.finished]
+        return bool(live) and not any(r.inflight or r.retract_pending for r in self.running)
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        rows, budget = [], self.cfg.max_batch_tokens
+        for req in list(self.running):
+            if budget > 0 and req.in_prefill and self._schedulable(req):
+                row = self._prefill_row(req, budget)
+                if row is not None:
+                    rows.append(row)
+                    budget -= row.end - row.start
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            self.waiting.popleft()
+            row = self._prefill_row(req, budget)
+            if row is not None:
+                rows.append(row)
+                budget -= row.end - row.start
+        return self._build("prefill", rows) if rows else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        rows = []
+        for req in list(self.running):
+            if not self._schedulable(req) or req.in_prefill:
+                continue
+            pending = req.num_scheduled + 1 - req.num_tokens  # 1: a token still comes from the batch in flight
+            if len(req.output_ids) + pending >= req.params.max_new_tokens:
+                continue  # that token ends it
+            pos = req.num_scheduled
+            if not self._ensure_pages(req, pos + 1, retract=True):
+                continue
+            snap = pos + 1 if self.policy.enabled and (pos + 1) % self.cfg.track_interval == 0 else None
+            rows.append(Row(req, pos, pos + 1, samples=True, snapshot=self._alloc_snapshot(req, snap)))
+        return self._build("decode", rows) if rows else None
+
+    def _schedulable(self, req: Request) -> bool:
+        return req.status is Status.RUNNING and not req.retract_pending
+
+    def _admit(self, req: Request) -> bool:
+        """Match, lock, restore; room for the whole remaining prefill. False: nothing held, try later."""
+        tokens = req.all_ids
+        handle = self._retry(lambda: self.table.admit(req.rid, tokens[:-1]), slots=1)
+        if handle is None:
+            return False
+        need = self._pages_short(len(tokens), handle.prefix_len // self.cfg.page_size)
+        if not self._make_room(0, need + self._reserved_pages()):
+            self.table.release(handle)
+            return False
+        hit = handle.prefix_len
+        req.handle, req.status = handle, Status.RUNNING
+        req.num_scheduled = req.num_computed = hit
+        req.prefill_target = len(tokens)
+        req.latest_snapshot = None
+        bp = handle.hit.branch_point if self.policy.branch_points else None
+        req.branch_point = bp if bp is not None and hit < bp < len(tokens) else None
+        self._admissions += 1
+        req.admit_seq = self._admissions
+        if not req.admitted_once:
+            req.admitted_once, req.cached_tokens = True, hit
+            self.prompt_tokens += len(req.prompt_ids)
+            self.cache_hit_tokens += hit
+        self.running.append(req)
+        return True
+
+    def _pages_short(self, num_tokens: int, have: int) -> int:
+        return max(0, -(-num_tokens // self.cfg.page_size) - have)
+
+    def _reserved_pages(self) -> int:
+        """Pages running requests still need to finish their prefill (admission leaves them room)."""
+        p = self.cfg.page_size
+        return sum(self._pages_short(r.prefill_target, r.handle.prefix_len // p + len(r.handle.own_pages))
+                   for r in self.running if r.in_prefill and r.handle is not None)
+
+    def _chunk_end(self, req: Request, budget: int) -> int:
+        start, target = req.num_scheduled, req.prefill_target
+        c, g = self.cfg.chunk_size, self.cfg.checkpoint_interval
+        end = min(target, (start // c + 1) * c, start + budget)
+        cuts = [req.branch_point]
+        if self.policy.enabled and self.policy.split_prompt_tail:
+            cuts.append(target - target % g)
+        for cut in cuts:
+            if cut is not None and start < cut < end:
+                end = cut
+        if end < target and end % g and end - end % g > start:
+            end -= end % g  # cut by the budget: keep chunk ends on checkpoint boundaries
+        return end
+
+    def _prefill_row(self, req: Request, budget: int) -> Row | None:
+        end = self._chunk_end(req, budget)
+        if not self._ensure_pages(req, end, retract=req.admit_seq != self._admissions):
+            return None
+        snap = end if self.policy.enabled and end % self.cfg.checkpoint_interval == 0 else None
+        return Row(req, req.num_scheduled, end, samples=end == req.prefill_target,
+                   snapshot=self._alloc_snapshot(req, snap))
+
+    # ------------------------------------------------------------------ memory
+    def _alloc_snapshot(self, req: Request, pos: int | None) -> int | None:
+        """A snapshot slot for the state after `pos` tokens (copied by the runner). Skipped, not
+        fatal, when no slot can be had: a missing snapshot only costs a future cache hit."""
+        if pos is None:
+            return None
+        try:
+            ok = self._retry(lambda: req.handle.slots.snapshot(pos, copy=False), slots=1)
+        except TooManyStateSlotsError:
+            return None
+        return pos if ok is not None else None
+
+    def _ensure_pages(self, req: Request, num_tokens: int, retract: bool) -> bool:
+        """Pages for `num_tokens`; under pressure evict from the tree, then retract the newest request."""
+        while True:
+            if self._retry(lambda: self.table.ensure_pages(req.handle, num_tokens), pages=1) is not None:
+                return True
+            if not retract or any(r.retract_pending for r in self.running):
+                return False  # memory comes back when the pending retraction is processed
+            victim = self._newest()
+            self._retract(victim)
+            if victim is req or req.status is not Status.RUNNING:
+                return False
+
+    def _retry(self, fn, slots: int = 0, pages: int = 0):
+        """fn(); on OutOfMemoryError make room in the tree and try once more. None if still out."""
+        try:
+            return fn()
+        except OutOfMemoryError as e:
+            if not self._make_room(slots, max(pages, e.requested - e.free if "page" in e.kind else 0)):
+                return None
+        try:
+            return fn()
+        except OutOfMemoryError:
+            return None
+
+    def _make_room(self, n_slots: int, n_pages: int) -> bool:
+        """Evict from the tree until the memory can hold n_slots + n_pages: checkpoints first (their KV
+        stays for a later refill), then least recently used leaves."""
+        mem, cache = self.memory, self.cache
+        while not mem.can_fit(n_slots, n_pages):
+            pages_short = mem.num_free_pages() < n_pages
+            if n_slots and (mem.num_free_slots() < n_slots or not pages_short) and cache.evict_checkpoints(1):
+                continue
+            if cache.evict_pages(max(1, n_pages - mem.num_free_pages())) or cache.evict_checkpoints(1):
+                continue
+            return False
+        return True
+
+    # ------------------------------------------------------------------ building a batch
+    def _build(self, mode: str, rows: list[Row]) -> ScheduledBatch:
+        p, ids, placeholders, copies = self.cfg.page_size, [], [], []
+        tables, slots, pins_s, pins_p = [], [], [], []
+        offset = 0
+        for row in rows:
+            req, h = row.req, row.req.handle
+            toks = [req.token_at(q) if q < req.num_tokens else None for q in range(row.start, row.end)]
+            for j, t in enumerate(toks):
+                if t is None:
+                    placeholders.append((offset + j, row))
+            ids.append([0 if t is None else t for t in toks])
+            offset += len(toks)
+            pages = self.table.page_table(h)[: -(-row.end // p)]
+            tables.append(pages)
+            slots.append(h.slots.working)
+            pins_p.extend(pages)
+            pins_s.append(h.slots.working)
+            if row.snapshot is not None:
+                snap_slot = h.slots.snapshot_slot(row.snapshot)
+                copies.append((h.slots.working, snap_slot))
+                pins_s.append(snap_slot)
+            req.num_scheduled = row.end
+            req.inflight += 1
+        self.memory.pin(pins_s, pins_p)
+        fb = ForwardBatch.build(mode, ids, [r.start for r in rows], tables, slots, p, device=self.cfg.device)
+        return ScheduledBatch(mode, rows, fb, copies, placeholders, (pins_s, pins_p))
+
+    # ------------------------------------------------------------------ results
+    def process(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[Request]:
+        """Apply a finished batch: `tokens[i]` is row i's sampled token (None where it samples nothing).
+        Returns the requests that got a token."""
+        self.memory.unpin(*batch.pinned)
+        touched = []
+        pol = self.policy
+        for row, tok in zip(batch.rows, tokens):
+            req = row.req
+            req.inflight -= 1
+            if req.finished or req.status is not Status.RUNNING:
+                continue  # a zombie row: finished or aborted while this batch was built
+            req.num_computed = row.end
+            if batch.mode == "prefill":
+                self.prefill_tokens += row.end - row.start
+            if row.snapshot is not None:
+                req.handle.slots.drop_before(row.snapshot)  # superseded by the newer complete state
+                req.latest_snapshot = row.snapshot
+                if (batch.mode == "prefill" and pol.donate_chunks) or (batch.mode == "decode" and pol.donate_decode) \
+                        or row.snapshot == req.branch_point:
+                    self._donate_latest(req)
+            if batch.mode == "prefill" and row.end == req.prefill_target and pol.donate_handover:
+                self._donate_latest(req)
+            if row.samples and tok is not None:
+                req.append_token(tok)
+                self.generated_tokens += 1
+                touched.append(req)
+        for row in batch.rows:
+            self._settle(row.req)
+        return touched
+
+    def _donate_latest(self, req: Request) -> None:
+        if req.latest_snapshot is not None:
+            self.table.donate(req.handle, req.all_ids, req.latest_snapshot)
+            req.latest_snapshot = None
+
+    def _settle(self, req: Request) -> None:
+        """Release a finished request, or carry out a pending retraction, once no batch includes it."""
+        if req.inflight or req.handle is None:
+            return
+        if req.finished:
+            if req.finish_reason != "abort" and self.policy.donate_finish:
+                self._donate_latest(req)
+            self.table.release(req.handle)
+            req.handle = None
+            self.running.remove(req)
+        elif req.retract_pending:
+            self._retract(req)
+
+    def _newest(self) -> Request:
+        return max((r for r in self.running if not r.finished), key=lambda r: r.admit_seq)
+
+    def _retract(self, req: Request) -> None:
+        if req.inflight:
+            req.retract_pending = True
+            return
+        if self.policy.donate_finish:
+            self._donate_latest(req)
+        self.table.release(req.handle)
+        req.handle, req.status, req.retract_pending = None, Status.WAITING, False
+        req.num_scheduled = req.num_computed = req.prefill_target = 0
+        req.latest_snapshot = req.branch_point = None
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        self.retractions += 1

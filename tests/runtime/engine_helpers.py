@@ -1,0 +1,67 @@
+"""Shared pieces of the engine tests: the single-request reference loop, workloads, accounting checks."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from k3compile.model_def.batch import ForwardBatch
+from k3compile.model_def.cache import CacheTensors
+from k3compile.runtime.cache.checks import check_cache
+from k3compile.runtime.engine import EngineArgs, LLMEngine
+from k3compile.runtime.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+@torch.no_grad()
+def reference_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The plain model.step loop: the whole prompt in one prefill, then one decode step per token."""
+    page = 16
+    n_pages = -(-(len(prompt) + max_new_tokens) // page)
+    cache = CacheTensors.allocate(model.cache_spec(), 2, n_pages + 1, page)
+    table, slot = list(range(1, n_pages + 1)), 1
+    logits = model.step(ForwardBatch.build("prefill", [prompt], [0], [table], [slot], page), cache)[0]
+    out = []
+    while True:
+        out.append(int(logits.argmax()))
+        if len(out) == max_new_tokens:
+            return out
+        pos = len(prompt) + len(out) - 1
+        logits = model.step(ForwardBatch.build("decode", [[out[-1]]], [pos], [table], [slot], page), cache)[0]
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(0, 256) for _ in range(n)]
+
+
+def make_engine(model, **kw) -> LLMEngine:
+    return LLMEngine(EngineArgs(**kw), model=model)
+
+
+def run_sequential(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
+    """One request after the other (each can hit what the earlier ones left in the cache)."""
+    return [engine.generate([p], params)[0] for p in prompts]
+
+
+def check_accounting(engine: LLMEngine) -> None:
+    """Every used slot and page belongs to exactly one owner: the tree, a running request, or a
+    deferred free waiting for an in-flight batch; the tree's invariants hold."""
+    cache, table, mem = engine.cache, engine.table, engine.memory
+    check_cache(cache, table)
+    req_slots = sum(len(r.slots.held()) for r in table.requests())
+    req_pages = sum(len(r.own_pages) for r in table.requests())
+    assert mem.num_used_slots() == cache.num_checkpoints() + req_slots + mem.num_deferred("slot")
+    assert mem.num_used_pages() == cache.num_pages() + req_pages + mem.num_deferred("page")
+    running = [r for r in engine.scheduler.running if r.handle is not None]
+    assert {r.rid for r in running} == {r.rid for r in table.requests()}
+
+
+def check_idle(engine: LLMEngine) -> None:
+    """Nothing running: only the tree holds memory, nothing pinned or deferred."""
+    assert not engine.has_unfinished()
+    check_accounting(engine)
+    assert len(engine.table) == 0 and engine.memory.num_pinned() == 0
+    assert engine.memory.num_deferred("slot") == engine.memory.num_deferred("page") == 0
+    assert engine.memory.num_used_slots() == engine.cache.num_checkpoints()
+    assert engine.memory.num_used_pages() == engine.cache.num_pages()

@@ -1,0 +1,153 @@
+"""The engine's prefix-cache paths with the real model: restore from a checkpoint, plant a checkpoint
+at a branch point in the middle of a cached edge and restore from it, multi-turn reuse of decode
+snapshots. Each test asserts that the path was taken (cached tokens, tree shape), that outputs equal
+the reference, and -- the silent-failure guard (SGLang #31474) -- that every checkpoint holds the
+state recomputed from its prefix and that a corrupted checkpoint does change the outputs."""
+import random
+
+import pytest
+import torch
+
+from k3compile.model_def.batch import ForwardBatch
+from k3compile.model_def.cache import CacheTensors
+from k3compile.model_def.loader import load_model
+from k3compile.runtime.sampling import SamplingParams
+
+from .engine_helpers import GREEDY, check_idle, make_engine, reference_generate, tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("k3-tiny")
+
+
+def generate_one(engine, rid, prompt, params=GREEDY):
+    """(output ids, cached_tokens) of one request run to completion."""
+    engine.add_request(rid, prompt, params)
+    out, cached = [], None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.rid == rid:
+                out.extend(o.new_token_ids)
+                cached = o.cached_tokens
+    return out, cached
+
+
+@torch.no_grad()
+def recomputed_state(model, prefix: list[int]):
+    """KDA state after `prefix`, prefilled from scratch in one chunk into a fresh slot."""
+    page = 16
+    n = -(-len(prefix) // page)
+    cache = CacheTensors.allocate(model.cache_spec(), 2, n + 1, page)
+    model.step(ForwardBatch.build("prefill", [prefix], [0], [list(range(1, n + 1))], [1], page), cache)
+    return cache.ssm[1].clone(), cache.conv[1].clone()
+
+
+def assert_checkpoints_hold_their_prefix_state(engine, model) -> int:
+    """Every checkpoint's ssm and conv equal the state recomputed from its node's prefix."""
+    tensors, n = engine.memory.tensors, 0
+    for node in engine.cache.nodes():
+        if node.checkpoint is None:
+            continue
+        ssm, conv = recomputed_state(model, list(engine.cache.path_tokens(node)))
+        torch.testing.assert_close(tensors.ssm[node.checkpoint], ssm, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"checkpoint at depth {node.depth}: ssm differs\n{m}")
+        torch.testing.assert_close(tensors.conv[node.checkpoint], conv, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"checkpoint at depth {node.depth}: conv differs\n{m}")
+        n += 1
+    return n
+
+
+def checkpoint_depths(engine) -> set[int]:
+    return {nd.depth for nd in engine.cache.nodes() if nd.checkpoint is not None}
+
+
+BRANCH_CONFIGS = [dict(page_size=16, chunk_size=64), dict(page_size=16, chunk_size=256, overlap=True),
+                  dict(page_size=1, chunk_size=16, overlap=True, enable_unified_memory=True)]
+
+
+@pytest.mark.parametrize("cfg", BRANCH_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_restore_and_branch_point(model, cfg):
+    rng = random.Random(11)
+    shared = tokens(rng, 130)
+    a = shared + tokens(rng, 150)  # its checkpoint lands at the prompt's last boundary: one edge, no fork state
+    b, c, d = (shared + tokens(rng, 20 + 7 * i) for i in range(3))  # fork after 130 shared tokens
+    engine = make_engine(model, **cfg)
+
+    out_a, cached_a = generate_one(engine, "a", a)
+    assert cached_a == 0 and out_a == reference_generate(model, a, GREEDY.max_new_tokens)
+    g = engine.scheduler.cfg.checkpoint_interval
+    assert checkpoint_depths(engine) == {len(a) // g * g}
+
+    # b forks in the middle of the cached edge: KV matches 128+ tokens but no state is saved there;
+    # it replays from the root, ends a chunk at the branch point 128, snapshots and donates there.
+    out_b, cached_b = generate_one(engine, "b", b)
+    assert cached_b == 0 and out_b == reference_generate(model, b, GREEDY.max_new_tokens)
+    assert 128 in checkpoint_depths(engine)
+
+    # c (and d) fork at the same place and now restore directly from the branch checkpoint.
+    for rid, p in (("c", c), ("d", d)):
+        out, cached = generate_one(engine, rid, p)
+        assert cached == 128, f"{rid} should restore from the branch-point checkpoint"
+        assert out == reference_generate(model, p, GREEDY.max_new_tokens)
+    check_idle(engine)
+    assert assert_checkpoints_hold_their_prefix_state(engine, model) >= 2
+    engine.close()
+
+
+def test_restore_from_checkpoint_reads_the_checkpoint(model):
+    """Negative control: corrupt the checkpoint a request will restore from and its output changes
+    (so the parity above really depends on the restored state, not on recomputation)."""
+    rng = random.Random(12)
+    system = tokens(rng, 200)
+    first, second = system + tokens(rng, 9), system + tokens(rng, 25)
+    ref = reference_generate(model, second, GREEDY.max_new_tokens)
+
+    for corrupt in (False, True):
+        engine = make_engine(model, chunk_size=64)
+        generate_one(engine, "first", first)
+        node = next(nd for nd in engine.cache.nodes() if nd.depth == 192 and nd.checkpoint is not None)
+        if corrupt:
+            engine.memory.tensors.ssm[node.checkpoint].mul_(-1.0)
+        out, cached = generate_one(engine, "second", second)
+        assert cached == 192
+        assert (out == ref) is (not corrupt)
+        if corrupt:
+            with pytest.raises(AssertionError, match="depth 192"):
+                assert_checkpoints_hold_their_prefix_state(engine, model)
+        engine.close()
+
+
+@pytest.mark.parametrize("policy", ["sparse", "every_chunk", "end"])
+def test_multi_turn_reuses_decode_snapshots(model, policy):
+    """Turn 2 = turn 1's prompt + answer + a new message: it restores from a state taken during
+    turn 1's decode (track_interval 16), deeper than turn 1's prompt."""
+    rng = random.Random(13)
+    turn1 = tokens(rng, 40)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    engine = make_engine(model, page_size=16, chunk_size=16, track_interval=16, cache_policy=policy, overlap=True)
+    ans1, _ = generate_one(engine, "t1", turn1, params)
+    turn2 = turn1 + ans1 + tokens(rng, 10)
+    ans2, cached = generate_one(engine, "t2", turn2, params)
+    assert cached == (len(turn1) + len(ans1) - 1) // 16 * 16 == 64
+    assert ans2 == reference_generate(model, turn2, params.max_new_tokens)
+    check_idle(engine)
+    assert_checkpoints_hold_their_prefix_state(engine, model)
+    engine.close()
+
+
+def test_every_checkpoint_matches_recomputation_after_mixed_workload(model):
+    """Sessions with a shared system prompt, forks and concurrent ragged requests under the dense
+    policy (most checkpoints) with overlap and unified memory; then the state integrity check."""
+    rng = random.Random(14)
+    system = tokens(rng, 90)
+    engine = make_engine(model, page_size=16, chunk_size=32, track_interval=32, cache_policy="every_chunk",
+                         overlap=True, enable_unified_memory=True, max_batch_tokens=96)
+    first = [system + tokens(rng, n) for n in (5, 40, 77)] + [tokens(rng, 50)]
+    outs = engine.generate(first, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    follow = [p + o + tokens(rng, 12) for p, o in zip(first, outs)] + [system[:40] + tokens(rng, 30)]
+    engine.generate(follow, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    check_idle(engine)
+    assert engine.metrics()["cache_hit_tokens"] > 0
+    assert assert_checkpoints_hold_their_prefix_state(engine, model) >= 8
+    engine.close()
