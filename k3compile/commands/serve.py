@@ -51,7 +51,25 @@ def engine_args(args):
                   max_context=args.max_context)
     if args.dtype is not None:
         kwargs["dtype"] = args.dtype
+    elif is_engine:   # an engine runs in the dtype it was built for
+        kwargs["dtype"] = _engine_dtype(args.model)
     return EngineArgs(**kwargs)
+
+
+def _engine_dtype(engine_dir: str) -> str:
+    import json
+
+    from k3compile.engine.format import MANIFEST, EngineError
+
+    path = os.path.join(engine_dir, MANIFEST)
+    try:
+        with open(path) as f:
+            dtype = json.load(f).get("dtype")
+    except (OSError, ValueError, AttributeError) as e:
+        raise EngineError(f"{path}: cannot read the engine manifest ({e})") from None
+    if not isinstance(dtype, str):
+        raise EngineError(f"{path}: the manifest has no 'dtype'")
+    return dtype
 
 
 def served_name(args) -> str:

@@ -35,6 +35,9 @@ _COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions; ch
 
 def build_app(front: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
     """The app owns the front's lifetime: the engine thread starts and stops with the server."""
+    if front.tokenizer is None:
+        raise ValueError("the model has no tokenizer (no tokenizer files and no byte-level vocabulary); "
+                         "the server needs one to turn text into tokens")
     metrics = ServerMetrics(front)
     created = P.now()
 
@@ -149,10 +152,9 @@ def build_app(front: AsyncEngine, model_name: str, api_key: str | None = None) -
                              f"has {prompt_len} and max_tokens asks for {req.max_tokens} more",
                              param="max_tokens", code="context_length_exceeded")
         max_tokens = req.max_tokens if req.max_tokens is not None else min(default_max or room, room)
-        eos = front.tokenizer.eos_token_id
+        # the engine stops at the tokenizer's eos itself unless ignore_eos
         return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                              max_new_tokens=max_tokens, seed=req.seed, ignore_eos=req.ignore_eos,
-                              stop_token_ids=() if eos is None or req.ignore_eos else (eos,))
+                              max_new_tokens=max_tokens, seed=req.seed, ignore_eos=req.ignore_eos)
 
     async def whole_response(request: Request, gen: Generation, req, rid: str, stamp: int, chat: bool):
         async def collect():

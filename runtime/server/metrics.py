@@ -12,19 +12,27 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "k3compile"
 
-# engine metrics key -> (metric name without prefix, kind, help)
+# engine metrics key (LLMEngine.metrics() plus the front's own) -> (name without prefix, kind, help)
 ENGINE_METRICS = {
     "running": ("requests_running", "gauge", "requests in the running batch"),
     "queued": ("requests_queued", "gauge", "requests waiting to be scheduled"),
+    "max_running": ("requests_max_running", "gauge", "the running-requests limit"),
     "in_flight": ("requests_in_engine", "gauge", "requests the engine holds (running, queued or finishing)"),
     "tokens_per_s": ("generation_tokens_per_second", "gauge", "generated tokens per second, last 10 s"),
     "generated_tokens": ("generation_tokens", "counter", "tokens generated"),
-    "prefill_tokens": ("prefill_tokens", "counter", "prompt tokens computed by prefill (cache hits excluded)"),
+    "prompt_tokens": ("prompt_tokens", "counter", "prompt tokens admitted (cache hits included)"),
+    "prefill_tokens": ("prefill_tokens", "counter", "tokens computed by prefill (cache hits excluded)"),
     "cache_hit_tokens": ("cache_hit_tokens", "counter", "prompt tokens served from the prefix cache"),
-    "cache_hit_rate": ("cache_hit_rate", "gauge", "cache hit tokens / prompt tokens looked up"),
+    "cache_hit_rate": ("cache_hit_rate", "gauge", "cache hit tokens / prompt tokens, since start"),
+    "pages_used": ("kv_pages_used", "gauge", "KV pages in use (requests and prefix cache)"),
+    "pages_total": ("kv_pages_total", "gauge", "KV pages the memory holds"),
     "kv_pool_usage": ("kv_pool_usage", "gauge", "fraction of KV pages in use"),
+    "slots_used": ("state_slots_used", "gauge", "KDA state slots in use (requests and checkpoints)"),
+    "slots_total": ("state_slots_total", "gauge", "KDA state slots the memory holds"),
     "state_pool_usage": ("state_pool_usage", "gauge", "fraction of KDA state slots in use"),
+    "tree_pages": ("cache_pages", "gauge", "KV pages held by the prefix cache"),
     "checkpoints": ("cache_checkpoints", "gauge", "KDA state checkpoints held by the prefix cache"),
+    "checkpoint_bytes": ("cache_checkpoint_bytes", "gauge", "bytes of KDA state checkpoints held"),
     "retractions": ("retractions", "counter", "requests retracted under memory pressure"),
 }
 
