@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from k3compile.model_def.batch import ForwardBatch
@@ -57,8 +58,11 @@ def capture_step(model: torch.nn.Module, mode: str, page_size: int = 4) -> torch
     def step(*a):
         return model.step_tensors(mode, *a)
 
-    # parameters are real tensors closed over by the trace: allow them next to the fake inputs
-    gm = make_fx(step, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*args)
+    # Parameters are real tensors closed over by the trace: allow them next to the fake inputs.
+    # No duck shaping: otherwise sizes that merely happen to be equal in the example (batch size and
+    # the number of MLA layers, say) share one symbol, and passes would treat them as the same size.
+    with fx_config.patch(use_duck_shape=False):
+        gm = make_fx(step, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*args)
     _name_inputs(gm)
     _name_params(gm, model)
     gm.meta["k3"] = {"mode": mode, "inputs": list(STEP_INPUTS)}

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Order is the order shown in --help.
-COMMANDS = ["info", "generate", "report"]
+COMMANDS = ["info", "build", "generate", "serve", "bench", "report"]
 
 
 def build_parser() -> argparse.ArgumentParser:

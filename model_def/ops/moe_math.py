@@ -72,7 +72,9 @@ def moe_experts_grouped(x, topk_ids, topk_weights, w13, w2, act, beta, linear_be
     flat = topk_ids.reshape(-1)
     order = flat.argsort(stable=True)
     token_of = order // k
-    offs = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    # per-expert counts without bincount: bincount reads its max back to the host (breaks CUDA graphs)
+    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=flat.device)
+    offs = counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
     h = torch._grouped_mm(x[token_of], w13.transpose(1, 2), offs=offs)  # [n*k, 2I]
     h = glu_act(h[:, :inter], h[:, inter:], act, beta, linear_beta)
     y = torch._grouped_mm(h.contiguous(), w2.transpose(1, 2), offs=offs)  # [n*k, D]
