@@ -8,7 +8,6 @@ import asyncio
 import time
 
 import httpx
-import openai
 import pytest
 
 from .conftest import API_KEY, MODEL
