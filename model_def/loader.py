@@ -35,7 +35,7 @@ def build_model(cfg: ModelConfig, dtype=torch.float32, device="cpu") -> K3ForCau
         for mod in model.modules():
             for bname, buf in list(mod.named_buffers(recurse=False)):
                 mod.register_buffer(bname, torch.zeros(buf.shape, dtype=torch.float32, device=device))
-    return model.eval()
+    return model.eval().requires_grad_(False)  # an inference stack: no autograd graphs, ever
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0,
