@@ -46,7 +46,7 @@ Caps and eviction
   checkpoint that would exceed it evicts the least recently used unpinned checkpoints above it
   (they become tombstones); if those are pinned, the new one is rejected.
 * Global cap `max_checkpoints`: a new checkpoint beyond it evicts the LRU evictable checkpoint
-  elsewhere (never on the path being inserted).
+  (anywhere but the leaf the insert extends or splits); if none is evictable it is rejected.
 * `evict_checkpoints(n)` (state pressure): LRU unpinned checkpoints; an internal node becomes a
   tombstone, a leaf is deleted. `evict_pages(n)` (KV pressure): LRU unlocked leaves, with their
   checkpoints.
@@ -320,8 +320,8 @@ class HybridRadixCache:
         """Decide whether a checkpoint may be stored at the insert's end node.
 
         Returns (admitted, per-path victims to tombstone once the tree is shaped). Evictions for
-        the global cap happen right away, away from the path; a transient KV reference on
-        `deepest` keeps their cascades from deleting anything the insert stands on.
+        the global cap happen right away; a transient KV reference on `deepest` keeps their
+        cascades from deleting anything the insert stands on.
         """
         if new_leaf:
             above, below = path, 0
@@ -345,11 +345,13 @@ class HybridRadixCache:
                 victims = free[:excess]
         cap = self.max_checkpoints
         if cap is not None and len(self._slot_owner) - len(victims) + 1 > cap:
-            protect = {*path, deepest}
+            # The count never exceeds the cap, so this needs room only when there are no per-path
+            # victims. Any evictable checkpoint may go, ancestors included (they only become
+            # tombstones); the transient reference keeps leaf deletions out of the insert's path.
             self._add_kv_refs(deepest, 1)
             try:
-                while len(self._slot_owner) - len(victims) + 1 > cap:
-                    victim = self._lru_checkpoint(exclude=protect)
+                while len(self._slot_owner) + 1 > cap:
+                    victim = self._lru_checkpoint()
                     if victim is None:  # everything else is pinned or locked
                         self._stats.checkpoints_rejected += 1
                         return False, []
@@ -466,10 +468,10 @@ class HybridRadixCache:
         # A locked leaf would become a tombstone leaf that cannot be deleted: keep its state.
         return not nd.ckpt_lock and (bool(nd.children) or not nd.kv_lock)
 
-    def _lru_checkpoint(self, exclude: set) -> TreeNode | None:
+    def _lru_checkpoint(self) -> TreeNode | None:
         best = None
         for nd in self._slot_owner.values():
-            if nd not in exclude and self._checkpoint_evictable(nd):
+            if self._checkpoint_evictable(nd):
                 if best is None or nd.ckpt_access < best.ckpt_access:
                     best = nd
         return best
