@@ -11,7 +11,8 @@ transient slots (`StateSlots`). Life of a request, as the scheduler drives it:
     table.snapshot(req, q)                # right after enqueuing it
     table.donate(req, tokens, q)          # KV [0, q) + the snapshot go to the tree; page table
                                           # rewritten to the tree's pages; lock moves down
-    table.release(req)                    # finish (after a last donate), abort or retraction
+    table.finish(req, tokens)             # donate the newest snapshot, then release
+    table.release(req)                    # abort or retraction: give everything back
 
 The table listens for relocations: own pages are re-keyed in O(1) (page -> (request, absolute page
 index)); a moved slot is looked up among the live requests' few transient slots.
@@ -139,6 +140,14 @@ class RequestTable:
         old_lock, req.lock = req.lock, new_lock
         self.cache.unlock(old_lock)
         req.slots.drop_before(position)
+        return result
+
+    def finish(self, req: CachedRequest, token_ids) -> InsertResult | None:
+        """A finished request: donate its newest snapshot (the state after its last aligned
+        position, Marconi's end-of-request checkpoint) with the KV before it, then release."""
+        positions = req.slots.snapshot_positions()
+        result = self.donate(req, token_ids, positions[-1]) if positions else None
+        self.release(req)
         return result
 
     def release(self, req: CachedRequest) -> None:

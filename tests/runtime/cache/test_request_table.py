@@ -45,9 +45,8 @@ def serve(mem, table, rid, tokens, snapshot_at=()):
         pos = end
         if pos in snapshot_at:
             table.snapshot(req, pos)
-    if req.slots.snapshot_positions():
-        table.donate(req, tokens, req.slots.snapshot_positions()[-1])
-    table.release(req)
+    result = table.finish(req, tokens)
+    assert (result is None) == (not snapshot_at) and not req.live
 
 
 @pytest.mark.parametrize("arena", [False, True])
