@@ -70,15 +70,15 @@ class InFlightMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def free_some(self, data):
-        for kind in ("slot", "page"):
-            if self.owned[kind]:
-                victims = data.draw(st.sets(st.sampled_from(sorted(self.owned[kind])), max_size=3))
-                self.owned[kind] -= victims
-                if kind == "slot":
-                    for s in victims:
-                        self.mem.free_slot(s)
-                else:
-                    self.mem.free_pages(sorted(victims))
+        for _ in range(data.draw(st.integers(0, 2))):  # one slot at a time: a free may move the others
+            if self.owned["slot"]:
+                s = data.draw(st.sampled_from(sorted(self.owned["slot"])))
+                self.owned["slot"].remove(s)
+                self.mem.free_slot(s)
+        if self.owned["page"]:
+            victims = data.draw(st.sets(st.sampled_from(sorted(self.owned["page"])), max_size=3))
+            self.owned["page"] -= victims
+            self.mem.free_pages(sorted(victims))
 
     @rule(i=st.integers(0, 10))
     def unpin_batch(self, i):
