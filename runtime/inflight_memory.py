@@ -64,19 +64,20 @@ class InFlightMemory:
 
     def unpin(self, slots: list[int], pages: list[int]) -> None:
         released = {"slot": self._unpin_counts("slot", slots), "page": self._unpin_counts("page", pages)}
-        self._releasing = released  # relocations during the unpins below re-key these
+        self._releasing = released  # relocations during the unpins and frees below re-key these
         try:
             for s in slots:
                 self.inner.unpin_slot(s)  # may compact: blocks no longer pinned can move
             self.inner.unpin_pages(pages)
+            while released["slot"]:  # one at a time: each free may move the others
+                s = released["slot"].pop()
+                self._deferred["slot"].discard(s)
+                self.inner.free_slot(s)
+            if released["page"]:
+                self._deferred["page"].difference_update(released["page"])
+                self.inner.free_pages(sorted(released["page"]))
         finally:
             self._releasing = None
-        for s in released["slot"]:
-            self._deferred["slot"].discard(s)
-            self.inner.free_slot(s)
-        if released["page"]:
-            self._deferred["page"].difference_update(released["page"])
-            self.inner.free_pages(sorted(released["page"]))
 
     def _unpin_counts(self, kind: str, ids: list[int]) -> set[int]:
         pins, out = self._pins[kind], set()
