@@ -1,16 +1,17 @@
-"""Single-prompt generation over the step contract: chunked prefill, then one decode step per token.
+"""Single-prompt generation: one request through the runtime's LLMEngine (chunked prefill, then one
+decode step per token).
 
-`model` is anything the executor runs (K3ForCausalLM or an Engine): steps go through
-runtime.executor, so on CUDA the decode steps replay a CUDA graph.
+`model` is anything the executor runs (K3ForCausalLM or an Engine); on CUDA the decode steps replay
+a CUDA graph. The engine gets memory for exactly this request and no prefix cache.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from k3compile.model_def.batch import ForwardBatch
-from k3compile.runtime.executor import Executor, provider_device
-from k3compile.runtime.memory.pools import SplitPools
-from k3compile.runtime.sampling import SamplingParams, sample
+from k3compile.runtime.engine import EngineArgs, LLMEngine
+from k3compile.runtime.sampling import SamplingParams
 
 
 @torch.no_grad()
@@ -24,27 +25,23 @@ def generate_ids(model, prompt_ids: list[int], params: SamplingParams, page_size
     if total > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                          f"context length {cfg.max_position_embeddings}")
-    device = provider_device(model)
-    n_pages = (total + page_size - 1) // page_size
-    pools = SplitPools(model.cache_spec(), 2, n_pages + 1, page_size, device)
-    executor = Executor(model, pools.tensors, cuda_graphs=cuda_graphs, buckets=(1,), max_context=n_pages * page_size)
-    slot, pages = pools.alloc_slot(), pools.alloc_pages(n_pages)
-    gen = params.generator()
-    stops = set(params.stop_token_ids) | ({eos_token_id} if eos_token_id is not None and not params.ignore_eos else set())
-
-    def run(mode, toks, prefix):
-        b = ForwardBatch.build(mode, [toks], [prefix], [pages], [slot], page_size, device=device)
-        return executor.run(b)[0]
-
-    logits = None
-    for start in range(0, len(prompt_ids), chunk_size):
-        logits = run("prefill", prompt_ids[start:start + chunk_size], start)
+    # eos is just one more stop token here (the engine would otherwise take the tokenizer's)
+    if eos_token_id is not None and not params.ignore_eos:
+        params = replace(params, stop_token_ids=tuple(params.stop_token_ids) + (eos_token_id,))
+    params = replace(params, ignore_eos=True)
+    spec = model.cache_spec()
+    slot_bytes, page_bytes = 3 * spec.slot_bytes, (-(-total // page_size) + 2) * spec.page_bytes(page_size)
+    args = EngineArgs(model=None, page_size=page_size, chunk_size=chunk_size, enable_prefix_cache=False,
+                      memory_bytes=slot_bytes + page_bytes, state_fraction=slot_bytes / (slot_bytes + page_bytes),
+                      track_interval=page_size, max_context=total, cuda_graphs=cuda_graphs, cuda_graph_buckets=(1,))
+    engine = LLMEngine(args, model=model, eos_token_id=None)
+    engine.add_request("generate", list(prompt_ids), params)
     out: list[int] = []
-    while True:
-        tok = sample(logits, params, gen)
-        out.append(tok)
-        if on_token is not None:
-            on_token(tok)
-        if tok in stops or len(out) >= params.max_new_tokens:
-            return out
-        logits = run("decode", [tok], len(prompt_ids) + len(out) - 1)
+    while engine.has_unfinished():
+        for o in engine.step():
+            for tok in o.new_token_ids:
+                out.append(tok)
+                if on_token is not None:
+                    on_token(tok)
+    engine.close()
+    return out

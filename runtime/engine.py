@@ -78,6 +78,7 @@ class EngineArgs:
     max_checkpoints_per_path: int | None = None  # None: the policy's; 0: no cap
     max_checkpoints: int | None = None  # None: the policy's; 0: no cap
     cuda_graphs: bool | None = None  # None: on for CUDA devices
+    cuda_graph_buckets: tuple[int, ...] | None = None  # decode batch sizes with a graph; None: the executor's
 
 
 @dataclass
@@ -93,6 +94,8 @@ class RequestOutput:
 
 def _checkpoint_interval(args: EngineArgs) -> int:
     p, c, t = args.page_size, args.chunk_size, args.track_interval
+    if not args.enable_prefix_cache:
+        return p  # no checkpoints are taken; the tree still wants a valid grid
     if args.checkpoint_interval is not None:
         g = args.checkpoint_interval
         if g < 1 or g % p or c % g or t % g:
@@ -102,19 +105,19 @@ def _checkpoint_interval(args: EngineArgs) -> int:
     return max(g for g in range(p, max(p, MAX_CHECKPOINT_INTERVAL) + 1, p) if c % g == 0 and t % g == 0)
 
 
-def _check_args(args: EngineArgs) -> None:
+def _check_args(args: EngineArgs, have_model: bool) -> None:
     from k3compile.info import DTYPES
 
     if args.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
-    if args.model is None and args.engine_dir is None:
+    if args.model is None and args.engine_dir is None and not have_model:
         raise ValueError("give a model (preset or checkpoint directory) or an engine_dir")
     for name in ("page_size", "chunk_size", "max_batch_tokens", "track_interval"):
         v = getattr(args, name)
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     p = args.page_size
-    if args.chunk_size % p or args.track_interval % p:
+    if args.enable_prefix_cache and (args.chunk_size % p or args.track_interval % p):
         raise ValueError(f"chunk_size ({args.chunk_size}) and track_interval ({args.track_interval}) must be "
                          f"multiples of page_size ({p}) so checkpoints land on page boundaries")
     if args.max_running is not None and args.max_running < 1:
@@ -129,8 +132,10 @@ def _check_args(args: EngineArgs) -> None:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs, model=None, eos_token_id: int | None = None):
-        """`model`: an already loaded model or compiled Engine to use instead of loading args.model."""
-        _check_args(args)
+        """`model`: an already loaded model or compiled Engine to use instead of loading one (args.model
+        and args.engine_dir then only name where the tokenizer is; both None: token ids only).
+        `eos_token_id`: overrides the tokenizer's."""
+        _check_args(args, model is not None)
         self.args = args
         self.provider = model if model is not None else self._load(args)
         self.config = self.provider.config
@@ -166,7 +171,7 @@ class LLMEngine:
             max_running=max_running, track_interval=args.track_interval, checkpoint_interval=interval,
             device=device))
         self.runner = ModelRunner(self.provider, self.memory, self.max_context, overlap=args.overlap,
-                                  cuda_graphs=args.cuda_graphs)
+                                  cuda_graphs=args.cuda_graphs, buckets=args.cuda_graph_buckets)
         self._requests: dict[str, Request] = {}  # added and not yet reported finished
         self._outbox: dict[str, Request] = {}  # requests with something to report at the next step
         self._inflight: ScheduledBatch | None = None
@@ -196,8 +201,10 @@ class LLMEngine:
             from k3compile.engine.format import TOKENIZER_DIR
             tok_dir = os.path.join(args.engine_dir, TOKENIZER_DIR)
             source = tok_dir if os.path.isdir(tok_dir) else args.engine_dir
-        else:
+        elif args.model is not None:
             source = args.model
+        else:
+            return None
         try:
             return load_tokenizer(source, self.config)
         except ValueError:
