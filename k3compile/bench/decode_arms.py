@@ -123,7 +123,7 @@ ARMS = {a.name: a for a in (
         lambda ctx, b: _executor(ctx, b, ctx.get_unpassed())),
     Arm("engine", "engine (P1-P4) + CUDA graphs (eager graph on CPU)", None,
         lambda ctx, b: _executor(ctx, b, ctx.get_engine())),
-    Arm("engine-inductor", "engine (P1-P4) through Inductor, then CUDA graphs", "needs CUDA (CUDA graphs)",
-        lambda ctx, b: _executor(ctx, b, ctx.get_engine(), compile_decode="max-autotune-no-cudagraphs")),
+    Arm("engine-inductor", "engine (P1-P4) through Inductor (mode default: pointwise fusion), then CUDA graphs", "needs CUDA (CUDA graphs)",
+        lambda ctx, b: _executor(ctx, b, ctx.get_engine(), compile_decode="default")),
 )}
 DEFAULT_ARMS = ("eager", "compile-max-autotune", "compile-reduce-overhead", "graphs", "engine")
