@@ -42,7 +42,7 @@ from k3compile.runtime.memory.pools import SplitPools
 from k3compile.runtime.memory.unified import UnifiedArena
 from k3compile.runtime.sampling import SamplingParams
 
-from .cache_policy import get_policy
+from .cache_policy import CachePolicy, get_policy
 from .inflight_memory import InFlightMemory
 from .model_runner import ModelRunner
 from .request import Request
@@ -51,7 +51,6 @@ from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 DEFAULT_MEMORY_BYTES = 64 << 20  # sized for tiny models on CPU
 DEFAULT_STATE_FRACTION = 0.5
 MAX_DEFAULT_CONTEXT = 32768
-MAX_CHECKPOINT_INTERVAL = 64  # default boundary grid (SGLang's mamba_cache_chunk_size: the FLA chunk)
 
 
 @dataclass
@@ -73,8 +72,8 @@ class EngineArgs:
     track_interval: int = 256
     max_context: int | None = None
     # cache policy knobs (runtime/cache_policy.py)
-    cache_policy: str = "sparse"  # none | end | every_chunk | sparse
-    checkpoint_interval: int | None = None  # boundary grid; None: largest multiple of page_size <= 64 dividing both
+    cache_policy: "str | CachePolicy" = "sparse"  # none | end | every_chunk | sparse, or a CachePolicy
+    checkpoint_interval: int | None = None  # checkpoint grid; None: page_size
     max_checkpoints_per_path: int | None = None  # None: the policy's; 0: no cap
     max_checkpoints: int | None = None  # None: the policy's; 0: no cap
     cuda_graphs: bool | None = None  # None: on for CUDA devices
@@ -93,16 +92,18 @@ class RequestOutput:
 
 
 def _checkpoint_interval(args: EngineArgs) -> int:
+    """The grid checkpoints sit on. Default: every page boundary. A checkpoint needs a forward that
+    ends there (the scheduler cuts a chunk at a branch point or the prompt's last boundary), so a
+    finer grid costs no extra copies, only finer cut points -- and hits lose less than a grid step.
+    (SGLang uses 64, the FLA chunk, because it reads states out of the chunked kernel instead.)"""
     p, c, t = args.page_size, args.chunk_size, args.track_interval
-    if not args.enable_prefix_cache:
-        return p  # no checkpoints are taken; the tree still wants a valid grid
-    if args.checkpoint_interval is not None:
-        g = args.checkpoint_interval
-        if g < 1 or g % p or c % g or t % g:
-            raise ValueError(f"checkpoint_interval {g} must be a positive multiple of page_size {p} that divides "
-                             f"chunk_size {c} and track_interval {t}")
-        return g
-    return max(g for g in range(p, max(p, MAX_CHECKPOINT_INTERVAL) + 1, p) if c % g == 0 and t % g == 0)
+    g = args.checkpoint_interval
+    if g is None or not args.enable_prefix_cache:
+        return p
+    if g < 1 or g % p or c % g or t % g:
+        raise ValueError(f"checkpoint_interval {g} must be a positive multiple of page_size {p} that divides "
+                         f"chunk_size {c} and track_interval {t}")
+    return g
 
 
 def _check_args(args: EngineArgs, have_model: bool) -> None:
@@ -153,7 +154,9 @@ class LLMEngine:
             inner = SplitPools.from_budget(spec, budget, args.page_size,
                                            args.state_fraction or DEFAULT_STATE_FRACTION, device=device)
         self.memory = InFlightMemory(inner)
-        policy = get_policy(args.cache_policy if args.enable_prefix_cache else "none")
+        policy = args.cache_policy if isinstance(args.cache_policy, CachePolicy) else get_policy(args.cache_policy)
+        if not args.enable_prefix_cache:
+            policy = get_policy("none")
         per_path = policy.max_checkpoints_per_path if args.max_checkpoints_per_path is None else (
             args.max_checkpoints_per_path or None)
         total = policy.max_checkpoints if args.max_checkpoints is None else (args.max_checkpoints or None)

@@ -81,7 +81,7 @@ class ScheduledBatch:
     forward: ForwardBatch
     snapshot_copies: list[tuple[int, int]]  # (working slot, snapshot slot), run right after the forward
     placeholders: list[tuple[int, Row]] = field(default_factory=list)  # (input_ids index, row): token not sampled yet
-    pinned: tuple[list[int], list[int]] = ([], [])  # (slots, pages) pinned while the batch exists
+    pinned: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # (slots, pages) pinned while it exists
 
 
 class Scheduler:

@@ -79,16 +79,17 @@ def test_restore_and_branch_point(model, cfg):
     g = engine.scheduler.cfg.checkpoint_interval
     assert checkpoint_depths(engine) == {len(a) // g * g}
 
-    # b forks in the middle of the cached edge: KV matches 128+ tokens but no state is saved there;
-    # it replays from the root, ends a chunk at the branch point 128, snapshots and donates there.
+    # b forks in the middle of the cached edge: KV matches the shared pages but no state is saved
+    # there; it replays from the root, ends a chunk at the branch point, snapshots and donates there.
+    fork = len(shared) // cfg["page_size"] * cfg["page_size"] // g * g
     out_b, cached_b = generate_one(engine, "b", b)
     assert cached_b == 0 and out_b == reference_generate(model, b, GREEDY.max_new_tokens)
-    assert 128 in checkpoint_depths(engine)
+    assert fork in checkpoint_depths(engine)
 
     # c (and d) fork at the same place and now restore directly from the branch checkpoint.
     for rid, p in (("c", c), ("d", d)):
         out, cached = generate_one(engine, rid, p)
-        assert cached == 128, f"{rid} should restore from the branch-point checkpoint"
+        assert cached == fork, f"{rid} should restore from the branch-point checkpoint"
         assert out == reference_generate(model, p, GREEDY.max_new_tokens)
     check_idle(engine)
     assert assert_checkpoints_hold_their_prefix_state(engine, model) >= 2
@@ -99,21 +100,22 @@ def test_restore_from_checkpoint_reads_the_checkpoint(model):
     """Negative control: corrupt the checkpoint a request will restore from and its output changes
     (so the parity above really depends on the restored state, not on recomputation)."""
     rng = random.Random(12)
-    system = tokens(rng, 200)
+    system = tokens(rng, 208)  # ends on a page boundary, where first's prompt-end checkpoint lands
     first, second = system + tokens(rng, 9), system + tokens(rng, 25)
     ref = reference_generate(model, second, GREEDY.max_new_tokens)
 
     for corrupt in (False, True):
         engine = make_engine(model, chunk_size=64)
         generate_one(engine, "first", first)
-        node = next(nd for nd in engine.cache.nodes() if nd.depth == 192 and nd.checkpoint is not None)
+        depth = len(first) // 16 * 16  # first's prompt-end checkpoint
+        node = next(nd for nd in engine.cache.nodes() if nd.depth == depth and nd.checkpoint is not None)
         if corrupt:
             engine.memory.tensors.ssm[node.checkpoint].mul_(-1.0)
         out, cached = generate_one(engine, "second", second)
-        assert cached == 192
+        assert cached == depth
         assert (out == ref) is (not corrupt)
         if corrupt:
-            with pytest.raises(AssertionError, match="depth 192"):
+            with pytest.raises(AssertionError, match=f"depth {depth}"):
                 assert_checkpoints_hold_their_prefix_state(engine, model)
         engine.close()
 
