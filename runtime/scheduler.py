@@ -166,9 +166,11 @@ class Scheduler:
         return req.status is Status.RUNNING and not req.retract_pending
 
     def _admit(self, req: Request) -> bool:
-        """Match, lock, restore; room for the whole remaining prefill. False: nothing held, try later."""
+        """Match, lock, restore; room for the whole remaining prefill. False: nothing held, try later.
+        The table is keyed by the Request itself: a finished request's rid may be reused while its
+        zombie row still holds the old entry."""
         tokens = req.all_ids
-        handle = self._retry(lambda: self.table.admit(req.rid, tokens[:-1]), slots=1)
+        handle = self._retry(lambda: self.table.admit(req, tokens[:-1]), slots=1)
         if handle is None:
             return False
         need = self._pages_short(len(tokens), handle.prefix_len // self.cfg.page_size)

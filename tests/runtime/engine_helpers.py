@@ -54,7 +54,7 @@ def check_accounting(engine: LLMEngine) -> None:
     assert mem.num_used_slots() == cache.num_checkpoints() + req_slots + mem.num_deferred("slot")
     assert mem.num_used_pages() == cache.num_pages() + req_pages + mem.num_deferred("page")
     running = [r for r in engine.scheduler.running if r.handle is not None]
-    assert {r.rid for r in running} == {r.rid for r in table.requests()}
+    assert {id(r) for r in running} == {id(r.rid) for r in table.requests()}  # the table is keyed by Request
 
 
 def check_idle(engine: LLMEngine) -> None:

@@ -44,16 +44,17 @@ def recomputed_state(model, prefix: list[int]):
 
 
 def assert_checkpoints_hold_their_prefix_state(engine, model) -> int:
-    """Every checkpoint's ssm and conv equal the state recomputed from its node's prefix."""
+    """Every checkpoint's ssm and conv equal the state recomputed from its node's prefix, to fp32
+    rounding relative to the tensor's scale (1e-5): the chunk boundaries differ, so not bit-exact."""
     tensors, n = engine.memory.tensors, 0
     for node in engine.cache.nodes():
         if node.checkpoint is None:
             continue
         ssm, conv = recomputed_state(model, list(engine.cache.path_tokens(node)))
-        torch.testing.assert_close(tensors.ssm[node.checkpoint], ssm, rtol=1e-4, atol=1e-5,
-                                   msg=lambda m: f"checkpoint at depth {node.depth}: ssm differs\n{m}")
-        torch.testing.assert_close(tensors.conv[node.checkpoint], conv, rtol=1e-4, atol=1e-5,
-                                   msg=lambda m: f"checkpoint at depth {node.depth}: conv differs\n{m}")
+        for name, got, want in (("ssm", tensors.ssm[node.checkpoint], ssm), ("conv", tensors.conv[node.checkpoint], conv)):
+            err, scale = (got - want).abs().max().item(), want.abs().max().item()
+            assert err <= 1e-5 * max(scale, 1e-3), (f"checkpoint at depth {node.depth}: {name} differs from the "
+                                                    f"recomputed state (max |diff| {err:.3g}, max |value| {scale:.3g})")
         n += 1
     return n
 

@@ -153,3 +153,29 @@ def test_bad_requests_are_refused_with_clear_errors(model):
 def test_bad_engine_args_are_refused(model, kw, msg):
     with pytest.raises(ValueError, match=msg):
         make_engine(model, **kw)
+
+
+def test_rid_can_be_reused_as_soon_as_its_finish_is_reported(model, prompts):
+    """With overlap, a request stopped by a token still rides in the batch built meanwhile (a zombie
+    holding its memory); its rid is free for a new request the moment its finish is reported."""
+    ps, refs = prompts
+    engine = make_engine(model, overlap=True, chunk_size=32)
+    stop = refs[0][5]
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=(stop,))
+    expected = refs[0][: refs[0].index(stop) + 1]
+    engine.add_request("b", ps[1], PARAMS)  # keeps batches going, so a's last row is not skipped
+    for round_ in range(2):
+        engine.add_request("a", ps[0], params)
+        out, done = [], False
+        while not done:
+            for o in engine.step():
+                if o.rid == "a":
+                    out.extend(o.new_token_ids)
+                    done = done or o.finished
+            check_accounting(engine)
+        assert out == expected, f"round {round_}"
+        if round_ == 0:
+            assert any(r.rid == "a" for r in engine.scheduler.running), "expected a zombie still holding memory"
+    while engine.has_unfinished():
+        engine.step()
+    check_idle(engine)
