@@ -11,10 +11,16 @@ decode. A policy says which of those snapshots are donated to the tree:
   reported (so the next request forking there restores directly), the state at the end of the
   request (multi-turn reuse) and at the prompt's end (repeated prompts); the last prefill chunk
   is cut at the prompt's last checkpoint boundary so that state exists. A per-path cap of 2 with
-  LRU bounds what stays. Tuned with `k3compile bench cache`: the prompt-end donation matters under
-  concurrency (it puts a shared system prompt's KV into the tree early, so the next session gets a
-  branch point instead of a miss); caps 2, 3 and 4 gave the same hit rate on the multi-turn/fork
-  trace, 2 the least memory; donating every chunk on top added memory and no hits.
+  LRU bounds what stays.
+
+Tuning (`k3compile bench cache`, k3-tiny, CPU; numbers in traces/cache_k3-tiny.md and
+traces/cache_variants/): the prompt-end donation matters -- it puts a shared system prompt's KV
+into the tree before the first session finishes, so the next session gets a branch point instead
+of a miss (without it: 88.6% of the KV-only bound instead of 94.2% on a 3-turn trace). Per-path caps
+2, 3, 4 and none gave the same hit rate; 2 holds the least. Donating every prefill chunk as well
+(`sparse:chunks=1`) helps when many sessions start while their shared prompt is still being
+prefilled (busy trace: 92.5% -> 95.2% of the bound) but costs hits on the default trace (96.5% ->
+94.6%: under the cap, progress checkpoints push out branch points), so it is off by default.
 """
 from __future__ import annotations
 

@@ -78,6 +78,7 @@ class EngineArgs:
     max_checkpoints: int | None = None  # None: the policy's; 0: no cap
     cuda_graphs: bool | None = None  # None: on for CUDA devices
     cuda_graph_buckets: tuple[int, ...] | None = None  # decode batch sizes with a graph; None: the executor's
+    pad_decode_batches: bool | None = None  # pad decode batches to the buckets without graphs (CPU tests of the path)
 
 
 @dataclass
@@ -174,7 +175,8 @@ class LLMEngine:
             max_running=max_running, track_interval=args.track_interval, checkpoint_interval=interval,
             device=device))
         self.runner = ModelRunner(self.provider, self.memory, self.max_context, overlap=args.overlap,
-                                  cuda_graphs=args.cuda_graphs, buckets=args.cuda_graph_buckets)
+                                  cuda_graphs=args.cuda_graphs, buckets=args.cuda_graph_buckets,
+                                  pad_to_buckets=args.pad_decode_batches)
         self._requests: dict[str, Request] = {}  # added and not yet reported finished
         self._outbox: dict[str, Request] = {}  # requests with something to report at the next step
         self._inflight: ScheduledBatch | None = None

@@ -24,10 +24,10 @@ from .scheduler import ScheduledBatch
 
 class ModelRunner:
     def __init__(self, provider, memory: InFlightMemory, max_context: int, overlap: bool = False,
-                 cuda_graphs: bool | None = None, buckets=None):
+                 cuda_graphs: bool | None = None, buckets=None, pad_to_buckets: bool | None = None):
         self.memory = memory
         self.executor = Executor(provider, memory.tensors, cuda_graphs=cuda_graphs, max_context=max_context,
-                                 **({"buckets": buckets} if buckets else {}))
+                                 pad_to_buckets=pad_to_buckets, **({"buckets": buckets} if buckets else {}))
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="k3-forward") if overlap else None
         self._future: Future | None = None
 

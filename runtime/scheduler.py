@@ -218,7 +218,7 @@ class Scheduler:
 
     def _prefill_row(self, req: Request, budget: int) -> Row | None:
         end = self._chunk_end(req, budget)
-        if not self._ensure_pages(req, end, retract=req.admit_seq != self._admissions):
+        if not self._ensure_pages(req, end, retract=False):  # admission reserved them; decode retracts
             return None
         snap = end if self.policy.enabled and end % self.cfg.checkpoint_interval == 0 else None
         return Row(req, req.num_scheduled, end, samples=end == req.prefill_target,

@@ -17,18 +17,19 @@ GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 @torch.no_grad()
 def reference_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The plain model.step loop: the whole prompt in one prefill, then one decode step per token."""
-    page = 16
+    page, dev = 16, next(model.parameters()).device
     n_pages = -(-(len(prompt) + max_new_tokens) // page)
-    cache = CacheTensors.allocate(model.cache_spec(), 2, n_pages + 1, page)
+    cache = CacheTensors.allocate(model.cache_spec(), 2, n_pages + 1, page, device=dev)
     table, slot = list(range(1, n_pages + 1)), 1
-    logits = model.step(ForwardBatch.build("prefill", [prompt], [0], [table], [slot], page), cache)[0]
+    logits = model.step(ForwardBatch.build("prefill", [prompt], [0], [table], [slot], page, device=dev), cache)[0]
     out = []
     while True:
         out.append(int(logits.argmax()))
         if len(out) == max_new_tokens:
             return out
         pos = len(prompt) + len(out) - 1
-        logits = model.step(ForwardBatch.build("decode", [[out[-1]]], [pos], [table], [slot], page), cache)[0]
+        batch = ForwardBatch.build("decode", [[out[-1]]], [pos], [table], [slot], page, device=dev)
+        logits = model.step(batch, cache)[0]
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:

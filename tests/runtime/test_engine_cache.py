@@ -36,10 +36,10 @@ def generate_one(engine, rid, prompt, params=GREEDY):
 @torch.no_grad()
 def recomputed_state(model, prefix: list[int]):
     """KDA state after `prefix`, prefilled from scratch in one chunk into a fresh slot."""
-    page = 16
+    page, dev = 16, next(model.parameters()).device
     n = -(-len(prefix) // page)
-    cache = CacheTensors.allocate(model.cache_spec(), 2, n + 1, page)
-    model.step(ForwardBatch.build("prefill", [prefix], [0], [list(range(1, n + 1))], [1], page), cache)
+    cache = CacheTensors.allocate(model.cache_spec(), 2, n + 1, page, device=dev)
+    model.step(ForwardBatch.build("prefill", [prefix], [0], [list(range(1, n + 1))], [1], page, device=dev), cache)
     return cache.ssm[1].clone(), cache.conv[1].clone()
 
 

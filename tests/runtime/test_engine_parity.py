@@ -39,6 +39,8 @@ CONFIGS = [
     dict(page_size=1, chunk_size=16, overlap=True, max_batch_tokens=40),
     dict(page_size=16, chunk_size=16, overlap=True, track_interval=32, cache_policy="every_chunk"),
     dict(page_size=16, chunk_size=64, cache_policy="end", max_batch_tokens=100),
+    # decode batches padded to the CUDA-graph buckets with sink rows (the GPU path, without capture)
+    dict(page_size=16, chunk_size=32, overlap=True, enable_unified_memory=True, pad_decode_batches=True),
 ]
 
 

@@ -1,0 +1,39 @@
+"""The engine on CUDA (decode CUDA graphs, overlap worker thread enqueueing on the same stream): greedy
+tokens equal the plain model.step loop on the same device, with the prefix cache restoring from
+checkpoints and branch points, and every checkpoint holds the state recomputed from its prefix."""
+import random
+
+import pytest
+import torch
+
+from k3compile.model_def.loader import load_model
+
+from .engine_helpers import GREEDY, check_idle, make_engine, reference_generate, run_sequential, tokens
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("k3-tiny", device="cuda")
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(overlap=True), dict(overlap=True, enable_unified_memory=True,
+                                                                  page_size=1, chunk_size=32)])
+def test_engine_on_cuda_matches_reference(model, cfg):
+    from .test_engine_cache import assert_checkpoints_hold_their_prefix_state
+
+    rng = random.Random(51)
+    system = tokens(rng, 150)
+    seq = [system + tokens(rng, 9), system[:100] + tokens(rng, 40), system + tokens(rng, 30)]
+    conc = [tokens(rng, n) for n in (3, 40, 130)] + [system + tokens(rng, 17)]
+    refs = {tuple(p): reference_generate(model, p, GREEDY.max_new_tokens) for p in seq + conc}
+    engine = make_engine(model, device="cuda", chunk_size=cfg.pop("chunk_size", 64), **cfg)
+    assert engine.runner.executor.cuda_graphs
+    assert run_sequential(engine, seq) == [refs[tuple(p)] for p in seq]
+    assert engine.generate(conc, GREEDY) == [refs[tuple(p)] for p in conc]
+    torch.cuda.synchronize()
+    check_idle(engine)
+    assert engine.metrics()["cache_hit_tokens"] > 0
+    assert assert_checkpoints_hold_their_prefix_state(engine, model) >= 2
+    engine.close()
