@@ -38,7 +38,7 @@ from k3compile.runtime.cache.radix import HybridRadixCache
 from k3compile.runtime.cache.request_table import RequestTable
 from k3compile.runtime.cache.state_slots import MAX_TRANSIENT_SLOTS
 from k3compile.runtime.executor import provider_device
-from k3compile.runtime.memory.pools import SplitPools
+from k3compile.runtime.memory.pools import DEFAULT_STATE_FRACTION, SplitPools
 from k3compile.runtime.memory.unified import UnifiedArena
 from k3compile.runtime.sampling import SamplingParams
 
@@ -49,7 +49,6 @@ from .request import Request
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
 DEFAULT_MEMORY_BYTES = 64 << 20  # sized for tiny models on CPU
-DEFAULT_STATE_FRACTION = 0.5
 MAX_DEFAULT_CONTEXT = 32768
 
 

@@ -31,6 +31,8 @@ def register(sub) -> None:
     p.add_argument("--memory-bytes", type=int, default=None, help="bytes for KV pages + KDA state slots")
     p.add_argument("--enable-unified-memory", action="store_true",
                    help="one arena for KV pages and state slots instead of split pools")
+    p.add_argument("--mamba-full-memory-ratio", type=float, default=None,
+                   help="split pools only: state : KV memory ratio, as in SGLang (default 0.9, i.e. 47%% to state)")
     p.add_argument("--disable-prefix-cache", action="store_true", help="no radix cache / KDA checkpoints")
     p.add_argument("--overlap", action="store_true", help="prepare batch N+1 while batch N runs")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -41,12 +43,15 @@ def register(sub) -> None:
 def engine_args(args):
     """EngineArgs for the parsed flags; the positional picks model vs engine_dir."""
     from k3compile.runtime.engine import EngineArgs
+    from k3compile.runtime.memory.pools import state_fraction_from_ratio
 
     is_engine = os.path.isdir(args.model) and os.path.isfile(os.path.join(args.model, "engine.json"))
     kwargs = dict(model=None if is_engine else args.model, engine_dir=args.model if is_engine else None,
                   device=args.device, seed=args.seed, page_size=args.page_size, chunk_size=args.chunk_size,
                   max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                   memory_bytes=args.memory_bytes, enable_unified_memory=args.enable_unified_memory,
+                  state_fraction=None if args.mamba_full_memory_ratio is None
+                  else state_fraction_from_ratio(args.mamba_full_memory_ratio),
                   enable_prefix_cache=not args.disable_prefix_cache, overlap=args.overlap,
                   max_context=args.max_context)
     if args.dtype is not None:

@@ -43,15 +43,12 @@ import torch
 from k3compile.model_def.cache import CacheSpec
 
 from .base import KVStateMemory, OutOfMemoryError
-from .pools import SplitPools
+from .pools import DEFAULT_STATE_FRACTION, SplitPools
 from .unified import UnifiedArena
 
-SGLANG_DEFAULT_RATIO = 0.9  # state : KV
-DEFAULT_STATE_FRACTION = SGLANG_DEFAULT_RATIO / (1 + SGLANG_DEFAULT_RATIO)
-# Share of each request's remaining output reserved at admission. SGLang starts its estimate at
-# 0.7 and decays it to 0.7 * 0.14 = 0.098 over 600 steps without retraction; 0.3 is a constant in
-# between, low enough that long decodes still run into retraction (the event the benchmark counts).
-DEFAULT_RESERVE_RATIO = 0.3
+# the scheduler's admission reserve (SGLang's new_token_ratio held constant); the simulation models it
+from k3compile.runtime.scheduler import DEFAULT_RESERVE_RATIO  # noqa: E402
+
 
 
 @dataclass(frozen=True)

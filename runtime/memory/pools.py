@@ -11,6 +11,18 @@ from k3compile.model_def.cache import CacheSpec, CacheTensors
 
 from .base import OutOfMemoryError, RelocationListener
 
+# SGLang's --mamba-full-memory-ratio r (default 0.9) sizes state : KV = r, i.e. the state pool gets
+# r / (1 + r) of the budget. The split users get without tuning.
+DEFAULT_MAMBA_FULL_MEMORY_RATIO = 0.9
+DEFAULT_STATE_FRACTION = DEFAULT_MAMBA_FULL_MEMORY_RATIO / (1 + DEFAULT_MAMBA_FULL_MEMORY_RATIO)
+
+
+def state_fraction_from_ratio(ratio: float) -> float:
+    """SGLang's state:KV ratio -> the fraction of the budget given to state slots."""
+    if ratio <= 0:
+        raise ValueError(f"the state:KV memory ratio must be > 0, got {ratio}")
+    return ratio / (1 + ratio)
+
 
 class FreeList:
     """Integer ids 1..n-1 (0 is the reserved padding sink). LIFO reuse keeps hot blocks warm."""

@@ -104,3 +104,12 @@ def test_bad_flag_value_is_one_clear_error():
     from k3compile.model_def.config import ConfigError
     with pytest.raises(ConfigError, match="--page-size 0"):
         serve.run(parse("k3-tiny", "--page-size", "0"))
+
+
+def test_sglang_memory_ratio_flag_sets_the_split():
+    from k3compile.commands.serve import engine_args
+    from k3compile.runtime.memory.pools import DEFAULT_STATE_FRACTION
+    e = engine_args(parse("k3-tiny", "--mamba-full-memory-ratio", "3"))
+    assert e.state_fraction == 0.75 and not e.enable_unified_memory
+    assert engine_args(parse("k3-tiny")).state_fraction is None  # engine default: SGLang's 0.9
+    assert abs(DEFAULT_STATE_FRACTION - 0.9 / 1.9) < 1e-12
