@@ -8,6 +8,7 @@ BENCHES = {
     "decode": "k3compile.bench.decode",
     "cache": "k3compile.bench.cache",
     "compaction": "k3compile.bench.compaction",
+    "memory": "k3compile.bench.memory",
 }
 
 
