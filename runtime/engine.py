@@ -46,7 +46,7 @@ from .cache_policy import CachePolicy, get_policy
 from .inflight_memory import InFlightMemory
 from .model_runner import ModelRunner
 from .request import Request
-from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from .scheduler import DEFAULT_RESERVE_RATIO, ScheduledBatch, Scheduler, SchedulerConfig
 
 DEFAULT_MEMORY_BYTES = 64 << 20  # sized for tiny models on CPU
 MAX_DEFAULT_CONTEXT = 32768
@@ -77,6 +77,7 @@ class EngineArgs:
     max_checkpoints: int | None = None  # None: the policy's; 0: no cap
     cuda_graphs: bool | None = None  # None: on for CUDA devices
     cuda_graph_buckets: tuple[int, ...] | None = None  # decode batch sizes with a graph; None: the executor's
+    decode_reserve_ratio: float | None = None  # admission keeps pages for this share of remaining output; None: 0.7
     pad_decode_batches: bool | None = None  # pad decode batches to the buckets without graphs (CPU tests of the path)
 
 
@@ -127,6 +128,8 @@ def _check_args(args: EngineArgs, have_model: bool) -> None:
         raise ValueError(f"memory_bytes must be positive, got {args.memory_bytes}")
     if args.state_fraction is not None and not 0.0 < args.state_fraction < 1.0:
         raise ValueError(f"state_fraction must be in (0, 1), got {args.state_fraction}")
+    if args.decode_reserve_ratio is not None and not 0.0 <= args.decode_reserve_ratio <= 1.0:
+        raise ValueError(f"decode_reserve_ratio must be in [0, 1], got {args.decode_reserve_ratio}")
     if args.max_context is not None and args.max_context < 2:
         raise ValueError(f"max_context must be >= 2, got {args.max_context}")
 
@@ -172,6 +175,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.memory, self.cache, self.table, self.policy, SchedulerConfig(
             page_size=args.page_size, chunk_size=args.chunk_size, max_batch_tokens=args.max_batch_tokens,
             max_running=max_running, track_interval=args.track_interval, checkpoint_interval=interval,
+            decode_reserve_ratio=DEFAULT_RESERVE_RATIO if args.decode_reserve_ratio is None else args.decode_reserve_ratio,
             device=device))
         self.runner = ModelRunner(self.provider, self.memory, self.max_context, overlap=args.overlap,
                                   cuda_graphs=args.cuda_graphs, buckets=args.cuda_graph_buckets,

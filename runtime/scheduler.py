@@ -56,10 +56,11 @@ from .inflight_memory import InFlightMemory
 from .request import Request, Status
 
 
-# Share of each request's remaining output reserved at admission. SGLang starts its estimate at
-# 0.7 and decays it to 0.7 * 0.14 = 0.098 over 600 steps without retraction; 0.3 is a constant in
-# between, low enough that long decodes still run into retraction (the event the benchmark counts).
-DEFAULT_RESERVE_RATIO = 0.3
+# Share of each request's remaining output reserved at admission: SGLang's new_token_ratio, which
+# starts at 0.7 and decays while nothing retracts. We hold it at the starting value: bench memory
+# showed 0.3 letting a tightly packed (unified) memory retract within a few steps of a burst, while
+# 0.7 retracted nothing and cost at most one request of concurrency (traces/memory_k3-tiny*.md).
+DEFAULT_RESERVE_RATIO = 0.7
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ def prompts(model):
 
 # Split: 9 usable state slots but 18 pages of 16 tokens; unified: 200 KB for both kinds. Four
 # requests of 100-150 tokens each cannot all grow at once.
-TINY = dict(max_running=4, page_size=16, chunk_size=32, track_interval=32)
+# decode_reserve_ratio 0: admit on prompt pages alone, so decode growth must retract (the path under test)
+TINY = dict(max_running=4, page_size=16, chunk_size=32, track_interval=32, decode_reserve_ratio=0.0)
 SPLIT = dict(memory_bytes=300_000, state_fraction=0.7)
 UNIFIED = dict(memory_bytes=200_000, enable_unified_memory=True)
 

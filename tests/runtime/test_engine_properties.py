@@ -52,6 +52,8 @@ def test_random_add_abort_step(model, pool, cfg, actions):
     mem = dict(memory_bytes=120_000, state_fraction=0.55, max_running=3) if tight else dict(memory_bytes=2_000_000)
     if cfg["enable_unified_memory"] and tight:  # one arena: a request alone must still fit 4 slots + 90 tokens
         mem = dict(memory_bytes=160_000, max_running=3)
+    if tight:  # admit on prompt pages alone so decode growth runs into retraction
+        mem["decode_reserve_ratio"] = 0.0
     engine = make_engine(model, chunk_size=16, track_interval=16, max_batch_tokens=48, **mem, **cfg)
     added, aborted, got = [], set(), {}
 
