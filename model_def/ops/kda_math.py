@@ -63,7 +63,6 @@ def kda_chunked(q, k, v, g, beta, state: torch.Tensor, chunk_size: int = 64, sca
         q, k, v, g = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
         beta = F.pad(beta, (0, 0, 0, pad))
     # -> [H, n_chunks, C, ...]
-    H = q.shape[1]
     q, k, v, g = (t.transpose(0, 1).unflatten(1, (-1, chunk_size)) for t in (q, k, v, g))
     beta = beta.transpose(0, 1).unflatten(1, (-1, chunk_size))
     G = g.cumsum(-2)

@@ -5,7 +5,6 @@ The ratio is the fraction of the budget given to KDA state slots (SGLang's
 """
 from __future__ import annotations
 
-import torch
 
 from k3compile.model_def.cache import CacheSpec, CacheTensors
 

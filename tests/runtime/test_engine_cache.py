@@ -10,15 +10,9 @@ import torch
 
 from k3compile.model_def.batch import ForwardBatch
 from k3compile.model_def.cache import CacheTensors
-from k3compile.model_def.loader import load_model
 from k3compile.runtime.sampling import SamplingParams
 
 from .engine_helpers import GREEDY, check_idle, make_engine, reference_generate, tokens
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model("k3-tiny")
 
 
 def generate_one(engine, rid, prompt, params=GREEDY):

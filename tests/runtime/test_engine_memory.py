@@ -5,18 +5,12 @@ import random
 
 import pytest
 
-from k3compile.model_def.loader import load_model
 from k3compile.runtime.cache.state_slots import MAX_TRANSIENT_SLOTS
 from k3compile.runtime.sampling import SamplingParams
 
 from .engine_helpers import check_accounting, check_idle, make_engine, reference_generate, tokens
 
 PARAMS = SamplingParams(max_new_tokens=40, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model("k3-tiny")
 
 
 @pytest.fixture(scope="module")

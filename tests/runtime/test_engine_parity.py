@@ -6,15 +6,9 @@ import random
 
 import pytest
 
-from k3compile.model_def.loader import load_model
 from k3compile.runtime.sampling import SamplingParams
 
 from .engine_helpers import GREEDY, check_idle, make_engine, reference_generate, run_sequential, tokens
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model("k3-tiny")
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,11 @@ import random
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st, target
 
-from k3compile.model_def.loader import load_model
 from k3compile.runtime.sampling import SamplingParams
 
 from .engine_helpers import check_accounting, check_idle, make_engine, reference_generate, tokens
 
 MAX_NEW = 10
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model("k3-tiny")
 
 
 @pytest.fixture(scope="module")
