@@ -115,11 +115,14 @@ class K3ForCausalLM(nn.Module):
         return self.lm_head(h[logits_indices]).float()
 
     def prefill(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
-        assert batch.mode == "prefill"
-        return self.step(batch, cache)
+        return self._step_as("prefill", batch, cache)
 
     def decode(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
-        assert batch.mode == "decode"
+        return self._step_as("decode", batch, cache)
+
+    def _step_as(self, mode: str, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        if batch.mode != mode:
+            raise ValueError(f"{mode}() was given a {batch.mode!r} batch")
         return self.step(batch, cache)
 
     # ---- full sequences (parity) ----

@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session: decode baseline (issue 3) and compaction move cost (issue 5), results into $OUT.
-set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
+source tools/gpu_setup.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv
-R=$OUT/r; mkdir -p $R
 python3 -c "import k3compile.model_def.ops.library as l; from k3compile.model_def.ops.cuda_backend import BACKENDS; print(BACKENDS)"
 timeout 100 k3compile bench compaction --model k3-mini-6b --dtype bf16 --batch 8 --context 512 --out $R/compaction 2>&1 | tail -15
 cp $R/compaction/compaction.md $OUT/ 2>/dev/null

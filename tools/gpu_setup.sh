@@ -1,0 +1,7 @@
+# Sourced by tools/gpu_bench_round*.sh on the device machine: fla-core from the carried wheel, k3compile
+# installed in place, results folder $R under $OUT.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
+R=$OUT/r; mkdir -p "$R"
