@@ -35,5 +35,6 @@ def test_engine_on_cuda_matches_reference(model, cfg):
     torch.cuda.synchronize()
     check_idle(engine)
     assert engine.metrics()["cache_hit_tokens"] > 0
-    assert assert_checkpoints_hold_their_prefix_state(engine, model) >= 2
+    # fla's kernels use TF32 dot products: its KDA ops sit 2-4e-3 from the CPU reference (tests/model_def/test_gpu.py)
+    assert assert_checkpoints_hold_their_prefix_state(engine, model, rel_tol=5e-3) >= 2
     engine.close()
