@@ -1,6 +1,7 @@
 """Shared pieces of the engine tests: the single-request reference loop, workloads, accounting checks."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -30,6 +31,35 @@ def reference_generate(model, prompt: list[int], max_new_tokens: int) -> list[in
         pos = len(prompt) + len(out) - 1
         batch = ForwardBatch.build("decode", [[out[-1]]], [pos], [table], [slot], page, device=dev)
         logits = model.step(batch, cache)[0]
+
+
+@torch.no_grad()
+def reference_top2(model, prompt: list[int], out: list[int]) -> tuple[list[float], list[int]]:
+    """(gap between the plain model's best and second-best logit, the second-best token) at each of `out`'s
+    positions, from one prefill of prompt + out: how close each greedy choice was to a tie."""
+    full, page, dev = prompt + out, 16, next(model.parameters()).device
+    n_pages = -(-len(full) // page)
+    cache = CacheTensors.allocate(model.cache_spec(), 2, n_pages + 1, page, device=dev)
+    batch = ForwardBatch.build("prefill", [full], [0], [list(range(1, n_pages + 1))], [1], page, device=dev)
+    batch = dataclasses.replace(batch, logits_indices=torch.arange(len(prompt) - 1, len(full) - 1, device=dev))
+    top = model.step(batch, cache).float().topk(2, -1)
+    return (top.values[:, 0] - top.values[:, 1]).tolist(), top.indices[:, 1].tolist()
+
+
+def assert_greedy_equal_up_to_ties(model, prompts, got, refs, tie: float) -> None:
+    """Each request's tokens equal the reference's until, at most, a position where the reference's top-2
+    logits are within `tie` and the engine took the runner-up; after such a flip the continuations differ
+    legitimately (vLLM's logprob-closeness check, with a tie margin instead of logprobs)."""
+    for i, (prompt, g, r) in enumerate(zip(prompts, got, refs)):
+        assert len(g) == len(r), f"request {i}: {len(g)} tokens, reference {len(r)}"
+        j = next((k for k in range(len(r)) if g[k] != r[k]), None)
+        if j is None:
+            continue
+        margins, runner_up = reference_top2(model, prompt, r[:j + 1])
+        margin = margins[j]
+        assert g[j] == runner_up[j] and margin <= tie, (
+            f"request {i} leaves the reference at token {j} ({g[j]} != {r[j]}) where the reference's top-2 logits "
+            f"are {margin:.3g} apart (tie margin {tie}; runner-up {runner_up[j]})")
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:

@@ -1,6 +1,7 @@
 """The engine on CUDA (decode CUDA graphs, overlap worker thread enqueueing on the same stream): greedy
-tokens equal the plain model.step loop on the same device, with the prefix cache restoring from
-checkpoints and branch points, and every checkpoint holds the state recomputed from its prefix."""
+tokens equal the plain model.step loop on the same device (up to near ties, see below), with the prefix
+cache restoring from checkpoints and branch points, and every checkpoint holds the state recomputed from
+its prefix."""
 import random
 
 import pytest
@@ -8,9 +9,11 @@ import torch
 
 from k3compile.model_def.loader import load_model
 
-from .engine_helpers import GREEDY, check_idle, make_engine, reference_generate, run_sequential, tokens
+from .engine_helpers import (GREEDY, assert_greedy_equal_up_to_ties, check_idle, make_engine, reference_generate,
+                             run_sequential, tokens)
 
 pytestmark = pytest.mark.gpu
+TIE = 1e-2  # logits of k3-tiny's random weights are O(1); fla's KDA ops sit 2-4e-3 (relative) from the reference
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +33,10 @@ def test_engine_on_cuda_matches_reference(model, cfg):
     refs = {tuple(p): reference_generate(model, p, GREEDY.max_new_tokens) for p in seq + conc}
     engine = make_engine(model, device="cuda", chunk_size=cfg.pop("chunk_size", 64), **cfg)
     assert engine.runner.executor.cuda_graphs
-    assert run_sequential(engine, seq) == [refs[tuple(p)] for p in seq]
-    assert engine.generate(conc, GREEDY) == [refs[tuple(p)] for p in conc]
+    # fla's TF32 kernels put different chunkings ~1e-3 apart, so at a near tie of the reference's top-2
+    # logits the engine may take the runner-up (seen on the H200: margin 8.2e-4 at chunk_size=32)
+    assert_greedy_equal_up_to_ties(model, seq, run_sequential(engine, seq), [refs[tuple(p)] for p in seq], TIE)
+    assert_greedy_equal_up_to_ties(model, conc, engine.generate(conc, GREEDY), [refs[tuple(p)] for p in conc], TIE)
     torch.cuda.synchronize()
     check_idle(engine)
     assert engine.metrics()["cache_hit_tokens"] > 0

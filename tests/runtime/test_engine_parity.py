@@ -8,7 +8,8 @@ import pytest
 
 from k3compile.runtime.sampling import SamplingParams
 
-from .engine_helpers import GREEDY, check_idle, make_engine, reference_generate, run_sequential, tokens
+from .engine_helpers import (GREEDY, assert_greedy_equal_up_to_ties, check_idle, make_engine, reference_generate,
+                             reference_top2, run_sequential, tokens)
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +94,23 @@ def test_stop_conditions(model):
     assert got["a"] == ref[: first + 1] and got["a_reason"] == "stop"
     assert got["b"] == ref and got["b_reason"] == "length"
     check_idle(engine2)
+
+
+def test_tie_aware_comparison_only_forgives_a_runner_up_at_a_near_tie(model):
+    """The GPU tests' tolerance for TF32 kernels (assert_greedy_equal_up_to_ties) must still fail on a
+    real divergence: a different token where the reference was sure, or a token that was not the runner-up."""
+    prompt = tokens(random.Random(3), 40)
+    ref = reference_generate(model, prompt, GREEDY.max_new_tokens)
+    margins, runner_up = reference_top2(model, prompt, ref)
+    assert_greedy_equal_up_to_ties(model, [prompt], [ref], [ref], tie=0.0)  # identical: nothing to forgive
+    j = min(range(len(ref)), key=lambda k: margins[k])  # the nearest tie: flip it to the runner-up
+    flipped = ref[:j] + [runner_up[j]] + [(t + 1) % 256 for t in ref[j + 1:]]  # the rest may differ after a flip
+    assert_greedy_equal_up_to_ties(model, [prompt], [flipped], [ref], tie=margins[j] * 1.01)
+    with pytest.raises(AssertionError, match="apart"):  # the same flip with a tie margin below the gap
+        assert_greedy_equal_up_to_ties(model, [prompt], [flipped], [ref], tie=margins[j] * 0.5)
+    k = max(range(len(ref)), key=lambda k: margins[k])  # a sure choice: no tie margin this small forgives it
+    with pytest.raises(AssertionError, match="apart"):
+        assert_greedy_equal_up_to_ties(model, [prompt], [ref[:k] + [runner_up[k]] + ref[k + 1:]], [ref], tie=1e-2)
+    wrong = next(t for t in range(256) if t not in (ref[j], runner_up[j]))
+    with pytest.raises(AssertionError, match="apart"):  # not the runner-up, even at the near tie
+        assert_greedy_equal_up_to_ties(model, [prompt], [ref[:j] + [wrong] + ref[j + 1:]], [ref], tie=1e3)
