@@ -6,13 +6,14 @@ same trace model (`trace.py`) and step segmentation (`steps.py`).
 """
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from k3compile.report.categories import CATEGORIES, classify
 from k3compile.report.steps import DEFAULT_STEP_PATTERN, Segmentation, StepEvents, segment
-from k3compile.report.trace import KERNEL, MEMCPY, MEMSET, Event, Trace
+from k3compile.report.trace import KERNEL, MEMCPY, MEMSET, Event, Trace, is_graph_launch
 
 
 def _us(ns: int | float) -> float:
@@ -71,6 +72,21 @@ class NameStats:
 
 
 @dataclass
+class LaunchingOpStats:
+    """GPU work per step (means over steps) grouped by the top-level CPU op whose call enqueued it: in an
+    eager trace this says which op's internals (a `k3::` custom op, an `aten::to`) cost the kernels."""
+    op: str
+    kernels: float     # GPU events (kernels, copies, memsets) per step
+    copies: float      # of which category "copy"
+    gpu_us: float      # their GPU time per step
+    share: float       # of all steps' GPU time
+
+
+GRAPH_REPLAY = "(CUDA graph replay)"
+NO_OP = "(launched outside any op)"
+
+
+@dataclass
 class Report:
     path: str
     devices: dict[int, str]
@@ -82,6 +98,7 @@ class Report:
     outside_steps: int              # GPU events launched outside every step
     top_kernels: list[NameStats]    # over all steps' GPU events
     top_cpu_ops: list[NameStats]    # over all steps' top-level CPU ops
+    launching_ops: list[LaunchingOpStats] = field(default_factory=list)  # by GPU time, top N
     categories: tuple[str, ...] = field(default=CATEGORIES)
 
 
@@ -173,6 +190,39 @@ def top_by_total(events: list[Event], n: int) -> list[NameStats]:
             for name, (count, total) in ranked[:n]]
 
 
+def by_launching_op(trace: Trace, seg: Segmentation, n: int) -> list[LaunchingOpStats]:
+    """Each step's GPU events grouped by the top-level op (same thread) around their launch call;
+    graph replays and launches outside every op get their own rows."""
+    starts: dict[tuple, list[int]] = defaultdict(list)
+    ops: dict[tuple, list[Event]] = defaultdict(list)
+    for se in seg.steps:
+        for op in se.cpu_ops:
+            ops[(op.pid, op.tid)].append(op)
+    for thread, evs in ops.items():
+        evs.sort(key=lambda e: e.ts)
+        starts[thread] = [e.ts for e in evs]
+    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # events, copies, ns
+    for se in seg.steps:
+        for ev in se.gpu:
+            launch = trace.launch_of(ev)
+            name = NO_OP
+            if launch is not None and is_graph_launch(launch):
+                name = GRAPH_REPLAY
+            elif launch is not None:
+                thread = (launch.pid, launch.tid)
+                i = bisect.bisect_right(starts[thread], launch.ts) - 1
+                if i >= 0 and launch.ts <= ops[thread][i].end:
+                    name = ops[thread][i].name
+            t = totals[name]
+            t[0] += 1
+            t[1] += classify(ev.name) == "copy"
+            t[2] += ev.dur
+    steps, grand = max(len(seg.steps), 1), sum(t[2] for t in totals.values())
+    ranked = sorted(totals.items(), key=lambda kv: (-kv[1][2], -kv[1][0], kv[0]))
+    return [LaunchingOpStats(name, round(k / steps, 3), round(c / steps, 3), _us(ns / steps),
+                             round(ns / grand, 4) if grand else 0.0) for name, (k, c, ns) in ranked[:n]]
+
+
 def _means(steps: list[StepReport]) -> dict:
     if not steps:
         return {}
@@ -197,4 +247,5 @@ def analyze(trace: Trace, step_pattern: str = DEFAULT_STEP_PATTERN, top: int = 1
         mean=_means(steps), outside_steps=len(seg.outside),
         top_kernels=top_by_total([e for se in seg.steps for e in se.gpu], top),
         top_cpu_ops=top_by_total([e for se in seg.steps for e in se.cpu_ops], top),
+        launching_ops=by_launching_op(trace, seg, top),
     )

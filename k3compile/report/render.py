@@ -106,6 +106,12 @@ def _gpu_sections(report: Report, labels: list[str]) -> list[str]:
 
     out += ["", "Top GPU kernels (and copies) by total GPU time, all steps"]
     out += _names_table(report.top_kernels)
+
+    out += ["", "GPU work per step by the top-level op that launched it (eager traces; a CUDA graph "
+                "replay is one row)"]
+    rows = [[_shorten(o.op), _count(o.kernels), _count(o.copies), o.gpu_us, _pct(o.share)]
+            for o in report.launching_ops]
+    out += _table(["op", "kernels", "copies", "GPU us", "share"], rows) if rows else ["(none)"]
     return out
 
 

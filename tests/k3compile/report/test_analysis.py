@@ -2,7 +2,7 @@
 (see `two_step_decode`)."""
 import pytest
 
-from k3compile.report.analysis import analyze, busy_time, launch_gaps
+from k3compile.report.analysis import GRAPH_REPLAY, NO_OP, analyze, busy_time, launch_gaps
 from k3compile.report.steps import FROM_ANNOTATIONS, FROM_PROFILER_STEPS, WHOLE_TRACE, segment
 from k3compile.report.trace import load_trace
 from tests.k3compile.report.synthetic_traces import T0, TraceBuilder, two_step_decode
@@ -131,3 +131,17 @@ def test_gap_and_busy_helpers_ignore_overlap(tmp_path):
     (g,) = launch_gaps(events)
     assert (g.count, g.total_us, g.largest_us) == (1, 5.0, 5.0)
     assert busy_time(events) == 15_000
+
+
+def test_gpu_work_is_attributed_to_the_top_level_op_that_launched_it(tmp_path):
+    b = two_step_decode()
+    b.op("aten::linear", T0 + 139, 3)
+    b.op("aten::addmm", T0 + 139.5, 1.5)  # inner op: the launch at 140 still belongs to aten::linear
+    rows = analyze(load_trace(b.write(tmp_path / "t.json"))).launching_ops
+    assert [(r.op, r.kernels, r.copies, r.gpu_us, r.share) for r in rows] == [
+        (NO_OP, 3.5, 1.0, 17.5, 0.4545),         # 7 events over 2 steps, memcpy + memset are copies
+        (GRAPH_REPLAY, 1.5, 0.0, 7.0, 0.1818),   # the three kernels one cudaGraphLaunch replays
+        ("aten::linear", 0.5, 0.0, 5.0, 0.1299),
+        ("aten::mm", 0.5, 0.0, 5.0, 0.1299),
+        ("k3::kda_decode", 0.5, 0.0, 4.0, 0.1039),
+    ]

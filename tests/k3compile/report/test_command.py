@@ -41,6 +41,10 @@ def test_text_and_json_report(tmp_path, capsys):
     assert count_row == ["1", "1", "1", "2", "2", "1", "1", "0", "8", "3", "7", "1"]
     assert time_row == ["10.00", "8.00", "14.00", "12.00", "7.00", "1.00", "5.00", "0.00", "57.00"]
     assert gap_row == ["75.00", "45.00", "60.0%", "6", "32.00", "21.00"]
+    # the launching-op table: JSON rows and text rows agree
+    assert [r["op"] for r in doc["launching_ops"]][:2] == ["(launched outside any op)", "(CUDA graph replay)"]
+    graph_row = next(line for line in text.splitlines() if line.startswith("(CUDA graph replay)"))
+    assert graph_row.split()[3:] == ["1.50", "0", "7.00", "18.2%"]
 
 
 def test_bad_input_raises_a_one_line_error(tmp_path):
