@@ -87,12 +87,16 @@ class _Rewriter:
         self.gm.graph.erase_node(node)
 
 
+def _calls_on_a_node(gm: GraphModule, target) -> list[Node]:
+    """Calls of `target` whose first argument is a graph node (a snapshot: callers edit the graph)."""
+    return [n for n in gm.graph.nodes if is_call(n, target) and n.args and isinstance(n.args[0], Node)]
+
+
 def _fold_constant_casts(gm: GraphModule) -> int:
     folded, made = 0, {}
     fake_mode, written = None, mutated_roots(gm)
-    for node in list(gm.graph.nodes):
-        if not (node.op == "call_function" and node.target == aten._to_copy.default and node.args
-                and isinstance(node.args[0], Node) and node.args[0].op == "get_attr"):
+    for node in _calls_on_a_node(gm, aten._to_copy.default):
+        if node.args[0].op != "get_attr":
             continue
         if node.args[0] in written:
             continue  # a buffer the step updates in place is not a constant
@@ -114,10 +118,7 @@ def _fold_constant_casts(gm: GraphModule) -> int:
 
 def _remove_casts(gm: GraphModule, rw: _Rewriter) -> int:
     removed = 0
-    for node in list(gm.graph.nodes):
-        if not (node.op == "call_function" and node.target == aten._to_copy.default and node.args
-                and isinstance(node.args[0], Node)):
-            continue
+    for node in _calls_on_a_node(gm, aten._to_copy.default):
         src = node.args[0]
         src_val = val_of(src)
         dtype = _plain_cast_dtype(node, src_val)
@@ -152,10 +153,7 @@ def _remove_casts(gm: GraphModule, rw: _Rewriter) -> int:
 
 def _remove_copies(gm: GraphModule, rw: _Rewriter) -> int:
     removed = 0
-    for node in list(gm.graph.nodes):
-        if not (node.op == "call_function" and node.target == aten.clone.default and node.args
-                and isinstance(node.args[0], Node)):
-            continue
+    for node in _calls_on_a_node(gm, aten.clone.default):
         if node.kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
             continue
         if rw.can_alias(node, node.args[0]):
