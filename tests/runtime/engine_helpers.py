@@ -15,13 +15,19 @@ from k3compile.runtime.sampling import SamplingParams
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
+def one_request_cache(model, n_tokens: int, page: int = 16):
+    """Pools for one request of up to n_tokens: (cache, its page table, page size, device); slot 1."""
+    dev = next(model.parameters()).device
+    n_pages = -(-n_tokens // page)
+    cache = CacheTensors.allocate(model.cache_spec(), 2, n_pages + 1, page, device=dev)
+    return cache, list(range(1, n_pages + 1)), page, dev
+
+
 @torch.no_grad()
 def reference_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The plain model.step loop: the whole prompt in one prefill, then one decode step per token."""
-    page, dev = 16, next(model.parameters()).device
-    n_pages = -(-(len(prompt) + max_new_tokens) // page)
-    cache = CacheTensors.allocate(model.cache_spec(), 2, n_pages + 1, page, device=dev)
-    table, slot = list(range(1, n_pages + 1)), 1
+    cache, table, page, dev = one_request_cache(model, len(prompt) + max_new_tokens)
+    slot = 1
     logits = model.step(ForwardBatch.build("prefill", [prompt], [0], [table], [slot], page, device=dev), cache)[0]
     out = []
     while True:
@@ -37,10 +43,9 @@ def reference_generate(model, prompt: list[int], max_new_tokens: int) -> list[in
 def reference_top2(model, prompt: list[int], out: list[int]) -> tuple[list[float], list[int]]:
     """(gap between the plain model's best and second-best logit, the second-best token) at each of `out`'s
     positions, from one prefill of prompt + out: how close each greedy choice was to a tie."""
-    full, page, dev = prompt + out, 16, next(model.parameters()).device
-    n_pages = -(-len(full) // page)
-    cache = CacheTensors.allocate(model.cache_spec(), 2, n_pages + 1, page, device=dev)
-    batch = ForwardBatch.build("prefill", [full], [0], [list(range(1, n_pages + 1))], [1], page, device=dev)
+    full = prompt + out
+    cache, table, page, dev = one_request_cache(model, len(full))
+    batch = ForwardBatch.build("prefill", [full], [0], [table], [1], page, device=dev)
     batch = dataclasses.replace(batch, logits_indices=torch.arange(len(prompt) - 1, len(full) - 1, device=dev))
     top = model.step(batch, cache).float().topk(2, -1)
     return (top.values[:, 0] - top.values[:, 1]).tolist(), top.indices[:, 1].tolist()

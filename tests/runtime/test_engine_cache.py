@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from k3compile.model_def.batch import ForwardBatch
-from k3compile.model_def.cache import CacheTensors
 from k3compile.runtime.sampling import SamplingParams
 
-from .engine_helpers import GREEDY, check_idle, make_engine, reference_generate, tokens
+from .engine_helpers import GREEDY, check_idle, make_engine, one_request_cache, reference_generate, tokens
 
 
 def generate_one(engine, rid, prompt, params=GREEDY):
@@ -30,10 +29,8 @@ def generate_one(engine, rid, prompt, params=GREEDY):
 @torch.no_grad()
 def recomputed_state(model, prefix: list[int]):
     """KDA state after `prefix`, prefilled from scratch in one chunk into a fresh slot."""
-    page, dev = 16, next(model.parameters()).device
-    n = -(-len(prefix) // page)
-    cache = CacheTensors.allocate(model.cache_spec(), 2, n + 1, page, device=dev)
-    model.step(ForwardBatch.build("prefill", [prefix], [0], [list(range(1, n + 1))], [1], page, device=dev), cache)
+    cache, table, page, dev = one_request_cache(model, len(prefix))
+    model.step(ForwardBatch.build("prefill", [prefix], [0], [table], [1], page, device=dev), cache)
     return cache.ssm[1].clone(), cache.conv[1].clone()
 
 
