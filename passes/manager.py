@@ -33,6 +33,11 @@ from .verify import (TOLERANCES, PassVerificationError, compare_results, graph_p
                      run_checked, run_graph)
 
 
+# node.meta key naming the pass that created a node; captured nodes have none. Engines store it per node
+# (engine/graph_io.py) so that trace reports attribute each kernel to the pass behind it.
+PASS_META = "k3_pass"
+
+
 class PassError(RuntimeError):
     """A pass raised, returned something that is not a match count, or left a malformed graph."""
 
@@ -179,6 +184,7 @@ class PassManager:
     def _run_one(self, gm, pos, pass_name, cfg, verifier) -> PassRecord:
         spec = get_pass(pass_name)
         nodes0, launches0 = count_nodes(gm), count_launches(gm)
+        existing = set(gm.graph.nodes)
         t0 = time.perf_counter()
         try:
             matches = spec.run(gm, cfg)
@@ -188,6 +194,9 @@ class PassManager:
         if not isinstance(matches, int) or isinstance(matches, bool) or matches < 0:
             raise PassError(f"pass {pass_name} must return its match count (an int >= 0), returned {matches!r}")
         _check_graph(gm, pass_name)
+        for node in gm.graph.nodes:
+            if node not in existing:
+                node.meta[PASS_META] = pass_name
         rec = PassRecord(pass_name, dataclasses.asdict(cfg), matches, nodes0, count_nodes(gm), launches0,
                          count_launches(gm), seconds)
         if verifier is not None:

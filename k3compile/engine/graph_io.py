@@ -28,6 +28,8 @@ import operator
 import torch
 import torch.fx
 
+from k3compile.passes.manager import PASS_META  # node.meta key: the pass that created a node
+
 GRAPH_FORMAT = "k3compile.fx-graph/1"
 OP_NAMESPACES = ("aten", "k3", "prims")
 # SymInt arithmetic and tuple indexing: the only Python callables a make_fx graph holds
@@ -101,6 +103,8 @@ def graph_to_dict(gm: torch.fx.GraphModule, mode: str, weight_keys: dict[str, st
         if n.op in ("call_function", "output"):
             entry["args"] = _encode(tuple(n.args), where)["tuple"]
             entry["kwargs"] = {k: _encode(v, where) for k, v in n.kwargs.items()}
+        if isinstance(n.meta.get(PASS_META), str):  # provenance for trace attribution (engine/attribution.py)
+            entry["pass"] = n.meta[PASS_META]
         nodes.append(entry)
     return {"format": GRAPH_FORMAT, "mode": mode, "nodes": nodes}
 
@@ -226,6 +230,8 @@ def graph_from_dict(d: dict, weights: dict[str, torch.Tensor], inputs: tuple[str
         else:
             raise GraphFormatError(f"{where}: node kind '{kind}' is not allowed "
                                    f"(placeholder, get_attr, call_function, output)")
+        if isinstance(e.get("pass"), str):
+            node.meta[PASS_META] = e["pass"]
         env[name] = node
     if not has_output:
         raise GraphFormatError(f"{source}: no output node")

@@ -11,7 +11,10 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from k3compile.report.attribution import attribute
 from k3compile.report.categories import CATEGORIES, classify
+from k3compile.report.critical_path import CLASSES, CriticalPath, critical_path
+from k3compile.report.roofline import RooflineReport, analyze_roofline
 from k3compile.report.steps import DEFAULT_STEP_PATTERN, Segmentation, StepEvents, segment
 from k3compile.report.trace import KERNEL, MEMCPY, MEMSET, Event, Trace, is_graph_launch
 
@@ -100,6 +103,10 @@ class Report:
     top_cpu_ops: list[NameStats]    # over all steps' top-level CPU ops
     launching_ops: list[LaunchingOpStats] = field(default_factory=list)  # by GPU time, top N
     categories: tuple[str, ...] = field(default=CATEGORIES)
+    attribution_runs: list[dict] = field(default_factory=list)  # label, kernels, nodes of each reference
+    roofline: RooflineReport | None = None       # None for CPU-only traces
+    critical_paths: list[CriticalPath] = field(default_factory=list)
+    critical_path_mean: dict[str, float] = field(default_factory=dict)  # class -> us, and "total"
 
 
 def by_category(events: list[Event]) -> dict[str, CategoryStats]:
@@ -241,6 +248,21 @@ def _means(steps: list[StepReport]) -> dict:
 def analyze(trace: Trace, step_pattern: str = DEFAULT_STEP_PATTERN, top: int = 15) -> Report:
     seg: Segmentation = segment(trace, step_pattern)
     steps = [step_report(se) for se in seg.steps]
+    roofline, paths, refs = None, [], []
+    if trace.gpu_events and seg.steps:
+        attr, refs = attribute(trace, seg)
+        roofline = analyze_roofline(trace, [se.gpu for se in seg.steps], attr)
+        bound = {r.node: r.bound for r in roofline.rows}
+
+        def describe(ev):
+            a = attr.get(ev)
+            node = a.node.name if a is not None and a.node is not None else None
+            return bound.get(node), node
+        paths = [p for se in seg.steps if (p := critical_path(trace, se, describe)) is not None]
+    cp_mean = {}
+    if paths:
+        cp_mean = {c: round(statistics.fmean(p.by_class[c] for p in paths), 3) for c in CLASSES}
+        cp_mean["total"] = round(statistics.fmean(p.total_us for p in paths), 3)
     return Report(
         path=trace.path, devices=trace.device_names, step_source=seg.source,
         step_pattern=step_pattern, has_gpu_events=bool(trace.gpu_events), steps=steps,
@@ -248,4 +270,7 @@ def analyze(trace: Trace, step_pattern: str = DEFAULT_STEP_PATTERN, top: int = 1
         top_kernels=top_by_total([e for se in seg.steps for e in se.gpu], top),
         top_cpu_ops=top_by_total([e for se in seg.steps for e in se.cpu_ops], top),
         launching_ops=by_launching_op(trace, seg, top),
+        attribution_runs=[{"label": r.label, "range": r.range_name, "kernels": len(r.kernels),
+                           "nodes": len(r.nodes)} for r in refs],
+        roofline=roofline, critical_paths=paths, critical_path_mean=cp_mean,
     )

@@ -6,6 +6,7 @@ from collections import Counter
 
 from k3compile.report.analysis import NameStats, Report
 from k3compile.report.categories import CATEGORIES
+from k3compile.report.critical_path import CLASSES
 from k3compile.report.steps import FROM_ANNOTATIONS, FROM_PROFILER_STEPS
 
 JSON_SCHEMA = "k3compile.report/1"
@@ -14,10 +15,14 @@ _SHORT = {"norm/elementwise": "norm/elem", "communication": "comm", "attention":
 _COLUMNS = [_SHORT.get(c, c) for c in CATEGORIES]
 _MEAN = "mean per step"
 _NAME_WIDTH = 100
+_JSON_SEGMENTS = 50
+_TOP_NODES = 20
 
 
 def to_json(report: Report) -> dict:
     doc = {"schema": JSON_SCHEMA, "time_unit": "us", **dataclasses.asdict(report)}
+    for path in doc["critical_paths"]:  # thousands of segments per step: keep the longest
+        path["segments"] = sorted(path["segments"], key=lambda g: -g["dur_us"])[:_JSON_SEGMENTS]
     doc["categories"] = list(report.categories)
     doc["devices"] = {str(k): v for k, v in report.devices.items()}
     return doc
@@ -35,6 +40,7 @@ def render_text(report: Report) -> str:
             out.append(f"GPU events launched outside every step (not counted below): "
                        f"{report.outside_steps}")
         out += _gpu_sections(report, _labels(report))
+        out += _analysis_sections(report)
     else:
         out.append("No GPU kernels in this trace (CPU-only profile: no CUDA activity was recorded). "
                    "Showing top-level CPU ops per step instead.")
@@ -113,6 +119,53 @@ def _gpu_sections(report: Report, labels: list[str]) -> list[str]:
             for o in report.launching_ops]
     out += _table(["op", "kernels", "copies", "GPU us", "share"], rows) if rows else ["(none)"]
     return out
+
+
+def _analysis_sections(report: Report) -> list[str]:
+    out = []
+    cp = report.critical_path_mean
+    if cp:
+        out += ["", "Critical path per step (us; mean over steps): the chain of waits that ends at the "
+                    "step's last GPU event"]
+        rows = [[f"step {p.step}", p.total_us] + [p.by_class[c] for c in CLASSES]
+                + [p.pdl_overlaps, p.cross_stream_waits] for p in report.critical_paths]
+        if len(rows) > 1:
+            rows.append([_MEAN, cp["total"]] + [cp[c] for c in CLASSES] + [None, None])
+        out += _table(["step", "total"] + list(CLASSES) + ["PDL", "x-stream"], rows)
+    rl = report.roofline
+    if rl is None:
+        return out
+    out += ["", f"Attribution: {len(report.attribution_runs)} node table(s) in the trace"
+                + "".join(f"; {r['label']}: {r['kernels']} kernels from {r['nodes']} nodes"
+                          for r in report.attribution_runs)]
+    out.append(f"  attributed {rl.attributed_us:.1f} us/step, unattributed {rl.unattributed_us:.1f} us/step "
+               f"({_count(rl.unattributed_kernels)} kernels)"
+               + "".join(f"; {why}: {us:.1f} us" for why, us in rl.unattributed_reasons.items()))
+    pk = rl.peaks
+    bw = f"{pk.bytes_per_s / 1e9:.0f} GB/s" if pk.bytes_per_s else "-"
+    fl = f"{pk.flops_per_s / 1e12:.0f} TFLOP/s" if pk.flops_per_s else "-"
+    out += ["", f"Roofline per node (peaks {pk.source}: {bw}, {fl}); floor = max(bytes / bandwidth, "
+                f"FLOPs / FLOP/s); sorted by time over the floor, top {_TOP_NODES}"]
+    rows = [[r.node, r.op.removeprefix("aten."), r.layer, r.pass_, _count(r.launches_per_step), r.time_us,
+             r.floor_us, _pct(r.roofline), r.achieved_gb_s, r.bound + ("" if r.exact else "?")]
+            for r in rl.rows[:_TOP_NODES]]
+    out += _table(["node", "op", "layer", "pass", "kernels", "us", "floor us", "roofline", "GB/s", "bound"],
+                  rows, left=("op", "layer", "pass", "bound")) if rows else ["(no attributed kernels)"]
+    out += ["", "Per layer (per step)"]
+    out += _table(["layer", "kernels", "us", "floor us", "roofline"],
+                  [[r.layer, _count(r.kernels), r.time_us, r.floor_us, _pct(r.roofline)] for r in rl.layers])
+    out += ["", "Next fusions: chains of adjacent memory-bound kernels of one layer, by recoverable time "
+                "(gaps + excess over roofline) per step"]
+    rows = [[str(i + 1), f.recoverable_us, f.time_us, _count(f.occurrences), _layers(f.layers),
+             _shorten(" > ".join(o.removeprefix("aten.").removesuffix(".default") for o in f.ops)),
+             _shorten(", ".join(f.example_nodes))] for i, f in enumerate(rl.fusions)]
+    out += _table(["#", "recoverable us", "span us", "per step", "layers", "ops", "nodes (first)"], rows,
+                  left=("layers", "ops", "nodes (first)")) if rows else ["(none: no attributed memory-bound chains)"]
+    return out
+
+
+def _layers(labels: list[str]) -> str:
+    return ",".join(labels) if len(labels) <= 4 else f"{','.join(labels[:3])},... ({len(labels)})"
 
 
 def _cpu_sections(report: Report, labels: list[str]) -> list[str]:
