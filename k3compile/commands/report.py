@@ -1,7 +1,9 @@
-"""`k3compile report TRACE.json`: kernels per decode step by category, launch gaps, top kernels."""
+"""`k3compile report TRACE.json [--diff B.json] [--json OUT] [--html OUT]`: kernels per step by category,
+launch gaps, top kernels, attribution to graph nodes, critical path, roofline, next fusions."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 
@@ -32,6 +34,9 @@ def register(subparsers) -> None:
     p.add_argument("trace", help="chrome trace written by prof.export_chrome_trace or "
                                  "tensorboard_trace_handler")
     p.add_argument("--json", metavar="OUT", help="also write the report's numbers as JSON here")
+    p.add_argument("--html", metavar="OUT", help="also write a self-contained HTML page with plots here")
+    p.add_argument("--diff", metavar="B", help="compare with a second trace: what disappeared, appeared, and "
+                                               "what the critical path gained from TRACE to B")
     p.add_argument("--step-regex", type=_regex, default=DEFAULT_STEP_PATTERN,
                    help=f"annotation names that mark one step (default: {DEFAULT_STEP_PATTERN!r})")
     p.add_argument("--top", type=_positive, default=15, help="how many top kernels to list")
@@ -39,13 +44,32 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from k3compile.report import analyze, load_trace, render_text, to_json
+    from k3compile.report import analyze, load_trace, render_text, segment, to_json
 
-    report = analyze(load_trace(args.trace), step_pattern=args.step_regex, top=args.top)
-    print(render_text(report), end="")
+    trace = load_trace(args.trace)
+    report = analyze(trace, step_pattern=args.step_regex, top=args.top)
+    text = render_text(report)
+    doc = to_json(report)
+    if args.diff:
+        from k3compile.report.diff import diff, render_diff
+
+        other = analyze(load_trace(args.diff), step_pattern=args.step_regex, top=args.top)
+        d = diff(report, other)
+        text = render_diff(d)
+        doc = {"schema": "k3compile.report-diff/1", "time_unit": "us", "diff": dataclasses.asdict(d),
+               "a": doc, "b": to_json(other)}
+    print(text, end="")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(to_json(report), f, indent=1)
+            json.dump(doc, f, indent=1)
             f.write("\n")
         print(f"wrote {args.json}")
+    if args.html:
+        from k3compile.report.html import render_html
+
+        seg = segment(trace, args.step_regex)
+        first = seg.steps[0].gpu if seg.steps else []
+        with open(args.html, "w") as f:
+            f.write(render_html(report, text, first))
+        print(f"wrote {args.html}")
     return 0

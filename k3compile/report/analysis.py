@@ -107,6 +107,7 @@ class Report:
     roofline: RooflineReport | None = None       # None for CPU-only traces
     critical_paths: list[CriticalPath] = field(default_factory=list)
     critical_path_mean: dict[str, float] = field(default_factory=dict)  # class -> us, and "total"
+    kernels_per_step: dict[str, float] = field(default_factory=dict)  # GPU event name -> count per step (--diff)
 
 
 def by_category(events: list[Event]) -> dict[str, CategoryStats]:
@@ -273,4 +274,14 @@ def analyze(trace: Trace, step_pattern: str = DEFAULT_STEP_PATTERN, top: int = 1
         attribution_runs=[{"label": r.label, "range": r.range_name, "kernels": len(r.kernels),
                            "nodes": len(r.nodes)} for r in refs],
         roofline=roofline, critical_paths=paths, critical_path_mean=cp_mean,
+        kernels_per_step=_names_per_step(seg),
     )
+
+
+def _names_per_step(seg: Segmentation) -> dict[str, float]:
+    counts: dict[str, int] = defaultdict(int)
+    for se in seg.steps:
+        for e in se.gpu:
+            counts[e.name] += 1
+    n = max(len(seg.steps), 1)
+    return {k: round(v / n, 3) for k, v in sorted(counts.items())}

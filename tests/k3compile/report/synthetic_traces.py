@@ -16,10 +16,16 @@ class TraceBuilder:
             {"ph": "M", "name": "process_labels", "pid": 0, "tid": 0, "args": {"labels": "GPU 0"}},
         ]
         self._next_corr = 100
+        self.extra: dict = {}  # more top-level keys (the "k3compile" node table)
 
     def annotation(self, name: str, ts: float, dur: float) -> None:
         self.events.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": self.CPU_PID,
                             "tid": self.CPU_TID, "ts": ts, "dur": dur, "args": {}})
+
+    def runtime(self, name: str, ts: float, dur: float) -> None:
+        """A CUDA API call that launches nothing (a synchronize)."""
+        self.events.append({"ph": "X", "cat": "cuda_runtime", "name": name, "pid": self.CPU_PID,
+                            "tid": self.CPU_TID, "ts": ts, "dur": dur, "args": {"correlation": 0}})
 
     def op(self, name: str, ts: float, dur: float) -> None:
         self.events.append({"ph": "X", "cat": "cpu_op", "name": name, "pid": self.CPU_PID,
@@ -55,7 +61,7 @@ class TraceBuilder:
 
     def doc(self) -> dict:
         return {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H200"}],
-                "displayTimeUnit": "ms", "traceEvents": self.events}
+                "displayTimeUnit": "ms", "traceEvents": self.events, **self.extra}
 
     def write(self, path, gz: bool = False):
         data = json.dumps(self.doc()).encode()
@@ -108,4 +114,51 @@ def two_step_decode(builder: TraceBuilder | None = None, *, step_annotations: bo
     # outside every step
     b.kernel_launch("cudaLaunchKernel", t(210), "late_gemm_kernel", t(220), 3)
     b.gpu("orphan_kernel", 999, t(300), 1)
+    return b
+
+
+NODE_TABLE = {  # bytes and FLOPs chosen so that every floor is a round number at the peaks below
+    "mm_0": {"op": "aten.mm.default", "layer": "L0", "pass": "p01_gemm_merge", "bytes": 2_000_000,
+             "flops": 400_000_000, "exact": True},
+    "pow_1": {"op": "aten.pow.Tensor_Scalar", "layer": "L0", "pass": "capture", "bytes": 1_000_000, "flops": 0},
+    "mean_1": {"op": "aten.mean.dim", "layer": "L0", "pass": "capture", "bytes": 500_000, "flops": 0},
+}
+
+
+def attributed_graph_step(with_mean: bool = True) -> TraceBuilder:
+    """An engine trace: peaks, an attribution run (node by node), then one step replaying a CUDA graph.
+
+    Peaks: a 10 µs copy of 1e7 bytes (1000 GB/s) and a 10 µs GEMM of 1e9 FLOPs (100 TFLOP/s).
+    Attribution run (k3.attribution#0, 0–30): mm_0 → a GEMM kernel, pow_1 → elem_a, mean_1 → elem_b.
+    Step decode_step#0 (100–200): cudaMemcpyAsync at 101 (a 1 µs copy at 105, outside the graph),
+    cudaGraphLaunch at 110–115 replaying gemm 120–124, elem_a 125–127, elem_b 128–131.
+    """
+    b = TraceBuilder()
+    t = lambda x: T0 + x  # noqa: E731
+    nodes = dict(NODE_TABLE)
+    if not with_mean:
+        nodes.pop("mean_1")
+    b.extra["k3compile"] = {"schema": "k3compile.nodes/1",
+                            "attribution": [{"label": "decode bs=1", "range": "k3.attribution#0", "nodes": nodes}],
+                            "peaks": {"copy": {"range": "k3.peak/copy", "bytes": 10_000_000},
+                                      "gemm": {"range": "k3.peak/gemm", "flops": 1_000_000_000}}}
+    b.annotation("k3.peak/copy", t(-60), 20)
+    b.kernel_launch("cudaMemcpyAsync", t(-59), "Memcpy DtoD (Device -> Device)", t(-55), 10, cat="gpu_memcpy")
+    b.annotation("k3.peak/gemm", t(-30), 20)
+    b.kernel_launch("cudaLaunchKernel", t(-29), "sm90_xmma_gemm_peak", t(-25), 10)
+    b.annotation("k3.attribution#0", t(0), 30)
+    b.annotation("k3.node/mm_0", t(1), 4)
+    b.kernel_launch("cudaLaunchKernel", t(2), "sm90_xmma_gemm_bf16", t(10), 4)
+    b.annotation("k3.node/pow_1", t(6), 3)
+    b.kernel_launch("cudaLaunchKernel", t(7), "elem_a", t(15), 2)
+    if with_mean:
+        b.annotation("k3.node/mean_1", t(10), 3)
+        b.kernel_launch("cudaLaunchKernel", t(11), "elem_b", t(18), 2)
+    b.annotation("decode_step#0", t(100), 100)
+    b.kernel_launch("cudaMemcpyAsync", t(101), "Memcpy HtoD (Pageable -> Device)", t(105), 1, cat="gpu_memcpy")
+    graph = b.launch("cudaGraphLaunch", t(110), 5)
+    b.gpu("sm90_xmma_gemm_bf16", graph, t(120), 4)
+    b.gpu("elem_a", graph, t(125), 2)
+    if with_mean:
+        b.gpu("elem_b", graph, t(128), 3)
     return b
