@@ -49,6 +49,8 @@ def build_app(front: AsyncEngine, model_name: str, api_key: str | None = None) -
 
     app = FastAPI(title="k3compile", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.front, app.state.metrics = front, metrics
+    from .profiling import register as register_profiling   # POST /start_profile, /stop_profile
+    app.state.profiler = register_profiling(app, front)
 
     # -- errors ---------------------------------------------------------------------------------
 
