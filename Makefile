@@ -12,11 +12,17 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(VENV)/bin/python -m pip install -q -e ".[test]"
 	touch $@
 
-.PHONY: setup demo test
+.PHONY: setup demo test chromium
 setup: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/k3compile generate --model k3-tiny --prompt "def fib(n):" --max-new-tokens 32 --show-ids
 
-test: $(VENV)/.installed
+# headless Chromium renders `report --html` in its test (skipped without it); Debian/Ubuntu package name
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { command -v apt-get >/dev/null 2>&1 && (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1; } || \
+	  echo "chromium not installed: the HTML rendering test will be skipped"
+
+test: $(VENV)/.installed chromium
 	$(VENV)/bin/python -m pytest -q

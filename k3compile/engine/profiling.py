@@ -10,7 +10,7 @@ graph, node by node through an fx Interpreter, inside a `k3.attribution#i` range
 matches the replays' kernel sequences against that (by order and name, report/attribution.py).
 
 While it runs each node, the interpreter also records what the roofline needs: the FLOPs
-(torch.utils.flop_counter for aten ops, a formula for our k3 ops) and the bytes the node must
+(torch.utils.flop_counter's formulas for aten ops, our own for the k3 ops) and the bytes the node must
 move (inputs + outputs; for gathers and pool ops only the rows they touch, see `node_cost`).
 Everything goes into the trace file under the top-level key "k3compile" (TRACE_KEY), together
 with each node's layer and pass (engine/provenance.py), so one file carries the whole story.
@@ -106,6 +106,21 @@ def _k3_cost(name: str, args: tuple, out) -> tuple[int, int] | None:
     return None
 
 
+def aten_flops(target, args: tuple, kwargs: dict, out) -> int:
+    """FLOPs from torch.utils.flop_counter's formulas (matmuls, attention, convolutions), called on
+    the shapes directly: running the node under FlopCounterMode could decompose it into other
+    kernels than the graph replay launches, which would spoil the kernel matching."""
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(target, "overloadpacket", None)
+    if packet is None or packet not in flop_registry:
+        return 0
+    try:
+        return int(flop_registry[packet](*args, **kwargs, out_val=out))
+    except Exception:  # a formula that does not take this overload's arguments: no FLOPs known
+        return 0
+
+
 _GATHERS = {"aten.embedding.default": 0, "aten.index.Tensor": 0, "aten.index_select.default": 0}
 
 
@@ -113,7 +128,7 @@ def node_cost(target, args: tuple, kwargs: dict, out, flops: int) -> dict:
     """{"bytes", "flops", "exact"}: what the node must move and compute at minimum.
 
     aten ops: every distinct input and output tensor once (a gather reads only the rows it returns);
-    FLOPs from torch's flop counter (matmuls, attention, convolutions; 0 for elementwise ops).
+    FLOPs from torch's flop formulas (`aten_flops`: matmuls, attention, convolutions; 0 for elementwise ops).
     k3 ops: per-op formulas (`_k3_cost`). Anything else that reads a whole step pool would count
     the pool, which it does not read: those are marked exact=False and their bytes leave the pool out.
     """
@@ -144,12 +159,11 @@ class RangedInterpreter(torch.fx.Interpreter):
         if n.op != "call_function":
             return super().run_node(n)
         from torch.profiler import record_function
-        from torch.utils.flop_counter import FlopCounterMode
 
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        with record_function(NODE_RANGE + n.name), FlopCounterMode(display=False) as counter:
+        with record_function(NODE_RANGE + n.name):
             out = self.call_function(n.target, args, kwargs)
-        cost = node_cost(n.target, args, kwargs, out, counter.get_total_flops())
+        cost = node_cost(n.target, args, kwargs, out, aten_flops(n.target, args, kwargs, out))
         if self._pools and not (isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "k3"):
             touched = [t for t in _tensors((args, kwargs)) if t.untyped_storage().data_ptr() in self._pools]
             if touched:  # a view or copy of a whole pool: its true footprint is unknown here
