@@ -35,6 +35,8 @@ def register(subparsers) -> None:
                                  "tensorboard_trace_handler")
     p.add_argument("--json", metavar="OUT", help="also write the report's numbers as JSON here")
     p.add_argument("--html", metavar="OUT", help="also write a self-contained HTML page with plots here")
+    p.add_argument("--hta", action="store_true",
+                   help="also run HolisticTraceAnalysis's critical path on each eager step (needs k3compile[hta])")
     p.add_argument("--diff", metavar="B", help="compare with a second trace: what disappeared, appeared, and "
                                                "what the critical path gained from TRACE to B")
     p.add_argument("--step-regex", type=_regex, default=DEFAULT_STEP_PATTERN,
@@ -58,6 +60,12 @@ def run(args) -> int:
         text = render_diff(d)
         doc = {"schema": "k3compile.report-diff/1", "time_unit": "us", "diff": dataclasses.asdict(d),
                "a": doc, "b": to_json(other)}
+    if args.hta:
+        from k3compile.report.hta_check import hta_critical_paths, render_hta
+
+        hta = hta_critical_paths(args.trace, report)
+        text += "\n".join(render_hta(hta)) + "\n"
+        doc["hta_critical_path"] = [dataclasses.asdict(h) for h in hta]
     print(text, end="")
     if args.json:
         with open(args.json, "w") as f:

@@ -193,3 +193,32 @@ def test_html_renders_its_plots_in_headless_chromium(trace_path, tmp_path):
     # the GEMM, copy and norm/elementwise colours are drawn (timeline, bars, scatter, layer bars)
     for cat in ("GEMM", "copy", "norm/elementwise"):
         assert rgb(COLORS[cat]) in seen, cat
+
+
+def _eager_trace(tmp_path):
+    from tests.k3compile.report.synthetic_traces import T0, TraceBuilder
+    b = TraceBuilder()
+    t = lambda x: T0 + x  # noqa: E731
+    b.annotation("decode_step#0", t(0), 100)
+    b.kernel_launch("cudaLaunchKernel", t(1), "k_first", t(5), 10)
+    b.runtime("cudaStreamSynchronize", t(3), 13)
+    b.kernel_launch("cudaLaunchKernel", t(20), "k_a", t(22), 10)
+    b.kernel_launch("cudaLaunchKernel", t(23), "k_last", t(41), 2)
+    return b.write(tmp_path / "eager.json")
+
+
+def test_hta_cross_check_on_eager_steps_and_skip_on_graph_replays(tmp_path, capsys):
+    from k3compile.report.hta_check import SKIP_GRAPH, available, hta_critical_paths
+    if available() is not None:
+        pytest.skip(available())
+    path = _eager_trace(tmp_path)
+    (step,) = hta_critical_paths(str(path), analyze(load_trace(path)))
+    # HTA's path (it sees no sync dependency in a trace without cuda_sync events): the launch call of k_a
+    # (1 us), launch delay (2), k_a (10), kernel-kernel delay (9), k_last (2)
+    assert step.skipped is None and step.total_us == 24.0
+    assert step.by_bound == {"cpu_bound": 1.0, "gpu_compute_bound": 12.0, "gpu_kernel_kernel_overhead": 9.0,
+                             "gpu_kernel_launch_overhead": 2.0}
+    graph = attributed_graph_step().write(tmp_path / "g.json")
+    assert [s.skipped for s in hta_critical_paths(str(graph), analyze(load_trace(graph)))] == [SKIP_GRAPH]
+    assert run([str(path), "--hta"]) == 0
+    assert "HolisticTraceAnalysis critical path" in capsys.readouterr().out
