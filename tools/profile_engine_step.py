@@ -46,8 +46,8 @@ def main(argv=None) -> int:
 
     device, dtype = torch.device(a.device), DTYPES_BY_NAME[a.dtype]
     if device.type == "cuda":
-        from torch.profiler._utils import _init_for_cuda_graphs
-        _init_for_cuda_graphs()  # before any capture, or replays show no kernels
+        from k3compile.bench.timing import init_profiler_for_cuda_graphs
+        init_profiler_for_cuda_graphs()  # before any capture, or replays show no kernels
     if a.engine:
         engine = Engine.load(a.engine, device=device)
         config, page = engine.config, engine.page_size
