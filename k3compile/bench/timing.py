@@ -10,15 +10,10 @@
 """
 from __future__ import annotations
 
-import gzip
-import os
-import shutil
 import statistics
 import time
 
 import torch
-
-STEP_ANNOTATION = "decode_step"  # matches k3compile report's default step pattern
 
 
 def sync(device: torch.device) -> None:
@@ -59,24 +54,13 @@ def summarize(samples_ms: list[float]) -> dict:
 
 def profile_steps(fn, n: int, device: torch.device, trace_path: str) -> dict:
     """Profile n steps (each inside a `decode_step` range); per-step medians of what ran."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
+    from k3compile.engine.profiling import profile_steps as record_steps
     from k3compile.report.steps import segment
     from k3compile.report.trace import KERNEL, MEMCPY, MEMSET, load_trace
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync(device)
-    with profile(activities=acts) as prof:
-        for i in range(n):
-            with record_function(f"{STEP_ANNOTATION}#{i}"):
-                fn()
-            sync(device)
-    raw = trace_path.removesuffix(".gz")
-    prof.export_chrome_trace(raw)
-    if trace_path.endswith(".gz"):  # traces of big models are tens of MB; gzip keeps them ~10x smaller
-        with open(raw, "rb") as src, gzip.open(trace_path, "wb", compresslevel=6) as dst:
-            shutil.copyfileobj(src, dst)
-        os.remove(raw)
+    # the same session `k3compile report` attributes (engine/profiling.py), without peaks or node tables:
+    # the bench measures its own copy bandwidth
+    record_steps(fn, n, trace_path, device, peaks=False)  # gzipped when the path ends in .gz
     steps = segment(load_trace(trace_path)).steps
 
     def med(xs):
