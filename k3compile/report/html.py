@@ -29,7 +29,7 @@ def _legend(y: int) -> list[str]:
     for c in CATEGORIES:
         out.append(f'<rect x="{x}" y="{y}" width="12" height="12" fill="{COLORS[c]}"/>'
                    f'<text x="{x + 16}" y="{y + 11}" font-size="12">{html.escape(c)}</text>')
-        x += 24 + 7 * len(c)
+        x += 28 + 8 * len(c)
     return out
 
 

@@ -38,7 +38,8 @@ def render_text(report: Report) -> str:
     elif report.has_gpu_events:
         if report.outside_steps:
             out.append(f"GPU events launched outside every step (not counted below): "
-                       f"{report.outside_steps}")
+                       f"{report.outside_steps}" + (" (including the attribution run and peak measurements)"
+                                                    if report.attribution_runs else ""))
         out += _gpu_sections(report, _labels(report))
         out += _analysis_sections(report)
     else:
