@@ -4,8 +4,13 @@ GPU time goes (`k3compile report TRACE.json`).
     trace.py       the trace as data (events, streams, launches) and its loader
     categories.py  kernel/op name → model part (GEMM, KDA, attention, MoE, …)
     steps.py       step ranges and which events belong to each step
-    analysis.py    the numbers: per-category counts, launch gaps, busy time, top kernels
-    render.py      text and JSON output
+    analysis.py    the numbers: per-category counts, launch gaps, busy time, top kernels (and the below)
+    attribution.py which graph node / layer / pass launched each kernel (CUDA-graph replays included)
+    critical_path.py  the chain of waits behind each step's end, split by kind
+    roofline.py    per-node roofline against same-run peaks, per-layer table, next fusions
+    diff.py        `--diff`: two reports compared
+    render.py      text and JSON output;  html.py: `--html` (inline SVG plots)
+    hta_check.py   `--hta`: HolisticTraceAnalysis's critical path on eager steps, as a cross-check
 """
 from k3compile.report.analysis import Report, analyze
 from k3compile.report.categories import CATEGORIES, classify

@@ -1,8 +1,8 @@
 """The numbers of the trace report, one function per question, over the events of a step.
 
 Results are plain dataclasses (times in microseconds) so that the text renderer and `--json`
-print the same numbers. A later critical-path analysis adds its functions beside these, on the
-same trace model (`trace.py`) and step segmentation (`steps.py`).
+print the same numbers. `analyze` also runs attribution, roofline and the critical path (their own
+modules) on the same trace model (`trace.py`) and step segmentation (`steps.py`).
 """
 from __future__ import annotations
 

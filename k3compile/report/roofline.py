@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from k3compile.report.attribution import TRACE_KEY, Attribution
-from k3compile.report.categories import ATTENTION, COPY, GEMM, KDA, MOE, classify
+from k3compile.report.categories import ATTENTION, GEMM, KDA, MOE, classify
 from k3compile.report.trace import ANNOTATION, Event, Trace
 
 COMPUTE, MEMORY = "compute", "memory"
@@ -244,7 +244,3 @@ def next_fusions(steps: list[list[Event]], attr: dict[Event, Attribution], bound
            for ops, (cnt, span, floor, layers, nodes) in groups.items()]
     out.sort(key=lambda f: (-f.recoverable_us, f.ops))
     return out[:top]
-
-
-def is_copy(ev: Event) -> bool:
-    return ev.kind != "kernel" or classify(ev.name) == COPY
