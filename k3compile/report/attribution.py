@@ -7,17 +7,16 @@ inside a `k3.node/<name>` range, and per node its op, layer, pass, bytes and FLO
 1. Reference: the kernels launched inside the attribution run, in GPU start order, each named by
    the innermost `k3.node/…` range around its launch call → [(kernel name, node)].
 2. Direct: a step kernel launched inside a `k3.node/…` range gets that node.
-3. CUDA-graph replays: the profiler gives no CPU context, so a step's replayed kernels (in GPU
-   start order) are aligned with the reference whose kernel names match best (difflib's longest
-   matching blocks over the name sequences; identical sequences match one to one). A replayed
-   kernel in a matched block gets the reference kernel's node; the rest stay unattributed.
+3. CUDA-graph replays: the profiler gives no CPU context, so a step's replayed kernels (in launch,
+   then GPU start order) are aligned with the reference whose kernel names match best (`align`:
+   identical sequences match one to one; otherwise an in-order walk that resynchronizes after each
+   mismatch). A matched replayed kernel gets the reference kernel's node; the rest stay unattributed.
 4. Everything else (the executor's input copies, kernels outside any node) is unattributed, with
    the reason, and counted: unattributed time is reported, never dropped.
 """
 from __future__ import annotations
 
 import bisect
-import difflib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -126,16 +125,54 @@ def references(trace: Trace, ranges: _NodeRanges | None = None) -> list[Referenc
     return refs
 
 
+RESYNC_WINDOW = 8    # kernels that must agree after a mismatch before the alignment trusts the new offset
+RESYNC_REACH = 256   # how far ahead (kernels skipped in both sequences together) a resync is looked for
+
+
 def align(reference: list[str], replay: list[str]) -> dict[int, int]:
-    """{replay index: reference index} for kernels in matching blocks of the two name sequences."""
+    """{replay index: reference index}. Walks both sequences in step; at a mismatch it looks for the
+    nearest point (fewest kernels skipped in both together) where the next RESYNC_WINDOW names agree
+    again. Equal skips on both sides are substitutions (the same nodes launched a differently named
+    kernel, e.g. another GEMM variant under graph capture) and are matched by position; unequal skips
+    are kernels only one side launched, left unmatched. A global longest-common-block matcher (difflib)
+    does badly here: a step repeats the same per-layer kernel sequence, so blocks lock onto the wrong layer."""
     if reference == replay:
         return {i: i for i in range(len(replay))}
-    matcher = difflib.SequenceMatcher(None, reference, replay, autojunk=False)
-    out = {}
-    for a, b, size in matcher.get_matching_blocks():
-        for k in range(size):
-            out[b + k] = a + k
+    out: dict[int, int] = {}
+    p = q = 0
+    na, nb = len(reference), len(replay)
+    while p < na and q < nb:
+        if reference[p] == replay[q]:
+            out[q] = p
+            p, q = p + 1, q + 1
+            continue
+        skip = _resync(reference, replay, p, q)
+        if skip is None:  # nothing agrees within reach: treat the rest as substituted one for one
+            for k in range(min(na - p, nb - q)):
+                out[q + k] = p + k
+            break
+        i, j = skip
+        if i == j:
+            for k in range(i):
+                out[q + k] = p + k
+        p, q = p + i, q + j
     return out
+
+
+def _resync(a: list[str], b: list[str], p: int, q: int) -> tuple[int, int] | None:
+    window = min(RESYNC_WINDOW, len(a) - p, len(b) - q)
+    for total in range(1, RESYNC_REACH + 1):
+        for i in range(total + 1):
+            j = total - i
+            if p + i + window > len(a) or q + j + window > len(b):
+                if p + i >= len(a) or q + j >= len(b):
+                    continue
+                w = min(len(a) - p - i, len(b) - q - j)
+            else:
+                w = window
+            if w > 0 and a[p + i:p + i + w] == b[q + j:q + j + w]:
+                return i, j
+    return None
 
 
 def attribute(trace: Trace, seg: Segmentation) -> tuple[dict[Event, Attribution], list[Reference]]:

@@ -37,9 +37,18 @@ def test_graph_replay_kernels_map_to_nodes(trace_path):
     assert (gemm.node.layer, gemm.node.pass_, gemm.node.op) == ("L0", "p01_gemm_merge", "aten.mm.default")
 
 
-def test_alignment_keeps_matching_blocks_only():
-    assert align(list("abcd"), list("axcd")) == {0: 0, 2: 2, 3: 3}
+def test_alignment_substitutions_insertions_deletions_and_repeated_layers():
     assert align(list("abc"), list("abc")) == {0: 0, 1: 1, 2: 2}
+    assert align(list("abcd"), list("axcd")) == {0: 0, 1: 1, 2: 2, 3: 3}  # substitution: by position
+    assert align(list("abcdef"), list("abXYcdef")) == {0: 0, 1: 1, 4: 2, 5: 3, 6: 4, 7: 5}  # inserted XY
+    assert align(list("abcdef"), list("abef")) == {0: 0, 1: 1, 2: 4, 3: 5}  # c, d not replayed
+    # a step repeats one layer's kernels: a kernel missing in layer 2 of 12 must not shift later layers
+    layer = ["norm", "mm", "act", "mm2", "add", "conv", "kda", "mm3", "add2"]
+    ref = layer * 12
+    rep = ref[:9 + 4] + ref[9 + 5:]  # layer 1's "add" missing
+    got = align(ref, rep)
+    assert len(got) == len(rep) and all(ref[p] == rep[q] for q, p in got.items())
+    assert got[len(rep) - 1] == len(ref) - 1
 
 
 def test_roofline_layers_and_fusions(trace_path):
