@@ -199,11 +199,13 @@ def attribute(trace: Trace, seg: Segmentation) -> tuple[dict[Event, Attribution]
             continue
         replayed.sort(key=lambda e: (trace.launch_of(e).ts, e.ts, e.stream))
         names = [e.name for e in replayed]
-        best, best_map = None, {}
-        for ref in refs:
-            mapping = align([k for k, _ in ref.kernels], names)
-            if best is None or len(mapping) > len(best_map):
-                best, best_map = ref, mapping
+        best, best_map, best_score = None, {}, -1
+        for ref in refs:  # the reference with the most same-named matches (positional ones do not count)
+            ref_names = [k for k, _ in ref.kernels]
+            mapping = align(ref_names, names)
+            score = sum(ref_names[p] == names[q] for q, p in mapping.items())
+            if score > best_score:
+                best, best_map, best_score = ref, mapping, score
         for i, ev in enumerate(replayed):
             if best is not None and i in best_map:
                 node = best.kernels[best_map[i]][1]

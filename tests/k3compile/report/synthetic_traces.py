@@ -125,11 +125,13 @@ NODE_TABLE = {  # bytes and FLOPs chosen so that every floor is a round number a
 }
 
 
-def attributed_graph_step(with_mean: bool = True) -> TraceBuilder:
+def attributed_graph_step(with_mean: bool = True, decoy: bool = False) -> TraceBuilder:
     """An engine trace: peaks, an attribution run (node by node), then one step replaying a CUDA graph.
 
     Peaks: a 10 µs copy of 1e7 bytes (1000 GB/s) and a 10 µs GEMM of 1e9 FLOPs (100 TFLOP/s).
     Attribution run (k3.attribution#0, 0–30): mm_0 → a GEMM kernel, pow_1 → elem_a, mean_1 → elem_b.
+    decoy: a second attribution run (k3.attribution#1, 40–60, another bucket) whose kernels are named
+    differently but for one; the step must still be matched against the first.
     Step decode_step#0 (100–200): cudaMemcpyAsync at 101 (a 1 µs copy at 105, outside the graph),
     cudaGraphLaunch at 110–115 replaying gemm 120–124, elem_a 125–127, elem_b 128–131.
     """
@@ -154,6 +156,15 @@ def attributed_graph_step(with_mean: bool = True) -> TraceBuilder:
     if with_mean:
         b.annotation("k3.node/mean_1", t(10), 3)
         b.kernel_launch("cudaLaunchKernel", t(11), "elem_b", t(18), 2)
+    if decoy:
+        b.extra["k3compile"]["attribution"].append({"label": "decode bs=8", "range": "k3.attribution#1", "nodes": {
+            "mm_8": {"op": "aten.mm.default", "layer": "L5", "pass": "capture", "bytes": 1, "flops": 0},
+            "add_8": {"op": "aten.add.Tensor", "layer": "L5", "pass": "capture", "bytes": 1, "flops": 0}}})
+        b.annotation("k3.attribution#1", t(40), 20)
+        b.annotation("k3.node/mm_8", t(41), 4)
+        b.kernel_launch("cudaLaunchKernel", t(42), "sm90_xmma_gemm_bf16_bs8", t(50), 4)
+        b.annotation("k3.node/add_8", t(46), 3)
+        b.kernel_launch("cudaLaunchKernel", t(47), "elem_a", t(55), 2)
     b.annotation("decode_step#0", t(100), 100)
     b.kernel_launch("cudaMemcpyAsync", t(101), "Memcpy HtoD (Pageable -> Device)", t(105), 1, cat="gpu_memcpy")
     graph = b.launch("cudaGraphLaunch", t(110), 5)

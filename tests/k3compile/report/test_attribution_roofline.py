@@ -24,11 +24,12 @@ def trace_path(tmp_path):
     return attributed_graph_step().write(tmp_path / "engine.json.gz", gz=True)
 
 
-def test_graph_replay_kernels_map_to_nodes(trace_path):
-    trace = load_trace(trace_path)
+@pytest.mark.parametrize("decoy", [False, True])
+def test_graph_replay_kernels_map_to_nodes(tmp_path, decoy):
+    trace = load_trace(attributed_graph_step(decoy=decoy).write(tmp_path / "engine.json.gz", gz=True))
     seg = segment(trace)
     attr, refs = attribute(trace, seg)
-    assert [(r.label, len(r.kernels)) for r in refs] == [("decode bs=1", 3)]
+    assert [(r.label, len(r.kernels)) for r in refs] == [("decode bs=1", 3)] + ([("decode bs=8", 2)] if decoy else [])
     got = {ev.name: (a.node.name if a.node else None, a.how, a.reason) for ev, a in attr.items()}
     assert got == {"sm90_xmma_gemm_bf16": ("mm_0", REPLAY, None), "elem_a": ("pow_1", REPLAY, None),
                    "elem_b": ("mean_1", REPLAY, None),
