@@ -1,0 +1,197 @@
+"""Residual add + Block-AttnRes read + the following RMSNorm, per token, as one op (pass P7).
+
+`torch.ops.k3.attn_res_norm(bank, x, delta, query, norm_weight, res_eps, norm_eps) -> (h, p)`:
+
+    p   = x + delta                                  the residual add, rounded to x's dtype
+    r   = bank + [p]                                 the read's sources (bank rows [N, D] each)
+    mix = Σ_j softmax_j(Σ_d r_j[d] / rms(r_j) · query[d]) · r_j      fp32 on the raw rows, cast
+                                                     back to x's dtype (spec §3.2; query = γ ⊙ w)
+        = p                                          when the bank is empty (plain pre-norm residual)
+    h   = norm_weight * (mix.float() * rsqrt(mean(mix.float()²) + norm_eps)).to(x.dtype)
+
+It is exactly the composition `model_def` runs (`attn_res_read` then `RMSNorm`, see
+`layers/attn_res.py`, `layers/common.py`), so an empty bank is the Kimi-Linear "x = x + f(..);
+h = norm(x)" pair and a non-empty one K3's read. `p` is returned because the running partial sum
+is read again by the next residual add and by later bank snapshots.
+
+CPU (and any device without the kernel) runs `attn_res_norm_reference`; CUDA runs one Triton
+program per token: pass 1 streams the rows once (the residual add, each row's rms and its logit),
+pass 2 re-reads the bank rows (L2-hot) for the weighted sum and normalizes it in registers.
+
+Testing without a GPU: TRITON_INTERPRET=1 in the environment before this module is imported makes
+`attn_res_norm_triton` run on CPU tensors (tests/passes/kernels/interpret_attn_res_norm.py).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the op still works through the reference
+    triton = None
+
+MAX_BANK = 8  # K3: ceil(93 / 12) bank rows; the kernel has one pointer argument per row
+KERNEL_MAX_DIM = 16384  # one token's row lives in registers
+
+
+def check_args(bank, x, delta, query, norm_weight) -> None:
+    """Raise ValueError naming the first thing wrong with a call."""
+    if x.dim() != 2:
+        raise ValueError(f"attn_res_norm: x must be [tokens, dim], got shape {tuple(x.shape)}")
+    if delta.shape != x.shape or delta.dtype != x.dtype:
+        raise ValueError(f"attn_res_norm: delta must match x ({tuple(x.shape)}, {x.dtype}), "
+                         f"got {tuple(delta.shape)}, {delta.dtype}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"attn_res_norm: x must be a float tensor, got {x.dtype}")
+    for i, row in enumerate(bank):
+        if row.shape != x.shape or row.dtype != x.dtype:
+            raise ValueError(f"attn_res_norm: bank row {i} must match x ({tuple(x.shape)}, {x.dtype}), "
+                             f"got {tuple(row.shape)}, {row.dtype}")
+    if len(bank) > MAX_BANK:
+        raise ValueError(f"attn_res_norm: at most {MAX_BANK} bank rows, got {len(bank)}")
+    d = x.shape[1]
+    if bank and (query is None or query.shape != (d,)):
+        raise ValueError(f"attn_res_norm: a non-empty bank needs query [{d}], got "
+                         f"{None if query is None else tuple(query.shape)}")
+    if norm_weight.shape != (d,):
+        raise ValueError(f"attn_res_norm: norm_weight must be [{d}], got {tuple(norm_weight.shape)}")
+
+
+def _out_dtype(x, norm_weight):
+    return torch.promote_types(norm_weight.dtype, x.dtype)
+
+
+# --------------------------------------------------------------------------- CPU reference
+
+def attn_res_norm_reference(bank: list[torch.Tensor], x: torch.Tensor, delta: torch.Tensor,
+                            query: torch.Tensor | None, norm_weight: torch.Tensor, res_eps: float,
+                            norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    check_args(bank, x, delta, query, norm_weight)
+    p = x + delta
+    if bank:
+        r = torch.stack(list(bank) + [p], 0).float()
+        logits = (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + res_eps) * query.float()).sum(-1)
+        mix = (logits.softmax(0).unsqueeze(-1) * r).sum(0).to(x.dtype)
+    else:
+        mix = p
+    mf = mix.float()
+    h = norm_weight * (mf * torch.rsqrt(mf.pow(2).mean(-1, keepdim=True) + norm_eps)).to(x.dtype)
+    return h, p
+
+
+# --------------------------------------------------------------------------- Triton kernel
+
+if triton is not None:
+
+    @triton.jit
+    def _bank_row(j: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7):
+        if j == 0:
+            return b0
+        elif j == 1:
+            return b1
+        elif j == 2:
+            return b2
+        elif j == 3:
+            return b3
+        elif j == 4:
+            return b4
+        elif j == 5:
+            return b5
+        elif j == 6:
+            return b6
+        else:
+            return b7
+
+    @triton.jit
+    def _attn_res_norm_kernel(
+        b0, b1, b2, b3, b4, b5, b6, b7,
+        x_ptr, delta_ptr, query_ptr, weight_ptr, h_ptr, p_ptr,
+        D, res_eps, norm_eps,
+        NUM_BANK: tl.constexpr, BLOCK_D: tl.constexpr, ROWS_PAD: tl.constexpr,
+    ):
+        # all [N, D] tensors are contiguous (the wrapper makes sure), so a token's row starts at token * D
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        m = cols < D
+        base = token * D + cols
+        x = tl.load(x_ptr + base, mask=m, other=0.0)
+        dl = tl.load(delta_ptr + base, mask=m, other=0.0)
+        p = (x.to(tl.float32) + dl.to(tl.float32)).to(x.dtype)  # the residual add, rounded like torch
+        tl.store(p_ptr + base, p, mask=m)
+        pf = p.to(tl.float32)
+        if NUM_BANK > 0:
+            q = tl.load(query_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            idx = tl.arange(0, ROWS_PAD)
+            logits = tl.full([ROWS_PAD], float("-inf"), tl.float32)
+            for j in tl.static_range(NUM_BANK):
+                r = tl.load(_bank_row(j, b0, b1, b2, b3, b4, b5, b6, b7) + base, mask=m, other=0.0).to(tl.float32)
+                inv = tl.rsqrt(tl.sum(r * r, axis=0) / D + res_eps)
+                logits = tl.where(idx == j, tl.sum(r * q, axis=0) * inv, logits)
+            inv = tl.rsqrt(tl.sum(pf * pf, axis=0) / D + res_eps)
+            logits = tl.where(idx == NUM_BANK, tl.sum(pf * q, axis=0) * inv, logits)
+            e = tl.exp(logits - tl.max(logits, axis=0))
+            pi = e / tl.sum(e, axis=0)
+            acc = pf * tl.sum(tl.where(idx == NUM_BANK, pi, 0.0), axis=0)
+            for j in tl.static_range(NUM_BANK):
+                r = tl.load(_bank_row(j, b0, b1, b2, b3, b4, b5, b6, b7) + base, mask=m, other=0.0).to(tl.float32)
+                acc += r * tl.sum(tl.where(idx == j, pi, 0.0), axis=0)
+            mix = acc.to(x.dtype).to(tl.float32)
+        else:
+            mix = pf
+        inv = tl.rsqrt(tl.sum(mix * mix, axis=0) / D + norm_eps)
+        normed = (mix * inv).to(x.dtype).to(tl.float32)
+        w = tl.load(weight_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(h_ptr + base, (w * normed).to(h_ptr.dtype.element_ty), mask=m)
+
+
+def kernel_supports(dim: int, num_bank: int) -> bool:
+    return triton is not None and dim <= KERNEL_MAX_DIM and num_bank <= MAX_BANK
+
+
+def attn_res_norm_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, num_warps: int | None = None):
+    """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    check_args(bank, x, delta, query, norm_weight)
+    if triton is None:
+        raise RuntimeError("attn_res_norm: triton is not installed")
+    n, d = x.shape
+    if not kernel_supports(d, len(bank)):
+        raise ValueError(f"attn_res_norm kernel: supports dim <= {KERNEL_MAX_DIM}, got {d}")
+    bank = [r.contiguous() for r in bank]
+    x, delta = x.contiguous(), delta.contiguous()
+    h = torch.empty(n, d, dtype=_out_dtype(x, norm_weight), device=x.device)
+    p = torch.empty_like(x)
+    if n == 0:
+        return h, p
+    rows = bank + [x] * (MAX_BANK - len(bank))  # unused pointer slots: any valid tensor
+    block = triton.next_power_of_2(d)
+    if num_warps is None:
+        num_warps = 8 if block >= 4096 else (4 if block >= 1024 else 1)
+    _attn_res_norm_kernel[(n,)](
+        *rows, x, delta, query.contiguous() if query is not None else norm_weight, norm_weight.contiguous(), h, p,
+        d, float(res_eps), float(norm_eps),
+        NUM_BANK=len(bank), BLOCK_D=block, ROWS_PAD=triton.next_power_of_2(len(bank) + 1), num_warps=num_warps)
+    return h, p
+
+
+# --------------------------------------------------------------------------- the k3 op
+
+@torch.library.custom_op("k3::attn_res_norm", mutates_args=())
+def attn_res_norm(bank: list[torch.Tensor], x: torch.Tensor, delta: torch.Tensor, query: torch.Tensor | None,
+                  norm_weight: torch.Tensor, res_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, p): RMSNorm of the AttnRes read over bank + [x + delta], and x + delta. See module doc."""
+    return attn_res_norm_reference(bank, x, delta, query, norm_weight, res_eps, norm_eps)
+
+
+@attn_res_norm.register_kernel("cuda")
+def _attn_res_norm_cuda(bank, x, delta, query, norm_weight, res_eps, norm_eps):
+    if kernel_supports(x.shape[-1], len(bank)):
+        with torch.cuda.device(x.device):
+            return attn_res_norm_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps)
+    return attn_res_norm_reference(bank, x, delta, query, norm_weight, res_eps, norm_eps)
+
+
+@attn_res_norm.register_fake
+def _attn_res_norm_fake(bank, x, delta, query, norm_weight, res_eps, norm_eps):
+    check_args(bank, x, delta, query, norm_weight)
+    return x.new_empty(x.shape, dtype=_out_dtype(x, norm_weight)), torch.empty_like(x)
