@@ -31,9 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import (add_constant, attr_tensor, erase_subgraph, fake_mode_of, is_call, replace_uses, set_meta_val,
-                          val_of)
-from .kernels import attn_res_norm as _kernel  # noqa: F401  (registers torch.ops.k3.attn_res_norm)
+from .graph_utils import (add_constant, attr_tensor, drop_unused_constants, erase_if_dead, erase_subgraph, fake_mode_of,
+                          is_call, replace_uses, set_meta_val, val_of)
+from .kernels import attn_res_norm as _kernel  # registers torch.ops.k3.attn_res_norm
+from .patterns import NoMatch, match_rms_norm, need, rms_chain, strip_cast
 from .registry import PassConfig, register_pass
 
 aten = torch.ops.aten
@@ -45,111 +46,40 @@ class AttnResNormConfig(PassConfig):
     fold_query: bool = True  # compute γ ⊙ w once at build time when both are weights
 
 
-class _NoMatch(Exception):
-    pass
-
-
-def _need(cond) -> None:
-    if not cond:
-        raise _NoMatch
-
-
-def _one_user(node: Node) -> Node:
-    _need(len(node.users) == 1)
-    return next(iter(node.users))
-
-
-def _is_cast(node, dtype=None) -> bool:
-    return (is_call(node, aten._to_copy.default) and set(node.kwargs) == {"dtype"}
-            and (dtype is None or node.kwargs["dtype"] == dtype) and len(node.args) == 1)
-
-
-def _strip_cast(node: Node, dtype, nodes: list) -> Node:
-    """`node` itself, or the input of a `_to_copy(x, dtype)` (recorded in `nodes`)."""
-    if _is_cast(node, dtype):
-        nodes.append(node)
-        return node.args[0]
-    return node
-
-
-def _rms_chain(xf: Node, normed: Node, nodes: list) -> float:
-    """Check normed == mul(xf, rsqrt(add(mean(pow(xf, 2), [-1], True), eps))); returns eps."""
-    _need(is_call(normed, aten.mul.Tensor) and len(normed.args) == 2)
-    a, b = normed.args
-    rsqrt = b if a is xf else a if b is xf else None
-    _need(rsqrt is not None and is_call(rsqrt, aten.rsqrt.default))
-    add = rsqrt.args[0]
-    _need(is_call(add, aten.add.Tensor) and isinstance(add.args[1], float))
-    mean = add.args[0]
-    _need(is_call(mean, aten.mean.dim) and list(mean.args[1]) in ([-1],) and len(mean.args) > 2 and mean.args[2])
-    pw = mean.args[0]
-    _need(is_call(pw, aten.pow.Tensor_Scalar) and pw.args[0] is xf and pw.args[1] == 2)
-    nodes += [normed, rsqrt, add, mean, pw]
-    return float(add.args[1])
-
-
-def _match_norm(out: Node):
-    """The RMSNorm ending in `out = mul(weight, [cast](normed))`; returns (x, weight, eps, nodes)."""
-    _need(is_call(out, aten.mul.Tensor) and len(out.args) == 2 and not out.kwargs)
-    for weight, inner in (out.args, reversed(out.args)):
-        if not isinstance(weight, Node) or not isinstance(inner, Node):
-            continue
-        wv, iv = val_of(weight), val_of(inner)
-        if wv is None or iv is None or wv.dim() != 1 or iv.dim() != 2:
-            continue
-        nodes = [out]
-        x_dtype = iv.dtype
-        normed = _strip_cast(inner, x_dtype, nodes)
-        xf = None
-        if is_call(normed, aten.mul.Tensor):
-            xf = next((a for a in normed.args if isinstance(a, Node) and not is_call(a, aten.rsqrt.default)), None)
-        if xf is None:
-            continue
-        try:
-            eps = _rms_chain(xf, normed, nodes)
-        except _NoMatch:
-            continue
-        x = _strip_cast(xf, torch.float32, nodes)
-        _need(val_of(x).dtype == x_dtype and (x is xf or val_of(xf).dtype == torch.float32))
-        _need(x_dtype != torch.float32 or x is xf)
-        return x, weight, eps, nodes
-    raise _NoMatch
-
-
 def _match_read(mix: Node):
     """The AttnRes softmax mixture producing `mix` (before its cast back); returns (stack, query, eps, nodes)."""
     nodes = [mix]
-    _need(is_call(mix, aten.sum.dim_IntList) and list(mix.args[1]) == [0] and not (len(mix.args) > 2 and mix.args[2]))
+    need(is_call(mix, aten.sum.dim_IntList) and list(mix.args[1]) == [0] and not (len(mix.args) > 2 and mix.args[2]))
     weighted = mix.args[0]
-    _need(is_call(weighted, aten.mul.Tensor))
+    need(is_call(weighted, aten.mul.Tensor))
     unsq, r = weighted.args
     if not is_call(unsq, aten.unsqueeze.default):
         unsq, r = r, unsq
-    _need(is_call(unsq, aten.unsqueeze.default) and unsq.args[1] in (-1, 2))
+    need(is_call(unsq, aten.unsqueeze.default) and unsq.args[1] in (-1, 2))
     soft = unsq.args[0]
-    _need(is_call(soft, aten._softmax.default) and soft.args[1] == 0 and soft.args[2] is False)
+    need(is_call(soft, aten._softmax.default) and soft.args[1] == 0 and soft.args[2] is False)
     logits = soft.args[0]
-    _need(is_call(logits, aten.sum.dim_IntList) and list(logits.args[1]) == [-1]
+    need(is_call(logits, aten.sum.dim_IntList) and list(logits.args[1]) == [-1]
           and not (len(logits.args) > 2 and logits.args[2]))
     scored = logits.args[0]
-    _need(is_call(scored, aten.mul.Tensor))
+    need(is_call(scored, aten.mul.Tensor))
     nodes += [weighted, unsq, soft, logits, scored]
     for normed, query in (scored.args, reversed(scored.args)):
         if not isinstance(normed, Node) or not isinstance(query, Node):
             continue
         sub = []
         try:
-            eps = _rms_chain(r, normed, sub)
-        except _NoMatch:
+            eps = rms_chain(r, normed, sub)
+        except NoMatch:
             continue
         qv = val_of(query)
-        _need(qv is not None and qv.dim() == 1 and qv.dtype == torch.float32)
+        need(qv is not None and qv.dim() == 1 and qv.dtype == torch.float32)
         nodes += sub
-        stack = _strip_cast(r, torch.float32, nodes)
-        _need(is_call(stack, aten.stack.default) and (len(stack.args) == 1 or stack.args[1] == 0))
-        _need(stack is r or val_of(r).dtype == torch.float32)
+        stack = strip_cast(r, torch.float32, nodes)
+        need(is_call(stack, aten.stack.default) and (len(stack.args) == 1 or stack.args[1] == 0))
+        need(stack is r or val_of(r).dtype == torch.float32)
         return stack, query, eps, nodes
-    raise _NoMatch
+    raise NoMatch
 
 
 def _const_value(gm: GraphModule, node: Node):
@@ -173,38 +103,36 @@ def _const_value(gm: GraphModule, node: Node):
 
 
 def _match(out: Node):
-    x, weight, norm_eps, nodes = _match_norm(out)
-    out_nodes = set(nodes)
+    x, weight, norm_eps, nodes = match_rms_norm(out)
     mix_in = x
     bank, query, res_eps, stack = [], None, 0.0, None
     if not is_call(x, aten.add.Tensor):  # an AttnRes read: [cast back](sum(...))
-        pre = _strip_cast(x, None, nodes)
-        _need(pre is not x or val_of(x).dtype == torch.float32)
+        pre = strip_cast(x, None, nodes)
+        need(pre is not x or val_of(x).dtype == torch.float32)
         stack, query, res_eps, read_nodes = _match_read(pre)
         nodes += read_nodes
         rows = list(stack.args[0])
-        _need(len(rows) >= 2)
+        need(len(rows) >= 2)
         bank, p = rows[:-1], rows[-1]
-        _need(all(isinstance(b, Node) for b in bank))
+        need(all(isinstance(b, Node) for b in bank))
     else:
         p = mix_in
-    _need(is_call(p, aten.add.Tensor) and len(p.args) == 2 and not p.kwargs)
+    need(is_call(p, aten.add.Tensor) and len(p.args) == 2 and not p.kwargs)
     a, d = p.args
-    _need(isinstance(a, Node) and isinstance(d, Node))
+    need(isinstance(a, Node) and isinstance(d, Node))
     pv, av, dv = val_of(p), val_of(a), val_of(d)
-    _need(pv.dim() == 2 and av.shape == pv.shape and dv.shape == pv.shape and av.dtype == dv.dtype == pv.dtype)
+    need(pv.dim() == 2 and av.shape == pv.shape and dv.shape == pv.shape and av.dtype == dv.dtype == pv.dtype)
     for b in bank:
         bv = val_of(b)
-        _need(bv is not None and bv.shape == pv.shape and bv.dtype == pv.dtype)
-    _need(len(bank) <= _kernel.MAX_BANK)
+        need(bv is not None and bv.shape == pv.shape and bv.dtype == pv.dtype)
+    need(len(bank) <= _kernel.MAX_BANK)
     inner = set(nodes) - {out}
     if stack is not None:
         inner.add(stack)
     # everything but p and h must be private to the pattern (a stack's sym_size users are rewired)
     for n in inner:
         for u in n.users:
-            _need(u in inner or u is out or (n is stack and is_call(u, aten.sym_size.int)))
-    del out_nodes
+            need(u in inner or u is out or (n is stack and is_call(u, aten.sym_size.int)))
     return dict(nodes=inner | {out}, stack=stack, bank=bank, x=a, delta=d, p=p, query=query, weight=weight,
                 res_eps=res_eps, norm_eps=norm_eps, out=out)
 
@@ -212,14 +140,14 @@ def _match(out: Node):
 @register_pass("p07_attn_res_norm", AttnResNormConfig)
 def attn_res_norm(gm: GraphModule, config: AttnResNormConfig) -> int:
     """residual add + AttnRes read (softmax over the bank) + RMSNorm -> one k3.attn_res_norm node."""
-    matches, fake_mode = 0, None
+    matches, fake_mode, dropped_weights = 0, None, []
     g = gm.graph
     for out in [n for n in g.nodes if is_call(n, aten.mul.Tensor)]:
         if out.graph is not g or getattr(out, "_erased", False):
             continue
         try:
             m = _match(out)
-        except _NoMatch:
+        except NoMatch:
             continue
         fake_mode = fake_mode or fake_mode_of(gm)
         order = {n: i for i, n in enumerate(g.nodes)}
@@ -257,8 +185,9 @@ def attn_res_norm(gm: GraphModule, config: AttnResNormConfig) -> int:
         for u in others:
             u.replace_input_with(m["p"], p)
         erase_subgraph(gm, m["nodes"] | {m["p"]})
-        _erase_dead_query(gm, m["query"], query)
+        dropped_weights += _erase_dead_query(gm, m["query"], query)
         matches += 1
+    drop_unused_constants(gm, dropped_weights)  # the folded γ and w are not engine weights any more
     return matches
 
 
@@ -282,11 +211,11 @@ def _hoist(node: Node, anchor: Node, order: dict) -> None:
     order[node] = order[anchor] - 0.5
 
 
-def _erase_dead_query(gm: GraphModule, old: Node | None, new: Node | None) -> None:
-    """After folding, the query's constant chain (views/casts/mul of weights) is dead."""
+def _erase_dead_query(gm: GraphModule, old: Node | None, new: Node | None) -> list[str]:
+    """After folding, the query's constant chain (views/casts/mul of weights) is dead: erase it and
+    return the weight names it read."""
     if old is None or old is new:
-        return
-    from .graph_utils import erase_if_dead
+        return []
     todo, seen = [old], []
     while todo:
         n = todo.pop()
@@ -295,3 +224,4 @@ def _erase_dead_query(gm: GraphModule, old: Node | None, new: Node | None) -> No
         seen.append(n)
         todo += [a for a in n.all_input_nodes]
     erase_if_dead(gm, seen)
+    return [n.target for n in seen if n.op == "get_attr"]

@@ -1,0 +1,363 @@
+"""MLA decode kernels that pass P15 puts into decode graphs: the prologue and paged latent attention.
+
+`torch.ops.k3.mla_decode_prologue(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc,
+q_a, q_norm_weight, q_eps) -> q_a_normed`, one program per token:
+
+    c   = kv_norm_weight * rmsnorm(ckv[:, :r])            (`kv_a_layernorm`, model_def's RMSNorm order)
+    kv_pool[loc // page, layer, loc % page] = [c ; ckv[:, r:]]    (`k3::kv_write`: the k_r slot as is)
+    q_a_normed = q_norm_weight * rmsnorm(q_a)             (`q_a_layernorm`, K3's q-LoRA; when q_a is None
+                                                           the op returns an empty [0] tensor nothing reads)
+
+`ckv` and `q_a` may be column blocks of the merged input GEMM's output (row stride > width).
+
+`torch.ops.k3.mla_decode_fused(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl)
+-> o_lat [B, H, r]`: absorbed NoPE-MLA decode (spec §6.1) with the query in latent space, given as
+its two halves (no concatenation): q_nope [B, H, r] = W_UK^T q_n and q_rope [B, H, 64]. Scores over
+request b's first seq_lens[b] cache rows [c ; k_r] (576 wide in K3, read through page_table) are
+(q_nope · c + q_rope · k_r) * scale; the output is softmax(scores) @ c. No rotation anywhere (NoPE).
+
+The kernel splits each request's context over NUM_SPLITS programs (split-K, chosen from the
+static shapes so CUDA-graph replays never see a different grid); each writes an fp32 partial output
+and its log-sum-exp, and a second kernel merges them exactly (spec §6.3): lse = log Σ e^{lse_s},
+o = Σ e^{lse_s - lse} o_s; an empty split has lse = -inf and weight 0. One program of the first
+kernel handles BLOCK_H heads of one request, so every KV tile it loads serves all of them (the
+rows are shared by all heads: MQA in latent space, as in FlashMLA).
+
+PDL (`pdl=True`, CUDA sm90+): both attention kernels launch with programmatic dependent launch and
+call `gdc_wait` before touching anything an earlier kernel produced (q, the pool, the partials),
+and the split kernel calls `gdc_launch_dependents` once its loop is done so the merge kernel's
+launch overlaps its tail. Off by default; P15's config turns it on.
+
+CPU (and any device without Triton) runs the references, which are the exact compositions of
+`model_def` ops (`attention_math.mla_decode_latent`, `k3::kv_write`). Testing without a GPU:
+TRITON_INTERPRET=1 before this module is imported runs the kernels on CPU tensors
+(tests/passes/kernels/interpret_mla_decode.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from k3compile.model_def.ops import attention_math
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the ops still work through the references
+    triton = None
+
+BLOCK_N = 32  # cache rows per tile
+TARGET_PROGRAMS = 264  # split until the grid fills ~2 waves of an H200's 132 SMs
+
+
+# --------------------------------------------------------------------------- argument checks
+
+def check_decode_args(q_nope, q_rope, kv_pool, layer, page_table, seq_lens) -> None:
+    if q_nope.dim() != 3 or q_rope.dim() != 3 or q_nope.shape[:2] != q_rope.shape[:2]:
+        raise ValueError(f"mla_decode_fused: q_nope [B, H, r] and q_rope [B, H, rope] must agree on B, H; got "
+                         f"{tuple(q_nope.shape)} and {tuple(q_rope.shape)}")
+    if kv_pool.dim() != 4:
+        raise ValueError(f"mla_decode_fused: kv_pool must be [pages, layers, page_size, width], got "
+                         f"{tuple(kv_pool.shape)}")
+    width = q_nope.shape[-1] + q_rope.shape[-1]
+    if kv_pool.shape[-1] != width:
+        raise ValueError(f"mla_decode_fused: cache rows are {kv_pool.shape[-1]} wide but the query is "
+                         f"{q_nope.shape[-1]} + {q_rope.shape[-1]} = {width}")
+    if not 0 <= layer < kv_pool.shape[1]:
+        raise ValueError(f"mla_decode_fused: layer {layer} out of range (pool has {kv_pool.shape[1]} MLA layers)")
+    if page_table.dim() != 2 or page_table.shape[0] != q_nope.shape[0] or seq_lens.shape != (q_nope.shape[0],):
+        raise ValueError(f"mla_decode_fused: page_table [B, max_pages] and seq_lens [B] must match B = "
+                         f"{q_nope.shape[0]}; got {tuple(page_table.shape)}, {tuple(seq_lens.shape)}")
+
+
+def check_prologue_args(ckv, kv_norm_weight, kv_pool, layer, out_cache_loc, q_a, q_norm_weight) -> None:
+    r = kv_norm_weight.shape[0]
+    if ckv.dim() != 2 or kv_pool.dim() != 4 or ckv.shape[1] != kv_pool.shape[-1] or r >= ckv.shape[1]:
+        raise ValueError(f"mla_decode_prologue: ckv [N, r + rope] must match the pool's row width "
+                         f"{kv_pool.shape[-1] if kv_pool.dim() == 4 else '?'} with r = {r}; got {tuple(ckv.shape)}")
+    if out_cache_loc.shape != (ckv.shape[0],):
+        raise ValueError(f"mla_decode_prologue: out_cache_loc must be [{ckv.shape[0]}], got {tuple(out_cache_loc.shape)}")
+    if not 0 <= layer < kv_pool.shape[1]:
+        raise ValueError(f"mla_decode_prologue: layer {layer} out of range (pool has {kv_pool.shape[1]} MLA layers)")
+    if (q_a is None) != (q_norm_weight is None):
+        raise ValueError("mla_decode_prologue: q_a and q_norm_weight come together")
+    if q_a is not None and (q_a.dim() != 2 or q_a.shape[0] != ckv.shape[0] or q_norm_weight.shape != q_a.shape[1:]):
+        raise ValueError(f"mla_decode_prologue: q_a [N, q_lora] with q_norm_weight [q_lora]; got "
+                         f"{tuple(q_a.shape)}, {tuple(q_norm_weight.shape)}")
+
+
+# --------------------------------------------------------------------------- CPU references
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def prologue_reference(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a=None, q_norm_weight=None,
+                       q_eps=0.0) -> torch.Tensor:
+    check_prologue_args(ckv, kv_norm_weight, kv_pool, layer, out_cache_loc, q_a, q_norm_weight)
+    r = kv_norm_weight.shape[0]
+    rows = torch.cat([_rms_norm(ckv[:, :r], kv_norm_weight, kv_eps), ckv[:, r:]], -1)
+    page = kv_pool.shape[2]
+    kv_pool[out_cache_loc // page, layer, out_cache_loc % page] = rows.to(kv_pool.dtype)
+    if q_a is None:
+        return ckv.new_empty(0)
+    return _rms_norm(q_a, q_norm_weight, q_eps)
+
+
+def decode_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale) -> torch.Tensor:
+    check_decode_args(q_nope, q_rope, kv_pool, layer, page_table, seq_lens)
+    q_lat = torch.cat([q_nope, q_rope], -1)
+    return attention_math.mla_decode_latent(q_lat, kv_pool[:, layer].to(q_lat.dtype), page_table, seq_lens, scale,
+                                            q_nope.shape[-1])
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_row(x_ptr, w_ptr, n, eps, BLOCK: tl.constexpr):
+        """w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype) in fp32, like model_def's RMSNorm (the caller
+        rounds it to the product's dtype)."""
+        cols = tl.arange(0, BLOCK)
+        m = cols < n
+        x = tl.load(x_ptr + cols, mask=m, other=0.0)
+        xf = x.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
+        normed = (xf * inv).to(x.dtype).to(tl.float32)
+        return tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32) * normed
+
+    @triton.jit
+    def _prologue_kernel(
+        ckv_ptr, ckv_stride, kv_w_ptr, kv_eps, pool_ptr, pool_stride_page, pool_stride_slot, loc_ptr,
+        qa_ptr, qa_stride, q_w_ptr, q_eps, q_out_ptr,
+        R: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, Q_DIM: tl.constexpr, ROW_DTYPE: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_Q: tl.constexpr, HAS_Q: tl.constexpr,
+    ):
+        # pool_ptr already points at layer `layer` of page 0
+        tok = tl.program_id(0).to(tl.int64)
+        loc = tl.load(loc_ptr + tok).to(tl.int64)
+        dst = pool_ptr + (loc // PAGE) * pool_stride_page + (loc % PAGE) * pool_stride_slot
+        src = ckv_ptr + tok * ckv_stride
+        # the normed latent takes the graph's cat dtype (ROW_DTYPE) first, then the pool's
+        c = _rms_row(src, kv_w_ptr, R, kv_eps, BLOCK_R).to(ROW_DTYPE)
+        cols = tl.arange(0, BLOCK_R)
+        tl.store(dst + cols, c.to(pool_ptr.dtype.element_ty), mask=cols < R)
+        rc = tl.arange(0, BLOCK_ROPE)
+        k_r = tl.load(src + R + rc, mask=rc < ROPE, other=0.0)
+        tl.store(dst + R + rc, k_r.to(ROW_DTYPE).to(pool_ptr.dtype.element_ty), mask=rc < ROPE)
+        if HAS_Q:
+            qc = tl.arange(0, BLOCK_Q)
+            q = _rms_row(qa_ptr + tok * qa_stride, q_w_ptr, Q_DIM, q_eps, BLOCK_Q)
+            tl.store(q_out_ptr + tok * Q_DIM + qc, q.to(q_out_ptr.dtype.element_ty), mask=qc < Q_DIM)
+
+    @triton.jit
+    def _decode_split_kernel(
+        qn_ptr, qn_sb, qn_sh, qr_ptr, qr_sb, qr_sh,
+        pool_ptr, pool_stride_page, pool_stride_slot, pt_ptr, pt_stride, seq_ptr,
+        part_ptr, lse_ptr, H, scale,
+        R: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_ROPE: tl.constexpr, USE_PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        hb = tl.program_id(1)
+        split = tl.program_id(2)
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = heads < H
+        seq_len = tl.load(seq_ptr + b).to(tl.int32)  # a step input: written before the step, not by a kernel
+        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * chunk
+        end = tl.minimum(start + chunk, seq_len)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # q and the pool row written by the prologue come from earlier kernels
+        rcols = tl.arange(0, R)
+        pcols = tl.arange(0, BLOCK_ROPE)
+        pm = pcols < ROPE
+        qn = tl.load(qn_ptr + b * qn_sb + heads[:, None] * qn_sh + rcols[None, :], mask=hm[:, None], other=0.0)
+        qr = tl.load(qr_ptr + b * qr_sb + heads[:, None] * qr_sh + pcols[None, :], mask=hm[:, None] & pm[None, :],
+                     other=0.0)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, R], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            nm = pos < end
+            page = tl.load(pt_ptr + b * pt_stride + pos // PAGE, mask=nm, other=0).to(tl.int64)
+            row = pool_ptr + page * pool_stride_page + (pos % PAGE).to(tl.int64) * pool_stride_slot
+            c = tl.load(row[:, None] + rcols[None, :], mask=nm[:, None], other=0.0)  # [BLOCK_N, R]
+            kr = tl.load(row[:, None] + R + pcols[None, :], mask=nm[:, None] & pm[None, :], other=0.0)
+            s = tl.dot(qn, tl.trans(c.to(qn.dtype)), input_precision=DOT_PRECISION)
+            s += tl.dot(qr, tl.trans(kr.to(qr.dtype)), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+            s = tl.where(nm[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(qn.dtype), c.to(qn.dtype), input_precision=DOT_PRECISION)
+            m_i = m_new
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        out = b * H * NUM_SPLITS + heads * NUM_SPLITS + split  # [B, H, NUM_SPLITS] flattened
+        empty = l_i == 0.0
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        tl.store(part_ptr + out[:, None] * R + rcols[None, :], o, mask=hm[:, None])
+        tl.store(lse_ptr + out, lse, mask=hm)
+
+    @triton.jit
+    def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                             SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+        bh = tl.program_id(0).to(tl.int64)  # one (request, head)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        sp = tl.arange(0, SPLITS_PAD)
+        sm = sp < NUM_SPLITS
+        lse = tl.load(lse_ptr + bh * NUM_SPLITS + sp, mask=sm, other=float("-inf"))
+        top = tl.max(lse, axis=0)
+        top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: weights 0, output 0
+        w = tl.where(sm & (lse > float("-inf")), tl.exp(lse - top), 0.0)
+        total = tl.sum(w, axis=0)
+        w = w / tl.where(total == 0.0, 1.0, total)
+        rcols = tl.arange(0, R)
+        o = tl.load(part_ptr + (bh * NUM_SPLITS + sp)[:, None] * R + rcols[None, :], mask=sm[:, None], other=0.0)
+        tl.store(out_ptr + bh * R + rcols, tl.sum(o * w[:, None], axis=0).to(out_ptr.dtype.element_ty))
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton else {}
+
+
+def kernel_supports_decode(r: int, rope: int) -> bool:
+    return triton is not None and r == triton.next_power_of_2(r) and r >= 16 and rope <= 128
+
+
+def num_splits_for(batch: int, heads: int, capacity: int, block_h: int) -> int:
+    """Split-K factor from static shapes only (CUDA-graph safe): fill ~TARGET_PROGRAMS programs,
+    never more splits than BLOCK_N tiles of the page-table capacity."""
+    programs = batch * triton.cdiv(heads, block_h)
+    tiles = max(1, triton.cdiv(capacity, BLOCK_N))
+    return int(max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS, programs), 64)))
+
+
+def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl: bool = False,
+                  num_splits: int | None = None) -> torch.Tensor:
+    """Launch the split and merge kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    check_decode_args(q_nope, q_rope, kv_pool, layer, page_table, seq_lens)
+    if triton is None:
+        raise RuntimeError("mla_decode_fused: triton is not installed")
+    B, H, R = q_nope.shape
+    rope = q_rope.shape[-1]
+    if not kernel_supports_decode(R, rope):
+        raise ValueError(f"mla_decode_fused kernel: needs a power-of-two latent width >= 16, got {R}")
+    if q_nope.stride(-1) != 1:
+        q_nope = q_nope.contiguous()
+    if q_rope.stride(-1) != 1:
+        q_rope = q_rope.contiguous()
+    if q_rope.dtype != q_nope.dtype:
+        q_rope = q_rope.to(q_nope.dtype)
+    if kv_pool.stride(-1) != 1:
+        raise ValueError("mla_decode_fused: the pool's rows must be contiguous")
+    page = kv_pool.shape[2]
+    out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
+    if B == 0:
+        return out
+    block_h = 16 if H <= 16 else 32 if R <= 256 else 16
+    block_h = max(16, min(block_h, triton.next_power_of_2(H)))
+    splits = num_splits or num_splits_for(B, H, page_table.shape[1] * page, block_h)
+    part = torch.empty(B, H, splits, R, dtype=torch.float32, device=q_nope.device)
+    lse = torch.empty(B, H, splits, dtype=torch.float32, device=q_nope.device)
+    layer_view = kv_pool[:, layer]  # [P, page, W]: base pointer of this layer, strides of the pool
+    pdl = bool(pdl) and q_nope.is_cuda
+    extra = {"launch_pdl": True} if pdl else {}
+    _decode_split_kernel[(B, triton.cdiv(H, block_h), splits)](
+        q_nope, q_nope.stride(0), q_nope.stride(1), q_rope, q_rope.stride(0), q_rope.stride(1),
+        layer_view, layer_view.stride(0), layer_view.stride(1), page_table, page_table.stride(0), seq_lens,
+        part, lse, H, float(scale),
+        R=R, ROPE=rope, PAGE=page, NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
+        BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), USE_PDL=pdl,
+        DOT_PRECISION="ieee" if q_nope.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2, **extra)
+    _decode_merge_kernel[(B * H,)](part, lse, out, R=R, NUM_SPLITS=splits,
+                                   SPLITS_PAD=max(2, triton.next_power_of_2(splits)), USE_PDL=pdl,
+                                   num_warps=4, **extra)
+    return out
+
+
+def prologue_triton(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a=None, q_norm_weight=None,
+                    q_eps=0.0) -> torch.Tensor:
+    check_prologue_args(ckv, kv_norm_weight, kv_pool, layer, out_cache_loc, q_a, q_norm_weight)
+    if triton is None:
+        raise RuntimeError("mla_decode_prologue: triton is not installed")
+    n, width = ckv.shape
+    r = kv_norm_weight.shape[0]
+    if ckv.stride(-1) != 1:
+        ckv = ckv.contiguous()
+    if kv_pool.stride(-1) != 1:
+        raise ValueError("mla_decode_prologue: the pool's rows must be contiguous")
+    has_q = q_a is not None
+    if has_q:
+        if q_a.stride(-1) != 1:
+            q_a = q_a.contiguous()
+        q_out = torch.empty(q_a.shape, dtype=torch.promote_types(q_norm_weight.dtype, q_a.dtype), device=q_a.device)
+    else:
+        q_out = ckv.new_empty(0)
+    if n == 0:
+        return q_out
+    layer_view = kv_pool[:, layer]
+    q_dim = q_a.shape[1] if has_q else 1
+    _prologue_kernel[(n,)](
+        ckv, ckv.stride(0), kv_norm_weight, float(kv_eps), layer_view, layer_view.stride(0), layer_view.stride(1),
+        out_cache_loc,
+        q_a if has_q else ckv, q_a.stride(0) if has_q else 0, q_norm_weight if has_q else kv_norm_weight,
+        float(q_eps), q_out if has_q else ckv,
+        R=r, ROPE=width - r, PAGE=kv_pool.shape[2], Q_DIM=q_dim,
+        ROW_DTYPE=_TL_DTYPES[torch.promote_types(kv_norm_weight.dtype, ckv.dtype)], BLOCK_R=triton.next_power_of_2(r),
+        BLOCK_ROPE=triton.next_power_of_2(width - r), BLOCK_Q=triton.next_power_of_2(q_dim), HAS_Q=has_q,
+        num_warps=4)
+    return q_out
+
+
+# --------------------------------------------------------------------------- the k3 ops
+
+@torch.library.custom_op("k3::mla_decode_prologue", mutates_args=("kv_pool",))
+def mla_decode_prologue(ckv: torch.Tensor, kv_norm_weight: torch.Tensor, kv_eps: float, kv_pool: torch.Tensor,
+                        layer: int, out_cache_loc: torch.Tensor, q_a: torch.Tensor | None,
+                        q_norm_weight: torch.Tensor | None, q_eps: float) -> torch.Tensor:
+    """kv norm + KV page write (+ q_a norm); see module doc."""
+    return prologue_reference(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a, q_norm_weight, q_eps)
+
+
+@mla_decode_prologue.register_kernel("cuda")
+def _prologue_cuda(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a, q_norm_weight, q_eps):
+    if triton is not None:
+        with torch.cuda.device(ckv.device):
+            return prologue_triton(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a, q_norm_weight,
+                                   q_eps)
+    return prologue_reference(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a, q_norm_weight, q_eps)
+
+
+@mla_decode_prologue.register_fake
+def _prologue_fake(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a, q_norm_weight, q_eps):
+    if q_a is None:
+        return ckv.new_empty(0)
+    return q_a.new_empty(q_a.shape, dtype=torch.promote_types(q_norm_weight.dtype, q_a.dtype))
+
+
+@torch.library.custom_op("k3::mla_decode_fused", mutates_args=())
+def mla_decode_fused(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                     page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, pdl: bool) -> torch.Tensor:
+    """Absorbed paged latent decode attention, [B, H, r] + [B, H, rope] -> [B, H, r]; see module doc."""
+    return decode_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale)
+
+
+@mla_decode_fused.register_kernel("cuda")
+def _decode_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl):
+    if kernel_supports_decode(q_nope.shape[-1], q_rope.shape[-1]):
+        use_pdl = pdl and torch.cuda.get_device_capability(q_nope.device)[0] >= 9
+        with torch.cuda.device(q_nope.device):
+            return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl)
+    return decode_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale)
+
+
+@mla_decode_fused.register_fake
+def _decode_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl):
+    return q_nope.new_empty(q_nope.shape)
