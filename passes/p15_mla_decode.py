@@ -1,0 +1,190 @@
+"""P15 MLA decode: the prologue after the merged input GEMM and the latent attention become one
+kernel each (`kernels/mla_decode.py`).
+
+Prologue, anchored on `k3::kv_write` (the ATen form of `MLAMixer.forward`'s cache write):
+
+    X    = the [c̃ ; k_r] columns of the input GEMM        (a getitem of P1's split, or any node)
+    rows = cat([RMSNorm(slice(X, 1, 0, r)), slice(X, 1, r, end)], -1)
+    kv_write(rows, kv, layer, out_cache_loc)
+    [K3: q = RMSNorm(Q) where Q is another output of the same split as X (`q_a_layernorm`)]
+
+-> `q' = k3.mla_decode_prologue(X, kv_norm_w, kv_eps, kv, layer, out_cache_loc, Q, q_norm_w, q_eps)`,
+users of the q norm take q' (Kimi Linear has no q-LoRA: Q = None and q' is unused).
+
+Attention, anchored on `k3::mla_decode`:
+
+    mla_decode(cat([q_nope_lat, q_rope], -1), kv, layer, page_table, seq_lens, scale, r)
+-> `k3.mla_decode_fused(q_nope_lat, q_rope, kv, layer, page_table, seq_lens, scale, pdl)`
+
+(the concatenation disappears: the kernel reads both halves where they are). The absorb GEMMs
+(W_UK before, W_UV after) stay cuBLAS batched GEMMs.
+
+Decode graphs only: a kv_write is fused only when an `mla_decode` of the same (pool, layer) follows,
+so prefill graphs are left unchanged (0 matches). Count per decode graph: 2 per MLA layer (one
+prologue, one attention). A chain whose intermediates are read elsewhere is left alone.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .graph_utils import erase_subgraph, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
+from .kernels import mla_decode as _kernels  # noqa: F401  (registers the k3.mla_decode_* ops)
+from .patterns import NoMatch, match_rms_norm, need
+from .registry import PassConfig, register_pass
+
+aten = torch.ops.aten
+KV_WRITE = torch.ops.k3.kv_write.default
+MLA_DECODE = torch.ops.k3.mla_decode.default
+PROLOGUE = torch.ops.k3.mla_decode_prologue.default
+FUSED = torch.ops.k3.mla_decode_fused.default
+
+
+@dataclass
+class MLADecodeConfig(PassConfig):
+    prologue: bool = True  # fuse norms + KV write
+    attention: bool = True  # replace mla_decode with the Triton split-K kernel
+    pdl: bool = False  # launch the attention kernels with programmatic dependent launch (sm90+)
+
+
+def _slice_of(node, base: Node):
+    """(start, end) if node = slice(base, 1 or -1, start, end[, 1])."""
+    need(is_call(node, aten.slice.Tensor) and node.args[0] is base and node.args[1] in (1, -1))
+    need(len(node.args) < 5 or node.args[4] == 1)
+    return node.args[2] if len(node.args) > 2 else 0, node.args[3] if len(node.args) > 3 else None
+
+
+def _norms_by_input(gm: GraphModule) -> dict:
+    found = {}
+    for n in gm.graph.nodes:
+        if is_call(n, aten.mul.Tensor):
+            try:
+                x, w, eps, nodes = match_rms_norm(n)
+            except NoMatch:
+                continue
+            found.setdefault(x, []).append((n, w, eps, nodes))
+    return found
+
+
+def _private(nodes: set, outs: set) -> None:
+    for n in nodes - outs:
+        need(all(u in nodes for u in n.users))
+
+
+def _match_prologue(write: Node, norms: dict, decoded: set):
+    rows, kv, layer, loc = write.args
+    need((kv, layer) in decoded)
+    need(is_call(rows, aten.cat.default) and len(rows.args[0]) == 2 and (len(rows.args) == 1 or rows.args[1] in (-1, 1)))
+    normed, rope = rows.args[0]
+    r = val_of(normed).shape[-1]
+    x_c = None
+    for x, matches in norms.items():
+        for out, w, eps, nodes in matches:
+            if out is normed:
+                x_c, kv_w, kv_eps, kv_nodes = x, w, eps, nodes
+    need(x_c is not None and is_call(x_c, aten.slice.Tensor))
+    ckv = x_c.args[0]
+    need(_slice_of(x_c, ckv) == (0, r))
+    start, end = _slice_of(rope, ckv)
+    need(start == r and (end is None or end >= val_of(ckv).shape[-1]))
+    need(len(rope.users) == 1)
+    nodes = set(kv_nodes) | {x_c, rope, rows, write}
+    _private(nodes, {write})
+    q = None
+    if ckv.op == "call_function" and ckv.target is operator.getitem:
+        split = ckv.args[0]
+        siblings = [u for u in split.users if u is not ckv and u in norms and len(norms[u]) == 1]
+        if len(siblings) == 1:
+            q_x = siblings[0]
+            q_out, q_w, q_eps, q_nodes = norms[q_x][0]
+            q_set = set(q_nodes) | {q_x}
+            try:
+                _private(q_set, {q_out})
+                q = (q_x, q_w, q_eps, q_nodes, q_out)
+            except NoMatch:
+                q = None
+    return dict(nodes=nodes, ckv=ckv, kv_w=kv_w, kv_eps=kv_eps, kv=kv, layer=layer, loc=loc, q=q)
+
+
+def _hoist_weight(node: Node, anchor: Node, order: dict) -> bool:
+    """Make sure `node` is defined before `anchor` (moving a weight read if needed)."""
+    if order[node] < order[anchor]:
+        return True
+    if node.op == "get_attr":
+        anchor.prepend(node)
+        order[node] = order[anchor] - 0.5
+        return True
+    return False
+
+
+def _fuse_prologue(gm: GraphModule, m: dict, fake_mode) -> bool:
+    g = gm.graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    pattern = set(m["nodes"])
+    q = m["q"]
+    if q is not None:
+        pattern |= set(q[3])
+    anchor = min(pattern, key=order.__getitem__)
+    weights = [m["kv_w"]] + ([q[1]] if q is not None else [])
+    if not all(_hoist_weight(w, anchor, order) for w in weights):
+        return False
+    if q is not None and order[q[0]] > order[anchor]:
+        return False
+    with g.inserting_before(anchor):
+        fused = g.call_function(PROLOGUE, (m["ckv"], m["kv_w"], m["kv_eps"], m["kv"], m["layer"], m["loc"],
+                                           q[0] if q else None, q[1] if q else None, q[2] if q else 0.0))
+    set_meta_val(fused, fake_mode)
+    if q is not None:
+        replace_uses(q[4], fused, fake_mode)
+    erase_subgraph(gm, pattern)
+    return True
+
+
+def _match_attention(node: Node):
+    q_lat = node.args[0]
+    need(is_call(q_lat, aten.cat.default) and len(q_lat.users) == 1 and len(q_lat.args[0]) == 2)
+    need(len(q_lat.args) == 1 or q_lat.args[1] in (-1, 2))
+    q_nope, q_rope = q_lat.args[0]
+    kv_lora_rank = node.args[6]
+    need(val_of(q_nope).shape[-1] == kv_lora_rank and val_of(q_nope).dim() == 3)
+    return q_lat, q_nope, q_rope
+
+
+@register_pass("p15_mla_decode", MLADecodeConfig)
+def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
+    """MLA decode: norms + KV write -> one prologue kernel; latent attention -> a Triton split-K kernel."""
+    g = gm.graph
+    decodes = [n for n in g.nodes if is_call(n, MLA_DECODE)]
+    if not decodes:
+        return 0
+    fake_mode = fake_mode_of(gm)
+    matches = 0
+    if config.prologue:
+        decoded = {(n.args[1], n.args[2]) for n in decodes}
+        norms = _norms_by_input(gm)
+        for write in [n for n in g.nodes if is_call(n, KV_WRITE)]:
+            try:
+                m = _match_prologue(write, norms, decoded)
+            except NoMatch:
+                continue
+            if _fuse_prologue(gm, m, fake_mode):
+                matches += 1
+                norms = _norms_by_input(gm)
+    if config.attention:
+        for node in decodes:
+            try:
+                q_lat, q_nope, q_rope = _match_attention(node)
+            except NoMatch:
+                continue
+            _, kv, layer, page_table, seq_lens, scale, _ = node.args
+            with g.inserting_before(node):
+                fused = g.call_function(FUSED, (q_nope, q_rope, kv, layer, page_table, seq_lens, scale,
+                                                bool(config.pdl)))
+            set_meta_val(fused, fake_mode)
+            replace_uses(node, fused, fake_mode)
+            erase_subgraph(gm, [node, q_lat])
+            matches += 1
+    return matches
