@@ -18,14 +18,16 @@ from .helpers import (FP32_TOL, assert_same_step, attn_res_reads_with_weights, e
                       model, other_batch, run_graph)
 
 aten = torch.ops.aten
-BUILTIN = ["p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing"]
+BUILTIN = ["p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing", "p07_attn_res_norm",
+           "p15_mla_decode"]
 
 
-def _expected(cfg, dtype) -> dict:
+def _expected(cfg, dtype, mode) -> dict:
     n = layer_counts(cfg)
     folded = 0 if dtype == torch.float32 else 3 * n["kda"] + n["moe"] + 2 * attn_res_reads_with_weights(cfg)
     return {"p01_gemm_merge": n["kda"] + n["mla"] + n["moe"] + n["dense"], "p02_noop_views": 2 * n["mla"],
-            "p03_casts_copies_dce": n["moe"] + folded, "p04_fused_routing": n["moe"]}
+            "p03_casts_copies_dce": n["moe"] + folded, "p04_fused_routing": n["moe"],
+            "p07_attn_res_norm": 2 * n["layers"], "p15_mla_decode": 2 * n["mla"] if mode == "decode" else 0}
 
 
 @pytest.mark.parametrize("name,mode,dtype", [("k3-tiny", "decode", torch.float32),
@@ -38,7 +40,7 @@ def test_full_pipeline_with_verify(name, mode, dtype, tmp_path):
     report = PassManager(verify=True, dump_dir=str(tmp_path)).run(gm, step_inputs(m, mode))
 
     assert [p.name for p in report.passes] == BUILTIN
-    assert report.matches() == _expected(m.config, dtype)
+    assert report.matches() == _expected(m.config, dtype, mode)
     assert report.nodes_before == nodes0 and report.launches_before == launches0
     for prev, cur in zip(report.passes, report.passes[1:]):
         assert prev.nodes_after == cur.nodes_before and prev.launches_after == cur.launches_before
@@ -85,7 +87,7 @@ def test_launch_rule():
 
 def test_default_pipeline_is_every_pass_in_name_order():
     cfg = PipelineConfig.default()
-    assert cfg.order[:4] == BUILTIN and cfg.order == sorted(cfg.order)
+    assert cfg.order[:6] == BUILTIN and cfg.order == sorted(cfg.order)
     assert cfg.enabled_passes() == cfg.order
     assert list(registered_passes()) == cfg.order
 
@@ -94,7 +96,7 @@ def test_flags_order_enable_disable_options():
     cfg = pipeline_from_flags(passes="p02,p01_gemm_merge")
     assert cfg.order == ["p02_noop_views", "p01_gemm_merge"]
     cfg = pipeline_from_flags(disable=["p04", "p03_casts_copies_dce"])
-    assert cfg.enabled_passes() == BUILTIN[:2]
+    assert cfg.enabled_passes() == [p for p in cfg.order if p not in ("p03_casts_copies_dce", "p04_fused_routing")]
     cfg = pipeline_from_flags(passes="p01,p04", enable=["p02"])
     assert cfg.order == ["p01_gemm_merge", "p02_noop_views", "p04_fused_routing"]
     cfg = pipeline_from_flags(pass_opts=["p01_gemm_merge.min_group=3", "p02.collapse_chains=false",
@@ -104,7 +106,7 @@ def test_flags_order_enable_disable_options():
     assert cfg.config("p03_casts_copies_dce").dce is False
     assert "p04_fused_routing" not in cfg.enabled_passes()
     assert pipeline_from_flags(passes="none").order == []
-    assert pipeline_from_flags(passes="all").order[:4] == BUILTIN
+    assert pipeline_from_flags(passes="all").order[:6] == BUILTIN
 
 
 @pytest.mark.parametrize("kwargs,message", [

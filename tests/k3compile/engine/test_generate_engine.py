@@ -37,8 +37,8 @@ def test_build_command_then_generate(main, capsys, tmp_path):
     for stage in ("loading kimi-linear-tiny", "capturing the decode step", "p01_gemm_merge:", "saving the engine"):
         assert stage in err
     m = json.load(open(os.path.join(out, "engine.json")))
-    assert [p["name"] for p in m["passes"]["decode"]["passes"]] == ["p01_gemm_merge", "p02_noop_views",
-                                                                    "p04_fused_routing"]
+    names = [p["name"] for p in m["passes"]["decode"]["passes"]]
+    assert names[:3] == ["p01_gemm_merge", "p02_noop_views", "p04_fused_routing"] and "p03_casts_copies_dce" not in names
     want = generated_ids(main, capsys, "--model", "kimi-linear-tiny")
     assert generated_ids(main, capsys, "--engine", out) == want
     # a second build into the same directory needs --overwrite; the error names the directory
