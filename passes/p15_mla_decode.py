@@ -50,11 +50,24 @@ class MLADecodeConfig(PassConfig):
     pdl: bool = False  # launch the attention kernels with programmatic dependent launch (sm90+)
 
 
-def _slice_of(node, base: Node):
-    """(start, end) if node = slice(base, 1 or -1, start, end[, 1])."""
-    need(is_call(node, aten.slice.Tensor) and node.args[0] is base and node.args[1] in (1, -1))
+_FULL = 2 ** 62  # make_fx spells `x[:, a:]` as slice(slice(x, 0, 0, INT64_MAX), 1, a, INT64_MAX)
+
+
+def _noop_slice_root(node: Node) -> Node:
+    """Follow whole-axis-0 slices (`x[:]`, which P2 would remove) back to the sliced tensor."""
+    while (is_call(node, aten.slice.Tensor) and node.args[1] == 0 and (len(node.args) < 3 or node.args[2] == 0)
+           and (len(node.args) < 4 or node.args[3] >= _FULL) and (len(node.args) < 5 or node.args[4] == 1)):
+        node = node.args[0]
+    return node
+
+
+def _slice_of(node, base: Node | None = None):
+    """(root, start, end) if node = slice([x[:]], 1 or -1, start, end[, 1]) of root (== base if given)."""
+    need(is_call(node, aten.slice.Tensor) and node.args[1] in (1, -1))
+    root = _noop_slice_root(node.args[0])
+    need(base is None or root is base)
     need(len(node.args) < 5 or node.args[4] == 1)
-    return node.args[2] if len(node.args) > 2 else 0, node.args[3] if len(node.args) > 3 else None
+    return root, node.args[2] if len(node.args) > 2 else 0, node.args[3] if len(node.args) > 3 else None
 
 
 def _norms_by_input(gm: GraphModule) -> dict:
@@ -86,12 +99,15 @@ def _match_prologue(write: Node, norms: dict, decoded: set):
             if out is normed:
                 x_c, kv_w, kv_eps, kv_nodes = x, w, eps, nodes
     need(x_c is not None and is_call(x_c, aten.slice.Tensor))
-    ckv = x_c.args[0]
-    need(_slice_of(x_c, ckv) == (0, r))
-    start, end = _slice_of(rope, ckv)
+    ckv, start, end = _slice_of(x_c)
+    need(start == 0 and end == r)
+    _, start, end = _slice_of(rope, ckv)
     need(start == r and (end is None or end >= val_of(ckv).shape[-1]))
     need(len(rope.users) == 1)
     nodes = set(kv_nodes) | {x_c, rope, rows, write}
+    for sl in (x_c.args[0], rope.args[0]):  # the x[:] no-op slices, if P2 has not removed them
+        if sl is not ckv:
+            nodes.add(sl)
     _private(nodes, {write})
     q = None
     if ckv.op == "call_function" and ckv.target is operator.getitem:

@@ -1,0 +1,73 @@
+"""P15 MLA decode: one prologue (norms + KV write) and one fused attention per MLA layer in decode
+graphs, nothing in prefill; K3's q_a norm joins the prologue after P1's merged GEMM; numerics vs
+the unpassed graph and the eager model, pools included."""
+import pytest
+import torch
+
+from k3compile.passes.kernels import mla_decode  # noqa: F401  (torch.ops.k3.mla_decode_*)
+
+from .helpers import (BF16_TOL, FP32_TOL, MODELS, assert_same_step, eager_step, graph, inputs_for, layer_counts, model,
+                      op_counts, other_batch, run_graph, run_pass)
+
+aten = torch.ops.aten
+P15 = "p15_mla_decode"
+PROLOGUE = torch.ops.k3.mla_decode_prologue.default
+FUSED = torch.ops.k3.mla_decode_fused.default
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_two_rewrites_per_mla_layer_in_decode(name):
+    cfg = model(name).config
+    n = layer_counts(cfg)
+    gm = graph(name, "decode")
+    before = op_counts(gm)
+    assert before[torch.ops.k3.kv_write.default] == before[torch.ops.k3.mla_decode.default] == n["mla"]
+    assert run_pass(gm, "p01_gemm_merge") > 0  # the merged input GEMM puts q_a next to the kv columns
+    assert run_pass(gm, P15) == 2 * n["mla"]
+    after = op_counts(gm)
+    assert after[PROLOGUE] == after[FUSED] == n["mla"]
+    assert after[torch.ops.k3.kv_write.default] == after[torch.ops.k3.mla_decode.default] == 0
+    assert after[aten.cat.default] == before[aten.cat.default] - 2 * n["mla"]
+    # kv norm (and K3's q_a norm) gone: 1 or 2 rsqrt per MLA layer
+    norms_per_layer = 1 if cfg.q_lora_rank is None else 2
+    assert after[aten.rsqrt.default] == before[aten.rsqrt.default] - norms_per_layer * n["mla"]
+    for node in gm.graph.nodes:
+        if node.target == PROLOGUE:
+            assert (node.args[6] is None) == (cfg.q_lora_rank is None)
+            assert node.args[2] == 1e-6 and node.args[4] in range(n["mla"])
+        if node.target == FUSED:
+            assert node.args[7] is False  # PDL is off by default
+    code = gm.code
+    assert run_pass(gm, P15) == 0 and gm.code == code
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_prefill_is_left_alone(name):
+    gm = graph(name, "prefill")
+    code = gm.code
+    assert run_pass(gm, P15) == 0 and gm.code == code
+
+
+@pytest.mark.parametrize("name,dtype,merged", [("k3-tiny", torch.float32, True),
+                                               ("kimi-linear-tiny", torch.float32, False),
+                                               ("k3-tiny", torch.bfloat16, False),
+                                               ("kimi-linear-tiny", torch.bfloat16, True)])
+def test_numerics_vs_unpassed_graph_and_eager(name, dtype, merged):
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    before, gm = graph(name, "decode", dtype), graph(name, "decode", dtype)
+    if merged:
+        run_pass(gm, "p01_gemm_merge")
+    assert run_pass(gm, P15, pdl=True) == 2 * layer_counts(model(name).config)["mla"]
+    for x in (inputs_for(name, "decode", dtype), other_batch(model(name, dtype), "decode")):
+        got = run_graph(gm, x)
+        assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")  # KV pool included
+        assert_same_step(got, eager_step(model(name, dtype), "decode", x), tol, "vs eager model")
+
+
+def test_options_turn_each_half_off():
+    gm = graph("kimi-linear-tiny", "decode")
+    n = layer_counts(model("kimi-linear-tiny").config)["mla"]
+    assert run_pass(gm, P15, attention=False) == n
+    assert op_counts(gm)[PROLOGUE] == n and op_counts(gm)[FUSED] == 0
+    assert run_pass(gm, P15, prologue=False) == n
+    assert op_counts(gm)[FUSED] == n
