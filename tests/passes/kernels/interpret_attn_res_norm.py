@@ -1,0 +1,61 @@
+"""Run the attn_res_norm Triton kernel under TRITON_INTERPRET=1 on CPU and compare with the reference.
+
+Started in a subprocess by test_attn_res_norm.py (TRITON_INTERPRET is read when the kernel is
+decorated). Prints one line per failing case and exits 1 if any failed. The interpreter rounds
+fp32 -> bf16 by truncation (the GPU rounds to nearest even), so bf16 cases get the bf16
+normwise tolerance widened to 3e-2 (a few truncated ulps; the GPU test holds bf16 to 1e-2).
+"""
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("interpret_attn_res_norm.py: run with TRITON_INTERPRET=1 in the environment")
+
+import torch  # noqa: E402
+
+from k3compile.passes.kernels import attn_res_norm as arn  # noqa: E402
+
+
+def cases():
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for bank in (0, 1, 3, 8):
+            for n, d in ((1, 64), (5, 100), (3, 2304)):
+                rows = [randn(n, d, dtype=dtype) * (j + 1) for j in range(bank)]
+                yield (f"{dtype} bank={bank} N={n} D={d}", rows, randn(n, d, dtype=dtype), randn(n, d, dtype=dtype),
+                       randn(d) if bank else None, randn(d, dtype=dtype))
+    # fp32 norm weight on bf16 activations: the output promotes to fp32 (as torch does)
+    yield ("bf16 x, fp32 weight", [randn(2, 64).bfloat16()], randn(2, 64).bfloat16(), randn(2, 64).bfloat16(),
+           randn(64), randn(64))
+    yield "no tokens", [randn(0, 64)], randn(0, 64), randn(0, 64), randn(64), randn(64)
+
+
+def main() -> int:
+    assert type(arn._attn_res_norm_kernel).__name__ == "InterpretedFunction", "interpreter not active"
+    failures, n = [], 0
+    for name, bank, x, delta, query, weight in cases():
+        n += 1
+        h, p = arn.attn_res_norm_triton(bank, x, delta, query, weight, 1e-5, 1e-6)
+        h0, p0 = arn.attn_res_norm_reference(bank, x, delta, query, weight, 1e-5, 1e-6)
+        tol = 1e-5 if x.dtype == torch.float32 else 3e-2  # normwise; see the module doc on bf16
+        if h.dtype != h0.dtype or p.dtype != p0.dtype or h.shape != h0.shape:
+            failures.append(f"{name}: dtypes/shapes {h.dtype} {p.dtype} {tuple(h.shape)}")
+            continue
+        for what, a, b in (("h", h, h0), ("p", p, p0)):
+            if b.numel() == 0:
+                continue
+            err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+            if err > tol:
+                failures.append(f"{name}: {what} differs, max rel err {err:.3g} > {tol:g}")
+    for line in failures:
+        print("FAIL", line)
+    print(f"{n - len(failures)}/{n} cases match")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

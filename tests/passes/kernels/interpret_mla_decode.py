@@ -1,0 +1,95 @@
+"""Run the MLA decode Triton kernels under TRITON_INTERPRET=1 on CPU and compare with the references.
+
+Started in a subprocess by test_mla_decode.py (TRITON_INTERPRET is read when the kernels are
+decorated). Prints one line per failing case and exits 1 if any failed.
+
+The attention cases are fp32: the interpreter's tl.dot on bf16 operands returns garbage (Triton
+3.9 interprets the raw 16-bit patterns), so bf16 attention is tested on the GPU only. The prologue
+has no dot and is tested in bf16 too (the interpreter truncates fp32 -> bf16, hence one ulp).
+"""
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("interpret_mla_decode.py: run with TRITON_INTERPRET=1 in the environment")
+
+import torch  # noqa: E402
+
+from k3compile.passes.kernels import mla_decode as mla  # noqa: E402
+
+GEN = torch.Generator().manual_seed(0)
+
+
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=GEN).to(dtype)
+
+
+def attention_case(lens, page, heads=2, r=16, rope=8, splits=None, layers=2, layer=1):
+    """Requests with different lengths, pages scattered over the pool (non-contiguous page tables),
+    q_rope a strided view (as in the graph), the pool's page stride padded like a unified arena."""
+    b = len(lens)
+    max_pages = max((n + page - 1) // page for n in lens) + 1
+    pages = b * max_pages + 3
+    arena = randn(pages, layers * page * (r + rope) + 8)  # padded page stride
+    kv = arena[:, : layers * page * (r + rope)].view(pages, layers, page, r + rope)
+    table = (torch.randperm(pages - 1, generator=GEN)[: b * max_pages] + 1).view(b, max_pages).to(torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    q_nope = randn(b, heads, r)
+    q_rope = randn(b, heads, rope + 5)[..., 5:]
+    scale = (r + rope) ** -0.5
+    got = mla.decode_triton(q_nope, q_rope, kv, layer, table, seq, scale, num_splits=splits)
+    want = mla.decode_reference(q_nope, q_rope, kv, layer, table, seq, scale)
+    return ((got - want).abs().max() / want.abs().max()).item(), 1e-5
+
+
+def prologue_case(dtype, n, with_q, page):
+    r, rope, q_dim = 16, 8, 24
+    kv = randn(12, 2, page, r + rope, dtype=dtype)
+    kv_ref = kv.clone()
+    merged = randn(n, q_dim + r + rope + 8, dtype=dtype)  # the merged GEMM's output: column blocks
+    q_a = merged[:, :q_dim] if with_q else None
+    ckv = merged[:, q_dim: q_dim + r + rope]
+    w_kv, w_q = randn(r, dtype=dtype), randn(q_dim, dtype=dtype) if with_q else None
+    loc = torch.randperm(12 * page, generator=GEN)[:n]
+    got = mla.prologue_triton(ckv, w_kv, 1e-6, kv, 1, loc, q_a, w_q, 1e-6)
+    want = mla.prologue_reference(ckv, w_kv, 1e-6, kv_ref, 1, loc, q_a, w_q, 1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    err = ((kv.float() - kv_ref.float()).abs().max() / kv_ref.float().abs().max()).item()
+    if with_q:
+        err = max(err, ((got.float() - want.float()).abs().max() / want.float().abs().max()).item())
+    elif got.numel() != 0:
+        err = float("inf")
+    return err, tol
+
+
+def cases():
+    for page in (1, 16):
+        yield f"lens 1,5,40 page {page}", lambda p=page: attention_case([1, 5, 40], p)
+        yield f"lens 70,17,3 page {page} 3 splits", lambda p=page: attention_case([70, 17, 3], p, splits=3)
+    yield "page 4, 3 heads, r=32, 4 splits", lambda: attention_case([33, 2], 4, heads=3, r=32, splits=4)
+    yield "more splits than tiles", lambda: attention_case([5, 1], 16, splits=8)
+    yield "20 heads (two head blocks)", lambda: attention_case([9, 64], 16, heads=20, layer=0)
+    yield "length 1 only", lambda: attention_case([1], 1)
+    for dtype in (torch.float32, torch.bfloat16):
+        for with_q in (False, True):
+            for page in (1, 16):
+                yield (f"prologue {dtype} q={with_q} page {page}",
+                       lambda d=dtype, q=with_q, p=page: prologue_case(d, 5, q, p))
+
+
+def main() -> int:
+    assert type(mla._decode_split_kernel).__name__ == "InterpretedFunction", "interpreter not active"
+    failures, n = [], 0
+    for name, run in cases():
+        n += 1
+        err, tol = run()
+        if not err <= tol:
+            failures.append(f"{name}: rel err {err:.3g} > {tol:g}")
+    for line in failures:
+        print("FAIL", line)
+    print(f"{n - len(failures)}/{n} cases match")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
