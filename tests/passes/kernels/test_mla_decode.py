@@ -1,0 +1,166 @@
+"""MLA decode kernels: references equal the model_def ops they replace (k3::kv_write after the norms,
+k3::mla_decode on the concatenated query), the Triton kernels under the interpreter on CPU and on
+CUDA at Kimi-Linear-48B / K3 shapes (contexts 512 and 8k, page sizes 1 and 16, PDL, CUDA graphs),
+errors, and the ops' registration."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3compile.model_def.ops import library  # noqa: F401  (torch.ops.k3.kv_write / mla_decode)
+from k3compile.passes.kernels.mla_decode import decode_reference, decode_triton, prologue_reference
+
+PROLOGUE = torch.ops.k3.mla_decode_prologue.default
+FUSED = torch.ops.k3.mla_decode_fused.default
+
+
+def _rms(x, w, eps):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _pool(pages, layers, page, width, dtype=torch.float32, seed=0):
+    return torch.randn(pages, layers, page, width, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_q", [False, True])
+def test_prologue_reference_is_norms_then_kv_write(dtype, with_q):
+    gen = torch.Generator().manual_seed(2)
+    r, rope, n = 16, 8, 4
+    kv, kv_ref = _pool(6, 2, 4, r + rope, dtype), _pool(6, 2, 4, r + rope, dtype)
+    ckv = torch.randn(n, r + rope, generator=gen).to(dtype)
+    w = torch.randn(r, generator=gen).to(dtype)
+    q_a, w_q = (torch.randn(n, 12, generator=gen).to(dtype), torch.randn(12, generator=gen).to(dtype)) if with_q \
+        else (None, None)
+    loc = torch.tensor([3, 17, 0, 9])
+    q = PROLOGUE(ckv, w, 1e-6, kv, 1, loc, q_a, w_q, 1e-6)
+    torch.ops.k3.kv_write(torch.cat([_rms(ckv[:, :r], w, 1e-6), ckv[:, r:]], -1), kv_ref, 1, loc)
+    assert torch.equal(kv, kv_ref)
+    if with_q:
+        assert torch.equal(q, _rms(q_a, w_q, 1e-6))
+    else:
+        assert q.numel() == 0
+
+
+def test_decode_reference_is_mla_decode_on_the_concatenated_query():
+    gen = torch.Generator().manual_seed(3)
+    kv = _pool(20, 2, 4, 24)
+    table = torch.randperm(19, generator=gen)[:12].view(3, 4).int() + 1
+    seq = torch.tensor([3, 16, 9], dtype=torch.int32)
+    q_nope, q_rope = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    want = torch.ops.k3.mla_decode(torch.cat([q_nope, q_rope], -1), kv, 1, table, seq, 0.3, 16)
+    assert torch.equal(FUSED(q_nope, q_rope, kv, 1, table, seq, 0.3, False), want)
+
+
+def test_triton_kernels_under_interpreter_match_references():
+    # a subprocess: TRITON_INTERPRET must be set before the kernels are decorated
+    script = Path(__file__).with_name("interpret_mla_decode.py")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cases match" in done.stdout
+
+
+def test_bad_arguments_raise_clear_errors():
+    kv = _pool(4, 2, 4, 24)
+    table, seq = torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="24 wide but the query is 16 \\+ 4"):
+        FUSED(torch.zeros(2, 2, 16), torch.zeros(2, 2, 4), kv, 0, table, seq, 0.1, False)
+    with pytest.raises(ValueError, match="layer 2 out of range"):
+        FUSED(torch.zeros(2, 2, 16), torch.zeros(2, 2, 8), kv, 2, table, seq, 0.1, False)
+    with pytest.raises(ValueError, match="page_table"):
+        FUSED(torch.zeros(2, 2, 16), torch.zeros(2, 2, 8), kv, 0, table[:1], seq, 0.1, False)
+    with pytest.raises(ValueError, match="row width 24"):
+        PROLOGUE(torch.zeros(2, 20), torch.ones(16), 1e-6, kv, 0, torch.zeros(2, dtype=torch.long), None, None, 0.0)
+    with pytest.raises(ValueError, match="come together"):
+        PROLOGUE(torch.zeros(2, 24), torch.ones(16), 1e-6, kv, 0, torch.zeros(2, dtype=torch.long), torch.zeros(2, 8),
+                 None, 0.0)
+
+
+def test_ops_pass_opcheck():
+    gen = torch.Generator().manual_seed(4)
+    kv = _pool(8, 2, 4, 24)
+    table = torch.randperm(7, generator=gen)[:6].view(2, 3).int() + 1
+    seq = torch.tensor([5, 12], dtype=torch.int32)
+    torch.library.opcheck(FUSED, (torch.randn(2, 2, 16), torch.randn(2, 2, 8), kv, 1, table, seq, 0.2, False))
+    torch.library.opcheck(PROLOGUE, (torch.randn(2, 24), torch.randn(16), 1e-6, kv, 0, torch.tensor([1, 6]),
+                                     torch.randn(2, 8), torch.randn(8), 1e-6))
+
+
+# ------------------------------------------------------------------------------------- CUDA
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _decode_inputs(batch, context, page, heads=32, r=512, rope=64, dtype=torch.bfloat16, seed=0):
+    """Kimi-Linear-48B MLA shapes: requests of different lengths up to `context`, scattered pages."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [max(1, context - (i * 37) % max(1, context // 2)) for i in range(batch)]
+    max_pages = (context + page - 1) // page
+    pages = batch * max_pages + 1
+    kv = torch.randn(pages, 1, page, r + rope, generator=gen).to(dtype).cuda()
+    table = (torch.randperm(pages - 1, generator=gen)[: batch * max_pages] + 1).view(batch, max_pages).int().cuda()
+    seq = torch.tensor(lens, dtype=torch.int32).cuda()
+    q = torch.randn(batch, heads, 128 + rope, generator=gen).to(dtype).cuda()  # q_rope: a strided view, as in graphs
+    q_nope = torch.randn(batch, heads, r, generator=gen).to(dtype).cuda()
+    return q_nope, q[..., 128:], kv, table, seq
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch,context,page", [(1, 512, 16), (8, 512, 1), (64, 512, 16), (1, 8192, 16),
+                                                (8, 8192, 16)])
+def test_cuda_decode_matches_reference(batch, context, page):
+    q_nope, q_rope, kv, table, seq = _decode_inputs(batch, context, page)
+    want = decode_reference(q_nope, q_rope, kv, 0, table, seq, 192 ** -0.5)
+    got = FUSED(q_nope, q_rope, kv, 0, table, seq, 192 ** -0.5, False)
+    assert _rel(got, want) <= 1e-2
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert torch.equal(FUSED(q_nope, q_rope, kv, 0, table, seq, 192 ** -0.5, True), got)  # PDL changes no value
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_decode_in_a_cuda_graph_with_pdl():
+    q_nope, q_rope, kv, table, seq = _decode_inputs(8, 512, 16, seed=1)
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    out = decode_triton(q_nope, q_rope, kv, 0, table, seq, 0.07, pdl)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = decode_triton(q_nope, q_rope, kv, 0, table, seq, 0.07, pdl)
+    q_nope.normal_()
+    seq.sub_(3)  # new lengths, same grid: the split is read from seq_lens on the device
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel(out, decode_reference(q_nope, q_rope, kv, 0, table, seq, 0.07)) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens,q_lora", [(1, None), (64, None), (1, 1536), (64, 1536)])
+def test_cuda_prologue_matches_reference(tokens, q_lora):
+    gen = torch.Generator().manual_seed(tokens)
+    q_dim = q_lora or 32 * 192
+    merged = torch.randn(tokens, q_dim + 576 + 4096, generator=gen).bfloat16().cuda()  # [q | ckv | gate] columns
+    ckv = merged[:, q_dim: q_dim + 576]
+    q_a = merged[:, :q_dim] if q_lora else None
+    w = torch.randn(512, generator=gen).bfloat16().cuda()
+    w_q = torch.randn(q_dim, generator=gen).bfloat16().cuda() if q_lora else None
+    kv = torch.zeros(tokens * 2 + 1, 3, 16, 576, dtype=torch.bfloat16, device="cuda")
+    kv_ref = kv.clone()
+    loc = (torch.randperm(tokens * 2 * 16, generator=gen)[:tokens] + 16).cuda()
+    q = PROLOGUE(ckv, w, 1e-6, kv, 2, loc, q_a, w_q, 1e-6)
+    q0 = prologue_reference(ckv, w, 1e-6, kv_ref, 2, loc, q_a, w_q, 1e-6)
+    assert _rel(kv, kv_ref) <= 1e-2 and (kv != kv_ref).float().mean().item() < 0.01  # rounding ties only
+    if q_lora:
+        assert _rel(q, q0) <= 1e-2
