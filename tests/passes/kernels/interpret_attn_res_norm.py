@@ -14,6 +14,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch  # noqa: E402
 
 from k3compile.passes.kernels import attn_res_norm as arn  # noqa: E402
+from interpreted import report  # noqa: E402  (this folder is sys.path[0] when run as a script)
 
 
 def cases():
@@ -51,10 +52,7 @@ def main() -> int:
             err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
             if err > tol:
                 failures.append(f"{name}: {what} differs, max rel err {err:.3g} > {tol:g}")
-    for line in failures:
-        print("FAIL", line)
-    print(f"{n - len(failures)}/{n} cases match")
-    return 1 if failures else 0
+    return report(failures, n)
 
 
 if __name__ == "__main__":

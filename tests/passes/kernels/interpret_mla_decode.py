@@ -16,6 +16,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch  # noqa: E402
 
 from k3compile.passes.kernels import mla_decode as mla  # noqa: E402
+from interpreted import report  # noqa: E402  (this folder is sys.path[0] when run as a script)
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -85,10 +86,7 @@ def main() -> int:
         err, tol = run()
         if not err <= tol:
             failures.append(f"{name}: rel err {err:.3g} > {tol:g}")
-    for line in failures:
-        print("FAIL", line)
-    print(f"{n - len(failures)}/{n} cases match")
-    return 1 if failures else 0
+    return report(failures, n)
 
 
 if __name__ == "__main__":

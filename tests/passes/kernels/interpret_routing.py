@@ -13,6 +13,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch  # noqa: E402
 
 from k3compile.passes.kernels import routing  # noqa: E402
+from interpreted import report  # noqa: E402  (this folder is sys.path[0] when run as a script)
 
 WEIGHT_ATOL = 1e-6
 
@@ -69,10 +70,7 @@ def main() -> int:
                 torch.testing.assert_close(weights, ref_weights, rtol=0, atol=WEIGHT_ATOL, equal_nan=True)
             except AssertionError as err:
                 failures.append(f"{name}: weights differ: {err}")
-    for line in failures:
-        print("FAIL", line)
-    print(f"{n - len(failures)}/{n} cases match")
-    return 1 if failures else 0
+    return report(failures, n)
 
 
 if __name__ == "__main__":

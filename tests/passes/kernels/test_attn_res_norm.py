@@ -2,10 +2,6 @@
 the Triton kernel under the interpreter on CPU and natively on CUDA at K3 / Kimi-Linear shapes, errors,
 and the op's registration."""
 import operator
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +10,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from k3compile.model_def.layers.attn_res import attn_res_read
 from k3compile.model_def.layers.common import RMSNorm
 from k3compile.passes.kernels.attn_res_norm import attn_res_norm_reference, attn_res_norm_triton
+
+from .interpreted import run_interpreted
 
 FUSED = torch.ops.k3.attn_res_norm.default
 
@@ -44,12 +42,7 @@ def test_reference_is_the_model_def_composition(dtype, bank_rows):
 
 
 def test_triton_kernel_under_interpreter_matches_reference():
-    # a subprocess: TRITON_INTERPRET must be set before the kernel is decorated
-    script = Path(__file__).with_name("interpret_attn_res_norm.py")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "cases match" in done.stdout
+    run_interpreted("interpret_attn_res_norm.py")
 
 
 @pytest.mark.parametrize("bank,x,delta,query,weight,message", [

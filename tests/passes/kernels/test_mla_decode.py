@@ -2,16 +2,14 @@
 k3::mla_decode on the concatenated query), the Triton kernels under the interpreter on CPU and on
 CUDA at Kimi-Linear-48B / K3 shapes (contexts 512 and 8k, page sizes 1 and 16, PDL, CUDA graphs),
 errors, and the ops' registration."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from k3compile.model_def.ops import library  # noqa: F401  (torch.ops.k3.kv_write / mla_decode)
 from k3compile.passes.kernels.mla_decode import decode_reference, decode_triton, prologue_reference
+
+from .interpreted import run_interpreted
 
 PROLOGUE = torch.ops.k3.mla_decode_prologue.default
 FUSED = torch.ops.k3.mla_decode_fused.default
@@ -57,12 +55,7 @@ def test_decode_reference_is_mla_decode_on_the_concatenated_query():
 
 
 def test_triton_kernels_under_interpreter_match_references():
-    # a subprocess: TRITON_INTERPRET must be set before the kernels are decorated
-    script = Path(__file__).with_name("interpret_mla_decode.py")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "cases match" in done.stdout
+    run_interpreted("interpret_mla_decode.py")
 
 
 def test_bad_arguments_raise_clear_errors():

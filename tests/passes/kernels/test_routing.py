@@ -1,16 +1,14 @@
 """Fused MoE routing (k3::fused_route): reference vs transformers, edge cases, the Triton kernel
 (under the interpreter on CPU, natively on CUDA), and the op's registration and traceability."""
 import operator
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from k3compile.passes.kernels.routing import route_reference, route_triton
+
+from .interpreted import run_interpreted
 
 FUSED_ROUTE = torch.ops.k3.fused_route.default
 
@@ -140,13 +138,7 @@ def test_bad_arguments_raise_clear_errors(logits, bias, top_k, groups, topk_grou
 
 
 def test_triton_kernel_under_interpreter_matches_reference():
-    # A subprocess, because TRITON_INTERPRET must be set before the kernel is decorated and this
-    # process may already hold a compiled (non-interpreted) copy of routing.py.
-    script = Path(__file__).with_name("interpret_routing.py")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "cases match" in done.stdout
+    run_interpreted("interpret_routing.py")
 
 
 def test_op_passes_opcheck_on_cpu():
