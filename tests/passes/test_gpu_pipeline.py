@@ -31,6 +31,8 @@ def test_pipeline_on_cuda_bf16(mode):
     n = layer_counts(m.config)
     assert report.matches()["p01_gemm_merge"] == n["kda"] + n["mla"] + n["moe"] + n["dense"]
     assert report.matches()["p04_fused_routing"] == n["moe"]
+    assert report.matches()["p07_attn_res_norm"] == 2 * n["layers"]
+    assert report.matches()["p15_mla_decode"] == (2 * n["mla"] if mode == "decode" else 0)
     print(report.render())
     x = randomized_inputs(step_inputs(m, mode, seed=5), 5)
     assert_same_step(run_graph(gm, x), eager_step(m, mode, x), BF16_TOL, "post-pass graph vs eager on CUDA")
