@@ -96,6 +96,15 @@ def p15_cases(batch, context=512, page=16, heads=32, r=512, rope=64, q_dim=32 * 
            "MLA attention ctx 512": (timed(attn_unfused), timed(attn_fused(False)))}
     if torch.cuda.get_device_capability()[0] >= 9:
         out["MLA attention ctx 512, PDL"] = (out["MLA attention ctx 512"][0], timed(attn_fused(True)))
+    # a small sweep of the split kernel's tiles (defaults: block_h 16, block_n 32, 4 warps, splits from shapes)
+    for bh, bn, nw, splits in ((32, 32, 8, None), (16, 64, 4, None), (16, 32, 4, 1), (16, 32, 8, None)):
+        def swept(bh=bh, bn=bn, nw=nw, splits=splits):
+            return mla.decode_triton(q_nope, q_rope, kv, 3, table, seq, scale, False, splits, bh, bn, nw)
+        try:
+            out[f"MLA attention ctx 512, block_h {bh} block_n {bn} warps {nw} splits {splits or 'auto'}"] = (
+                out["MLA attention ctx 512"][0], timed(swept))
+        except Exception as e:  # a tile that does not fit (registers / shared memory): say so, keep going
+            print(f"sweep block_h {bh} block_n {bn} warps {nw}: {type(e).__name__}: {e}"[:300], file=sys.stderr)
     return out
 
 

@@ -231,17 +231,19 @@ def kernel_supports_decode(r: int, rope: int) -> bool:
     return triton is not None and r == triton.next_power_of_2(r) and r >= 16 and rope <= 128
 
 
-def num_splits_for(batch: int, heads: int, capacity: int, block_h: int) -> int:
+def num_splits_for(batch: int, heads: int, capacity: int, block_h: int, block_n: int = BLOCK_N) -> int:
     """Split-K factor from static shapes only (CUDA-graph safe): fill ~TARGET_PROGRAMS programs,
-    never more splits than BLOCK_N tiles of the page-table capacity."""
+    never more splits than block_n tiles of the page-table capacity."""
     programs = batch * triton.cdiv(heads, block_h)
-    tiles = max(1, triton.cdiv(capacity, BLOCK_N))
+    tiles = max(1, triton.cdiv(capacity, block_n))
     return int(max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS, programs), 64)))
 
 
 def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl: bool = False,
-                  num_splits: int | None = None) -> torch.Tensor:
-    """Launch the split and merge kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+                  num_splits: int | None = None, block_h: int | None = None, block_n: int = BLOCK_N,
+                  num_warps: int = 4) -> torch.Tensor:
+    """Launch the split and merge kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+    num_splits / block_h / block_n / num_warps override the defaults (tools/bench_p07_p15.py sweeps them)."""
     check_decode_args(q_nope, q_rope, kv_pool, layer, page_table, seq_lens)
     if triton is None:
         raise RuntimeError("mla_decode_fused: triton is not installed")
@@ -261,9 +263,9 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
     out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
     if B == 0:
         return out
-    block_h = 16 if H <= 16 else 32 if R <= 256 else 16
-    block_h = max(16, min(block_h, triton.next_power_of_2(H)))
-    splits = num_splits or num_splits_for(B, H, page_table.shape[1] * page, block_h)
+    if block_h is None:  # 16 heads x 512 latent fp32 accumulator = 64 registers a thread at 4 warps
+        block_h = max(16, min(16 if R > 256 else 32, triton.next_power_of_2(H)))
+    splits = num_splits or num_splits_for(B, H, page_table.shape[1] * page, block_h, block_n)
     part = torch.empty(B, H, splits, R, dtype=torch.float32, device=q_nope.device)
     lse = torch.empty(B, H, splits, dtype=torch.float32, device=q_nope.device)
     layer_view = kv_pool[:, layer]  # [P, page, W]: base pointer of this layer, strides of the pool
@@ -273,9 +275,10 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
         q_nope, q_nope.stride(0), q_nope.stride(1), q_rope, q_rope.stride(0), q_rope.stride(1),
         layer_view, layer_view.stride(0), layer_view.stride(1), page_table, page_table.stride(0), seq_lens,
         part, lse, H, float(scale),
-        R=R, ROPE=rope, PAGE=page, NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
+        R=R, ROPE=rope, PAGE=page, NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), USE_PDL=pdl,
-        DOT_PRECISION="ieee" if q_nope.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2, **extra)
+        DOT_PRECISION="ieee" if q_nope.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=2,
+        **extra)
     _decode_merge_kernel[(B * H,)](part, lse, out, R=R, NUM_SPLITS=splits,
                                    SPLITS_PAD=max(2, triton.next_power_of_2(splits)), USE_PDL=pdl,
                                    num_warps=4, **extra)

@@ -113,9 +113,12 @@ def _rel(a, b):
                                                 (8, 8192, 16)])
 def test_cuda_decode_matches_reference(batch, context, page):
     q_nope, q_rope, kv, table, seq = _decode_inputs(batch, context, page)
-    want = decode_reference(q_nope, q_rope, kv, 0, table, seq, 192 ** -0.5)
+    # against the fp32 reference: the bf16 reference rounds its scores to bf16 before the softmax
+    # (H200, [1-512-16]: 1.06e-2 between kernel and bf16 reference), the kernel keeps them in fp32
+    want = decode_reference(q_nope.float(), q_rope.float(), kv.float(), 0, table, seq, 192 ** -0.5)
     got = FUSED(q_nope, q_rope, kv, 0, table, seq, 192 ** -0.5, False)
     assert _rel(got, want) <= 1e-2
+    assert _rel(got, want) <= _rel(decode_reference(q_nope, q_rope, kv, 0, table, seq, 192 ** -0.5), want) + 2e-3
     if torch.cuda.get_device_capability()[0] >= 9:
         assert torch.equal(FUSED(q_nope, q_rope, kv, 0, table, seq, 192 ** -0.5, True), got)  # PDL changes no value
 
@@ -135,7 +138,7 @@ def test_cuda_decode_in_a_cuda_graph_with_pdl():
     seq.sub_(3)  # new lengths, same grid: the split is read from seq_lens on the device
     graph.replay()
     torch.cuda.synchronize()
-    assert _rel(out, decode_reference(q_nope, q_rope, kv, 0, table, seq, 0.07)) <= 1e-2
+    assert _rel(out, decode_reference(q_nope.float(), q_rope.float(), kv.float(), 0, table, seq, 0.07)) <= 1e-2
 
 
 @pytest.mark.gpu
