@@ -43,6 +43,7 @@ from k3compile.runtime.memory.unified import UnifiedArena
 from k3compile.runtime.sampling import SamplingParams
 
 from .cache_policy import CachePolicy, get_policy
+from .batch_sampling import prepare_masks
 from .inflight_memory import InFlightMemory
 from .model_runner import ModelRunner
 from .request import Request
@@ -90,6 +91,8 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    logprobs: list | None = None  # TokenLogprobs per new token, when the request asked for logprobs
+    prompt_logprobs: list | None = None  # first output only: None for the first prompt token, then TokenLogprobs
 
 
 def _checkpoint_interval(args: EngineArgs) -> int:
@@ -240,9 +243,16 @@ class LLMEngine:
         return ctx
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        if rid in self._requests:
-            raise ValueError(f"request id {rid!r} is already in use")
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                    fork_rids: tuple[str, ...] = ()) -> None:
+        """`fork_rids`: more requests (n > 1) with the same prompt and params that share this one's
+        prefill and fork its state (scheduler `_fork`); each reports under its own id. With a seed,
+        the i-th of them samples with seed + i + 1."""
+        for r in (rid, *fork_rids):
+            if r in self._requests:
+                raise ValueError(f"request id {r!r} is already in use")
+        if len(set(fork_rids) | {rid}) != len(fork_rids) + 1:
+            raise ValueError(f"request ids must be distinct, got {[rid, *fork_rids]}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt = [int(t) for t in prompt_ids]
@@ -257,7 +267,18 @@ class LLMEngine:
         stops = set(params.stop_token_ids)
         if self.eos_token_id is not None and not params.ignore_eos:
             stops.add(self.eos_token_id)
-        req = Request(rid, prompt, params, frozenset(stops), generator=params.generator())
+        guide = None
+        if params.guide is not None:
+            from k3compile.runtime.structured_output import compile_guide
+            guide = compile_guide(self, params.guide)  # ValueError for a bad schema / grammar
+        req = Request(rid, prompt, params, frozenset(stops), generator=params.generator(),
+                      guide=guide and guide.matcher())
+        for i, frid in enumerate(fork_rids):
+            gen = None if params.seed is None else torch.Generator().manual_seed(params.seed + i + 1)
+            f = Request(frid, list(prompt), params, frozenset(stops), generator=gen, fork_leader=req,
+                        guide=guide and guide.matcher())
+            req.followers.append(f)
+            self._requests[frid] = f
         self._requests[rid] = req
         self.scheduler.add(req)
 
@@ -294,6 +315,7 @@ class LLMEngine:
                 self._fill_placeholders(nxt)
                 self.runner.launch(nxt)
                 self._inflight = nxt
+                prepare_masks(nxt)  # structured-output masks while the forward runs
         return self._collect()
 
     @staticmethod
@@ -318,12 +340,16 @@ class LLMEngine:
             new = req.output_ids[req.num_reported:]
             if not new and not (req.finished and not req.finish_reported):
                 continue
+            lps = req.output_logprobs[req.num_reported:] if req.params.logprobs is not None else None
+            plp = None
+            if req.params.prompt_logprobs is not None and not req.prompt_reported:
+                req.prompt_reported, plp = True, [None] + list(req.prompt_lp)
             req.num_reported = len(req.output_ids)
             if req.finished:
                 req.finish_reported = True
                 self._requests.pop(rid, None)
             outs.append(RequestOutput(rid, list(new), req.finished, req.finish_reason, len(req.prompt_ids),
-                                      len(req.output_ids), req.cached_tokens))
+                                      len(req.output_ids), req.cached_tokens, lps, plp))
         self._outbox.clear()
         return outs
 
@@ -361,7 +387,7 @@ class LLMEngine:
             "kv_pool_usage": used_p / total_p if total_p else 0.0,
             "checkpoints": st.num_checkpoints, "checkpoint_bytes": st.checkpoint_bytes,
             "peak_checkpoint_bytes": st.peak_checkpoint_bytes, "tree_pages": st.num_pages,
-            "retractions": s.retractions, "unified_memory": isinstance(inner, UnifiedArena),
+            "retractions": s.retractions, "forked_requests": s.forked, "unified_memory": isinstance(inner, UnifiedArena),
             "cache_policy": self.policy.name,
         }
 

@@ -16,8 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from k3compile.runtime.executor import Executor
-from k3compile.runtime.sampling import sample
 
+from .batch_sampling import BatchSample, sample_batch
 from .inflight_memory import InFlightMemory
 from .scheduler import ScheduledBatch
 
@@ -55,23 +55,9 @@ class ModelRunner:
         return fut.result()
 
     @staticmethod
-    def sample(batch: ScheduledBatch, logits: torch.Tensor) -> list[int | None]:
-        """One token per sampling row of a live request (greedy rows in one argmax); None elsewhere."""
-        out: list[int | None] = [None] * len(batch.rows)
-        rows = [i for i, r in enumerate(batch.rows) if r.samples and not r.req.finished]
-        if not rows:
-            return out
-        # Prefill logits are one row per request; decode rows too.
-        greedy = [i for i in rows if batch.rows[i].req.params.temperature == 0.0]
-        if greedy:
-            top = logits[greedy].argmax(-1).tolist()
-            for i, t in zip(greedy, top):
-                out[i] = int(t)
-        for i in rows:
-            req = batch.rows[i].req
-            if req.params.temperature != 0.0:
-                out[i] = sample(logits[i], req.params, req.generator)
-        return out
+    def sample(batch: ScheduledBatch, logits: torch.Tensor) -> BatchSample:
+        """Tokens (and logprobs) for every sampling row of a live request, in one batched pass."""
+        return sample_batch(batch, logits)
 
     def close(self) -> None:
         if self._worker is not None:

@@ -47,10 +47,19 @@ class Request:
     retract_pending: bool = False  # retract once no batch includes it any more
     latest_snapshot: int | None = None  # position of the newest complete snapshot not yet donated
     # accounting
+    # n > 1: requests sampled from this one's first logits row and forked from its state after the
+    # prompt (runtime/scheduler.py `_fork`); a follower waits outside the queues until then
+    followers: list["Request"] = field(default_factory=list)
+    fork_leader: "Request | None" = None
+    # logprobs: one entry per output token when params.logprobs is set; prompt_lp[i] scores prompt token i+1
+    output_logprobs: list = field(default_factory=list)
+    prompt_lp: list = field(default_factory=list)
+    guide: object | None = None  # structured-output matcher (runtime/structured_output.py)
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     admitted_once: bool = False
     num_reported: int = 0  # output tokens already handed out by LLMEngine.step
     finish_reported: bool = False
+    prompt_reported: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -75,12 +84,21 @@ class Request:
         n = len(self.prompt_ids)
         return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
 
-    def append_token(self, token: int) -> None:
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (a prefill must then cover the whole prompt)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_lp) < len(self.prompt_ids) - 1
+
+    def append_token(self, token: int, logprobs=None) -> None:
         """Record a sampled token and finish the request if it hits a stop condition."""
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.output_ids.append(token)
-        if token in self.stop_ids:
+        if self.params.logprobs is not None:
+            self.output_logprobs.append(logprobs)
+        if self.guide is not None:
+            self.guide.accept(token)
+        if token in self.stop_ids or (self.guide is not None and self.guide.is_terminated()):
             self.finish("stop")
         elif len(self.output_ids) >= self.params.max_new_tokens:
             self.finish("length")

@@ -1,9 +1,15 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators."""
+"""Sampling parameters of one request, and the single-row sampler kept for offline use.
+
+The engine samples whole batches at once (runtime/sampler.py); `sample` here is the same
+distribution for one row, used where there is no batch (tests, simple tools).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
 
 
 @dataclass(frozen=True)
@@ -11,10 +17,20 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    max_new_tokens: int = 16
+    max_new_tokens: int = 16  # 0 only with prompt_logprobs (score the prompt, generate nothing)
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # OpenAI penalties: presence subtracts once per token that occurred in the output, frequency
+    # once per occurrence; repetition (vLLM/HF extension) divides positive logits of any token
+    # seen in prompt or output (multiplies negative ones). Applied batched (runtime/penalties.py).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top k
+    prompt_logprobs: int | None = None  # None: none; k >= 0: every prompt token's logprob and the top k
+    guide: tuple[str, str] | None = None  # structured output: (kind, spec), runtime/structured_output.py
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -23,26 +39,32 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_new_tokens must be >= 1 (0 only with prompt_logprobs), got {self.max_new_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def generator(self) -> torch.Generator | None:
         return torch.Generator().manual_seed(self.seed) if self.seed is not None else None
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token from fp32 logits [V]. Sampling runs on the CPU so a seed gives the same tokens everywhere."""
-    logits = logits.float().cpu()
-    if params.temperature == 0.0:
-        return int(logits.argmax())
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.numel():
-        kth = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the most likely token
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+    """One token from fp32 logits [V] (temperature, top-k, top-p; no penalties or bias)."""
+    from .sampler import sample_rows
+
+    return sample_rows(logits.float().reshape(1, -1), [params], [gen])[0][0]

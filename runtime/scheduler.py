@@ -45,12 +45,15 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from k3compile.model_def.batch import ForwardBatch
 from k3compile.runtime.cache.radix import HybridRadixCache
 from k3compile.runtime.cache.request_table import RequestTable
 from k3compile.runtime.cache.state_slots import TooManyStateSlotsError
 from k3compile.runtime.memory.base import OutOfMemoryError
 
+from .batch_sampling import BatchSample
 from .cache_policy import CachePolicy
 from .inflight_memory import InFlightMemory
 from .request import Request, Status
@@ -95,6 +98,9 @@ class ScheduledBatch:
     snapshot_copies: list[tuple[int, int]]  # (working slot, snapshot slot), run right after the forward
     placeholders: list[tuple[int, Row]] = field(default_factory=list)  # (input_ids index, row): token not sampled yet
     pinned: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # (slots, pages) pinned while it exists
+    # rows [a, b) of the step's logits belong to row i; b - 1 is its last position. b - a > 1 only for
+    # a prefill row that scores its prompt (prompt logprobs): one logits row per position.
+    logit_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -110,6 +116,7 @@ class Scheduler:
         self.generated_tokens = 0
         self.prompt_tokens = 0  # prompt tokens of first admissions
         self.cache_hit_tokens = 0  # of those, served from the cache
+        self.forked = 0  # followers that continued from a forked state instead of a prefill
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, req: Request) -> None:
@@ -120,9 +127,22 @@ class Scheduler:
         if req.finished:
             return
         req.finish("abort")
+        if req.fork_leader is not None and req in req.fork_leader.followers:  # a follower not forked yet
+            req.fork_leader.followers.remove(req)
+            return
         if req in self.waiting:
             self.waiting.remove(req)
+        if req.followers:  # its followers still wait for a first sample: the next one leads them
+            self._promote(req)
         self._settle(req)
+
+    def _promote(self, leader: Request) -> None:
+        new, *rest = leader.followers
+        leader.followers = []
+        new.fork_leader, new.followers = None, rest
+        for f in rest:
+            f.fork_leader = new
+        self.waiting.appendleft(new)
 
     def num_running(self) -> int:
         return sum(1 for r in self.running if not r.finished)
@@ -183,7 +203,10 @@ class Scheduler:
         The table is keyed by the Request itself: a finished request's rid may be reused while its
         zombie row still holds the old entry."""
         tokens = req.all_ids
-        handle = self._retry(lambda: self.table.admit(req, tokens[:-1]), slots=1)
+        # a request scoring its prompt needs logits at every prompt position: it matches nothing
+        # (vLLM does the same), but still donates what it computes, so the cache stays as useful
+        match = tokens[:0] if req.needs_prompt_logprobs else tokens[:-1]
+        handle = self._retry(lambda: self.table.admit(req, match), slots=1)
         if handle is None:
             return False
         # alone in memory, a request is admitted on its prompt pages (its decode retracts nobody else)
@@ -299,7 +322,7 @@ class Scheduler:
     def _build(self, mode: str, rows: list[Row]) -> ScheduledBatch:
         p, ids, placeholders, copies = self.cfg.page_size, [], [], []
         tables, slots, pins_s, pins_p = [], [], [], []
-        offset = 0
+        offset, spans, scoring = 0, [], False
         for row in rows:
             req, h = row.req, row.req.handle
             toks = [req.token_at(q) if q < req.num_tokens else None for q in range(row.start, row.end)]
@@ -317,20 +340,39 @@ class Scheduler:
                 snap_slot = h.slots.snapshot_slot(row.snapshot)
                 copies.append((h.slots.working, snap_slot))
                 pins_s.append(snap_slot)
+            n_logits = row.end - row.start if mode == "prefill" and self._scores_prompt(row) else 1
+            scoring |= n_logits > 1
+            spans.append((offset - n_logits, offset))
             req.num_scheduled = row.end
             req.inflight += 1
         self.memory.pin(pins_s, pins_p)
         fb = ForwardBatch.build(mode, ids, [r.start for r in rows], tables, slots, p, device=self.cfg.device)
-        return ScheduledBatch(mode, rows, fb, copies, placeholders, (pins_s, pins_p))
+        if scoring:
+            fb.logits_indices = torch.tensor([i for a, b in spans for i in range(a, b)], dtype=torch.int64,
+                                             device=fb.input_ids.device)
+            k = 0
+            for j, (a, b) in enumerate(spans):
+                spans[j], k = (k, k + b - a), k + b - a
+        else:
+            spans = [(j, j + 1) for j in range(len(rows))]
+        return ScheduledBatch(mode, rows, fb, copies, placeholders, (pins_s, pins_p), spans)
+
+    @staticmethod
+    def _scores_prompt(row: Row) -> bool:
+        req = row.req
+        return req.needs_prompt_logprobs and row.start < len(req.prompt_ids) - 1
 
     # ------------------------------------------------------------------ results
-    def process(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[Request]:
-        """Apply a finished batch: `tokens[i]` is row i's sampled token (None where it samples nothing).
-        Returns the requests that got a token."""
+    def process(self, batch: ScheduledBatch, sampled) -> list[Request]:
+        """Apply a finished batch. `sampled`: a BatchSample (runtime/batch_sampling.py), or a plain
+        list where `tokens[i]` is row i's sampled token (None where it samples nothing).
+        Returns the requests that got a token (or finished)."""
+        if isinstance(sampled, list):
+            sampled = BatchSample(sampled, [None] * len(sampled))
         self.memory.unpin(*batch.pinned)
         touched = []
         pol = self.policy
-        for row, tok in zip(batch.rows, tokens):
+        for i, (row, tok) in enumerate(zip(batch.rows, sampled.tokens)):
             req = row.req
             req.inflight -= 1
             if req.finished or req.status is not Status.RUNNING:
@@ -346,13 +388,59 @@ class Scheduler:
                     self._donate_latest(req)
             if batch.mode == "prefill" and row.end == req.prefill_target and pol.donate_handover:
                 self._donate_latest(req)
-            if row.samples and tok is not None:
-                req.append_token(tok)
+            if i in sampled.prompt_logprobs:
+                first, entries = sampled.prompt_logprobs[i]
+                del req.prompt_lp[first:]
+                req.prompt_lp.extend(entries)
+            if row.samples and req.params.max_new_tokens == 0:
+                req.finish("length")  # scored the prompt, generates nothing
+                touched.append(req)
+            elif row.samples and tok is not None:
+                req.append_token(tok, sampled.logprobs[i])
                 self.generated_tokens += 1
                 touched.append(req)
+                if req.followers:
+                    touched.extend(self._fork(req, sampled.forks.get(i, [])))
         for row in batch.rows:
             self._settle(row.req)
         return touched
+
+    def _fork(self, leader: Request, samples: list) -> list[Request]:
+        """n > 1: the leader's prompt is computed; each follower continues from a copy of its state
+        (working slot -> the follower's own: copy-on-write, conv windows included), reads the same
+        tree pages (a lock on the node the leader reads from) and gets copies of the leader's few own
+        pages past it (the unaligned tail), then takes its own first sample. A follower that cannot
+        get a slot and pages (or a running place) now is queued instead with that sample: its prefill
+        recomputes the prompt's tail from the cache."""
+        followers, leader.followers = leader.followers, []
+        out, pos = [], len(leader.prompt_ids)
+        for f, (tok, lp) in zip(followers, samples):
+            f.fork_leader = None
+            if f.finished:
+                continue
+            handle = None
+            if len(self.running) < self.cfg.max_running:
+                handle = self._retry(lambda: self.table.fork(leader.handle, f, pos), slots=1, pages=1)
+            f.prompt_lp = list(leader.prompt_lp)  # the prompt is the same: scored once
+            f.append_token(tok, lp)
+            self.generated_tokens += 1
+            if not f.admitted_once:
+                f.admitted_once, f.cached_tokens = True, leader.cached_tokens
+                self.prompt_tokens += len(f.prompt_ids)
+                self.cache_hit_tokens += leader.cached_tokens
+            out.append(f)
+            if handle is None:
+                if not f.finished:
+                    self.waiting.appendleft(f)
+                continue
+            self.forked += 1
+            f.handle, f.status = handle, Status.RUNNING
+            f.num_scheduled = f.num_computed = f.prefill_target = pos
+            self._admissions += 1
+            f.admit_seq = self._admissions
+            self.running.append(f)
+            self._settle(f)  # its first token may have finished it
+        return out
 
     def _donate_latest(self, req: Request) -> None:
         if req.latest_snapshot is not None:

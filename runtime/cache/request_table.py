@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator
 
+import torch
+
 from .radix import HybridRadixCache, InsertResult, Lock, MatchResult, as_token_tuple
 from .state_slots import MAX_TRANSIENT_SLOTS, StateSlots
 
@@ -141,6 +143,36 @@ class RequestTable:
         self.cache.unlock(old_lock)
         req.slots.drop_before(position)
         return result
+
+    def fork(self, parent: CachedRequest, rid: Hashable, num_tokens: int) -> CachedRequest:
+        """A new request continuing from `parent`'s state after `num_tokens` tokens (n > 1 sampling):
+        it locks the node the parent reads from (the tree's KV pages are shared, not copied), gets
+        its own working slot restored from the parent's working slot (copy-on-write: KDA state and
+        conv windows), and copies of the parent's own pages up to `num_tokens` (the tail past the
+        tree prefix). Raises OutOfMemoryError with nothing held when a slot or the pages are missing."""
+        self._check_live(parent)
+        if rid in self._live:
+            raise ValueError(f"request {rid!r} is already admitted")
+        p = self.page_size
+        copy_from = parent.own_pages[: -(-num_tokens // p) - parent.prefix_len // p]
+        slots = StateSlots(self.memory, self.max_state_slots)
+        slots.open(parent.slots.working)
+        try:
+            pages = self.memory.alloc_pages(len(copy_from)) if copy_from else []
+        except BaseException:
+            slots.release()
+            raise
+        if pages:
+            kv = self.memory.tensors.kv
+            kv.index_copy_(0, torch.tensor(pages, device=kv.device),
+                           kv.index_select(0, torch.tensor(copy_from, device=kv.device)))
+        req = CachedRequest(rid, self.cache.lock(parent.lock.node, pin_checkpoint=False), slots, parent.hit)
+        first = req.prefix_len // p
+        for i, pg in enumerate(pages):
+            self._page_owner[pg] = (req, first + i)
+        req.own_pages = list(pages)
+        self._live[rid] = req
+        return req
 
     def finish(self, req: CachedRequest, token_ids) -> InsertResult | None:
         """A finished request: donate its newest snapshot (the state after its last aligned
