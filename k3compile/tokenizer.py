@@ -17,9 +17,12 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>"
-        return self.encode(text)
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (for logprobs); specials render as their name."""
+        if 0 <= token_id < 256:
+            return bytes([token_id])
+        names = {self.bos_token_id: "<s>", self.eos_token_id: "</s>"}
+        return names.get(token_id, f"<|special_{token_id}|>").encode()
 
 
 class HFTokenizer:
@@ -34,8 +37,13 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's Jinja chat template (tokenizer_config.json / chat_template.jinja), if any."""
+        return getattr(self.tok, "chat_template", None)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")

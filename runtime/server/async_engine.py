@@ -38,6 +38,7 @@ class _Add:
     prompt_ids: list[int]
     params: object
     accepted: asyncio.Future
+    fork_rids: tuple[str, ...] = ()   # n > 1: more requests forked from this one's prefill
 
 
 @dataclass
@@ -107,28 +108,34 @@ class AsyncEngine:
             self._commands.put(_STOP)
             self._thread.join(timeout)
 
-    async def add(self, rid: str, prompt_ids: list[int], params) -> RequestStream:
-        """Submit a request; returns once the engine accepted it. Raises ValueError (the engine's
-        message) if the request is invalid, EngineError if the engine is broken."""
+    async def add(self, rid: str, prompt_ids: list[int], params, fork_rids: tuple[str, ...] = ()):
+        """Submit a request; returns its stream once the engine accepted it (with `fork_rids`: the
+        list of streams, rid's first). Raises ValueError (the engine's message) if the request is
+        invalid, EngineError if the engine is broken."""
         if self._thread is None:
             raise RuntimeError("AsyncEngine not started")
         if self._broken is not None:
             raise EngineError(f"engine is broken: {self._broken}")
-        if rid in self._streams:
-            raise ValueError(f"request id '{rid}' is already in use")
-        stream = RequestStream(rid, self)
-        self._streams[rid] = stream   # before the add: outputs may follow acceptance closely
+        rids = (rid, *fork_rids)
+        for r in rids:
+            if r in self._streams:
+                raise ValueError(f"request id '{r}' is already in use")
+        streams = [RequestStream(r, self) for r in rids]
+        for st in streams:
+            self._streams[st.rid] = st   # before the add: outputs may follow acceptance closely
         accepted = self._loop.create_future()
-        self._commands.put(_Add(rid, list(prompt_ids), params, accepted))
+        self._commands.put(_Add(rid, list(prompt_ids), params, accepted, tuple(fork_rids)))
         try:
             await accepted
         except asyncio.CancelledError:   # the client left while we waited: don't leak the request
-            self.abort(rid)
+            for r in rids:
+                self.abort(r)
             raise
         except BaseException:
-            self._streams.pop(rid, None)
+            for r in rids:
+                self._streams.pop(r, None)
             raise
-        return stream
+        return streams if fork_rids else streams[0]
 
     def abort(self, rid: str) -> None:
         """Stop a request; its outputs are dropped from now on. Safe to call more than once."""
@@ -218,8 +225,11 @@ class AsyncEngine:
                 err = EngineError(f"engine is broken: {self._broken}")
             else:
                 try:
-                    self.engine.add_request(cmd.rid, cmd.prompt_ids, cmd.params)
-                    in_flight.add(cmd.rid)
+                    if cmd.fork_rids:
+                        self.engine.add_request(cmd.rid, cmd.prompt_ids, cmd.params, fork_rids=cmd.fork_rids)
+                    else:
+                        self.engine.add_request(cmd.rid, cmd.prompt_ids, cmd.params)
+                    in_flight.update((cmd.rid, *cmd.fork_rids))
                 except ValueError as e:
                     err = e
                 except Exception as e:   # a bug, not bad input: the request fails, the server goes on

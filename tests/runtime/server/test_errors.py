@@ -24,7 +24,10 @@ CASES = [
     ("/v1/completions", {**OK, "top_p": 0}, 400, "top_p", "invalid_value"),
     ("/v1/completions", {**OK, "top_p": 1.01}, 400, "top_p", "invalid_value"),
     ("/v1/completions", {**OK, "top_k": "5"}, 400, "top_k", "invalid_type"),
-    ("/v1/completions", {**OK, "n": 3}, 400, "n", "unsupported_parameter"),
+    ("/v1/completions", {**OK, "n": 0}, 400, "n", "invalid_value"),
+    ("/v1/completions", {**OK, "logit_bias": {"100000": 1}}, 400, "logit_bias", None),   # out of vocabulary
+    ("/v1/completions", {**OK, "guided_regex": "a("}, 400, "prompt", None),   # llguidance rejects the regex
+    ("/v1/detokenize", {"model": MODEL, "tokens": [1, 100000]}, 400, "tokens", "invalid_value"),
     ("/v1/completions", {**OK, "stop": {"a": 1}}, 400, "stop", "invalid_type"),
     ("/v1/completions", {**OK, "stream": "true"}, 400, "stream", "invalid_type"),
     ("/v1/completions", {**OK, "frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
@@ -66,8 +69,8 @@ def test_wrong_method_is_405(server):
 
 def test_openai_client_raises_on_client_errors(server):
     client = server.client()
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.completions.create(model=MODEL, prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="'n'"):
+        client.completions.create(model=MODEL, prompt="x", n=500)
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "y" * server.front.max_context}],
                                        stream=True)

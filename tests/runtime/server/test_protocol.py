@@ -32,13 +32,18 @@ def test_prompt_forms(prompt, expect):
     ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 1.5}, "max_tokens"),
     ({"max_tokens": True}, "max_tokens"), ({"temperature": -0.1}, "temperature"),
     ({"temperature": "0.5"}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"), ({"n": 2}, "n"), ({"n": 0}, "n"), ({"stop": 3}, "stop"), ({"stop": [""]}, "stop"),
+    ({"top_k": -2}, "top_k"), ({"n": 129}, "n"), ({"n": 0}, "n"), ({"stop": 3}, "stop"), ({"stop": [""]}, "stop"),
     ({"stop": ["a", 1]}, "stop"), ({"seed": "1"}, "seed"), ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": None}, "prompt"),
-    ({"prompt": 5}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": [1, "a"]}, "prompt"), ({"model": None}, "model"), ({"model": 3}, "model"),
-    ({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"best_of": 2}, "best_of"), ({"logit_bias": {"1": 2}}, "logit_bias"), ({"bogus": 1}, "bogus"),
+    ({"prompt": 5}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": ["a", 3]}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [[]]}, "prompt"), ({"model": None}, "model"), ({"model": 3}, "model"),
+    ({"echo": 1}, "echo"), ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"n": 3, "best_of": 2}, "best_of"),
+    ({"best_of": 3, "stream": True}, "best_of"), ({"logit_bias": {"x": 2}}, "logit_bias"),
+    ({"logit_bias": {"1": 200}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"), ({"suffix": "s"}, "suffix"),
+    ({"response_format": {"type": "xml"}}, "response_format"), ({"guided_regex": ""}, "guided_regex"),
+    ({"guided_regex": "a", "guided_grammar": "start: a"}, "response_format"), ({"bogus": 1}, "bogus"),
 ])
 def test_completion_rejections_name_the_parameter(patch, param):
     assert err(parse_completion, {**BASE, **patch}).param == param
@@ -70,12 +75,43 @@ def test_chat_rejections(messages, param):
     assert err(parse_chat, body).param == param
 
 
-def test_chat_unsupported_features_are_rejected_not_ignored():
+def test_chat_bad_features_are_rejected_not_ignored():
     msgs = [{"role": "user", "content": "x"}]
     assert err(parse_chat, {"model": "m", "messages": msgs, "tools": [{"type": "function"}]}).param == "tools"
-    assert err(parse_chat, {"model": "m", "messages": msgs, "logprobs": True}).param == "logprobs"
+    assert err(parse_chat, {"model": "m", "messages": msgs, "top_logprobs": 2}).param == "top_logprobs"
+    assert err(parse_chat, {"model": "m", "messages": msgs, "logprobs": True, "top_logprobs": 21}).param == "top_logprobs"
+    assert err(parse_chat, {"model": "m", "messages": msgs, "tool_choice": "required"}).param == "tool_choice"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert err(parse_chat, {"model": "m", "messages": msgs, "tools": tools,
+                            "tool_choice": {"type": "function", "function": {"name": "g"}}}).param == "tool_choice"
     assert err(parse_chat, {"model": "m", "messages": msgs,
-                            "response_format": {"type": "json_object"}}).param == "response_format"
+                            "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}).param \
+        == "response_format"
+
+
+def test_new_fields_parse():
+    r = parse_completion({**BASE, "prompt": ["a", [1, 2]], "n": 2, "best_of": 3, "echo": True, "max_tokens": 0,
+                          "logprobs": 5, "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                          "logit_bias": {"7": -100, "9": 3.5}, "guided_regex": "[ab]+"})
+    assert (r.prompts, r.n, r.best_of, r.echo, r.max_tokens, r.logprobs) == (["a", [1, 2]], 2, 3, True, 0, 5)
+    assert (r.presence_penalty, r.frequency_penalty, r.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert r.logit_bias == ((7, -100.0), (9, 3.5)) and r.guide == ("regex", "[ab]+")
+    assert parse_completion({**BASE, "logprobs": False}).logprobs is None
+    msgs = [{"role": "user", "content": "x"}]
+    c = parse_chat({"model": "m", "messages": msgs, "logprobs": True, "top_logprobs": 3,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}})
+    assert c.logprobs == 3 and c.guide == ("json_schema", '{"type": "object"}')
+    assert parse_chat({"model": "m", "messages": msgs, "logprobs": True}).logprobs == 0
+    assert parse_chat({"model": "m", "messages": msgs}).logprobs is None
+    assert parse_chat({"model": "m", "messages": msgs, "response_format": {"type": "json_object"}}).guide[0] == "json_object"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    c = parse_chat({"model": "m", "messages": msgs + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "functions.f:0", "type": "function",
+                                                               "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "functions.f:0", "content": "ok"}], "tools": tools})
+    assert c.tool_choice == "auto" and c.tools[0]["function"]["name"] == "f"
+    assert c.messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert c.messages[2]["tool_call_id"] == "functions.f:0"
 
 
 def test_error_body_shape():
