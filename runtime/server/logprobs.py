@@ -35,7 +35,10 @@ def completion_logprobs(tok, token_ids: list[int], entries: list, text_offset: i
             out["top_logprobs"].append(None)
         else:
             out["token_logprobs"].append(_num(e.logprob))
-            out["top_logprobs"].append({_token_str(tok, i): _num(v) for i, v in e.top})
+            top: dict[str, float] = {}
+            for i, v in e.top:   # tokens that render alike (partial UTF-8) keep the likelier one
+                top.setdefault(_token_str(tok, i), _num(v))
+            out["top_logprobs"].append(top)
     return out
 
 

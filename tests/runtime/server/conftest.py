@@ -87,3 +87,25 @@ def reference():
         return cache[key]
 
     return ref
+
+
+@pytest.fixture(scope="package")
+def ref_logits():
+    """The CPU reference model's raw logits at every position of `ids` (one prefill): `ref_logits(ids)` -> [T, V]."""
+    import torch
+
+    from k3compile.model_def.batch import ForwardBatch
+    from k3compile.model_def.cache import CacheTensors
+    from k3compile.model_def.loader import load_model
+
+    model = load_model(MODEL, seed=0)
+    page = 16
+
+    @torch.no_grad()
+    def run(ids: list[int]) -> torch.Tensor:
+        n_pages = -(-len(ids) // page)
+        cache = CacheTensors.allocate(model.cache_spec(), 2, n_pages + 1, page)
+        batch = ForwardBatch.build("prefill", [ids], [0], [list(range(1, n_pages + 1))], [1], page, logits="all")
+        return model.step(batch, cache).float()
+
+    return run
