@@ -2,7 +2,9 @@
 
 Shapes follow vLLM (SGLang accepts the same): POST /tokenize {"model", "prompt"} or {"model",
 "messages", "add_generation_prompt"} -> {"tokens": [...], "count": n, "max_model_len": m};
-POST /detokenize {"model", "tokens": [...]} -> {"prompt": text}; GET /version -> {"version"}.
+POST /detokenize {"model", "tokens": [...]} -> {"prompt": text}; GET /version -> {"version"};
+GET /tokenizer_info -> {"eos_token", "bos_token", "pad_token", "chat_template", "model_max_length"}
+(what lm-evaluation-harness's remote tokenizer reads before it tokenizes through /tokenize).
 """
 from __future__ import annotations
 
@@ -23,6 +25,17 @@ def add_token_routes(app, front, model_name: str, chat_format, check_auth, check
         except PackageNotFoundError:
             v = "0+local"
         return {"version": v}
+
+    @app.get("/tokenizer_info", dependencies=[Depends(check_auth)])
+    async def tokenizer_info():
+        tok = front.tokenizer
+
+        def name(token_id):
+            return None if token_id is None else tok.token_bytes(token_id).decode("utf-8", errors="replace")
+
+        return {"eos_token": name(tok.eos_token_id), "bos_token": name(tok.bos_token_id),
+                "pad_token": name(getattr(tok, "pad_token_id", None)), "chat_template": chat_format.template,
+                "model_max_length": front.max_context, "tokenizer_class": type(tok).__name__}
 
     def body_of(raw) -> dict:
         if not isinstance(raw, dict):
