@@ -57,7 +57,7 @@ def start_server(api_key=API_KEY, **engine_kw) -> RunningServer:
     from k3compile.runtime.server.app import build_app
     from k3compile.runtime.server.async_engine import AsyncEngine
 
-    engine = LLMEngine(EngineArgs(model=MODEL, **engine_kw))
+    engine = LLMEngine(EngineArgs(**{"model": MODEL, **engine_kw}))
     front = AsyncEngine(engine)
     return RunningServer(build_app(front, MODEL, api_key=api_key), front, engine.tokenizer)
 
