@@ -1,5 +1,6 @@
 """The batched sampler against plain per-row references: penalties, logit bias, token bitmasks,
 temperature / top-k / top-p logprobs, greedy, and a batch mixing all of them."""
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -100,3 +101,26 @@ def test_sampling_follows_the_processed_distribution():
     want = reference_logprobs(logits[0], p).exp()
     assert (counts / counts.sum() - want.float()).abs().max() < 0.04
     assert counts[2] == 0 and counts[3] == 0   # outside the top 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batch_matches_cpu():
+    """The same mixed batch sampled from CUDA logits: penalties, bias and masks on the device give the
+    CPU's logprobs; seeded rows draw the same tokens (their draw runs on the CPU generator)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, V, generator=g) * 2
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, logit_bias=((3, 5.0),), logprobs=3),
+              SamplingParams(temperature=0.7, top_k=5, repetition_penalty=1.3, logprobs=2, seed=1),
+              SamplingParams(temperature=1.1, top_p=0.7, logprobs=1, seed=2), SamplingParams(logprobs=0)]
+    outs, prompts = [[1, 1, 2], [4], [], [7, 7]], [[5], [4, 6], [], []]
+    mask = torch.zeros((1, 2), dtype=torch.int32)
+    mask[0, 0] = 0b1010101   # row 3 may only take tokens 0, 2, 4, 6
+    res = []
+    for dev in ("cpu", "cuda"):
+        res.append(sample_rows(logits.to(dev), params, [p.generator() for p in params], prompts=prompts,
+                               outputs=outs, mask_rows=[3], bitmask=mask.to(dev)))
+    (tc, lc), (tg, lg) = res
+    assert tc == tg and tc[3] in (0, 2, 4, 6)
+    for a, b in zip(lc, lg):
+        assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
