@@ -35,21 +35,26 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits [R, V] (not modified) -> (token per row, logprobs per row where params.logprobs is set)."""
     r = logits.shape[0]
-    x = logits.float().clone()
+    x = logits.float()
     empty = [[] for _ in range(r)]
-    apply_penalties(x, params, prompts or empty, outputs or empty)
-    apply_logit_bias(x, params)
-    if bitmask is not None:
-        apply_token_bitmask(x, list(mask_rows), bitmask)
+    if any(p.penalized or p.logit_bias for p in params) or bitmask is not None:
+        x = x.clone()   # the logits may be a CUDA graph's static output: never write them
+        apply_penalties(x, params, prompts or empty, outputs or empty)
+        apply_logit_bias(x, params)
+        if bitmask is not None:
+            apply_token_bitmask(x, list(mask_rows), bitmask)
     dev = x.device
     greedy = [p.greedy for p in params]
-    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=dev)
-    x = x / temps[:, None]
-    ks = [p.top_k if p.top_k and not g else 0 for p, g in zip(params, greedy)]
-    ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
-    if any(ks) or any(p < 1.0 for p in ps):
-        _truncate(x, ks, ps)
-    logprobs = torch.log_softmax(x, dim=-1)
+    if not all(greedy):
+        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=dev)
+        x = x / temps[:, None]
+        ks = [p.top_k if p.top_k and not g else 0 for p, g in zip(params, greedy)]
+        ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        if any(ks) or any(p < 1.0 for p in ps):
+            _truncate(x, ks, ps)
+    # an all-greedy batch without logprobs needs only the argmax
+    need = not all(greedy) or any(p.logprobs is not None for p in params)
+    logprobs = torch.log_softmax(x, dim=-1) if need else None
 
     tokens = torch.empty(r, dtype=torch.int64, device=dev)
     g_rows = [i for i in range(r) if greedy[i]]
