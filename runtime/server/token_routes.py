@@ -2,7 +2,8 @@
 
 Shapes follow vLLM (SGLang accepts the same): POST /tokenize {"model", "prompt"} or {"model",
 "messages", "add_generation_prompt"} -> {"tokens": [...], "count": n, "max_model_len": m};
-POST /detokenize {"model", "tokens": [...]} -> {"prompt": text}; GET /version -> {"version"};
+POST /detokenize {"model", "tokens": [...]} -> {"prompt": text, "text": text} (vLLM's and SGLang's keys);
+GET /version -> {"version"};
 GET /tokenizer_info -> {"eos_token", "bos_token", "pad_token", "chat_template", "model_max_length"}
 (what lm-evaluation-harness's remote tokenizer reads before it tokenizes through /tokenize).
 """
@@ -71,7 +72,8 @@ def add_token_routes(app, front, model_name: str, chat_format, check_auth, check
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise P.invalid("tokens", f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
-        return {"prompt": front.tokenizer.decode(ids)}
+        text = front.tokenizer.decode(ids)
+        return {"prompt": text, "text": text}   # vLLM's key, SGLang's key
 
     for path in ("/tokenize", "/v1/tokenize"):
         app.post(path, dependencies=[Depends(check_auth)])(tokenize)

@@ -262,7 +262,7 @@ def test_version_tokenize_detokenize(server):
     assert body["tokens"] == server.tokenizer.encode("héllo") and body["count"] == len(body["tokens"])
     assert body["max_model_len"] == server.front.max_context
     r = httpx.post(f"{server.base_url}/v1/detokenize", headers=AUTH, json={"model": MODEL, "tokens": body["tokens"]})
-    assert r.json() == {"prompt": "héllo"}
+    assert r.json() == {"prompt": "héllo", "text": "héllo"}
     r = httpx.post(f"{server.base_url}/tokenize", headers=AUTH,
                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
     from k3compile.runtime.server.chat_format import ChatFormat
