@@ -26,9 +26,9 @@ from k3compile.runtime.sampling import SamplingParams
 
 from . import protocol as P
 from .async_engine import AsyncEngine, EngineError
-from .metrics import ServerMetrics
 from .chat_format import ChatFormat
 from .choices import ChoiceView
+from .metrics import ServerMetrics
 from .serving import Choice, Generation, collect, merged_deltas, start_generation
 from .token_routes import add_token_routes
 
