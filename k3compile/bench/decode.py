@@ -113,6 +113,9 @@ class DecodeBench:
         self.deadline = None if not budget else self.t0 + budget
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
         self.results: list[dict] = []
+        from .decode_arms import ARMS
+        self.arm_table = dict(ARMS)  # name -> Arm; a subclass (bench ladder) adds its own arms
+        self.bench_name = "decode"  # file stem prefix of the JSON, markdown and traces
 
     def log(self, msg: str) -> None:
         print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
@@ -127,7 +130,6 @@ class DecodeBench:
         from k3compile.engine import Engine
         from k3compile.engine.engine import DTYPE_NAMES
         from k3compile.model_def.config import ConfigError
-        from k3compile.model_def.loader import load_model
 
         a = self.args
         self.engine = None
@@ -140,7 +142,7 @@ class DecodeBench:
         # a preset engine's weights came from its build seed: the model arms use the same weights
         seed = self.engine.manifest.get("build", {}).get("seed", a.seed) if self.engine is not None else a.seed
         self.log(f"loading {source} ({a.dtype}) on {self.device}")
-        self.model = load_model(source, dtype=self.dtype, device=self.device, seed=seed, progress=False)
+        self.model = load_bench_model(source, self.dtype, self.device, seed)
         self.model_name = self.model.config.name
         torch.manual_seed(a.seed)
 
@@ -221,7 +223,7 @@ class DecodeBench:
         self.log(f"  {self.bandwidth['bytes_per_s'] / 1e9:.0f} GB/s")
         self.env = environment(self.device)
         self.bytes = {}
-        stem = f"decode_{self.model_name}_{a.dtype}"
+        stem = self.stem = f"{self.bench_name}_{self.model_name}_{a.dtype}"
         self.json_path, self.md_path = os.path.join(a.out, stem + ".json"), os.path.join(a.out, stem + ".md")
         for b in self.batches:
             self._bench_batch(ctx, b)
@@ -232,7 +234,6 @@ class DecodeBench:
     def _bench_batch(self, ctx, b: int) -> None:
         import torch
 
-        from .decode_arms import ARMS
         from .roofline import roofline_pct, routed_experts, step_bytes
         from .timing import profile_steps, summarize, sync, time_steps
 
@@ -256,7 +257,7 @@ class DecodeBench:
         fns, rows = {}, {}
         reference = None
         for name in self.arms:
-            arm = ARMS[name]
+            arm = self.arm_table[name]
             row = rows[name] = {"arm": name, "description": arm.description, "batch": b}
             if arm.needs_cuda and self.device.type != "cuda":
                 row.update(status="skipped", reason=arm.needs_cuda)
@@ -296,7 +297,7 @@ class DecodeBench:
                 f"{n} {rows[n]['samples_ms'][-1]:.3f} ms" for n in fns))
         for name, fn in fns.items():
             row = rows[name]
-            trace = os.path.join(a.out, "traces", f"decode_{self.model_name}_{a.dtype}_{name}_bs{b}.json.gz")
+            trace = os.path.join(a.out, "traces", f"{self.stem}_{name}_bs{b}.json.gz")
             try:
                 row.update(profile_steps(fn, 3, self.device, trace))
             except Exception as e:
@@ -349,6 +350,24 @@ class DecodeBench:
         write_json(self.json_path, doc)
         with open(self.md_path, "w") as f:
             f.write(render_markdown(doc))
+
+
+def load_bench_model(source: str, dtype, device, seed: int):
+    """The model a bench times: `load_model`, except that a full-size preset (kimi-linear-48b, k3), which
+    `load_model` only builds on the meta device, gets random weights on a CUDA device: benches measure
+    shapes, and random bf16 weights at the real shape move the same bytes as a checkpoint."""
+    from k3compile.model_def.config import META_ONLY_PRESETS, ConfigError, get_preset
+    from k3compile.model_def.init import init_random
+    from k3compile.model_def.loader import build_model, load_model
+
+    if source not in META_ONLY_PRESETS:
+        return load_model(source, dtype=dtype, device=device, seed=seed, progress=False)
+    if device.type != "cuda":
+        raise ConfigError(f"preset '{source}' is full size: benches build it with random weights on a CUDA "
+                          f"device only (got --device {device.type})")
+    model = build_model(get_preset(source), dtype, device)
+    init_random(model, seed)
+    return model
 
 
 def render_markdown(doc: dict) -> str:

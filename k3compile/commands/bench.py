@@ -6,6 +6,7 @@ import importlib
 # bench name -> module exposing register(subparsers) (which sets func); add new benches here
 BENCHES = {
     "decode": "k3compile.bench.decode",
+    "ladder": "k3compile.bench.ladder",
     "cache": "k3compile.bench.cache",
     "compaction": "k3compile.bench.compaction",
     "memory": "k3compile.bench.memory",

@@ -1,0 +1,65 @@
+"""`k3compile bench ladder` on CPU at tiny sizes: one rung per enabled pass in pipeline order, anchors, JSON +
+markdown (+ plot when matplotlib is there). Numbers are structure checks only (CPU, BENCHMARKS.md rule 7)."""
+import json
+
+import pytest
+import torch
+
+from k3compile import cli
+from k3compile.bench.ladder import LadderBench, rung_name
+from k3compile.passes.pipeline import PipelineConfig
+
+
+@pytest.fixture
+def main(monkeypatch):
+    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, *(c for c in ("bench",) if c not in cli.COMMANDS)])
+    return cli.main
+
+
+def test_rungs_follow_the_default_pipeline():
+    """Rung k = the first k enabled passes of whatever the registry registers (new pass files included)."""
+    import argparse
+
+    from k3compile.bench import ladder
+    sub = argparse.ArgumentParser().add_subparsers()
+    args = ladder.register(sub).parse_args(["--model", "k3-tiny"])
+    bench = LadderBench(args, [1], torch.device("cpu"))
+    order = PipelineConfig.default().enabled_passes()
+    assert [r["passes"] for r in bench.rungs] == [order[:k] for k in range(len(order) + 1)]
+    assert bench.arms == ["eager"] + [rung_name(0, None)] + [rung_name(i, p) for i, p in enumerate(order, 1)]
+    assert bench.anchors["engine-after"] == rung_name(len(order), order[-1])
+    assert bench.anchors["engine-before"] == rung_name(4, "p04_fused_routing")
+
+
+def test_cpu_smoke_run(main, tmp_path, capsys):
+    out = tmp_path / "ladder"
+    rc = main(["bench", "ladder", "--model", "kimi-linear-tiny", "--batch", "1", "--steps", "1", "--warmup", "0",
+               "--reps", "1", "--context", "8", "--dtype", "fp32", "--device", "cpu", "--copy-gib", "0.001",
+               "--passes", "p01,p04", "--out", str(out)])
+    assert rc == 0
+    doc = json.load(open(out / "ladder_kimi-linear-tiny_fp32.json"))
+    rungs = [rung_name(0, None), rung_name(1, "p01_gemm_merge"), rung_name(2, "p04_fused_routing")]
+    assert [r["name"] for r in doc["rungs"]] == rungs
+    assert doc["config"]["arms"] == ["eager"] + rungs
+    # engine-before: the rung after the pipeline's P1-P4 passes (here all of it)
+    assert doc["anchors"] == {"eager": "eager", "engine-after": rungs[-1], "engine-before": rungs[-1]}
+    rows = {r["arm"]: r for r in doc["results"]}
+    assert set(rows) == {"eager", *rungs}
+    for arm, r in rows.items():
+        assert r["status"] == "ok" and len(r["samples_ms"]) == 1 and r["roofline_pct"] > 0, arm
+        assert r["max_abs_diff_vs_eager"] < 1e-4, arm  # every rung computes the same step
+    # each pass removes ops: CPU ops per step fall along the ladder (the GPU run counts kernels instead)
+    ops = [rows[n]["cpu_ops_per_step"] for n in rungs]
+    assert ops[0] > ops[1] > ops[2]
+    assert doc["rungs"][1]["pass_reports"][0]["passes"][0]["matches"] > 0
+    # traces: only the last rung's kept by default
+    assert rows[rungs[-1]]["trace"] and rows[rungs[0]]["trace"] is None
+    md = (out / "ladder_kimi-linear-tiny_fp32.md").read_text()
+    assert f"| {rungs[-1]} | engine-after, engine-before |" in md and "% HBM roofline" in md
+    assert md in capsys.readouterr().out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert doc["plot"] is None
+    else:
+        assert (out / "ladder_kimi-linear-tiny_fp32.png").stat().st_size > 0
