@@ -54,6 +54,9 @@ class PassRecord:
     seconds: float
     max_rel_err: float | None = None  # set when verified
     dump: str | None = None
+    # what the pass decided beyond its match count (P8's per-GEMM choices), as it left it in
+    # gm.meta["k3"]["pass_details"][name]
+    details: dict | None = None
 
 
 @dataclass
@@ -198,7 +201,8 @@ class PassManager:
             if node not in existing:
                 node.meta[PASS_META] = pass_name
         rec = PassRecord(pass_name, dataclasses.asdict(cfg), matches, nodes0, count_nodes(gm), launches0,
-                         count_launches(gm), seconds)
+                         count_launches(gm), seconds,
+                         details=gm.meta.get("k3", {}).get("pass_details", {}).pop(pass_name, None))
         if verifier is not None:
             rec.max_rel_err = verifier.check(gm, pass_name)
         if self.dump_dir:

@@ -1,0 +1,199 @@
+"""Small-M GEMM (decode GEMV): y = x @ w.T (+ c), a Triton split-K kernel for M <= 16 rows.
+
+The op pass P8 puts in place of `mm(x, t(w))` / `addmm(c, x, t(w))` where the kernel measured
+faster than cuBLAS at build time:
+
+    torch.ops.k3.gemv(x [M, K], w [N, K], c [N] | [M, N] | None, max_m, block_n, block_k, split_k) -> [M, N]
+
+* Semantics: exactly `torch.mm(x, w.t())`, or `torch.addmm(c, x, w.t())` when c is given; output
+  dtype = x's. The CPU implementation (and CUDA whenever M > max_m, or a shape the kernel does not
+  take) *is* that aten call, so a rewritten graph is bit-identical to the original wherever the
+  kernel does not run.
+* The kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1): one program per (BLOCK_N columns,
+  K split); rows padded to 16 for `tl.dot` (tf32 on fp32 copies of the 16-bit inputs: exact products);
+  fp32 accumulation. With split_k > 1 each program stores
+  its partial sums in an fp32 workspace and bumps a per-column-tile counter; the program that arrives
+  last sums the partials, adds c, writes y and resets the counter, so the GEMV stays one launch (no
+  zero-fill, no second reduction kernel). The counters are one int32 buffer per device, zero between
+  launches; two split-K launches running at once on two streams would share them (no pass does that).
+* max_m / block_n / block_k / split_k are plain ints in the schema: the pass records the tuned
+  configuration per node, and the serialized engine carries it.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the op still works through aten
+    triton = None
+
+BLOCK_M = 16  # tl.dot's smallest tile: M <= 16 rows are padded to it
+MAX_M = 16
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+COUNTER_SLOTS = 1 << 16  # column tiles one split-K launch may use
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+# --------------------------------------------------------------------------- argument checks
+
+def check_gemv_args(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, max_m: int, block_n: int,
+                    block_k: int, split_k: int) -> None:
+    """Raise ValueError naming the first thing wrong with a gemv call."""
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"gemv: x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemv: x has K = {x.shape[1]} columns but w has K = {w.shape[1]}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"gemv: x is {x.dtype} but w is {w.dtype}")
+    if c is not None and not (c.dim() == 1 and c.shape[0] == w.shape[0]
+                              or c.dim() == 2 and tuple(c.shape) == (x.shape[0], w.shape[0])):
+        raise ValueError(f"gemv: c must be [N] = [{w.shape[0]}] or [M, N] = [{x.shape[0]}, {w.shape[0]}], "
+                         f"got {tuple(c.shape)}")
+    if not 1 <= max_m <= MAX_M:
+        raise ValueError(f"gemv: max_m must be in 1..{MAX_M}, got {max_m}")
+    for name, v in (("block_n", block_n), ("block_k", block_k)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"gemv: {name} must be a power of two >= 16, got {v}")
+    if split_k < 1:
+        raise ValueError(f"gemv: split_k must be >= 1, got {split_k}")
+
+
+def gemv_reference(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
+    """The aten calls the pass replaced (bit-identical to the unpassed graph)."""
+    return torch.mm(x, w.t()) if c is None else torch.addmm(c, x, w.t())
+
+
+# --------------------------------------------------------------------------- Triton kernel
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
+                     sxm, sxk, swn, swk, scm, scn, sym, syn,
+                     HAS_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = rm < M
+        n_ok = rn < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        k_start = pid_k * k_per_split
+        for k0 in range(0, k_per_split, BLOCK_K):
+            rk = k_start + k0 + tl.arange(0, BLOCK_K)
+            k_ok = (rk < K) & (k0 + tl.arange(0, BLOCK_K) < k_per_split)
+            x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + rn[:, None] * swn + rk[None, :] * swk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            # bf16/fp16 values are exact in tf32: the tensor-core product equals the 16-bit one (and the
+            # CPU interpreter, whose 16-bit dot is wrong, computes the same thing)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="tf32")
+        out_mask = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K > 1:
+            # partials -> workspace [SPLIT_K, BLOCK_M, N]; the last program of this column tile reduces
+            tile = rm[:, None] * N + rn[None, :]
+            tl.store(ws_ptr + pid_k * BLOCK_M * N + tile, acc, mask=out_mask)
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(SPLIT_K):
+                    acc += tl.load(ws_ptr + s * BLOCK_M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if HAS_C:
+                    c = tl.load(c_ptr + rm[:, None] * scm + rn[None, :] * scn, mask=out_mask, other=0.0)
+                    acc += c.to(tl.float32)
+                tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # zero again for the next launch
+        else:
+            if HAS_C:
+                c = tl.load(c_ptr + rm[:, None] * scm + rn[None, :] * scn, mask=out_mask, other=0.0)
+                acc += c.to(tl.float32)
+            tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def kernel_supports(x: torch.Tensor, w: torch.Tensor, max_m: int) -> bool:
+    return (triton is not None and x.shape[0] <= min(max_m, MAX_M) and x.dtype in KERNEL_DTYPES
+            and w.dtype == x.dtype)
+
+
+def _counter_buffer(device: torch.device) -> torch.Tensor:
+    buf = _counters.get(device)
+    if buf is None:  # allocated on first use (the executor's warm-up runs come before any graph capture)
+        buf = _counters[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return buf
+
+
+def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None, block_n: int = 64,
+                block_k: int = 128, split_k: int = 1, num_warps: int = 4) -> torch.Tensor:
+    """Launch the kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    check_gemv_args(x, w, c, MAX_M, block_n, block_k, split_k)
+    if triton is None:
+        raise RuntimeError("gemv: triton is not installed")
+    m, k = x.shape
+    n = w.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"gemv kernel: at most {MAX_M} rows, got {m}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_() if c is None else y.copy_(c.expand(m, n))
+    tiles = triton.cdiv(n, block_n)
+    # each split covers a whole number of BLOCK_K steps; no split is empty
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    if split_k > 1:
+        if tiles > COUNTER_SLOTS:
+            raise ValueError(f"gemv kernel: {tiles} column tiles exceed the {COUNTER_SLOTS} split-K counters")
+        ws = torch.empty(split_k, BLOCK_M, n, dtype=torch.float32, device=x.device)
+        cnt = _counter_buffer(x.device)
+    else:
+        ws = cnt = y  # unused
+    if c is None:
+        c_arg, scm, scn = y, 0, 0
+    else:
+        c_arg = c
+        scm, scn = (0, c.stride(0)) if c.dim() == 1 else (c.stride(0), c.stride(1))
+    _gemv_kernel[(tiles, split_k)](
+        x, w, c_arg, y, ws, cnt, m, n, k, k_per_split,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), scm, scn, y.stride(0), y.stride(1),
+        HAS_C=c is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        num_warps=num_warps)
+    return y
+
+
+def default_config(n: int, k: int, sm_count: int = 132) -> tuple[int, int, int]:
+    """(block_n, block_k, split_k) that gives about two programs per SM: split K when N alone has too few
+    column tiles (a down-projection: small N, large K)."""
+    block_n, block_k = 64, 128
+    tiles = -(-n // block_n)
+    split_k = 1
+    while tiles * split_k < 2 * sm_count and k // (split_k * 2) >= 2 * block_k and split_k < 32:
+        split_k *= 2
+    return block_n, block_k, split_k
+
+
+# --------------------------------------------------------------------------- the k3 op
+
+@torch.library.custom_op("k3::gemv", mutates_args=())
+def gemv(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, max_m: int, block_n: int, block_k: int,
+         split_k: int) -> torch.Tensor:
+    """y = x @ w.T (+ c): the aten call (CPU, or rows > max_m); see the module doc."""
+    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k)
+    return gemv_reference(x, w, c)
+
+
+@gemv.register_kernel("cuda")
+def _gemv_cuda(x, w, c, max_m, block_n, block_k, split_k):
+    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k)
+    if kernel_supports(x, w, max_m):
+        with torch.cuda.device(x.device):  # Triton launches on the current device
+            return gemv_triton(x, w, c, block_n, block_k, split_k)
+    return gemv_reference(x, w, c)
+
+
+@gemv.register_fake
+def _gemv_fake(x, w, c, max_m, block_n, block_k, split_k):
+    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k)
+    return x.new_empty(x.shape[0], w.shape[0])

@@ -1,0 +1,199 @@
+"""P8 small-M GEMM choice: per GEMM of the decode graph, cuBLAS or the Triton split-K GEMV, by measurement.
+
+Matched (decode graphs only; the weight a constant of a 16-bit dtype the kernel takes):
+
+    mm(x, t(W))              ->  k3.gemv(x, W, None, max_m, block_n, block_k, split_k)
+    addmm(c, x, t(W))        ->  k3.gemv(x, W, c, ...)          (beta = alpha = 1 only)
+
+The choice, per node (`choice` option):
+* "auto" (default): on a machine with CUDA, time cuBLAS (the node's own aten op) and the GEMV kernel
+  (a few block / split-K configurations) at the node's N, K for every decode bucket M <= 16
+  (`buckets`); shapes are measured once and shared by the nodes that have them. The node becomes
+  k3.gemv with max_m = the largest bucket up to which the kernel won at every bucket; rows above
+  max_m run the aten op inside k3.gemv. If the kernel loses at M = 1 the node stays aten ('cublas').
+  Without CUDA nothing is measured and every node stays aten.
+* "gemv": rewrite every match with max_m = 16 and the default configuration (tests, experiments).
+* "cublas": rewrite nothing.
+
+Every decision (node, weight, N, K, choice, max_m, configuration, microseconds per bucket for each)
+is recorded in gm.meta["k3"]["pass_details"]["p08_small_m_gemm"], which the pass manager copies into
+the pass report (engine.json). Matches = nodes rewritten to k3.gemv. Numerics: where the kernel
+does not run, k3.gemv is the same aten call (bit-identical); where it runs, fp32 accumulation with
+one rounding (bf16 tolerance).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .graph_utils import attr_tensor, erase_if_dead, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
+from .kernels import gemv as gemv_kernels
+from .registry import PassConfig, PassConfigError, register_pass
+
+aten = torch.ops.aten
+CHOICES = ("auto", "gemv", "cublas")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class SmallMGemmConfig(PassConfig):
+    choice: str = "auto"  # auto (measure on CUDA) | gemv (always) | cublas (never)
+    buckets: str = "1,2,4,8,16"  # decode batch sizes (M) timed per shape; the kernel's rows are <= 16
+    dtypes: str = "bf16,fp16"  # weight dtypes the kernel may take
+    modes: str = "decode"  # graphs the pass touches (k3 mode in gm.meta)
+    bench_ms: float = 20.0  # measuring time per (shape, M, candidate)
+
+    def validate(self) -> None:
+        if self.choice not in CHOICES:
+            raise PassConfigError(f"p08_small_m_gemm.choice must be one of {', '.join(CHOICES)}, got {self.choice!r}")
+        try:
+            buckets = [int(b) for b in self.buckets.split(",") if b.strip()]
+        except ValueError:
+            raise PassConfigError(f"p08_small_m_gemm.buckets: expected comma-separated ints, got {self.buckets!r}")
+        if not buckets or any(not 1 <= b <= gemv_kernels.MAX_M for b in buckets):
+            raise PassConfigError(f"p08_small_m_gemm.buckets must be in 1..{gemv_kernels.MAX_M}, got {self.buckets!r}")
+        bad = [d for d in self.dtypes.split(",") if d.strip() and d.strip() not in _DTYPES]
+        if bad:
+            raise PassConfigError(f"p08_small_m_gemm.dtypes: unknown {bad}; known {', '.join(_DTYPES)}")
+        if self.bench_ms <= 0:
+            raise PassConfigError("p08_small_m_gemm.bench_ms must be > 0")
+
+
+def _weight_of(node: Node, gm: GraphModule, dtypes) -> Node | None:
+    """W when node is t(W) / permute(W, [1, 0]) of a 2-D constant of an allowed dtype."""
+    if is_call(node, aten.t.default) or (is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0]):
+        w = node.args[0]
+        if isinstance(w, Node) and w.op == "get_attr":
+            t = attr_tensor(gm, w)
+            if t.dim() == 2 and t.dtype in dtypes:
+                return w
+    return None
+
+
+def _match(node: Node, gm: GraphModule, dtypes):
+    """(x, W, c) of a GEMM the kernel can take, or None."""
+    if is_call(node, aten.mm.default) and len(node.args) == 2 and not node.kwargs:
+        x, wt = node.args
+        c = None
+    elif is_call(node, aten.addmm.default) and len(node.args) == 3 and not node.kwargs:
+        c, x, wt = node.args
+        cv = val_of(c)
+        if cv is None or cv.dim() not in (1, 2):
+            return None
+    else:
+        return None
+    w = _weight_of(wt, gm, dtypes) if isinstance(wt, Node) else None
+    xv = val_of(x)
+    if w is None or xv is None or xv.dim() != 2 or xv.dtype != attr_tensor(gm, w).dtype:
+        return None
+    return x, w, c
+
+
+# --------------------------------------------------------------------------- measuring (CUDA)
+
+def _candidates(n: int, k: int, sm_count: int):
+    base = gemv_kernels.default_config(n, k, sm_count)
+    out = {base, (32, 256, base[2]), (64, 128, 1), (128, 64, max(1, base[2] // 2))}
+    return sorted(out)
+
+
+def _measure(w: torch.Tensor, has_c: int, buckets, bench_ms: float) -> dict:
+    """Microseconds of cuBLAS and of each kernel configuration for each M in buckets."""
+    import triton.testing
+
+    n, k = w.shape
+    dev = torch.device("cuda")
+    w = w.to(dev)
+    sm = torch.cuda.get_device_properties(dev).multi_processor_count
+    gen = torch.Generator(device=dev).manual_seed(0)
+    out = {}
+    for m in buckets:
+        x = torch.randn(m, k, device=dev, generator=gen).to(w.dtype)
+        c = None if not has_c else torch.randn(*((n,) if has_c == 1 else (m, n)), device=dev, generator=gen).to(w.dtype)
+
+        def bench(fn):
+            return 1e3 * triton.testing.do_bench(fn, warmup=max(1, int(bench_ms / 4)), rep=int(bench_ms),
+                                                 return_mode="median")
+        row = {"cublas_us": bench(lambda: gemv_kernels.gemv_reference(x, w, c)), "gemv_us": {}}
+        for cfg in _candidates(n, k, sm):
+            try:
+                row["gemv_us"][cfg] = bench(lambda cfg=cfg: gemv_kernels.gemv_triton(x, w, c, *cfg))
+            except Exception as e:  # a configuration the device cannot run is simply not a candidate
+                row.setdefault("errors", {})[str(cfg)] = f"{type(e).__name__}: {str(e)[:200]}"
+        out[m] = row
+    return out
+
+
+def _decide(timings: dict, buckets) -> tuple[int, tuple | None]:
+    """(max_m, config): the configuration winning the most buckets from M = 1 up, and how far it wins."""
+    best = None
+    for cfg in {c for row in timings.values() for c in row["gemv_us"]}:
+        reach = 0
+        for m in sorted(buckets):
+            t = timings[m]["gemv_us"].get(cfg)
+            if t is None or t >= timings[m]["cublas_us"]:
+                break
+            reach = m
+        score = (reach, -timings[min(buckets)]["gemv_us"].get(cfg, float("inf")))
+        if reach and (best is None or score > best[0]):
+            best = (score, cfg)
+    return (0, None) if best is None else (best[0][0], best[1])
+
+
+# --------------------------------------------------------------------------- the pass
+
+@register_pass("p08_small_m_gemm", SmallMGemmConfig)
+def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
+    """Small-M GEMMs: cuBLAS or the Triton split-K GEMV per shape, measured at build time."""
+    config.validate()
+    meta = gm.meta.setdefault("k3", {})
+    details = {"choice": config.choice, "measured_on": None, "nodes": []}
+    meta.setdefault("pass_details", {})["p08_small_m_gemm"] = details
+    modes = {m.strip() for m in config.modes.split(",") if m.strip()}
+    if meta.get("mode", "decode") not in modes or config.choice == "cublas":
+        return 0
+    dtypes = tuple(_DTYPES[d.strip()] for d in config.dtypes.split(",") if d.strip())
+    buckets = sorted({int(b) for b in config.buckets.split(",") if b.strip()})
+    measure = config.choice == "auto" and torch.cuda.is_available()
+    if measure:
+        details["measured_on"] = torch.cuda.get_device_name()
+    matches = [(n, m) for n in list(gm.graph.nodes) if (m := _match(n, gm, dtypes)) is not None]
+    fake_mode = fake_mode_of(gm) if matches else None
+    shapes: dict[tuple, dict] = {}
+    count = 0
+    for node, (x, w, c) in matches:
+        weight = attr_tensor(gm, w)
+        n, k = weight.shape
+        has_c = 0 if c is None else val_of(c).dim()
+        rec = {"node": node.name, "op": str(node.target), "weight": w.target, "N": n, "K": k,
+               "dtype": str(weight.dtype).removeprefix("torch."), "bias": ["none", "[N]", "[M, N]"][has_c]}
+        if config.choice == "gemv":
+            max_m, cfg = gemv_kernels.MAX_M, gemv_kernels.default_config(n, k)
+        elif measure:
+            key = (n, k, weight.dtype, has_c)
+            if key not in shapes:
+                shapes[key] = _measure(weight, has_c, buckets, config.bench_ms)
+            timings = shapes[key]
+            max_m, cfg = _decide(timings, buckets)
+            rec["us"] = {str(m): {"cublas": round(t["cublas_us"], 2),
+                                  "gemv": {"x".join(map(str, c_)): round(v, 2) for c_, v in t["gemv_us"].items()}}
+                         for m, t in timings.items()}
+        else:
+            max_m, cfg = 0, None
+        rec["choice"] = "gemv" if max_m else "cublas"
+        rec["max_m"] = max_m
+        rec["config"] = None if cfg is None else {"block_n": cfg[0], "block_k": cfg[1], "split_k": cfg[2]}
+        details["nodes"].append(rec)
+        if not max_m:
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(torch.ops.k3.gemv.default, (x, w, c, max_m, *cfg))
+        set_meta_val(new, fake_mode)
+        replace_uses(node, new, fake_mode)
+        wt = node.args[-1]
+        gm.graph.erase_node(node)
+        erase_if_dead(gm, [wt])
+        count += 1
+    return count

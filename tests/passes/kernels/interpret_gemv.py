@@ -1,0 +1,54 @@
+"""Run the GEMV Triton kernel under TRITON_INTERPRET=1 on CPU and compare with the aten reference.
+
+Started in a subprocess by test_gemv.py (TRITON_INTERPRET is read when the kernel is decorated).
+Prints one line per failing case and exits 1 if any failed."""
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("interpret_gemv.py: run with TRITON_INTERPRET=1 in the environment")
+
+import torch  # noqa: E402
+
+from k3compile.passes.kernels import gemv  # noqa: E402
+
+TOL = 1e-2  # bf16 output: one rounding of an fp32 sum vs aten's
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def cases():
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    for m in (1, 5):
+        for n, k in ((40, 96), (130, 72)):
+            for split in (1, 3):
+                yield f"M={m} N={n} K={k} split={split}", randn(m, k), randn(n, k), None, 32, 32, split
+    yield "bias [N]", randn(2, 64), randn(48, 64), randn(48), 32, 32, 2
+    yield "residual [M, N]", randn(4, 64), randn(48, 64), randn(4, 48), 16, 16, 1
+    yield "residual [M, N] split", randn(4, 160), randn(48, 160), randn(4, 48), 16, 32, 4
+    x = randn(3, 130)[:, :64]  # strided rows: a column block of a merged GEMM's output
+    yield "strided x", x, randn(32, 64), None, 16, 32, 2
+    yield "fp16", randn(5, 64, dtype=torch.float16), randn(24, 64, dtype=torch.float16), None, 16, 16, 2
+
+
+failed = n = 0
+for name, x, w, c, bn, bk, split in cases():
+    n += 1
+    want = gemv.gemv_reference(x, w, c)
+    for rep in range(2):  # twice: the split-K counters must be back at zero after a launch
+        got = gemv.gemv_triton(x, w, c, bn, bk, split)
+        err = rel(got, want)
+        if got.dtype != want.dtype or got.shape != want.shape or not err <= TOL:
+            failed += 1
+            print(f"FAIL {name} (launch {rep + 1}): rel err {err:.3g}, {got.dtype} {tuple(got.shape)}")
+    if gemv._counters and int(next(iter(gemv._counters.values())).abs().sum()) != 0:
+        failed += 1
+        print(f"FAIL {name}: split-K counters not reset")
+print(f"{n - failed}/{n} cases match")
+sys.exit(1 if failed else 0)
