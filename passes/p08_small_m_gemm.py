@@ -44,6 +44,9 @@ class SmallMGemmConfig(PassConfig):
     dtypes: str = "bf16,fp16"  # weight dtypes the kernel may take
     modes: str = "decode"  # graphs the pass touches (k3 mode in gm.meta)
     bench_ms: float = 20.0  # measuring time per (shape, M, candidate)
+    # the kernel must beat cuBLAS by this fraction: near-ties stay cuBLAS, so two builds (the engine and
+    # the ladder's in-process rungs) rarely decide a node differently on timing noise
+    min_gain: float = 0.03
 
     def validate(self) -> None:
         if self.choice not in CHOICES:
@@ -59,6 +62,8 @@ class SmallMGemmConfig(PassConfig):
             raise PassConfigError(f"p08_small_m_gemm.dtypes: unknown {bad}; known {', '.join(_DTYPES)}")
         if self.bench_ms <= 0:
             raise PassConfigError("p08_small_m_gemm.bench_ms must be > 0")
+        if not 0 <= self.min_gain < 1:
+            raise PassConfigError(f"p08_small_m_gemm.min_gain must be in [0, 1), got {self.min_gain}")
 
 
 def _weight_of(node: Node, gm: GraphModule, dtypes) -> Node | None:
@@ -126,14 +131,15 @@ def _measure(w: torch.Tensor, has_c: int, buckets, bench_ms: float) -> dict:
     return out
 
 
-def _decide(timings: dict, buckets) -> tuple[int, tuple | None]:
-    """(max_m, config): the configuration winning the most buckets from M = 1 up, and how far it wins."""
+def _decide(timings: dict, buckets, min_gain: float = 0.0) -> tuple[int, tuple | None]:
+    """(max_m, config): the configuration winning the most buckets from M = 1 up (by more than min_gain),
+    and how far it wins."""
     best = None
     for cfg in {c for row in timings.values() for c in row["gemv_us"]}:
         reach = 0
         for m in sorted(buckets):
             t = timings[m]["gemv_us"].get(cfg)
-            if t is None or t >= timings[m]["cublas_us"]:
+            if t is None or t >= (1.0 - min_gain) * timings[m]["cublas_us"]:
                 break
             reach = m
         score = (reach, -timings[min(buckets)]["gemv_us"].get(cfg, float("inf")))
@@ -176,7 +182,7 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
             if key not in shapes:
                 shapes[key] = _measure(weight, has_c, buckets, config.bench_ms)
             timings = shapes[key]
-            max_m, cfg = _decide(timings, buckets)
+            max_m, cfg = _decide(timings, buckets, config.min_gain)
             rec["us"] = {str(m): {"cublas": round(t["cublas_us"], 2),
                                   "gemv": {"x".join(map(str, c_)): round(v, 2) for c_, v in t["gemv_us"].items()}}
                          for m, t in timings.items()}

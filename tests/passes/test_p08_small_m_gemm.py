@@ -158,3 +158,19 @@ def test_auto_choice_measures_on_gpu():
     for r in details["nodes"]:
         assert set(r["us"]) == {"1", "8"} and r["us"]["1"]["cublas"] > 0
         assert (r["choice"] == "gemv") == (r["max_m"] > 0)
+
+
+def test_decision_rule():
+    from k3compile.passes.p08_small_m_gemm import _decide
+
+    def t(cublas, **gemv):
+        return {"cublas_us": cublas, "gemv_us": {tuple(map(int, k[1:].split("_"))): v for k, v in gemv.items()}}
+    # config A wins M = 1, 2 and loses at 4; B wins only M = 1 but by more: reach counts first
+    timings = {1: t(10.0, c64_128_1=5.0, c32_256_2=4.0), 2: t(10.0, c64_128_1=6.0, c32_256_2=11.0),
+               4: t(10.0, c64_128_1=12.0, c32_256_2=12.0)}
+    assert _decide(timings, [1, 2, 4]) == (2, (64, 128, 1))
+    # a win inside the noise margin is no win
+    assert _decide({1: t(10.0, c64_128_1=9.9)}, [1], min_gain=0.03) == (0, None)
+    assert _decide({1: t(10.0, c64_128_1=9.9)}, [1], min_gain=0.0) == (1, (64, 128, 1))
+    # losing at M = 1 means cuBLAS whatever happens above
+    assert _decide({1: t(10.0, c64_128_1=11.0), 2: t(10.0, c64_128_1=1.0)}, [1, 2]) == (0, None)
