@@ -38,6 +38,20 @@ def register(sub) -> None:
     p = sub.add_parser("decode", help="decode step latency / tok/s / launches / roofline across arms")
     p.add_argument("--model", help="preset or checkpoint (default: the engine's source model)")
     p.add_argument("--engine", help="engine directory for the 'engine' arm (default: build one in memory)")
+    add_step_bench_args(p)
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
+    p.add_argument("--out", default="traces", help="output folder for JSON, markdown and traces")
+    p.add_argument("--compile-static", action="store_true",
+                   help="torch.compile arms: specialize per batch size (one compile each) instead of dynamic=True")
+    p.add_argument("--bounded-autotune", action="store_true",
+                   help="max-autotune arm without coordinate-descent tuning (bounds its compile time)")
+    add_pipeline_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_step_bench_args(p) -> None:
+    """The flags every decode-step bench shares (bench decode, bench ladder)."""
     p.add_argument("--batch", default="1,8,64", help="comma-separated batch sizes")
     p.add_argument("--context", type=int, default=512, help="context length of every request")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
@@ -45,21 +59,30 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=200, help="timed steps per repetition")
     p.add_argument("--warmup", type=int, default=20, help="warm-up steps per arm and batch size")
     p.add_argument("--reps", type=int, default=5, help="repetitions (arms interleaved within each)")
-    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
-    p.add_argument("--out", default="traces", help="output folder for JSON, markdown and traces")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--copy-gib", type=float, default=None, help="size of the bandwidth copy (default 4 GiB on "
                                                                  "CUDA, 0.25 on CPU)")
-    p.add_argument("--compile-static", action="store_true",
-                   help="torch.compile arms: specialize per batch size (one compile each) instead of dynamic=True")
-    p.add_argument("--bounded-autotune", action="store_true",
-                   help="max-autotune arm without coordinate-descent tuning (bounds its compile time)")
     p.add_argument("--time-budget", type=float, default=None,
                    help=f"seconds; arms not started in time are skipped (default {DEFAULT_TIME_BUDGET_CUDA:.0f} on "
                         f"CUDA, none on CPU)")
-    add_pipeline_args(p)
-    p.set_defaults(func=run)
-    return p
+
+
+def check_step_bench_args(args):
+    """(batch sizes, device) from the shared flags; ConfigError names a bad one."""
+    import torch
+
+    from k3compile.model_def.config import ConfigError
+
+    batches = _parse_ints(args.batch, "--batch")
+    for name in ("steps", "reps", "context"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be >= 1")
+    if args.warmup < 0:
+        raise ConfigError("--warmup must be >= 0")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available")
+    return batches, device
 
 
 def _parse_ints(text: str, what: str) -> list[int]:
@@ -79,7 +102,7 @@ def run(args) -> int:
 
     from .decode_arms import ARMS
 
-    batches = _parse_ints(args.batch, "--batch")
+    batches, device = check_step_bench_args(args)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
@@ -88,14 +111,6 @@ def run(args) -> int:
         arms.insert(0, "eager")  # the reference every other arm's output is checked against
     if args.model is None and args.engine is None:
         raise ConfigError("bench decode needs --model or --engine")
-    for name in ("steps", "reps", "context"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be >= 1")
-    if args.warmup < 0:
-        raise ConfigError("--warmup must be >= 0")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available")
     bench = DecodeBench(args, batches, arms, device)
     with torch.no_grad():  # inference: no autograd graph behind any arm
         bench.run()
@@ -328,9 +343,15 @@ class DecodeBench:
                 self.device.type == "cuda" else "perf_counter", "meets_benchmarks_md": ok,
                 "interleaving": "arms alternate within each repetition (order reversed every other one)"}
 
+    def _measured(self) -> dict:
+        """The parts of a results file every decode-step bench writes the same way."""
+        from .roofline import FORMULA
+
+        return {"protocol": self._protocol(), "environment": self.env, "copy_bandwidth": self.bandwidth,
+                "roofline_formula": FORMULA, "bytes_per_step": {str(k): v for k, v in self.bytes.items()}}
+
     def _write(self, ctx) -> None:
         from .results import write_json
-        from .roofline import FORMULA
 
         a = self.args
         doc = {"bench": "decode",
@@ -339,11 +360,7 @@ class DecodeBench:
                           "disable_pass": a.disable_pass, "enable_pass": a.enable_pass, "pass_opt": a.pass_opt,
                           "pass_config": a.pass_config,
                           "compile": ctx.notes, "command": " ".join(sys.argv)},
-               "protocol": self._protocol(),
-               "environment": self.env,
-               "copy_bandwidth": self.bandwidth,
-               "roofline_formula": FORMULA,
-               "bytes_per_step": {str(k): v for k, v in self.bytes.items()},
+               **self._measured(),
                "engine_passes": self.pass_reports if self.engine is None else self.engine.manifest.get("passes"),
                "results": self.results,
                "elapsed_s": round(time.perf_counter() - self.t0, 1)}
@@ -370,10 +387,11 @@ def load_bench_model(source: str, dtype, device, seed: int):
     return model
 
 
-def render_markdown(doc: dict) -> str:
+def markdown_header(doc: dict, title: str) -> list[str]:
+    """Title, device, protocol, bandwidth and the CPU caveat: the head of every decode-step bench table."""
     env, cfg, proto = doc["environment"], doc["config"], doc["protocol"]
     dev = env["device"]
-    lines = [f"# decode: {cfg['model']} {cfg['dtype']}, context {cfg['context']}", "",
+    lines = [f"# {title}: {cfg['model']} {cfg['dtype']}, context {cfg['context']}", "",
              f"Device: {dev.get('name')} ({dev.get('type')}); torch {env['torch']}, triton {env.get('triton')}; "
              f"commit {env.get('git_commit')}.",
              f"Protocol: {proto['warmup']} warm-up steps, {proto['reps']} reps x {proto['steps']} steps "
@@ -384,6 +402,12 @@ def render_markdown(doc: dict) -> str:
     if dev.get("type") != "cuda":
         lines += ["CPU run: times are for relative comparisons only (BENCHMARKS.md rule 7); kernel counts are "
                   "replaced by top-level CPU ops per step.", ""]
+    return lines
+
+
+def render_markdown(doc: dict) -> str:
+    cfg = doc["config"]
+    lines = markdown_header(doc, "decode")
     lines += ["| arm | batch | median ms | p10–p90 ms | tok/s | kernels/step | CPU ops/step | % HBM roofline | "
               "vs eager | max abs diff vs eager |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in doc["results"]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .decode import DecodeBench, _parse_ints, render_markdown  # noqa: F401  (render_markdown: same rows)
+from .decode import DecodeBench, add_step_bench_args, check_step_bench_args, markdown_header
 
 # the passes that made the engine before issue 9's kernels: the "engine-before" anchor
 BEFORE_PREFIXES = ("p01_", "p02_", "p03_", "p04_")
@@ -34,28 +34,14 @@ BEFORE_PREFIXES = ("p01_", "p02_", "p03_", "p04_")
 def register(sub) -> None:
     from k3compile.commands.build import add_pipeline_args
 
-    from .decode import DEFAULT_TIME_BUDGET_CUDA
-
     p = sub.add_parser("ladder", help="decode step after each pass, applied cumulatively (table + plot)")
     p.add_argument("--model", required=True, help="preset or checkpoint (full-size presets: random weights, CUDA)")
-    p.add_argument("--batch", default="1,8,64", help="comma-separated batch sizes")
-    p.add_argument("--context", type=int, default=512, help="context length of every request")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
-    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
-    p.add_argument("--steps", type=int, default=200, help="timed steps per repetition")
-    p.add_argument("--warmup", type=int, default=20, help="warm-up steps per arm and batch size")
-    p.add_argument("--reps", type=int, default=5, help="repetitions (arms interleaved within each)")
+    add_step_bench_args(p)
     p.add_argument("--compile", action="store_true",
                    help="add the torch.compile(mode='reduce-overhead') anchor (compiles for a minute or more)")
     p.add_argument("--keep-traces", choices=["final", "all"], default="final",
                    help="profiler traces to keep: the last rung's and engine-before's (default) or every arm's")
     p.add_argument("--out", default="traces/ladder", help="output folder for JSON, markdown, plot and traces")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--copy-gib", type=float, default=None, help="size of the bandwidth copy (default 4 GiB on "
-                                                                 "CUDA, 0.25 on CPU)")
-    p.add_argument("--time-budget", type=float, default=None,
-                   help=f"seconds; arms not started in time are skipped (default {DEFAULT_TIME_BUDGET_CUDA:.0f} on "
-                        f"CUDA, none on CPU)")
     add_pipeline_args(p)
     p.set_defaults(func=run, engine=None, compile_static=False, bounded_autotune=False)
     return p
@@ -64,17 +50,7 @@ def register(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from k3compile.model_def.config import ConfigError
-
-    batches = _parse_ints(args.batch, "--batch")
-    for name in ("steps", "reps", "context"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be >= 1")
-    if args.warmup < 0:
-        raise ConfigError("--warmup must be >= 0")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available")
+    batches, device = check_step_bench_args(args)
     bench = LadderBench(args, batches, device)
     with torch.no_grad():
         bench.run()
@@ -162,18 +138,13 @@ class LadderBench(DecodeBench):
     # ---- output ----
     def _write(self, ctx) -> None:
         from .results import write_json
-        from .roofline import FORMULA
 
         a = self.args
         doc = {"bench": "ladder",
                "config": {"model": self.model_name, "dtype": a.dtype, "batches": self.batches, "context": a.context,
                           "arms": self.arms, "seed": a.seed, "pipeline": self.pipeline.to_dict(),
                           "compile": ctx.notes, "command": " ".join(sys.argv)},
-               "protocol": self._protocol(),
-               "environment": self.env,
-               "copy_bandwidth": self.bandwidth,
-               "roofline_formula": FORMULA,
-               "bytes_per_step": {str(k): v for k, v in self.bytes.items()},
+               **self._measured(),
                "rungs": [dict(r, pass_reports=self.rung_reports.get(r["name"], [])[-1:]) for r in self.rungs],
                "anchors": self.anchors,
                "results": self.results}
@@ -190,20 +161,10 @@ def _row(results, arm, b):
 
 
 def render_ladder_markdown(doc: dict) -> str:
-    env, cfg, proto = doc["environment"], doc["config"], doc["protocol"]
-    dev = env["device"]
-    lines = [f"# decode ladder: {cfg['model']} {cfg['dtype']}, context {cfg['context']}", "",
-             f"Device: {dev.get('name')} ({dev.get('type')}); torch {env['torch']}, triton {env.get('triton')}; "
-             f"commit {env.get('git_commit')}.",
-             f"Protocol: {proto['warmup']} warm-up steps, {proto['reps']} reps x {proto['steps']} steps "
-             f"({proto['timer']}), every arm interleaved"
-             + ("" if proto["meets_benchmarks_md"] else " — **below the BENCHMARKS.md minimums (smoke run)**") + ".",
-             f"Copy bandwidth (same process): {doc['copy_bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s.",
-             "Rung k = the captured decode step after the first k passes of the pipeline, run by the runtime's "
-             "Executor" + (" from CUDA graphs." if dev.get("type") == "cuda" else " (eager graph on CPU)."), ""]
-    if dev.get("type") != "cuda":
-        lines += ["CPU run: times are for relative comparisons only (BENCHMARKS.md rule 7); kernel counts are "
-                  "replaced by top-level CPU ops per step.", ""]
+    cfg, dev = doc["config"], doc["environment"]["device"]
+    lines = markdown_header(doc, "decode ladder")
+    lines += ["Rung k = the captured decode step after the first k passes of the pipeline, run by the runtime's "
+              "Executor" + (" from CUDA graphs." if dev.get("type") == "cuda" else " (eager graph on CPU)."), ""]
     names: dict[str, list] = {}
     for anchor, arm in doc["anchors"].items():
         names.setdefault(arm, []).append(anchor)
