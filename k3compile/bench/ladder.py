@@ -93,11 +93,13 @@ class LadderBench(DecodeBench):
         (snapshots share weights: a rung costs only the weights its pass adds)."""
         from k3compile.capture import capture_step
         from k3compile.passes.manager import PassManager, snapshot
+        from k3compile.passes.p11_copy_elision import copy_nodes
         from k3compile.passes.pipeline import PipelineConfig
 
         self.log("capturing the decode step")
         gm = capture_step(self.model, "decode")
         self.rung_graphs[self.rungs[0]["name"]] = snapshot(gm)
+        self.rungs[0]["graph_copies"] = dict(copy_nodes(gm))
         self.rung_reports[self.rungs[0]["name"]] = []
         for r in self.rungs[1:]:
             name = r["passes"][-1]
@@ -107,6 +109,7 @@ class LadderBench(DecodeBench):
             self.log(f"  {r['name']}: {rec.matches} matches, nodes {rec.nodes_before} -> {rec.nodes_after}, "
                      f"{rec.seconds:.2f}s")
             self.rung_graphs[r["name"]] = snapshot(gm)
+            r["graph_copies"] = dict(copy_nodes(gm))
             self.rung_reports[r["name"]] = self.rung_reports[self.rungs[r["rung"] - 1]["name"]] + [rep.to_dict()]
 
     def _rung_arm(self, ctx, batch, name: str):
@@ -184,14 +187,22 @@ def render_ladder_markdown(doc: dict) -> str:
                 cells += [f"{r['median_ms']:.3f} ({r['p10_ms']:.3f}–{r['p90_ms']:.3f})",
                           "–" if n is None else f"{n:g}", f"{r['roofline_pct']:.1f}"]
         lines.append(f"| {arm} | {', '.join(names.get(arm, []))} | " + " | ".join(cells) + " |")
-    lines += ["", "Each cell: median ms (p10–p90) over the repetitions.", "",
+    lines += ["", "Each cell: median ms (p10–p90) over the repetitions.", ""]
+    for b in cfg["batches"]:
+        after = (_row(doc["results"], doc["anchors"]["engine-after"], b) or {}).get("median_ms")
+        ratios = [f"{name} / engine-after = {base / after:.2f}x" for name, arm in doc["anchors"].items()
+                  if name != "engine-after" and after and (base := (_row(doc["results"], arm, b) or {}).get("median_ms"))]
+        if ratios:
+            lines.append(f"- batch {b}: " + ", ".join(ratios))
+    lines += ["",
               f"% HBM roofline: {doc['roofline_formula']}.", "", "Passes per rung (matches, graph nodes):", ""]
     for r in doc["rungs"]:
         rep = r.get("pass_reports") or []
         recs = rep[-1]["passes"] if rep else []
         what = "; ".join(f"{p['name']}: {p['matches']} matches, nodes {p['nodes_before']} -> {p['nodes_after']}"
                          for p in recs) or "as captured"
-        lines.append(f"- {r['name']}: {what}")
+        copies = ", ".join(f"{k} {v}" for k, v in sorted(r.get("graph_copies", {}).items()))
+        lines.append(f"- {r['name']}: {what}" + (f" (copy-kind graph nodes: {copies})" if copies else ""))
     lines += ["", "Bytes per step:", ""]
     for b, d in doc["bytes_per_step"].items():
         lines.append(f"- batch {b}: {d['total'] / 1e6:.1f} MB (dense weights {d['dense_weights'] / 1e6:.1f}, routed "

@@ -16,6 +16,11 @@ def main(monkeypatch):
     return cli.main
 
 
+def model_config_mla(name):
+    from k3compile.model_def.config import get_preset
+    return len(get_preset(name).mla_layers)
+
+
 def test_rungs_follow_the_default_pipeline():
     """Rung k = the first k enabled passes of whatever the registry registers (new pass files included)."""
     import argparse
@@ -56,7 +61,11 @@ def test_cpu_smoke_run(main, tmp_path, capsys):
     assert rows[rungs[-1]]["trace"] and rows[rungs[0]]["trace"] is None
     md = (out / "ladder_kimi-linear-tiny_fp32.md").read_text()
     assert f"| {rungs[-1]} | engine-after, engine-before |" in md and "% HBM roofline" in md
+    assert "- batch 1: eager / engine-after = " in md
     assert md in capsys.readouterr().out
+    # the copy census per rung (graph level): P1 merges GEMMs, none of these passes adds copies
+    copies = [r["graph_copies"] for r in doc["rungs"]]
+    assert copies[0]["cat"] == copies[-1]["cat"] == 2 * model_config_mla("kimi-linear-tiny")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
