@@ -38,5 +38,6 @@ echo "p08 gpu tests: exit $?" | tee -a "$LOG"
 ladder kimi-linear-48b 255 285
 ladder k3-mini-6b 125 150
 (cd "$R" && tar cf "$OUT/ladder_traces.tar" */traces/*_bs1.* 2>>"$LOG")
+rm -rf "$R"  # under $OUT: its copies would count against the 8 files that come back
 grep -h -A14 "^| arm |" "$OUT"/ladder_*.md
 ls -la "$OUT"
