@@ -3,7 +3,9 @@
 Matched (decode graphs only; the weight a constant of a 16-bit dtype the kernel takes):
 
     mm(x, t(W))              ->  k3.gemv(x, W, None, max_m, block_n, block_k, split_k)
-    addmm(c, x, t(W))        ->  k3.gemv(x, W, c, ...)          (beta = alpha = 1 only)
+
+(P11 later folds an add that reads the result into k3.gemv's c. An addmm is left alone: it rounds
+once, k3.gemv's c is added after the product is rounded.)
 
 The choice, per node (`choice` option):
 * "auto" (default): on a machine with CUDA, time cuBLAS (the node's own aten op) and the GEMV kernel
@@ -78,22 +80,15 @@ def _weight_of(node: Node, gm: GraphModule, dtypes) -> Node | None:
 
 
 def _match(node: Node, gm: GraphModule, dtypes):
-    """(x, W, c) of a GEMM the kernel can take, or None."""
-    if is_call(node, aten.mm.default) and len(node.args) == 2 and not node.kwargs:
-        x, wt = node.args
-        c = None
-    elif is_call(node, aten.addmm.default) and len(node.args) == 3 and not node.kwargs:
-        c, x, wt = node.args
-        cv = val_of(c)
-        if cv is None or cv.dim() not in (1, 2):
-            return None
-    else:
+    """(x, W) of a GEMM the kernel can take, or None."""
+    if not (is_call(node, aten.mm.default) and len(node.args) == 2 and not node.kwargs):
         return None
+    x, wt = node.args
     w = _weight_of(wt, gm, dtypes) if isinstance(wt, Node) else None
     xv = val_of(x)
     if w is None or xv is None or xv.dim() != 2 or xv.dtype != attr_tensor(gm, w).dtype:
         return None
-    return x, w, c
+    return x, w
 
 
 # --------------------------------------------------------------------------- measuring (CUDA)
@@ -104,7 +99,7 @@ def _candidates(n: int, k: int, sm_count: int):
     return sorted(out)
 
 
-def _measure(w: torch.Tensor, has_c: int, buckets, bench_ms: float) -> dict:
+def _measure(w: torch.Tensor, buckets, bench_ms: float) -> dict:
     """Microseconds of cuBLAS and of each kernel configuration for each M in buckets."""
     import triton.testing
 
@@ -116,15 +111,14 @@ def _measure(w: torch.Tensor, has_c: int, buckets, bench_ms: float) -> dict:
     out = {}
     for m in buckets:
         x = torch.randn(m, k, device=dev, generator=gen).to(w.dtype)
-        c = None if not has_c else torch.randn(*((n,) if has_c == 1 else (m, n)), device=dev, generator=gen).to(w.dtype)
 
         def bench(fn):
             return 1e3 * triton.testing.do_bench(fn, warmup=max(1, int(bench_ms / 4)), rep=int(bench_ms),
                                                  return_mode="median")
-        row = {"cublas_us": bench(lambda: gemv_kernels.gemv_reference(x, w, c)), "gemv_us": {}}
+        row = {"cublas_us": bench(lambda: gemv_kernels.gemv_reference(x, w)), "gemv_us": {}}
         for cfg in _candidates(n, k, sm):
             try:
-                row["gemv_us"][cfg] = bench(lambda cfg=cfg: gemv_kernels.gemv_triton(x, w, c, *cfg))
+                row["gemv_us"][cfg] = bench(lambda cfg=cfg: gemv_kernels.gemv_triton(x, w, None, *cfg))
             except Exception as e:  # a configuration the device cannot run is simply not a candidate
                 row.setdefault("errors", {})[str(cfg)] = f"{type(e).__name__}: {str(e)[:200]}"
         out[m] = row
@@ -169,18 +163,17 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
     fake_mode = fake_mode_of(gm) if matches else None
     shapes: dict[tuple, dict] = {}
     count = 0
-    for node, (x, w, c) in matches:
+    for node, (x, w) in matches:
         weight = attr_tensor(gm, w)
         n, k = weight.shape
-        has_c = 0 if c is None else val_of(c).dim()
         rec = {"node": node.name, "op": str(node.target), "weight": w.target, "N": n, "K": k,
-               "dtype": str(weight.dtype).removeprefix("torch."), "bias": ["none", "[N]", "[M, N]"][has_c]}
+               "dtype": str(weight.dtype).removeprefix("torch.")}
         if config.choice == "gemv":
             max_m, cfg = gemv_kernels.MAX_M, gemv_kernels.default_config(n, k)
         elif measure:
-            key = (n, k, weight.dtype, has_c)
+            key = (n, k, weight.dtype)
             if key not in shapes:
-                shapes[key] = _measure(weight, has_c, buckets, config.bench_ms)
+                shapes[key] = _measure(weight, buckets, config.bench_ms)
             timings = shapes[key]
             max_m, cfg = _decide(timings, buckets, config.min_gain)
             rec["us"] = {str(m): {"cublas": round(t["cublas_us"], 2),
@@ -195,7 +188,7 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
         if not max_m:
             continue
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch.ops.k3.gemv.default, (x, w, c, max_m, *cfg))
+            new = gm.graph.call_function(torch.ops.k3.gemv.default, (x, w, None, max_m, *cfg))
         set_meta_val(new, fake_mode)
         replace_uses(node, new, fake_mode)
         wt = node.args[-1]

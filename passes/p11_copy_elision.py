@@ -9,16 +9,21 @@ the k3 ops' reference implementations (short-conv window gather/cat/scatter, KV 
 P15 replace those kernels). What the graph itself allows without a new kernel is folding the
 element-wise add that consumes a GEMM into the GEMM's epilogue:
 
-    add(r, mm(x, Wt))                 ->  addmm(r, x, Wt)               (cuBLAS: C = r + x @ Wt)
-    add(r, k3.gemv(x, W, None, ...))  ->  k3.gemv(x, W, r, ...)         (P8's kernel adds r in its tail)
+    add(r, k3.gemv(x, W, None, ...))  ->  k3.gemv(x, W, r, ...)   (P8's kernel adds r in its tail)
+    add(r, mm(x, Wt))                 ->  addmm(r, x, Wt)         (cuBLAS: C = r + x @ Wt; fp32 graphs,
+                                                                    or 16-bit ones with fold_16bit_addmm)
 
 r is the residual stream (o_proj / down_proj + hidden), the routed experts' output (+ the shared
 expert's down projection), or a bias row [N] (KDA's dt_bias in fp32 graphs; bf16 graphs cast the
 GEMM's result to fp32 first, and a cast in between is not folded). The GEMM's result must have no
 other reader, r must have the add's shape ([M, N]) or be a [N] row, the same dtype (no type
-promotion), and the add no alpha. One kernel and one
-round trip of the [M, N] result through memory less per match. Numerics: the sum is rounded once
-instead of twice (bf16 tolerance; fp32 ~1 ulp).
+promotion), and the add no alpha. One kernel and one round trip of the [M, N] result through
+memory less per match.
+
+Numerics: k3.gemv rounds the product before adding r, exactly like the unfused mm + add. A 16-bit
+addmm rounds once, more accurate but not the same step: on a bf16 k3-tiny engine with every pass
+the logits moved by 1.3% (beyond the 1e-2 verify tolerance), so 16-bit addmm folding is opt-in.
+fp32 addmm differs from mm + add by ~1 ulp.
 
 Matches = adds folded.
 """
@@ -64,13 +69,14 @@ def copy_nodes(gm: GraphModule) -> collections.Counter:
 @dataclass
 class CopyElisionConfig(PassConfig):
     fold_residual_add: bool = True  # add(r, GEMM) -> GEMM with r in its epilogue
+    fold_16bit_addmm: bool = False  # also fold into cuBLAS addmm in bf16/fp16 graphs (rounds once: not exact)
 
 
 def _is_gemm(node) -> bool:
     return is_call(node, aten.mm.default) or (is_call(node, torch.ops.k3.gemv.default) and node.args[2] is None)
 
 
-def _fold(gm: GraphModule, add: Node, fake_mode) -> bool:
+def _fold(gm: GraphModule, add: Node, fake_mode, config: "CopyElisionConfig") -> bool:
     if len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
         return False
     out = val_of(add)
@@ -79,6 +85,9 @@ def _fold(gm: GraphModule, add: Node, fake_mode) -> bool:
             continue
         rv, gv = val_of(r), val_of(gemm)
         if rv is None or gv is None or out is None:
+            continue
+        if gemm.target == aten.mm.default and gv.dtype in (torch.bfloat16, torch.float16) \
+                and not config.fold_16bit_addmm:
             continue
         full = rv.dim() == 2 and same_sizes(rv.shape, out.shape)  # a residual [M, N]
         bias = rv.dim() == 1 and out.dim() == 2 and known_equal(rv.shape[0], out.shape[1])  # a bias [N]
@@ -107,4 +116,4 @@ def copy_elision(gm: GraphModule, config: CopyElisionConfig) -> int:
     if not adds:
         return 0
     fake_mode = fake_mode_of(gm)
-    return sum(_fold(gm, add, fake_mode) for add in adds)
+    return sum(_fold(gm, add, fake_mode, config) for add in adds)

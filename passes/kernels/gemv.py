@@ -1,19 +1,20 @@
 """Small-M GEMM (decode GEMV): y = x @ w.T (+ c), a Triton split-K kernel for M <= 16 rows.
 
-The op pass P8 puts in place of `mm(x, t(w))` / `addmm(c, x, t(w))` where the kernel measured
-faster than cuBLAS at build time:
+The op pass P8 puts in place of `mm(x, t(w))` where the kernel measured faster than cuBLAS at
+build time (and into which P11 folds the add that follows):
 
     torch.ops.k3.gemv(x [M, K], w [N, K], c [N] | [M, N] | None, max_m, block_n, block_k, split_k) -> [M, N]
 
-* Semantics: exactly `torch.mm(x, w.t())`, or `torch.addmm(c, x, w.t())` when c is given; output
-  dtype = x's. The CPU implementation (and CUDA whenever M > max_m, or a shape the kernel does not
-  take) *is* that aten call, so a rewritten graph is bit-identical to the original wherever the
-  kernel does not run.
+* Semantics: exactly `torch.mm(x, w.t())`, and with c, `torch.mm(x, w.t()) + c`: the product is
+  rounded to x's dtype before c is added, as in the unfused graph (a 16-bit addmm, which rounds
+  once, drifts from it: 1.3% in the logits of a bf16 k3-tiny step with every pass). The CPU
+  implementation (and CUDA whenever M > max_m, or a shape the kernel does not take) *is* those aten
+  calls, so a rewritten graph is bit-identical to the original wherever the kernel does not run.
 * The kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1): one program per (BLOCK_N columns,
   K split); rows padded to 16 for `tl.dot` (tf32 on fp32 copies of the 16-bit inputs: exact products);
   fp32 accumulation. With split_k > 1 each program stores
   its partial sums in an fp32 workspace and bumps a per-column-tile counter; the program that arrives
-  last sums the partials, adds c, writes y and resets the counter, so the GEMV stays one launch (no
+  last sums the partials, rounds, adds c, writes y and resets the counter, so the GEMV stays one launch (no
   zero-fill, no second reduction kernel). The counters are one int32 buffer per device, zero between
   launches; two split-K launches running at once on two streams would share them (no pass does that).
 * max_m / block_n / block_k / split_k are plain ints in the schema: the pass records the tuned
@@ -61,8 +62,9 @@ def check_gemv_args(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, ma
 
 
 def gemv_reference(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
-    """The aten calls the pass replaced (bit-identical to the unpassed graph)."""
-    return torch.mm(x, w.t()) if c is None else torch.addmm(c, x, w.t())
+    """The aten calls the passes replaced (bit-identical to the unpassed graph)."""
+    y = torch.mm(x, w.t())
+    return y if c is None else y + c
 
 
 # --------------------------------------------------------------------------- Triton kernel
@@ -100,15 +102,15 @@ if triton is not None:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for s in range(SPLIT_K):
                     acc += tl.load(ws_ptr + s * BLOCK_M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if HAS_C:
+                if HAS_C:  # round the product first, as mm then add does
                     c = tl.load(c_ptr + rm[:, None] * scm + rn[None, :] * scn, mask=out_mask, other=0.0)
-                    acc += c.to(tl.float32)
+                    acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + c.to(tl.float32)
                 tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0)  # zero again for the next launch
         else:
             if HAS_C:
                 c = tl.load(c_ptr + rm[:, None] * scm + rn[None, :] * scn, mask=out_mask, other=0.0)
-                acc += c.to(tl.float32)
+                acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + c.to(tl.float32)
             tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -179,7 +181,7 @@ def default_config(n: int, k: int, sm_count: int = 132) -> tuple[int, int, int]:
 @torch.library.custom_op("k3::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, max_m: int, block_n: int, block_k: int,
          split_k: int) -> torch.Tensor:
-    """y = x @ w.T (+ c): the aten call (CPU, or rows > max_m); see the module doc."""
+    """y = x @ w.T (then + c): the aten calls (CPU, or rows > max_m); see the module doc."""
     check_gemv_args(x, w, c, max_m, block_n, block_k, split_k)
     return gemv_reference(x, w, c)
 
