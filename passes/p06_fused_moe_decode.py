@@ -1,0 +1,180 @@
+"""P6 fused MoE decode: each MoE layer's routed experts (+ the shared expert's combine) become one
+`k3::fused_moe_decode` node (passes/kernels/moe_decode.py), in decode graphs only.
+
+Matched, anchored on the expert op (after P1-P4: the router is P4's `k3.fused_route`, whose
+weights / ids outputs the expert op reads; P1 has merged the shared expert's gate and up GEMMs
+into the layer's input GEMM):
+
+    u = k3.moe_experts(z, ids, weights, w13, w2, act, beta, linear_beta)            bf16 / fp32 experts
+      | k3.moe_experts_mxfp4(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, act, ...)
+    [shared combine, full-width MoE (Kimi Linear): u's only user is
+        y = add(u, s) | add(s, u)      s = mm(a, t(Ws2)), Ws2 a weight [Do, Is], s used only here
+        a = mul(silu(g), up)                                        SiLU-GLU   -> shared_in=g, shared_up=up
+          | the SiTU-GLU chain of moe_math.glu_act with the same betas (fp32) -> shared_in=g, shared_up=up
+          | anything else                                           -> shared_in=a (already activated)]
+
+and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
+act, beta, linear_beta, crossover)`. With the latent MoE (K3) the expert output feeds the latent
+RMSNorm and up-projection, not the shared add, so only the routed experts are fused there.
+
+`crossover` is the batch from which the op runs the grouped-GEMM path instead of the GEMVs. Config
+`crossover_batch` None (default) = decided at build time: measured on the first matched layer's
+weights when they are on CUDA (kernels.moe_decode.measure_crossover: both paths timed from CUDA
+graphs at batch 1..256), else CPU_CROSSOVER. The pass writes the value it used back into its config,
+with `crossover_source` saying where it came from, so the engine's pass report records both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .graph_utils import attr_tensor, erase_if_dead, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
+from .kernels import moe_decode  # noqa: F401  (registers torch.ops.k3.fused_moe_decode)
+from .registry import PassConfig, PassConfigError, register_pass
+
+aten = torch.ops.aten
+FUSED = torch.ops.k3.fused_moe_decode.default
+_EXPERT_OPS = (torch.ops.k3.moe_experts.default, torch.ops.k3.moe_experts_mxfp4.default)
+
+
+@dataclass
+class FusedMoEDecodeConfig(PassConfig):
+    # tokens from which the op switches to the grouped-GEMM path; None = measure at build (CUDA) / fixed (CPU)
+    crossover_batch: int | None = None
+    fuse_shared: bool = True  # fold the shared expert's down-projection (+ its GLU) and the add into the op
+    crossover_source: str = ""  # filled by the pass: where crossover_batch came from
+
+    def validate(self) -> None:
+        if self.crossover_batch is not None and self.crossover_batch < 1:
+            raise PassConfigError(f"p06_fused_moe_decode: crossover_batch must be >= 1 or none, "
+                                  f"got {self.crossover_batch}")
+
+
+def _single_user(node: Node) -> Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _scalar_mul(node, c=None):
+    """(x, constant) of `mul(x, constant)`, or None."""
+    if is_call(node, aten.mul.Tensor) and isinstance(node.args[1], (int, float)) and isinstance(node.args[0], Node):
+        return node.args[0], float(node.args[1])
+    return None
+
+
+def _capped(node: Node):
+    """`mul(tanh(div(v, b)), b)` -> (v, b, chain nodes), else None."""
+    m = _scalar_mul(node)
+    if m is None or not is_call(m[0], aten.tanh.default):
+        return None
+    tanh, b = m
+    div = tanh.args[0]
+    if not (is_call(div, aten.div.Tensor) and div.args[1] == b and isinstance(div.args[0], Node)):
+        return None
+    return div.args[0], b, [node, tanh, div]
+
+
+def _match_glu(a: Node, act: str, beta: float, linear_beta: float):
+    """(gate, up, nodes) when `a` is glu_act(gate, up) in the op's activation, else None."""
+    if not is_call(a, aten.mul.Tensor) or len(a.args) != 2 or not all(isinstance(x, Node) for x in a.args):
+        return None
+    left, right = a.args
+    if act == "silu":
+        if is_call(left, aten.silu.default):
+            return left.args[0], right, [a, left]
+        return None
+    # situ: mul(mul(beta·tanh(g/beta), sigmoid(g)), linear_beta·tanh(up/linear_beta))
+    up_part = _capped(right)
+    if up_part is None or up_part[1] != linear_beta or not is_call(left, aten.mul.Tensor):
+        return None
+    capped, sig = left.args
+    gate_part = _capped(capped) if isinstance(capped, Node) else None
+    if gate_part is None or gate_part[1] != beta or not is_call(sig, aten.sigmoid.default) \
+            or sig.args[0] is not gate_part[0]:
+        return None
+    return gate_part[0], up_part[0], [a, left, sig] + gate_part[2] + up_part[2]
+
+
+def _owned(nodes: list[Node], root: Node) -> bool:
+    """Every node except `root` is used only inside the set (so it can go with the match)."""
+    inside = set(nodes)
+    return all(all(u in inside for u in n.users) for n in nodes if n is not root)
+
+
+def _match_shared(moe: Node, act, beta, linear_beta):
+    """(add, shared_in, shared_up, Ws2 get_attr, dead nodes) for the shared combine after `moe`, or None."""
+    add = _single_user(moe)
+    if not is_call(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs:
+        return None
+    other = add.args[1] if add.args[0] is moe else add.args[0]
+    if other is moe or not is_call(other, aten.mm.default) or len(other.users) != 1:
+        return None
+    a, t = other.args
+    if not is_call(t, aten.t.default) or not isinstance(t.args[0], Node) or t.args[0].op != "get_attr":
+        return None
+    weight, a_val, out_val = t.args[0], val_of(a), val_of(add)
+    if a_val is None or out_val is None or val_of(moe) is None or out_val.dtype != val_of(moe).dtype \
+            or tuple(val_of(other).shape[1:]) != tuple(val_of(moe).shape[1:]):
+        return None
+    glu = _match_glu(a, act, beta, linear_beta)
+    if glu is not None and len(a.users) == 1 and _owned(glu[2], a):
+        return add, glu[0], glu[1], weight, [other, t] + glu[2]
+    return add, a, None, weight, [other, t]
+
+
+def _resolve_crossover(gm: GraphModule, config: FusedMoEDecodeConfig, weights: list[torch.Tensor], top_k: int,
+                       act, beta, linear_beta, dtype, shared_w2) -> int:
+    if config.crossover_batch is not None:
+        if not config.crossover_source:
+            config.crossover_source = "config"
+        return config.crossover_batch
+    w13 = weights[0]
+    if w13.is_cuda and moe_decode.triton is not None:
+        scales = (weights[2], weights[3]) if len(weights) == 4 else (None, None)
+        w2 = weights[1]
+        crossover, timings = moe_decode.measure_crossover(w13, w2, *scales, shared_w2=shared_w2, top_k=top_k,
+                                                          act=act, beta=beta, linear_beta=linear_beta, dtype=dtype)
+        summary = ", ".join(f"{n}: {t['fused_us']}/{t['grouped_us']} us" for n, t in timings.items())
+        config.crossover_source = (f"measured on {torch.cuda.get_device_name(w13.device)} "
+                                   f"(batch: fused/grouped per layer) {summary}")
+    else:
+        crossover = moe_decode.CPU_CROSSOVER
+        config.crossover_source = "fixed (weights not on CUDA)"
+    config.crossover_batch = crossover
+    return crossover
+
+
+@register_pass("p06_fused_moe_decode", FusedMoEDecodeConfig)
+def fused_moe_decode(gm: GraphModule, config: FusedMoEDecodeConfig) -> int:
+    """Routed experts (+ shared expert combine) of each MoE layer -> one k3.fused_moe_decode (decode only)."""
+    if gm.meta.get("k3", {}).get("mode") != "decode":
+        return 0
+    matches, fake_mode = 0, None
+    for moe in [n for n in gm.graph.nodes if is_call(n, *_EXPERT_OPS)]:
+        quantized = moe.target is torch.ops.k3.moe_experts_mxfp4.default
+        if quantized:
+            z, ids, wts, w13, s13, w2, s2, act, beta, linear_beta = moe.args
+        else:
+            z, ids, wts, w13, w2, act, beta, linear_beta = moe.args
+            s13 = s2 = None
+        weight_nodes = [w13, w2] + ([s13, s2] if quantized else [])
+        if not all(isinstance(w, Node) and w.op == "get_attr" for w in weight_nodes):
+            continue
+        shared = _match_shared(moe, act, beta, linear_beta) if config.fuse_shared else None
+        out, shared_in, shared_up, shared_w2, dead = moe, None, None, None, []
+        if shared is not None:
+            out, shared_in, shared_up, shared_w2, dead = shared
+        fake_mode = fake_mode or fake_mode_of(gm)
+        ordered = [w13, w2, s13, s2] if quantized else [w13, w2]
+        crossover = _resolve_crossover(
+            gm, config, [attr_tensor(gm, w) for w in ordered], val_of(ids).shape[1], act, beta, linear_beta,
+            val_of(z).dtype, attr_tensor(gm, shared_w2) if shared_w2 is not None else None)
+        with gm.graph.inserting_before(out):
+            fused = gm.graph.call_function(FUSED, (z, ids, wts, w13, w2, s13, s2, shared_in, shared_up, shared_w2,
+                                                   act, beta, linear_beta, crossover))
+        set_meta_val(fused, fake_mode)
+        replace_uses(out, fused, fake_mode)
+        erase_if_dead(gm, [out, moe] + dead)
+        matches += 1
+    return matches
