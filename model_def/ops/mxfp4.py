@@ -96,7 +96,8 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exp = torch.ceil(torch.log2(amax.clamp_min(2.0 ** -126) / E2M1_MAX)).clamp(-127, 127)
     scale = (exp + E8M0_BIAS).to(torch.uint8)
     scaled = groups / torch.exp2(exp).unsqueeze(-1)
-    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=w.device)
-    idx = (scaled.abs().unsqueeze(-1) - mags).abs().argmin(-1)
+    mags = E2M1_MAGNITUDES
+    midpoints = torch.tensor([(a + b) / 2 for a, b in zip(mags, mags[1:])], device=w.device)
+    idx = torch.bucketize(scaled.abs(), midpoints)  # thresholds strictly below: a tie goes to the lower value
     codes = idx + 8 * (scaled < 0).long()
     return pack_codes(codes.view(w.shape)), scale

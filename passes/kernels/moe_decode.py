@@ -97,10 +97,11 @@ def check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_i
     return s13[0], s13[1] // 2, s13[2], s2[1]
 
 
-def _dense_weights(w13, w2, w13_scale, w2_scale, dtype):
+def _dense_weights(w13, w2, w13_scale, w2_scale, dtype, check_nan_scales=True):
     if w13_scale is None:
         return w13, w2
-    return mxfp4.dequantize(w13, w13_scale, dtype), mxfp4.dequantize(w2, w2_scale, dtype)
+    return (mxfp4.dequantize(w13, w13_scale, dtype, check_nan_scales),
+            mxfp4.dequantize(w2, w2_scale, dtype, check_nan_scales))
 
 
 def _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta):
@@ -124,7 +125,7 @@ def fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_s
 def fused_moe_grouped(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scale=None, shared_in=None,
                       shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0):
     """Above the crossover on CUDA: grouped GEMM (sm90, bf16) or the gather path, shared expert in torch."""
-    w13, w2 = _dense_weights(w13, w2, w13_scale, w2_scale, x.dtype)
+    w13, w2 = _dense_weights(w13, w2, w13_scale, w2_scale, x.dtype, check_nan_scales=False)  # no host sync
     grouped = (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
                and torch.cuda.get_device_capability(x.device)[0] >= 9)
     run = moe_experts_grouped if grouped else moe_experts_gather
