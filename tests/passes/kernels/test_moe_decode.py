@@ -104,10 +104,10 @@ def test_op_passes_opcheck_and_stays_one_node():
     w2p, w2s = mxfp4.quantize(p["w2"])
     torch.library.opcheck(FUSED, _op_args(dict(p, w13=w13p, w2=w2p), "silu", 16, w13s, w2s))
 
-    def fn(x, ids, wts):
-        return FUSED(x, ids, wts, p["w13"], p["w2"], None, None, None, None, None, "silu", 4.0, 25.0, 8)
+    def fn(x, ids, wts, w13, w2):
+        return FUSED(x, ids, wts, w13, w2, None, None, None, None, None, "silu", 4.0, 25.0, 8)
 
-    graph = make_fx(fn, tracing_mode="symbolic")(p["x"], p["topk_ids"], p["topk_weights"])
+    graph = make_fx(fn, tracing_mode="symbolic")(p["x"], p["topk_ids"], p["topk_weights"], p["w13"], p["w2"])
     calls = [n.target for n in graph.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
     assert calls == [FUSED]
 

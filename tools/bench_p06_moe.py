@@ -1,0 +1,92 @@
+"""Microbenchmark of one MoE layer's decode at the Kimi-Linear-48B shape (run by tools/gpu_p06.sh on CUDA).
+
+Arms, each replayed from a CUDA graph (kernels.moe_decode._time_us), random bf16 weights, uniformly
+random distinct experts per token:
+
+  unfused   what the P1-P4 engine runs: k3::moe_experts (grouped GEMM on sm90) + the shared expert's
+            SiLU-GLU + down GEMM + the add
+  fused     k3::fused_moe_decode below the crossover: the two Triton GEMV kernels (shared expert in B)
+  grouped   k3::fused_moe_decode above the crossover (crossover = 1): grouped GEMM inside the op
+  fused_mxfp4  the Triton kernels reading MXFP4 experts
+
+GB/s = bytes of the routed experts the batch actually touches (distinct experts x their w1/w3/w2, in the
+arm's storage format) + the shared expert's down projection, divided by the time. Prints a markdown
+table and writes it with the raw numbers to OUT (argv[1]).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from k3compile.model_def.config import get_preset
+from k3compile.model_def.ops import mxfp4
+from k3compile.model_def.ops.moe_math import glu_act, moe_experts_grouped
+from k3compile.passes.kernels import moe_decode
+
+
+def main(out: str) -> None:
+    cfg = get_preset("kimi-linear-48b")
+    e, k, d, i = cfg.num_experts, cfg.num_experts_per_token, cfg.hidden_size, cfg.moe_intermediate_size
+    s = i * cfg.num_shared_experts
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).bfloat16()
+
+    w13, w2, sw2 = randn(e, 2 * i, d, scale=d ** -0.5), randn(e, d, i, scale=i ** -0.5), randn(d, s, scale=s ** -0.5)
+    w13p, w13s = mxfp4.quantize(w13)
+    w2p, w2s = mxfp4.quantize(w2)
+    crossover, timings = moe_decode.measure_crossover(w13, w2, shared_w2=sw2, top_k=k)
+    print(f"build-time crossover at this shape: {crossover} ({json.dumps(timings)})", flush=True)
+    rows = []
+    for n in (1, 8, 64):
+        x = randn(n, d)
+        ids, wts = moe_decode.random_routing(n, e, k, "cuda", seed=n)
+        g, u = randn(n, s), randn(n, s)
+        touched = int(ids.unique().numel())
+        shared_bytes = d * s * 2
+        bf16_bytes = touched * 3 * i * d * 2 + shared_bytes
+        mxfp4_bytes = touched * 3 * i * d * (0.5 + 1 / 32) + shared_bytes
+
+        def unfused():
+            y = moe_experts_grouped(x, ids, wts, w13, w2, "silu", 4.0, 25.0)
+            return y + torch.mm(glu_act(g, u, "silu", 4.0, 25.0), sw2.t())
+
+        def fused():
+            return moe_decode.fused_moe_decode(x, ids, wts, w13, w2, None, None, g, u, sw2, "silu", 4.0, 25.0, 1 << 30)
+
+        def grouped():
+            return moe_decode.fused_moe_decode(x, ids, wts, w13, w2, None, None, g, u, sw2, "silu", 4.0, 25.0, 1)
+
+        def fused_mxfp4():
+            return moe_decode.fused_moe_decode(x, ids, wts, w13p, w2p, w13s, w2s, g, u, sw2, "silu", 4.0, 25.0,
+                                               1 << 30)
+
+        ref = unfused().float()
+        for name, fn, nbytes in (("unfused", unfused, bf16_bytes), ("fused", fused, bf16_bytes),
+                                 ("grouped", grouped, bf16_bytes), ("fused_mxfp4", fused_mxfp4, mxfp4_bytes)):
+            us = moe_decode._time_us(fn, iters=50)
+            err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
+            rows.append(dict(batch=n, arm=name, us=round(us, 2), gbps=round(nbytes / us / 1e3, 1),
+                             experts_touched=touched, mbytes=round(nbytes / 1e6, 2),
+                             rel_err_vs_unfused=float(f"{err:.3g}")))
+            print(rows[-1], flush=True)
+    lines = ["| batch | arm | µs / layer | GB/s | experts touched | MB | rel err vs unfused |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['arm']} | {r['us']} | {r['gbps']} | {r['experts_touched']} | {r['mbytes']} | "
+              f"{r['rel_err_vs_unfused']} |" for r in rows]
+    table = "\n".join(lines)
+    print(table)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "p06_moe_bench.md"), "w") as f:
+        f.write(f"Kimi-Linear-48B MoE layer (E={e}, k={k}, D={d}, I={i}, shared {s}), "
+                f"{torch.cuda.get_device_name()}\n\ncrossover {crossover}: {json.dumps(timings)}\n\n{table}\n")
+    with open(os.path.join(out, "p06_moe_bench.json"), "w") as f:
+        json.dump({"crossover": crossover, "crossover_timings": timings, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else ".")
