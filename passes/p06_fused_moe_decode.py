@@ -123,7 +123,7 @@ def _match_shared(moe: Node, act, beta, linear_beta):
     return add, a, None, weight, [other, t]
 
 
-def _resolve_crossover(gm: GraphModule, config: FusedMoEDecodeConfig, weights: list[torch.Tensor], top_k: int,
+def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor], top_k: int,
                        act, beta, linear_beta, dtype, shared_w2) -> int:
     if config.crossover_batch is not None:
         if not config.crossover_source:
@@ -168,7 +168,7 @@ def fused_moe_decode(gm: GraphModule, config: FusedMoEDecodeConfig) -> int:
         fake_mode = fake_mode or fake_mode_of(gm)
         ordered = [w13, w2, s13, s2] if quantized else [w13, w2]
         crossover = _resolve_crossover(
-            gm, config, [attr_tensor(gm, w) for w in ordered], val_of(ids).shape[1], act, beta, linear_beta,
+            config, [attr_tensor(gm, w) for w in ordered], val_of(ids).shape[1], act, beta, linear_beta,
             val_of(z).dtype, attr_tensor(gm, shared_w2) if shared_w2 is not None else None)
         with gm.graph.inserting_before(out):
             fused = gm.graph.call_function(FUSED, (z, ids, wts, w13, w2, s13, s2, shared_in, shared_up, shared_w2,

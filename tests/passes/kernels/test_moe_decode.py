@@ -2,10 +2,6 @@
 the Triton kernels under the interpreter on CPU, the op's traceability, and on CUDA at the
 Kimi-Linear-48B MoE shape (bf16 and MXFP4 experts, both sides of the crossover)."""
 import operator
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +13,8 @@ from k3compile.model_def.ops import mxfp4
 from k3compile.model_def.ops.moe_math import glu_act, moe_experts_loop
 from k3compile.passes.kernels import moe_decode
 from k3compile.passes.kernels.moe_decode import fused_moe_reference, random_routing
+
+from .interpreted import run_interpreted
 
 FUSED = torch.ops.k3.fused_moe_decode.default
 
@@ -89,12 +87,7 @@ def test_bad_arguments_raise_clear_errors():
 
 
 def test_triton_kernels_under_interpreter_match_reference():
-    # a subprocess: TRITON_INTERPRET must be set before the kernels are decorated
-    script = Path(__file__).with_name("interpret_moe_decode.py")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "cases match" in done.stdout
+    run_interpreted("interpret_moe_decode.py", timeout=900)
 
 
 def test_op_passes_opcheck_and_stays_one_node():
