@@ -10,8 +10,9 @@ random distinct experts per token:
   fused_mxfp4  the Triton kernels reading MXFP4 experts
 
 GB/s = bytes of the routed experts the batch actually touches (distinct experts x their w1/w3/w2, in the
-arm's storage format) + the shared expert's down projection, divided by the time. Prints a markdown
-table and writes it with the raw numbers to OUT (argv[1]).
+arm's storage format) + the shared expert's down projection, divided by the time. Then a sweep of the
+GEMV kernels' tiles (block_k x block_n) at batch 1 and 8. Prints a markdown table and writes it with
+the raw numbers to OUT (argv[1]).
 """
 from __future__ import annotations
 
@@ -74,6 +75,20 @@ def main(out: str) -> None:
                              experts_touched=touched, mbytes=round(nbytes / 1e6, 2),
                              rel_err_vs_unfused=float(f"{err:.3g}")))
             print(rows[-1], flush=True)
+    # tile sweep of the GEMV kernels (the op uses block_k=128 and the heuristic block_n): what to tune next
+    sweep = []
+    for n in (1, 8):
+        x = randn(n, d)
+        ids, wts = moe_decode.random_routing(n, e, k, "cuda", seed=n)
+        g, u = randn(n, s), randn(n, s)
+        for block_k in (64, 128, 256):
+            for block_n in (8, 16, 32, None):
+                us = moe_decode._time_us(lambda: moe_decode.fused_moe_triton(
+                    x, ids, wts, w13, w2, None, None, g, u, sw2, "silu", 4.0, 25.0, block_k=block_k,
+                    block_n=block_n), iters=50)
+                sweep.append(dict(batch=n, block_k=block_k, block_n=block_n or "auto", us=round(us, 2)))
+        best = min((r for r in sweep if r["batch"] == n), key=lambda r: r["us"])
+        print(f"tile sweep batch {n}: best {best}", flush=True)
     lines = ["| batch | arm | µs / layer | GB/s | experts touched | MB | rel err vs unfused |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['arm']} | {r['us']} | {r['gbps']} | {r['experts_touched']} | {r['mbytes']} | "
@@ -85,7 +100,8 @@ def main(out: str) -> None:
         f.write(f"Kimi-Linear-48B MoE layer (E={e}, k={k}, D={d}, I={i}, shared {s}), "
                 f"{torch.cuda.get_device_name()}\n\ncrossover {crossover}: {json.dumps(timings)}\n\n{table}\n")
     with open(os.path.join(out, "p06_moe_bench.json"), "w") as f:
-        json.dump({"crossover": crossover, "crossover_timings": timings, "rows": rows}, f, indent=1)
+        json.dump({"crossover": crossover, "crossover_timings": timings, "rows": rows, "tile_sweep": sweep}, f,
+                  indent=1)
 
 
 if __name__ == "__main__":
