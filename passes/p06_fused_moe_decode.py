@@ -7,15 +7,19 @@ into the layer's input GEMM):
 
     u = k3.moe_experts(z, ids, weights, w13, w2, act, beta, linear_beta)            bf16 / fp32 experts
       | k3.moe_experts_mxfp4(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, act, ...)
-    [shared combine, full-width MoE (Kimi Linear): u's only user is
-        y = add(u, s) | add(s, u)      s = mm(a, t(Ws2)), Ws2 a weight [Do, Is], s used only here
+    [latent MoE (K3): r = mm(n, t(Wup)), n = RMSNorm(u) as model_def's RMSNorm traces (pow, mean,
+        add eps, rsqrt, mul, [casts around it in bf16], mul by the norm weight), or n = u without the
+        norm; otherwise r = u]
+    [shared combine: r's only user is
+        y = add(r, s) | add(s, r)      s = mm(a, t(Ws2)), Ws2 a weight [Do, Is], s used only here
         a = mul(silu(g), up)                                        SiLU-GLU   -> shared_in=g, shared_up=up
-          | the SiTU-GLU chain of moe_math.glu_act with the same betas (fp32) -> shared_in=g, shared_up=up
+          | the SiTU-GLU chain of moe_math.glu_act with the same betas (fp32, or between bf16 casts)
+                                                                    -> shared_in=g, shared_up=up
           | anything else                                           -> shared_in=a (already activated)]
 
 and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
-act, beta, linear_beta, crossover)`. With the latent MoE (K3) the expert output feeds the latent
-RMSNorm and up-projection, not the shared add, so only the routed experts are fused there.
+act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps)`. Each part is optional:
+a layer whose tail deviates from these forms keeps that tail in ATen and fuses what comes before.
 
 `crossover` is the batch from which the op runs the grouped-GEMM path instead of the GEMVs. Config
 `crossover_batch` None (default) = decided at build time: measured on the first matched layer's
@@ -44,6 +48,7 @@ class FusedMoEDecodeConfig(PassConfig):
     # tokens from which the op switches to the grouped-GEMM path; None = measure at build (CUDA) / fixed (CPU)
     crossover_batch: int | None = None
     fuse_shared: bool = True  # fold the shared expert's down-projection (+ its GLU) and the add into the op
+    fuse_latent: bool = True  # fold the latent MoE's RMSNorm and up-projection (K3) into the op
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
 
     def validate(self) -> None:
@@ -103,7 +108,8 @@ def _owned(nodes: list[Node], root: Node) -> bool:
 
 
 def _match_shared(moe: Node, act, beta, linear_beta):
-    """(add, shared_in, shared_up, Ws2 get_attr, dead nodes) for the shared combine after `moe`, or None."""
+    """(add, shared_in, shared_up, Ws2 get_attr, dead nodes) for the shared combine after `moe` (the routed
+    experts' output, or the latent tail's up-projection), or None."""
     add = _single_user(moe)
     if not is_call(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs:
         return None
@@ -118,9 +124,72 @@ def _match_shared(moe: Node, act, beta, linear_beta):
             or tuple(val_of(other).shape[1:]) != tuple(val_of(moe).shape[1:]):
         return None
     glu = _match_glu(a, act, beta, linear_beta)
+    if glu is None and _cast(a) is not None:  # bf16 SiTU: fp32 chain between casts of g, up and of the result
+        inner = _match_glu(_cast(a), act, beta, linear_beta)
+        if inner is not None and _cast(inner[0], torch.float32) is not None \
+                and _cast(inner[1], torch.float32) is not None:
+            glu = (_cast(inner[0]), _cast(inner[1]), [a] + inner[2] + [inner[0], inner[1]])
     if glu is not None and len(a.users) == 1 and _owned(glu[2], a):
         return add, glu[0], glu[1], weight, [other, t] + glu[2]
     return add, a, None, weight, [other, t]
+
+
+def _cast(node, dtype=None):
+    """The input of `_to_copy(x, dtype=...)` (only a dtype change), else None."""
+    if is_call(node, aten._to_copy.default) and set(node.kwargs) == {"dtype"} and isinstance(node.args[0], Node) \
+            and (dtype is None or node.kwargs["dtype"] == dtype):
+        return node.args[0]
+    return None
+
+
+def _linear_of(node: Node):
+    """(mm, weight get_attr) when `node`'s only user is mm(node, t(W)) with W a weight, else None."""
+    mm = _single_user(node)
+    if not is_call(mm, aten.mm.default) or mm.args[0] is not node:
+        return None
+    t = mm.args[1]
+    if not is_call(t, aten.t.default) or len(t.users) != 1 or t.args[0].op != "get_attr":
+        return None
+    return mm, t.args[0], [mm, t]
+
+
+def _match_latent(moe: Node):
+    """(up-projection mm, Wup, norm weight or None, eps, dead nodes) for K3's latent tail after `moe`."""
+    plain = _linear_of(moe)
+    if plain is not None:
+        return plain[0], plain[1], None, 1e-5, plain[2]
+    src = moe
+    users = list(moe.users)
+    if len(users) == 1 and _cast(users[0], torch.float32) is moe:  # bf16: the norm upcasts first
+        src = users[0]
+        users = list(src.users)
+    pow_ = next((u for u in users if is_call(u, aten.pow.Tensor_Scalar) and u.args == (src, 2)), None)
+    scaled = next((u for u in users if is_call(u, aten.mul.Tensor) and u.args[0] is src), None)
+    if pow_ is None or scaled is None or len(users) != 2:
+        return None
+    mean = _single_user(pow_)
+    if not (is_call(mean, aten.mean.dim) and list(mean.args[1]) in ([-1], [1]) and mean.args[2:3] == (True,)):
+        return None
+    add = _single_user(mean)
+    if not (is_call(add, aten.add.Tensor) and add.args[0] is mean and isinstance(add.args[1], float)):
+        return None
+    rsqrt = _single_user(add)
+    if not (is_call(rsqrt, aten.rsqrt.default) and scaled.args[1] is rsqrt):
+        return None
+    chain = [pow_, mean, add, rsqrt, scaled] + ([src] if src is not moe else [])
+    normed = scaled
+    down = _single_user(scaled)
+    if _cast(down) is scaled:  # back to the activation dtype before the weight
+        chain.append(down)
+        normed = down
+    weighted = _single_user(normed)
+    if not (is_call(weighted, aten.mul.Tensor) and weighted.args[1] is normed and isinstance(weighted.args[0], Node)
+            and weighted.args[0].op == "get_attr"):
+        return None
+    up = _linear_of(weighted)
+    if up is None or not _owned(chain + [weighted], weighted):
+        return None
+    return up[0], up[1], weighted.args[0], float(add.args[1]), chain + [weighted] + up[2]
 
 
 def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor], top_k: int,
@@ -161,10 +230,15 @@ def fused_moe_decode(gm: GraphModule, config: FusedMoEDecodeConfig) -> int:
         weight_nodes = [w13, w2] + ([s13, s2] if quantized else [])
         if not all(isinstance(w, Node) and w.op == "get_attr" for w in weight_nodes):
             continue
-        shared = _match_shared(moe, act, beta, linear_beta) if config.fuse_shared else None
-        out, shared_in, shared_up, shared_w2, dead = moe, None, None, None, []
+        routed, up_w, norm_w, eps, dead = moe, None, None, 1e-5, []
+        latent = _match_latent(moe) if config.fuse_latent else None
+        if latent is not None:
+            routed, up_w, norm_w, eps, dead = latent
+        shared = _match_shared(routed, act, beta, linear_beta) if config.fuse_shared else None
+        out, shared_in, shared_up, shared_w2 = routed, None, None, None
         if shared is not None:
-            out, shared_in, shared_up, shared_w2, dead = shared
+            out, shared_in, shared_up, shared_w2, shared_dead = shared
+            dead = dead + shared_dead
         fake_mode = fake_mode or fake_mode_of(gm)
         ordered = [w13, w2, s13, s2] if quantized else [w13, w2]
         crossover = _resolve_crossover(
@@ -172,7 +246,7 @@ def fused_moe_decode(gm: GraphModule, config: FusedMoEDecodeConfig) -> int:
             val_of(z).dtype, attr_tensor(gm, shared_w2) if shared_w2 is not None else None)
         with gm.graph.inserting_before(out):
             fused = gm.graph.call_function(FUSED, (z, ids, wts, w13, w2, s13, s2, shared_in, shared_up, shared_w2,
-                                                   act, beta, linear_beta, crossover))
+                                                   act, beta, linear_beta, crossover, up_w, norm_w, eps))
         set_meta_val(fused, fake_mode)
         replace_uses(out, fused, fake_mode)
         erase_if_dead(gm, [out, moe] + dead)

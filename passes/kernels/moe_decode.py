@@ -3,12 +3,14 @@
 The op pass P6 puts in place of a decode step's `k3::moe_experts` (+ the shared expert's
 down-projection and the add that combines the two):
 
-    y[t] = Σ_j w[t, j] · W2[e_tj] · act(W1[e_tj] x[t], W3[e_tj] x[t])      e_tj = topk_ids[t, j]
+    u[t] = Σ_j w[t, j] · W2[e_tj] · act(W1[e_tj] x[t], W3[e_tj] x[t])      e_tj = topk_ids[t, j]
+    y[t] = u[t]  |  Wup · RMSNorm(u[t])  |  Wup · u[t]                      latent MoE (K3): norm, up-proj
            (+ Ws2 · act(sg[t], su[t]))                                      the shared expert
            (+ Ws2 · a[t])                                                   ... or its activated input
 
 `torch.ops.k3.fused_moe_decode(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
-shared_in, shared_up, shared_w2, act, beta, linear_beta, crossover)`:
+shared_in, shared_up, shared_w2, act, beta, linear_beta, crossover, latent_up_w=None,
+latent_norm_w=None, latent_eps=1e-5)`:
 
   * x [N, D]; topk_ids [N, k] (int); topk_weights [N, k] (fp32).
   * w13 [E, 2I, D] (rows [0, I) gate, [I, 2I) up) and w2 [E, Do, I] in a float dtype, or, with
@@ -17,6 +19,9 @@ shared_in, shared_up, shared_w2, act, beta, linear_beta, crossover)`:
   * shared_w2 [Do, Is] with shared_in [N, Is] and shared_up [N, Is]: the shared expert's gate and
     up pre-activations, activated here; shared_up None: shared_in is already activated.
   * act "silu" or "situ" with its beta / linear_beta (model_def.ops.moe_math.glu_act).
+  * latent_up_w [D, Do] (K3's routed_expert_up_proj) and optionally latent_norm_w [Do] (its
+    routed_expert_norm, eps latent_eps; RMSNorm as model_def.layers.common.RMSNorm); the shared
+    expert then adds on the D side.
   * crossover: from this many tokens on, CUDA runs the grouped-GEMM path (moe_math.moe_experts_
     grouped, weights read once per expert) instead of the GEMVs (weights read once per token).
 
@@ -29,6 +34,9 @@ Triton kernels, neither with atomics:
   B `_expert_down_kernel`, one program per (token, column block of Do): for each of the token's k
     experts the GEMV of W2's block with h, scaled by its routing weight and summed in registers;
     then the shared expert's GEMV over the same block; one store.
+  C `_latent_out_kernel` (latent MoE only; B then stores u in fp32 and adds no shared expert): one
+    program per (token, column block of D): the RMSNorm statistics of u's row, the up-projection's
+    GEMV on the normalized row, the shared expert's GEMV; one store.
 
 MXFP4 weights are decoded in registers (E2M1 code -> value, times 2^(scale - 127)); the fp32
 accumulation is the same as for bf16 weights. Under TRITON_INTERPRET=1 (set before import) the
@@ -57,8 +65,8 @@ NO_CROSSOVER = 1 << 30  # "the GEMV path always wins"
 # --------------------------------------------------------------------------- argument checks
 
 def check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2,
-               act) -> tuple[int, int, int, int]:
-    """Raise ValueError naming the first thing wrong; returns (E, I, D, Do)."""
+               act, latent_up_w=None, latent_norm_w=None) -> tuple[int, int, int, int]:
+    """Raise ValueError naming the first thing wrong; returns (E, I, D, output width)."""
     if act not in ACTS:
         raise ValueError(f"fused_moe_decode: unknown activation {act!r} (known: {', '.join(ACTS)})")
     if x.dim() != 2 or not x.dtype.is_floating_point:
@@ -85,16 +93,23 @@ def check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_i
                          f"{list(s13)} and {list(s2)} (dequantized shapes)")
     if s13[2] != x.shape[1]:
         raise ValueError(f"fused_moe_decode: x width {x.shape[1]} != expert input width {s13[2]}")
+    out_width = s2[1]
+    if latent_up_w is not None:
+        if latent_up_w.dim() != 2 or latent_up_w.shape[1] != s2[1]:
+            raise ValueError(f"fused_moe_decode: latent_up_w must be [D, Do = {s2[1]}], got {list(latent_up_w.shape)}")
+        out_width = latent_up_w.shape[0]
+    if latent_norm_w is not None and (latent_up_w is None or tuple(latent_norm_w.shape) != (s2[1],)):
+        raise ValueError(f"fused_moe_decode: latent_norm_w must be [Do = {s2[1]}] and come with latent_up_w")
     if shared_w2 is not None:
-        if shared_in is None or shared_w2.dim() != 2 or shared_w2.shape[0] != s2[1]:
-            raise ValueError(f"fused_moe_decode: shared_w2 must be [Do = {s2[1]}, Is] and come with shared_in")
+        if shared_in is None or shared_w2.dim() != 2 or shared_w2.shape[0] != out_width:
+            raise ValueError(f"fused_moe_decode: shared_w2 must be [{out_width}, Is] and come with shared_in")
         want = (x.shape[0], shared_w2.shape[1])
         for name, t in (("shared_in", shared_in), ("shared_up", shared_up)):
             if t is not None and tuple(t.shape) != want:
                 raise ValueError(f"fused_moe_decode: {name} must be {list(want)}, got {list(t.shape)}")
     elif shared_in is not None or shared_up is not None:
         raise ValueError("fused_moe_decode: shared_in / shared_up given without shared_w2")
-    return s13[0], s13[1] // 2, s13[2], s2[1]
+    return s13[0], s13[1] // 2, s13[2], out_width
 
 
 def _dense_weights(w13, w2, w13_scale, w2_scale, dtype, check_nan_scales=True):
@@ -102,6 +117,16 @@ def _dense_weights(w13, w2, w13_scale, w2_scale, dtype, check_nan_scales=True):
         return w13, w2
     return (mxfp4.dequantize(w13, w13_scale, dtype, check_nan_scales),
             mxfp4.dequantize(w2, w2_scale, dtype, check_nan_scales))
+
+
+def _latent(u, latent_up_w, latent_norm_w, eps):
+    """K3's latent tail, op for op as model_def's RMSNorm and linear compute it."""
+    if latent_up_w is None:
+        return u
+    if latent_norm_w is not None:
+        uf = u.float()
+        u = latent_norm_w * (uf * torch.rsqrt(uf.pow(2).mean(-1, keepdim=True) + eps)).to(u.dtype)
+    return F.linear(u, latent_up_w)
 
 
 def _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta):
@@ -114,22 +139,27 @@ def _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta):
 # --------------------------------------------------------------------------- CPU reference
 
 def fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scale=None, shared_in=None,
-                        shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0):
+                        shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
+                        latent_norm_w=None, latent_eps=1e-5):
     """The unfused graph's computation, op for op (MXFP4 weights dequantized to x's dtype first)."""
-    check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act)
+    check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act,
+               latent_up_w, latent_norm_w)
     w13, w2 = _dense_weights(w13, w2, w13_scale, w2_scale, x.dtype)
     y = moe_experts_loop(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta)
+    y = _latent(y, latent_up_w, latent_norm_w, latent_eps)
     return _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta)
 
 
 def fused_moe_grouped(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scale=None, shared_in=None,
-                      shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0):
+                      shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
+                      latent_norm_w=None, latent_eps=1e-5):
     """Above the crossover on CUDA: grouped GEMM (sm90, bf16) or the gather path, shared expert in torch."""
     w13, w2 = _dense_weights(w13, w2, w13_scale, w2_scale, x.dtype, check_nan_scales=False)  # no host sync
     grouped = (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
                and torch.cuda.get_device_capability(x.device)[0] >= 9)
     run = moe_experts_grouped if grouped else moe_experts_gather
     y = run(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta)
+    y = _latent(y, latent_up_w, latent_norm_w, latent_eps)
     return _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta)
 
 
@@ -191,6 +221,25 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _shared_block(in_row, up_row, w_ptr, cols, cmask, IS, beta, linear_beta, ACT: tl.constexpr,
+                      GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The shared expert's down-projection for a block of output columns: W[cols] · act(in, up)
+        (GLU) or W[cols] · in (already activated)."""
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        kk = tl.arange(0, BLOCK_K)
+        for k0 in range(0, IS, BLOCK_K):
+            k = k0 + kk
+            kmask = k < IS
+            a = tl.load(in_row + k, mask=kmask, other=0.0).to(tl.float32)
+            if GLU:
+                up = tl.load(up_row + k, mask=kmask, other=0.0).to(tl.float32)
+                a = _glu(a, up, beta, linear_beta, ACT)
+            w = tl.load(w_ptr + cols[:, None] * IS + k[None, :], mask=cmask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * a[None, :], axis=1)
+        return acc
+
+    @triton.jit
     def _expert_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, x_row_stride, D, I, beta, linear_beta,
                           TOP_K: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -231,17 +280,40 @@ if triton is not None:
                                   MXFP4, BLOCK_N, BLOCK_K)
             acc += weight * part
         if SHARED:
-            kk = tl.arange(0, BLOCK_K)
-            for k0 in range(0, IS, BLOCK_K):
-                k = k0 + kk
-                kmask = k < IS
-                a = tl.load(sin_ptr + token * sin_row_stride + k, mask=kmask, other=0.0).to(tl.float32)
-                if SHARED_GLU:
-                    up = tl.load(sup_ptr + token * sup_row_stride + k, mask=kmask, other=0.0).to(tl.float32)
-                    a = _glu(a, up, beta, linear_beta, ACT)
-                w = tl.load(sw2_ptr + cols[:, None] * IS + k[None, :], mask=cmask[:, None] & kmask[None, :],
-                            other=0.0).to(tl.float32)
-                acc += tl.sum(w * a[None, :], axis=1)
+            acc += _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
+                                 cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_K)
+        tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+    @triton.jit
+    def _latent_out_kernel(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr, L, DOUT, IS,
+                           sin_row_stride, sup_row_stride, out_row_stride, eps, beta, linear_beta,
+                           ACT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < DOUT
+        kk = tl.arange(0, BLOCK_K)
+        u_row = u_ptr + token * L
+        rstd = 1.0
+        if NORM:  # every program recomputes the row's statistics: u is one short fp32 row
+            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, L, BLOCK_K):
+                v = tl.load(u_row + k0 + kk, mask=k0 + kk < L, other=0.0)
+                sq += v * v
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / L + eps)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, L, BLOCK_K):
+            k = k0 + kk
+            kmask = k < L
+            v = tl.load(u_row + k, mask=kmask, other=0.0) * rstd
+            if NORM:
+                v = v * tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            w = tl.load(upw_ptr + cols[:, None] * L + k[None, :], mask=cmask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * v[None, :], axis=1)
+        if SHARED:
+            acc += _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
+                                 cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_K)
         tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -255,14 +327,16 @@ def _block_n(rows: int, programs_per_row: int, target: int = 264) -> int:
 
 
 def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scale=None, shared_in=None,
-                     shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0,
-                     block_k: int = 128, block_n: int | None = None) -> torch.Tensor:
-    """Launch kernels A and B (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n
+                     shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
+                     latent_norm_w=None, latent_eps=1e-5, block_k: int = 128,
+                     block_n: int | None = None) -> torch.Tensor:
+    """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n
     (columns per program, a power of two) defaults to a choice that fills an H200 at batch 1."""
     if triton is None:
         raise RuntimeError("fused_moe_decode: triton is not installed")
     num_experts, inter, width, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
-                                                      shared_in, shared_up, shared_w2, act)
+                                                      shared_in, shared_up, shared_w2, act, latent_up_w,
+                                                      latent_norm_w)
     n, k = topk_ids.shape
     quantized = w13_scale is not None
     if block_k < 32 or block_k & (block_k - 1):
@@ -289,12 +363,25 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     sup = shared_up if shared_up is not None else sin
     sup = sup if sup.stride(-1) == 1 else sup.contiguous()
     sw2 = shared_w2.contiguous() if shared else h
-    bn = block_n or _block_n(out_width, n)
-    _expert_down_kernel[(n, triton.cdiv(out_width, bn))](
-        h, ids, wts, w2, s2, sin, sup, sw2, out, inter, out_width, sw2.shape[-1] if shared else 0,
-        sin.stride(0), sup.stride(0), out.stride(0), float(beta), float(linear_beta),
-        TOP_K=k, ACT=act_id, MXFP4=quantized, SHARED=shared, SHARED_GLU=shared_up is not None,
+    latent = latent_up_w is not None
+    routed_width = w2.shape[1]
+    # latent: B leaves u in fp32 for C; the shared expert joins in C, on the output side of the up-projection
+    u = torch.empty(n, routed_width, dtype=torch.float32, device=x.device) if latent else out
+    bn = block_n or _block_n(routed_width, n)
+    _expert_down_kernel[(n, triton.cdiv(routed_width, bn))](
+        h, ids, wts, w2, s2, sin, sup, sw2, u, inter, routed_width, sw2.shape[-1] if shared else 0,
+        sin.stride(0), sup.stride(0), u.stride(0), float(beta), float(linear_beta),
+        TOP_K=k, ACT=act_id, MXFP4=quantized, SHARED=shared and not latent, SHARED_GLU=shared_up is not None,
         BLOCK_N=bn, BLOCK_K=block_k, num_warps=4)
+    if latent:
+        upw = latent_up_w.contiguous()
+        nw = latent_norm_w.contiguous() if latent_norm_w is not None else upw
+        bn = block_n or _block_n(out_width, n)
+        _latent_out_kernel[(n, triton.cdiv(out_width, bn))](
+            u, nw, upw, sin, sup, sw2, out, routed_width, out_width, sw2.shape[-1] if shared else 0,
+            sin.stride(0), sup.stride(0), out.stride(0), float(latent_eps), float(beta), float(linear_beta),
+            ACT=act_id, NORM=latent_norm_w is not None, SHARED=shared, SHARED_GLU=shared_up is not None,
+            BLOCK_N=bn, BLOCK_K=block_k, num_warps=4)
     return out
 
 
@@ -305,17 +392,19 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      w2: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
                      shared_in: torch.Tensor | None, shared_up: torch.Tensor | None,
                      shared_w2: torch.Tensor | None, act: str, beta: float, linear_beta: float,
-                     crossover: int) -> torch.Tensor:
-    """Routed experts (+ shared expert) of a decode step in one node; see the module doc."""
+                     crossover: int, latent_up_w: torch.Tensor | None = None,
+                     latent_norm_w: torch.Tensor | None = None, latent_eps: float = 1e-5) -> torch.Tensor:
+    """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc."""
     return fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
-                               shared_w2, act, beta, linear_beta)
+                               shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps)
 
 
 @fused_moe_decode.register_kernel("cuda")
 def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
-                           shared_w2, act, beta, linear_beta, crossover):
+                           shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
+                           latent_eps=1e-5):
     args = (x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
-            linear_beta)
+            linear_beta, latent_up_w, latent_norm_w, latent_eps)
     if triton is None or x.shape[0] >= crossover:
         return fused_moe_grouped(*args)
     with torch.cuda.device(x.device):  # Triton launches on the current device
@@ -324,9 +413,10 @@ def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
 
 @fused_moe_decode.register_fake
 def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
-                           shared_w2, act, beta, linear_beta, crossover):
+                           shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
+                           latent_eps=1e-5):
     _, _, _, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
-                                    shared_w2, act)
+                                    shared_w2, act, latent_up_w, latent_norm_w)
     return x.new_empty(x.shape[0], out_width)
 
 

@@ -45,19 +45,28 @@ def test_one_fused_op_per_moe_layer_in_decode(name):
     assert after[FUSED] == n and after[torch.ops.k3.moe_experts.default] == 0
     latent = cfg.latent_size is not None
     for node in _fused_nodes(gm):
-        x, ids, wts, w13, w2, s13, s2, shared_in, shared_up, shared_w2, act, beta, linear_beta, crossover = node.args
+        (x, ids, wts, w13, w2, s13, s2, shared_in, shared_up, shared_w2, act, beta, linear_beta, crossover, up_w,
+         norm_w, eps) = node.args
         assert ids.args[0].target == torch.ops.k3.fused_route.default  # P4's outputs, consumed directly
         assert (act, beta, linear_beta) == (cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
         assert s13 is None and s2 is None and crossover == moe_decode.CPU_CROSSOVER
-        if latent:  # the expert output feeds the latent norm, so the shared expert stays outside
-            assert shared_w2 is None and shared_in is None
+        assert shared_w2.target.endswith("shared_experts_down_proj_weight") and shared_up is not None
+        if latent:  # K3: the latent RMSNorm and up-projection went in too
+            assert up_w.target.endswith("routed_expert_up_proj_weight") and eps == cfg.rms_norm_eps
+            assert norm_w.target.endswith("routed_expert_norm_weight")
         else:
-            assert shared_w2.target.endswith("shared_experts_down_proj_weight") and shared_up is not None
+            assert up_w is None and norm_w is None
+    # per layer: the shared down GEMM, its t, the combining add and the GLU are gone (SiLU: silu + mul;
+    # SiTU: 2 div, 2 tanh, 4 mul, sigmoid); latent: also the norm (pow, mean, add, rsqrt, 2 mul) and up GEMM
+    gone = {aten.mm.default: 1, aten.t.default: 1, aten.add.Tensor: 1}
+    gone.update({aten.silu.default: 1, aten.mul.Tensor: 1} if cfg.hidden_act == "silu" else
+                {aten.tanh.default: 2, aten.sigmoid.default: 1, aten.div.Tensor: 2, aten.mul.Tensor: 4})
     if latent:
-        assert after[aten.mm.default] == before[aten.mm.default]
-    else:  # per layer: the shared down GEMM, its t, the combining add and the SiLU-GLU (silu, mul) are gone
-        for op in (aten.mm.default, aten.t.default, aten.add.Tensor, aten.silu.default, aten.mul.Tensor):
-            assert after[op] == before[op] - n, op
+        for op, k in {aten.mm.default: 1, aten.t.default: 1, aten.pow.Tensor_Scalar: 1, aten.mean.dim: 1,
+                      aten.add.Tensor: 1, aten.rsqrt.default: 1, aten.mul.Tensor: 2}.items():
+            gone[op] = gone.get(op, 0) + k
+    for op, k in gone.items():
+        assert after[op] == before[op] - k * n, op
     code = gm.code
     assert run_pass(gm, P6) == 0
     assert gm.code == code
@@ -85,7 +94,7 @@ def test_numerics_vs_unpassed_graph_and_eager(name, dtype):
 def test_crossover_from_config_goes_into_the_graph_and_the_report():
     gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
     assert run_pass(gm, P6, crossover_batch=5) == 5
-    assert {n.args[-1] for n in _fused_nodes(gm)} == {5}
+    assert {n.args[13] for n in _fused_nodes(gm)} == {5}
     pipeline = pipeline_from_flags(",".join(BEFORE + (P6,)))
     report = PassManager(pipeline).run(graph("kimi-linear-tiny", "decode"))
     rec = report.passes[-1]
@@ -101,12 +110,14 @@ def test_default_pipeline_runs_p06_after_p04():
         order[order.index("p04_fused_routing") + 1].startswith("p05")
 
 
-def test_disabled_shared_fusion_keeps_the_shared_expert():
-    gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
+@pytest.mark.parametrize("name", MODELS)
+def test_disabled_tail_fusion_keeps_the_shared_expert_and_latent_tail(name):
+    n = layer_counts(model(name).config)["moe"]
+    gm = _after_p1_p4(graph(name, "decode"))
     before = op_counts(gm)
-    assert run_pass(gm, P6, fuse_shared=False) == 5
+    assert run_pass(gm, P6, fuse_shared=False, fuse_latent=False) == n
     assert op_counts(gm)[aten.mm.default] == before[aten.mm.default]
-    assert all(n.args[9] is None for n in _fused_nodes(gm))
+    assert all(n.args[9] is None and n.args[14] is None for n in _fused_nodes(gm))
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,7 +149,7 @@ def test_mxfp4_experts_and_situ_shared_glu(kind):
         for n in fused:
             assert n.args[3].target.endswith("w13_packed") and n.args[5].target.endswith("w13_scale")
             assert n.args[4].target.endswith("w2_packed") and n.args[6].target.endswith("w2_scale")
-    else:  # the SiTU chain (2 div, 2 tanh, 3 scalar mul, sigmoid, 2 mul) of each shared GLU went into the op
+    else:  # the SiTU chain (2 div, 2 tanh, 4 mul, sigmoid) of each shared GLU went into the op
         assert all(n.args[8] is not None for n in fused)
         assert after[aten.tanh.default] == counts[aten.tanh.default] - 4
         assert after[aten.sigmoid.default] == counts[aten.sigmoid.default] - 2

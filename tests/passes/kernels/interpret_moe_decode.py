@@ -63,6 +63,23 @@ def cases():
         kw.update(act=act, beta=4.0, linear_beta=25.0)
         name = f"{act} N={n} E={e} k={k} D={d} I={i} Do={do} {'mxfp4' if quant else 'dense'} shared={shared} {dtype}"
         yield name, kw, dtype
+    # the latent MoE (K3): RMSNorm + up-projection, the shared expert on the output side; no norm; MXFP4
+    for n, norm, quant, dtype in ((3, True, False, torch.float32), (2, False, True, torch.float32),
+                                  (3, True, True, torch.bfloat16)):
+        ids, wts = routing(n, 8, 2, repeat=True)
+        w13, w2 = randn(8, 64, 32, scale=32 ** -0.5), randn(8, 32, 32, scale=32 ** -0.5)
+        kw = dict(x=randn(n, 32).to(dtype), topk_ids=ids, topk_weights=wts, act="situ", beta=4.0, linear_beta=25.0,
+                  latent_up_w=randn(48, 32, scale=32 ** -0.5).to(dtype), latent_eps=1e-5,
+                  shared_w2=randn(48, 24, scale=24 ** -0.5).to(dtype), shared_in=randn(n, 24).to(dtype),
+                  shared_up=randn(n, 24).to(dtype))
+        if norm:
+            kw["latent_norm_w"] = (1 + 0.1 * randn(32)).to(dtype)
+        if quant:
+            (p13, s13), (p2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
+            kw.update(w13=p13, w2=p2, w13_scale=s13, w2_scale=s2)
+        else:
+            kw.update(w13=w13.to(dtype), w2=w2.to(dtype))
+        yield f"latent N={n} norm={norm} {'mxfp4' if quant else 'dense'} {dtype}", kw, dtype
     # a strided x (a column block of a merged GEMM's output), int32 ids, block_k smaller than the width
     wide = randn(4, 100)
     ids, wts = routing(4, 8, 2)
@@ -76,7 +93,11 @@ def main() -> int:
     failures, n = [], 0
     for name, kw, dtype in cases():
         n += 1
-        ref = moe_decode.fused_moe_reference(**kw)
+        # the kernels accumulate in fp32 with no bf16 rounding in between: compare bf16 runs with the
+        # reference on the same inputs upcast to fp32 (the bf16 reference rounds 3-4 times on the way)
+        ref = moe_decode.fused_moe_reference(**{key: v.float() if isinstance(v, torch.Tensor) and v.dtype == dtype
+                                                and dtype != torch.float32 else v for key, v in kw.items()})
+        ref = ref.to(dtype)
         for block_k, block_n in ((32, 16), (64, 32)):
             got = moe_decode.fused_moe_triton(**kw, block_k=block_k, block_n=block_n)
             if got.dtype != ref.dtype or got.shape != ref.shape:
