@@ -8,6 +8,8 @@ random distinct experts per token:
   fused     k3::fused_moe_decode below the crossover: the two Triton GEMV kernels (shared expert in B)
   grouped   k3::fused_moe_decode above the crossover (crossover = 1): grouped GEMM inside the op
   fused_mxfp4  the Triton kernels reading MXFP4 experts
+  k3mini_*  a k3-mini-6b (latent) layer: grouped experts + RMSNorm + up GEMM + SiTU shared expert, vs the op
+            with its latent tail (kernel C)
 
 GB/s = bytes of the routed experts the batch actually touches (distinct experts x their w1/w3/w2, in the
 arm's storage format) + the shared expert's down projection, divided by the time. Then a sweep of the
@@ -89,6 +91,37 @@ def main(out: str) -> None:
                 sweep.append(dict(batch=n, block_k=block_k, block_n=block_n or "auto", us=round(us, 2)))
         best = min((r for r in sweep if r["batch"] == n), key=lambda r: r["us"])
         print(f"tile sweep batch {n}: best {best}", flush=True)
+    # a K3-style latent layer (k3-mini-6b): experts on the latent, RMSNorm + up-projection + SiTU shared expert
+    kcfg = get_preset("k3-mini-6b")
+    kd, lat, ki = kcfg.hidden_size, kcfg.latent_size, kcfg.moe_intermediate_size
+    ks = ki * kcfg.num_shared_experts
+    kw13, kw2 = randn(kcfg.num_experts, 2 * ki, lat, scale=lat ** -0.5), randn(kcfg.num_experts, lat, ki, scale=ki ** -0.5)
+    ksw2, up_w, norm_w = randn(kd, ks, scale=ks ** -0.5), randn(kd, lat, scale=lat ** -0.5), randn(lat) + 1
+    for n in (1, 8, 64):
+        z = randn(n, lat)
+        ids, wts = moe_decode.random_routing(n, kcfg.num_experts, kcfg.num_experts_per_token, "cuda", seed=n)
+        g, u = randn(n, ks), randn(n, ks)
+        touched = int(ids.unique().numel())
+        nbytes = touched * 3 * ki * lat * 2 + (kd * ks + kd * lat) * 2
+
+        def k3_unfused():
+            r = moe_experts_grouped(z, ids, wts, kw13, kw2, "situ", 4.0, 25.0)
+            rf = r.float()
+            r = norm_w * (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(r.dtype)
+            return torch.mm(r, up_w.t()) + torch.mm(glu_act(g, u, "situ", 4.0, 25.0), ksw2.t())
+
+        def k3_fused():
+            return moe_decode.fused_moe_decode(z, ids, wts, kw13, kw2, None, None, g, u, ksw2, "situ", 4.0, 25.0,
+                                               1 << 30, up_w, norm_w, 1e-5)
+
+        ref = k3_unfused().float()
+        for name, fn in (("k3mini_unfused", k3_unfused), ("k3mini_fused", k3_fused)):
+            us = moe_decode._time_us(fn, iters=50)
+            err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
+            rows.append(dict(batch=n, arm=name, us=round(us, 2), gbps=round(nbytes / us / 1e3, 1),
+                             experts_touched=touched, mbytes=round(nbytes / 1e6, 2),
+                             rel_err_vs_unfused=float(f"{err:.3g}")))
+            print(rows[-1], flush=True)
     lines = ["| batch | arm | µs / layer | GB/s | experts touched | MB | rel err vs unfused |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['arm']} | {r['us']} | {r['gbps']} | {r['experts_touched']} | {r['mbytes']} | "

@@ -155,6 +155,33 @@ def test_cuda_op_at_the_48b_shape_matches_reference(quant, n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("n", [1, 8])
+def test_cuda_latent_tail_at_the_k3_mini_shape(quant, n):
+    """K3-style layer (k3-mini-6b): experts on the latent, RMSNorm + up-projection + shared expert in kernel C."""
+    cfg = get_preset("k3-mini-6b")
+    d, lat = cfg.hidden_size, cfg.latent_size
+    s = cfg.moe_intermediate_size * cfg.num_shared_experts
+    p = _cuda_problem(n, n, e=cfg.num_experts, k=cfg.num_experts_per_token, d=lat, i=cfg.moe_intermediate_size,
+                      do=lat, s=s)
+    gen = torch.Generator(device="cuda").manual_seed(99)
+    p["shared_w2"] = (torch.randn(d, s, generator=gen, device="cuda") * s ** -0.5).bfloat16()
+    up_w = (torch.randn(d, lat, generator=gen, device="cuda") * lat ** -0.5).bfloat16()
+    norm_w = (1 + 0.1 * torch.randn(lat, generator=gen, device="cuda")).bfloat16()
+    scales = (None, None)
+    if quant:
+        (w13p, w13s), (w2p, w2s) = mxfp4.quantize(p["w13"]), mxfp4.quantize(p["w2"])
+        p.update(w13=w13p, w2=w2p)
+        scales = (w13s, w2s)
+    f32 = {key: (v.float() if v.dtype == torch.bfloat16 else v) for key, v in p.items()}
+    ref = fused_moe_reference(*_op_args(f32, "situ", 0, *scales)[:13], up_w.float(), norm_w.float(), 1e-5)
+    for crossover in (1 << 30, 1):
+        got = FUSED(*_op_args(p, "situ", crossover, *scales), up_w, norm_w, 1e-5)
+        assert got.shape == (n, d) and _rel(got, ref) < 1e-2, (crossover, _rel(got, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_crossover_measurement_returns_a_tried_batch():
     shape = _shape_48b()
     p = _cuda_problem(1, 0, **shape)
