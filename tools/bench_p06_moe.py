@@ -30,6 +30,15 @@ from k3compile.model_def.ops.moe_math import glu_act, moe_experts_grouped
 from k3compile.passes.kernels import moe_decode
 
 
+def _measure(arm: str, fn, ref: torch.Tensor, batch: int, touched: int, nbytes: float) -> dict:
+    us = moe_decode._time_us(fn, iters=50)
+    err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
+    row = dict(batch=batch, arm=arm, us=round(us, 2), gbps=round(nbytes / us / 1e3, 1), experts_touched=touched,
+               mbytes=round(nbytes / 1e6, 2), rel_err_vs_unfused=float(f"{err:.3g}"))
+    print(row, flush=True)
+    return row
+
+
 def main(out: str) -> None:
     cfg = get_preset("kimi-linear-48b")
     e, k, d, i = cfg.num_experts, cfg.num_experts_per_token, cfg.hidden_size, cfg.moe_intermediate_size
@@ -71,12 +80,7 @@ def main(out: str) -> None:
         ref = unfused().float()
         for name, fn, nbytes in (("unfused", unfused, bf16_bytes), ("fused", fused, bf16_bytes),
                                  ("grouped", grouped, bf16_bytes), ("fused_mxfp4", fused_mxfp4, mxfp4_bytes)):
-            us = moe_decode._time_us(fn, iters=50)
-            err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
-            rows.append(dict(batch=n, arm=name, us=round(us, 2), gbps=round(nbytes / us / 1e3, 1),
-                             experts_touched=touched, mbytes=round(nbytes / 1e6, 2),
-                             rel_err_vs_unfused=float(f"{err:.3g}")))
-            print(rows[-1], flush=True)
+            rows.append(_measure(name, fn, ref, n, touched, nbytes))
     # tile sweep of the GEMV kernels (the op uses block_k=128 and the heuristic block_n): what to tune next
     sweep = []
     for n in (1, 8):
@@ -116,12 +120,7 @@ def main(out: str) -> None:
 
         ref = k3_unfused().float()
         for name, fn in (("k3mini_unfused", k3_unfused), ("k3mini_fused", k3_fused)):
-            us = moe_decode._time_us(fn, iters=50)
-            err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
-            rows.append(dict(batch=n, arm=name, us=round(us, 2), gbps=round(nbytes / us / 1e3, 1),
-                             experts_touched=touched, mbytes=round(nbytes / 1e6, 2),
-                             rel_err_vs_unfused=float(f"{err:.3g}")))
-            print(rows[-1], flush=True)
+            rows.append(_measure(name, fn, ref, n, touched, nbytes))
     lines = ["| batch | arm | µs / layer | GB/s | experts touched | MB | rel err vs unfused |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['arm']} | {r['us']} | {r['gbps']} | {r['experts_touched']} | {r['mbytes']} | "

@@ -14,6 +14,7 @@ import torch  # noqa: E402
 
 from k3compile.model_def.ops import mxfp4  # noqa: E402
 from k3compile.passes.kernels import moe_decode  # noqa: E402
+from interpreted import report  # noqa: E402  (this script's folder is on sys.path)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -106,10 +107,7 @@ def main() -> int:
             err = rel_err(got, ref)
             if not err <= TOL[dtype]:
                 failures.append(f"{name} block_k={block_k} block_n={block_n}: rel err {err:.3g} > {TOL[dtype]:g}")
-    for line in failures:
-        print("FAIL", line)
-    print(f"{n - len(failures)}/{n} cases match")
-    return 1 if failures else 0
+    return report(failures, n)
 
 
 if __name__ == "__main__":
