@@ -36,6 +36,7 @@ from torch.fx import GraphModule, Node
 
 from .graph_utils import attr_tensor, erase_if_dead, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
 from .kernels import moe_decode  # noqa: F401  (registers torch.ops.k3.fused_moe_decode)
+from .patterns import NoMatch, is_cast, match_rms_norm
 from .registry import PassConfig, PassConfigError, register_pass
 
 aten = torch.ops.aten
@@ -57,8 +58,8 @@ class FusedMoEDecodeConfig(PassConfig):
                                   f"got {self.crossover_batch}")
 
 
-def _single_user(node: Node) -> Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
+def _single_user(node: Node | None) -> Node | None:
+    return next(iter(node.users)) if node is not None and len(node.users) == 1 else None
 
 
 def _scalar_mul(node, c=None):
@@ -136,10 +137,7 @@ def _match_shared(moe: Node, act, beta, linear_beta):
 
 def _cast(node, dtype=None):
     """The input of `_to_copy(x, dtype=...)` (only a dtype change), else None."""
-    if is_call(node, aten._to_copy.default) and set(node.kwargs) == {"dtype"} and isinstance(node.args[0], Node) \
-            and (dtype is None or node.kwargs["dtype"] == dtype):
-        return node.args[0]
-    return None
+    return node.args[0] if is_cast(node, dtype) and isinstance(node.args[0], Node) else None
 
 
 def _linear_of(node: Node):
@@ -158,38 +156,22 @@ def _match_latent(moe: Node):
     plain = _linear_of(moe)
     if plain is not None:
         return plain[0], plain[1], None, 1e-5, plain[2]
-    src = moe
-    users = list(moe.users)
-    if len(users) == 1 and _cast(users[0], torch.float32) is moe:  # bf16: the norm upcasts first
-        src = users[0]
-        users = list(src.users)
-    pow_ = next((u for u in users if is_call(u, aten.pow.Tensor_Scalar) and u.args == (src, 2)), None)
-    scaled = next((u for u in users if is_call(u, aten.mul.Tensor) and u.args[0] is src), None)
-    if pow_ is None or scaled is None or len(users) != 2:
+    # walk forward to the norm's output (mul by its weight), then let patterns.match_rms_norm check the chain
+    src = _single_user(moe) if _cast(_single_user(moe), torch.float32) is moe else moe
+    scaled = next((u for u in src.users if is_call(u, aten.mul.Tensor)), None) if src is not None else None
+    out = _single_user(scaled) if scaled is not None else None
+    if out is not None and _cast(out) is scaled:
+        out = _single_user(out)
+    try:
+        x, weight, eps, chain = match_rms_norm(out) if out is not None else (None, None, None, None)
+    except NoMatch:
         return None
-    mean = _single_user(pow_)
-    if not (is_call(mean, aten.mean.dim) and list(mean.args[1]) in ([-1], [1]) and mean.args[2:3] == (True,)):
+    if x is not moe or not isinstance(weight, Node) or weight.op != "get_attr":
         return None
-    add = _single_user(mean)
-    if not (is_call(add, aten.add.Tensor) and add.args[0] is mean and isinstance(add.args[1], float)):
+    up = _linear_of(out)
+    if up is None or not _owned(chain, out):
         return None
-    rsqrt = _single_user(add)
-    if not (is_call(rsqrt, aten.rsqrt.default) and scaled.args[1] is rsqrt):
-        return None
-    chain = [pow_, mean, add, rsqrt, scaled] + ([src] if src is not moe else [])
-    normed = scaled
-    down = _single_user(scaled)
-    if _cast(down) is scaled:  # back to the activation dtype before the weight
-        chain.append(down)
-        normed = down
-    weighted = _single_user(normed)
-    if not (is_call(weighted, aten.mul.Tensor) and weighted.args[1] is normed and isinstance(weighted.args[0], Node)
-            and weighted.args[0].op == "get_attr"):
-        return None
-    up = _linear_of(weighted)
-    if up is None or not _owned(chain + [weighted], weighted):
-        return None
-    return up[0], up[1], weighted.args[0], float(add.args[1]), chain + [weighted] + up[2]
+    return up[0], up[1], weight, eps, chain + up[2]
 
 
 def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor], top_k: int,
