@@ -8,6 +8,10 @@ Names on disk are the real checkpoint names (what Moonshot's checkpoints and tra
     ...block_sparse_moe.experts.{e}.w3.weight  <->  ...block_sparse_moe.experts.w13[e, I:]
     ...block_sparse_moe.experts.{e}.w2.weight  <->  ...block_sparse_moe.experts.w2[e]
 
+MXFP4 experts (config.expert_quant == "mxfp4", compressed-tensors `mxfp4-pack-quantized` as K3
+ships them) map the same way with `.weight_packed` (uint8 codes) -> w13_packed / w2_packed and
+`.weight_scale` (uint8 E8M0 exponents) -> w13_scale / w2_scale.
+
 Pickle files are never opened: only safetensors (memory-mapped, loaded tensor by tensor).
 """
 from __future__ import annotations
@@ -25,6 +29,9 @@ from tqdm import tqdm
 from .checkpoint_errors import CheckpointError
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+# in-memory stacked experts: w13 / w2, or their MXFP4 codes and scales
+_STACKED = re.compile(r"^(.*\.experts)\.(w13|w2)(|_packed|_scale)$")
+_SUFFIX = {"": "weight", "_packed": "weight_packed", "_scale": "weight_scale"}
 # K3's multimodal checkpoint nests the decoder under `language_model.`; the vision tower is not ours.
 _STRIP_PREFIXES = ("language_model.",)
 _IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "mm_projector.", "vision_model.")
@@ -56,15 +63,16 @@ def checkpoint_targets(model: torch.nn.Module) -> dict[str, _Target]:
     state = dict(model.named_parameters())
     state.update(dict(model.named_buffers()))
     for name, t in state.items():
-        if name.endswith(".experts.w13"):
-            base, inter = name[: -len(".w13")], t.shape[1] // 2
+        stacked = _STACKED.match(name)
+        if stacked and stacked.group(2) == "w13":
+            base, suffix, inter = stacked.group(1), _SUFFIX[stacked.group(3)], t.shape[1] // 2
             for e in range(t.shape[0]):
-                out[f"{base}.{e}.w1.weight"] = _Target(t, (e, slice(0, inter)), (inter, t.shape[2]), name)
-                out[f"{base}.{e}.w3.weight"] = _Target(t, (e, slice(inter, 2 * inter)), (inter, t.shape[2]), name)
-        elif name.endswith(".experts.w2"):
-            base = name[: -len(".w2")]
+                out[f"{base}.{e}.w1.{suffix}"] = _Target(t, (e, slice(0, inter)), (inter, t.shape[2]), name)
+                out[f"{base}.{e}.w3.{suffix}"] = _Target(t, (e, slice(inter, 2 * inter)), (inter, t.shape[2]), name)
+        elif stacked:
+            base, suffix = stacked.group(1), _SUFFIX[stacked.group(3)]
             for e in range(t.shape[0]):
-                out[f"{base}.{e}.w2.weight"] = _Target(t, (e,), tuple(t.shape[1:]), name)
+                out[f"{base}.{e}.w2.{suffix}"] = _Target(t, (e,), tuple(t.shape[1:]), name)
         else:
             out[name] = _Target(t, (), tuple(t.shape), name)
     if getattr(model.config, "tie_word_embeddings", False):
@@ -81,6 +89,19 @@ def _a_log_fix(name: str, t: torch.Tensor, expected: tuple) -> torch.Tensor:
         return t[:h]
     raise CheckpointError(f"tensor '{name}' has shape {list(t.shape)}; expected {h} per-head values "
                           f"(or a zero-padded 1-D vector)")
+
+
+def _mxfp4_tensor(raw: str, fn: str, t: torch.Tensor) -> torch.Tensor:
+    """MXFP4 codes / E8M0 scales arrive as uint8 (float8_e8m0fnu is the same bytes); a NaN scale (255)
+    is refused here rather than silently poisoning every output that expert touches."""
+    if t.dtype == getattr(torch, "float8_e8m0fnu", None):
+        t = t.view(torch.uint8)
+    if t.dtype != torch.uint8:
+        raise CheckpointError(f"tensor '{raw}' in {fn} is {t.dtype}; MXFP4 expert codes and scales must be uint8 "
+                              f"(config.json declares mxfp4-pack-quantized experts)")
+    if raw.endswith("weight_scale") and bool((t == 255).any()):
+        raise CheckpointError(f"tensor '{raw}' in {fn} holds {int((t == 255).sum())} E8M0 scale(s) of 255 (NaN)")
+    return t
 
 
 def _list_weight_files(path: str) -> list[str]:
@@ -150,6 +171,8 @@ def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> No
             if tuple(t.shape) != tgt.shape:
                 raise CheckpointError(f"tensor '{raw}' in {os.path.basename(fn)} has shape {list(t.shape)}, "
                                       f"expected {list(tgt.shape)}")
+            if tgt.param.dtype == torch.uint8:
+                t = _mxfp4_tensor(raw, os.path.basename(fn), t)
             dst = tgt.param[tgt.index] if tgt.index else tgt.param
             dst.copy_(t.to(dtype=dst.dtype))
             seen.add(name)

@@ -61,6 +61,7 @@ class ModelConfig:
     topk_group: int = 1
     latent_size: int | None = None  # routed_expert_hidden_size: LatentMoE width (K3)
     latent_norm: bool = False  # latent_moe_use_norm (K3 "Stable" LatentMoE)
+    expert_quant: str | None = None  # "mxfp4": routed experts stored MXFP4 (K3 checkpoint; ops/mxfp4.py)
     # --- Block Attention Residuals (K3) ---
     attn_res_block_size: int | None = None  # decoder layers per block; None = plain residual
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -161,6 +162,8 @@ class ModelConfig:
             d["latent_moe_use_norm"] = self.latent_norm
         if self.attn_res_block_size is not None:
             d["attn_res_block_size"] = self.attn_res_block_size
+        if self.expert_quant == "mxfp4":
+            d["quantization_config"] = mxfp4_quantization_config()
         return d
 
     @classmethod
@@ -212,6 +215,12 @@ def validate(c: ModelConfig) -> None:
         need(c.attn_res_block_size >= 1, f"attn_res_block_size must be >= 1, got {c.attn_res_block_size}")
     if c.q_lora_rank is not None:
         need(c.q_lora_rank > 0, f"q_lora_rank must be > 0 or null, got {c.q_lora_rank}")
+    need(c.expert_quant in (None, "mxfp4"), f"expert_quant must be None or 'mxfp4', got {c.expert_quant!r}")
+    if c.expert_quant == "mxfp4":
+        width = c.latent_size or c.hidden_size
+        need(width % 32 == 0 and c.moe_intermediate_size % 32 == 0,
+             f"MXFP4 experts need input widths divisible by the group size 32 (expert width {width}, "
+             f"moe_intermediate_size {c.moe_intermediate_size})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -375,7 +384,39 @@ def config_from_hf_dict(raw: dict, name: str = "checkpoint") -> ModelConfig:
         num_expert_group=get("num_expert_group", 1, ("n_group",)), topk_group=d.get("topk_group") or 1,
         latent_size=d.get("routed_expert_hidden_size"), latent_norm=bool(d.get("latent_moe_use_norm", False)),
         attn_res_block_size=d.get("attn_res_block_size"),
+        expert_quant=_expert_quant(d.get("quantization_config", raw.get("quantization_config")), name),
     )
+
+
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+
+
+def mxfp4_quantization_config() -> dict:
+    """The compressed-tensors block of a checkpoint whose routed experts are MXFP4 (as K3's)."""
+    return {"quant_method": "compressed-tensors", "format": MXFP4_FORMAT,
+            "config_groups": {"group_0": {"format": MXFP4_FORMAT, "targets": ["Linear"],
+                                          "weights": {"num_bits": 4, "type": "float", "group_size": 32,
+                                                      "strategy": "group"}}}}
+
+
+def _expert_quant(q, name: str) -> str | None:
+    """None (bf16 checkpoint) or "mxfp4" from a config.json `quantization_config`; anything else is refused."""
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ConfigError(f"{name}: quantization_config must be a JSON object")
+    formats = {q.get("format")} | {g.get("format") for g in (q.get("config_groups") or {}).values()
+                                   if isinstance(g, dict)}
+    formats.discard(None)
+    if q.get("quant_method") == "compressed-tensors" and formats == {MXFP4_FORMAT}:
+        for g in (q.get("config_groups") or {}).values():
+            gs = (g.get("weights") or {}).get("group_size", 32) if isinstance(g, dict) else 32
+            if gs != 32:
+                raise ConfigError(f"{name}: MXFP4 group_size {gs} is not supported (expected 32)")
+        return "mxfp4"
+    raise ConfigError(f"{name}: quantization_config (quant_method {q.get('quant_method')!r}, formats "
+                      f"{sorted(formats)}) is not supported; k3compile reads bf16 checkpoints and compressed-tensors "
+                      f"'{MXFP4_FORMAT}' routed experts")
 
 
 def _with_linear_attn_config(d: dict) -> dict:

@@ -5,11 +5,12 @@ import torch
 from torch import nn
 
 from .layers.kda import KDAMixer
+from .ops import mxfp4
 
 
 @torch.no_grad()
 def init_random(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Linear / expert weights ~ N(0, std); norms ~ 1 + N(0, 0.1); AttnRes pseudo-queries ~ N(0, D^-1/2)
+    """Linear / expert weights ~ N(0, std) (MXFP4 experts: that, quantized); norms ~ 1 + N(0, 0.1); AttnRes pseudo-queries ~ N(0, D^-1/2)
     (non-zero so random models exercise the softmax); router bias ~ N(0, 0.05); KDA gate parameters as
     fla initializes them. Parameters are visited in name order with one generator on their device."""
     params = dict(model.named_parameters())
@@ -20,6 +21,12 @@ def init_random(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
             p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
         elif "norm" in name:
             p.normal_(1.0, 0.1, generator=gen)
+        elif p.dtype == torch.uint8:  # MXFP4 experts: N(0, std) weights, quantized (codes fill *_scale too)
+            if name.endswith("_packed"):
+                dense = torch.empty(*p.shape[:-1], 2 * p.shape[-1], device=device).normal_(0.0, std, generator=gen)
+                packed, scale = mxfp4.quantize(dense)
+                p.copy_(packed)
+                params[name[: -len("_packed")] + "_scale"].copy_(scale)
         elif "conv1d" in name:
             bound = p.shape[-1] ** -0.5
             p.uniform_(-bound, bound, generator=gen)

@@ -40,14 +40,31 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    """Stacked routed experts: w13 [E, 2I, W] (rows [0, I) w1 = gate, [I, 2I) w3 = up), w2 [E, W, I].
+
+    With cfg.expert_quant == "mxfp4" they are kept as the checkpoint ships them (ops/mxfp4.py): uint8
+    codes `w13_packed` [E, 2I, W/2] / `w2_packed` [E, W, I/2] and E8M0 scales `w13_scale` [E, 2I, W/32] /
+    `w2_scale` [E, W, I/32]; the reference dequantizes them on the fly."""
+
     def __init__(self, width: int, cfg):
         super().__init__()
         e, i = cfg.num_experts, cfg.moe_intermediate_size
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, width))  # rows [0, I): w1 (gate), [I, 2I): w3 (up)
-        self.w2 = nn.Parameter(torch.empty(e, width, i))
+        self.mxfp4 = cfg.expert_quant == "mxfp4"
+        if self.mxfp4:
+            def u8(*shape):
+                return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
+            self.w13_packed, self.w13_scale = u8(e, 2 * i, width // 2), u8(e, 2 * i, width // 32)
+            self.w2_packed, self.w2_scale = u8(e, width, i // 2), u8(e, width, i // 32)
+        else:
+            self.w13 = nn.Parameter(torch.empty(e, 2 * i, width))
+            self.w2 = nn.Parameter(torch.empty(e, width, i))
         self.act, self.beta, self.linear_beta = cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta
 
     def forward(self, z, topk_weights, topk_ids):
+        if self.mxfp4:
+            return torch.ops.k3.moe_experts_mxfp4(z, topk_ids, topk_weights, self.w13_packed, self.w13_scale,
+                                                  self.w2_packed, self.w2_scale, self.act, self.beta,
+                                                  self.linear_beta)
         return torch.ops.k3.moe_experts(z, topk_ids, topk_weights, self.w13, self.w2, self.act, self.beta,
                                         self.linear_beta)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import library, moe_math
+from . import library, moe_math, mxfp4
 
 BACKENDS: dict[str, str] = {}
 
@@ -56,6 +56,14 @@ def _register_grouped_moe() -> None:
         if x.dtype == torch.bfloat16 and major >= 9:
             return moe_math.moe_experts_grouped(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta)
         return moe_math.moe_experts_gather(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta)
+
+    @library.moe_experts_mxfp4.register_kernel("cuda")
+    def _moe_mxfp4_cuda(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, act, beta,
+                        linear_beta):
+        # whole-tensor dequantization (no NaN-scale scan: it would sync); P6's kernel reads MXFP4 directly
+        w13 = mxfp4.dequantize(w13_packed, w13_scale, x.dtype, check_nan_scales=False)
+        w2 = mxfp4.dequantize(w2_packed, w2_scale, x.dtype, check_nan_scales=False)
+        return _moe_cuda(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta)
 
     BACKENDS["moe"] = "grouped_mm (bf16, sm90+) / gather"
 

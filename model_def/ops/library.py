@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-from . import attention_math, kda_math, moe_math
+from . import attention_math, kda_math, moe_math, mxfp4
 
 KDA_PREFILL_CHUNK = 64
 
@@ -166,6 +166,21 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 @moe_experts.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta):
     return x.new_empty(x.shape[0], w2.shape[1])
+
+
+@custom_op("k3::moe_experts_mxfp4", mutates_args=())
+def moe_experts_mxfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13_packed: torch.Tensor,
+                      w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, act: str, beta: float,
+                      linear_beta: float) -> torch.Tensor:
+    """moe_experts on MXFP4 experts (ops/mxfp4.py layout), dequantized to x's dtype first."""
+    w13 = mxfp4.dequantize(w13_packed, w13_scale, x.dtype)
+    w2 = mxfp4.dequantize(w2_packed, w2_scale, x.dtype)
+    return moe_math.moe_experts_loop(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta)
+
+
+@moe_experts_mxfp4.register_fake
+def _(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, act, beta, linear_beta):
+    return x.new_empty(x.shape[0], w2_packed.shape[1])
 
 
 from . import cuda_backend  # noqa: E402,F401  (registers CUDA overrides)

@@ -66,7 +66,7 @@ def test_manifest_records_the_build(tiny):
     names = [p["name"] for p in m["passes"]["decode"]["passes"]]
     assert names == list(registered_passes())  # the default pipeline: every registered pass
     assert names[:4] == ["p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing"]
-    assert {"p07_attn_res_norm", "p15_mla_decode"} <= set(names)
+    assert {"p06_fused_moe_decode", "p07_attn_res_norm", "p15_mla_decode"} <= set(names)
     route = m["passes"]["decode"]["passes"][3]
     assert route["matches"] == 8  # one fused router per MoE layer of k3-tiny
     ops = {p["op"]: p for p in m["kernel_plugins"]}

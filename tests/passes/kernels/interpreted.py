@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 
-def run_interpreted(script: str) -> None:
+def run_interpreted(script: str, timeout: int = 300) -> None:
     """Run tests/passes/kernels/<script> with TRITON_INTERPRET=1; fail with its output if any case failed."""
     path = Path(__file__).with_name(script)
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "cases match" in done.stdout
 

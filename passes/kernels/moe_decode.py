@@ -1,0 +1,493 @@
+"""Fused MoE decode: the routed experts as per-(token, expert) GEMVs, the shared expert in the epilogue.
+
+The op pass P6 puts in place of a decode step's `k3::moe_experts` (+ the shared expert's
+down-projection and the add that combines the two):
+
+    u[t] = Σ_j w[t, j] · W2[e_tj] · act(W1[e_tj] x[t], W3[e_tj] x[t])      e_tj = topk_ids[t, j]
+    y[t] = u[t]  |  Wup · RMSNorm(u[t])  |  Wup · u[t]                      latent MoE (K3): norm, up-proj
+           (+ Ws2 · act(sg[t], su[t]))                                      the shared expert
+           (+ Ws2 · a[t])                                                   ... or its activated input
+
+`torch.ops.k3.fused_moe_decode(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
+shared_in, shared_up, shared_w2, act, beta, linear_beta, crossover, latent_up_w=None,
+latent_norm_w=None, latent_eps=1e-5)`:
+
+  * x [N, D]; topk_ids [N, k] (int); topk_weights [N, k] (fp32).
+  * w13 [E, 2I, D] (rows [0, I) gate, [I, 2I) up) and w2 [E, Do, I] in a float dtype, or, with
+    w13_scale / w2_scale given, MXFP4: uint8 codes [E, 2I, D/2] / [E, Do, I/2] and E8M0 scales
+    [E, 2I, D/32] / [E, Do, I/32] (layout: `model_def.ops.mxfp4`).
+  * shared_w2 [Do, Is] with shared_in [N, Is] and shared_up [N, Is]: the shared expert's gate and
+    up pre-activations, activated here; shared_up None: shared_in is already activated.
+  * act "silu" or "situ" with its beta / linear_beta (model_def.ops.moe_math.glu_act).
+  * latent_up_w [D, Do] (K3's routed_expert_up_proj) and optionally latent_norm_w [Do] (its
+    routed_expert_norm, eps latent_eps; RMSNorm as model_def.layers.common.RMSNorm); the shared
+    expert then adds on the D side.
+  * crossover: from this many tokens on, CUDA runs the grouped-GEMM path (moe_math.moe_experts_
+    grouped, weights read once per expert) instead of the GEMVs (weights read once per token).
+
+CPU (the reference) is the exact composition of the unfused graph: moe_experts_loop, then
+`glu_act` + `linear` for the shared expert, then the add. CUDA below the crossover runs two
+Triton kernels, neither with atomics:
+
+  A `_expert_up_kernel`, one program per (token, expert slot, column block of I): GEMV of x[t]
+    with the gate and up rows of the expert, activation in registers, h [N, k, I] in fp32.
+  B `_expert_down_kernel`, one program per (token, column block of Do): for each of the token's k
+    experts the GEMV of W2's block with h, scaled by its routing weight and summed in registers;
+    then the shared expert's GEMV over the same block; one store.
+  C `_latent_out_kernel` (latent MoE only; B then stores u in fp32 and adds no shared expert): one
+    program per (token, column block of D): the RMSNorm statistics of u's row, the up-projection's
+    GEMV on the normalized row, the shared expert's GEMV; one store.
+
+MXFP4 weights are decoded in registers (E2M1 code -> value, times 2^(scale - 127)); the fp32
+accumulation is the same as for bf16 weights. Under TRITON_INTERPRET=1 (set before import) the
+kernels run on CPU tensors (`fused_moe_triton`), which is how they are tested without a GPU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3compile.model_def.ops import mxfp4
+from k3compile.model_def.ops.moe_math import glu_act, moe_experts_gather, moe_experts_grouped, moe_experts_loop
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the op still works through the reference
+    triton = None
+
+ACTS = {"silu": 0, "situ": 1}
+CPU_CROSSOVER = 16  # fixed on CPU (the reference runs there whatever it says); CUDA measures it at build
+CROSSOVER_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # what the build-time measurement tries
+NO_CROSSOVER = 1 << 30  # "the GEMV path always wins"
+
+
+# --------------------------------------------------------------------------- argument checks
+
+def check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2,
+               act, latent_up_w=None, latent_norm_w=None) -> tuple[int, int, int, int]:
+    """Raise ValueError naming the first thing wrong; returns (E, I, D, output width)."""
+    if act not in ACTS:
+        raise ValueError(f"fused_moe_decode: unknown activation {act!r} (known: {', '.join(ACTS)})")
+    if x.dim() != 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"fused_moe_decode: x must be a float [tokens, width] tensor, got {x.dtype} "
+                         f"{list(x.shape)}")
+    if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe_decode: topk_ids {list(topk_ids.shape)} and topk_weights "
+                         f"{list(topk_weights.shape)} must both be [tokens = {x.shape[0]}, k]")
+    if topk_ids.dtype.is_floating_point:
+        raise ValueError(f"fused_moe_decode: topk_ids must be integer, got {topk_ids.dtype}")
+    quantized = w13_scale is not None
+    if quantized != (w2_scale is not None):
+        raise ValueError("fused_moe_decode: give both MXFP4 scale tensors (w13_scale, w2_scale) or neither")
+    if quantized:
+        s13 = mxfp4.check_mxfp4(w13, w13_scale, "fused_moe_decode w13")
+        s2 = mxfp4.check_mxfp4(w2, w2_scale, "fused_moe_decode w2")
+    else:
+        if not (w13.dtype.is_floating_point and w2.dtype.is_floating_point):
+            raise ValueError(f"fused_moe_decode: float expert weights expected, got {w13.dtype} / {w2.dtype} "
+                             f"(MXFP4 weights need their scales)")
+        s13, s2 = tuple(w13.shape), tuple(w2.shape)
+    if len(s13) != 3 or len(s2) != 3 or s13[1] % 2 or s13[0] != s2[0] or s2[2] * 2 != s13[1]:
+        raise ValueError(f"fused_moe_decode: expert weights must be w13 [E, 2I, D] and w2 [E, Do, I], got "
+                         f"{list(s13)} and {list(s2)} (dequantized shapes)")
+    if s13[2] != x.shape[1]:
+        raise ValueError(f"fused_moe_decode: x width {x.shape[1]} != expert input width {s13[2]}")
+    out_width = s2[1]
+    if latent_up_w is not None:
+        if latent_up_w.dim() != 2 or latent_up_w.shape[1] != s2[1]:
+            raise ValueError(f"fused_moe_decode: latent_up_w must be [D, Do = {s2[1]}], got {list(latent_up_w.shape)}")
+        out_width = latent_up_w.shape[0]
+    if latent_norm_w is not None and (latent_up_w is None or tuple(latent_norm_w.shape) != (s2[1],)):
+        raise ValueError(f"fused_moe_decode: latent_norm_w must be [Do = {s2[1]}] and come with latent_up_w")
+    if shared_w2 is not None:
+        if shared_in is None or shared_w2.dim() != 2 or shared_w2.shape[0] != out_width:
+            raise ValueError(f"fused_moe_decode: shared_w2 must be [{out_width}, Is] and come with shared_in")
+        want = (x.shape[0], shared_w2.shape[1])
+        for name, t in (("shared_in", shared_in), ("shared_up", shared_up)):
+            if t is not None and tuple(t.shape) != want:
+                raise ValueError(f"fused_moe_decode: {name} must be {list(want)}, got {list(t.shape)}")
+    elif shared_in is not None or shared_up is not None:
+        raise ValueError("fused_moe_decode: shared_in / shared_up given without shared_w2")
+    return s13[0], s13[1] // 2, s13[2], out_width
+
+
+def _dense_weights(w13, w2, w13_scale, w2_scale, dtype, check_nan_scales=True):
+    if w13_scale is None:
+        return w13, w2
+    return (mxfp4.dequantize(w13, w13_scale, dtype, check_nan_scales),
+            mxfp4.dequantize(w2, w2_scale, dtype, check_nan_scales))
+
+
+def _latent(u, latent_up_w, latent_norm_w, eps):
+    """K3's latent tail, op for op as model_def's RMSNorm and linear compute it."""
+    if latent_up_w is None:
+        return u
+    if latent_norm_w is not None:
+        uf = u.float()
+        u = latent_norm_w * (uf * torch.rsqrt(uf.pow(2).mean(-1, keepdim=True) + eps)).to(u.dtype)
+    return F.linear(u, latent_up_w)
+
+
+def _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta):
+    if shared_w2 is None:
+        return y
+    a = shared_in if shared_up is None else glu_act(shared_in, shared_up, act, beta, linear_beta)
+    return y + F.linear(a, shared_w2)
+
+
+# --------------------------------------------------------------------------- CPU reference
+
+def fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scale=None, shared_in=None,
+                        shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
+                        latent_norm_w=None, latent_eps=1e-5):
+    """The unfused graph's computation, op for op (MXFP4 weights dequantized to x's dtype first)."""
+    check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act,
+               latent_up_w, latent_norm_w)
+    w13, w2 = _dense_weights(w13, w2, w13_scale, w2_scale, x.dtype)
+    y = moe_experts_loop(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta)
+    y = _latent(y, latent_up_w, latent_norm_w, latent_eps)
+    return _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta)
+
+
+def fused_moe_grouped(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scale=None, shared_in=None,
+                      shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
+                      latent_norm_w=None, latent_eps=1e-5):
+    """Above the crossover on CUDA: grouped GEMM (sm90, bf16) or the gather path, shared expert in torch."""
+    w13, w2 = _dense_weights(w13, w2, w13_scale, w2_scale, x.dtype, check_nan_scales=False)  # no host sync
+    grouped = (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+               and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    run = moe_experts_grouped if grouped else moe_experts_gather
+    y = run(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta)
+    y = _latent(y, latent_up_w, latent_norm_w, latent_eps)
+    return _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta)
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(x):
+        # tanh from exp (tl has no tanh in every Triton we run on); exp of -2|x| never overflows
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+    @triton.jit
+    def _glu(g, u, beta, linear_beta, ACT: tl.constexpr):
+        if ACT == 0:  # SiLU-GLU
+            return g * tl.sigmoid(g) * u
+        else:  # SiTU-GLU (spec §4.3)
+            return beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
+
+    @triton.jit
+    def _e2m1(code):
+        # 4-bit code (int32) -> fp32 by building the float's bits (integer ops only): bit 3 sign, bits
+        # 2..1 exponent e (bias 1), bit 0 mantissa m. e >= 1: 2^(e-1) (1 + m/2) = fp32 exponent e + 126,
+        # mantissa m << 22; code 1 (subnormal 0.5) = fp32 exponent 126; code 0 = 0
+        mag = code & 7
+        bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 126 << 23, 0))
+        return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _row_block_dot(w_ptr, s_ptr, rows, row_mask, v_ptr, K, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+        """Σ_k W[row, k] v[k] for a block of rows (fp32). W dense [*, K] at w_ptr, or MXFP4: codes
+        [*, K/2] at w_ptr and E8M0 scales [*, K/32] at s_ptr. v: K contiguous values."""
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if MXFP4:
+            j = tl.arange(0, BLOCK_K // 2)
+            grp = tl.arange(0, BLOCK_K // 32)
+            for k0 in range(0, K, BLOCK_K):
+                b = k0 // 2 + j
+                bmask = b < K // 2
+                byte = tl.load(w_ptr + rows[:, None] * (K // 2) + b[None, :], mask=row_mask[:, None] & bmask[None, :],
+                               other=0).to(tl.int32)
+                v_even = tl.load(v_ptr + 2 * b, mask=bmask, other=0.0).to(tl.float32)
+                v_odd = tl.load(v_ptr + 2 * b + 1, mask=bmask, other=0.0).to(tl.float32)
+                part = _e2m1(byte & 15) * v_even[None, :] + _e2m1(byte >> 4) * v_odd[None, :]
+                # one scale per 16 bytes (32 inputs): sum each group first, scale once per group
+                part = tl.sum(tl.reshape(part, [BLOCK_N, BLOCK_K // 32, 16]), axis=2)
+                g = k0 // 32 + grp
+                sc = tl.load(s_ptr + rows[:, None] * (K // 32) + g[None, :],
+                             mask=row_mask[:, None] & (g[None, :] < K // 32), other=127)
+                acc += tl.sum(part * tl.exp2(sc.to(tl.float32) - 127.0), axis=1)
+        else:
+            kk = tl.arange(0, BLOCK_K)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + kk
+                kmask = k < K
+                w = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=row_mask[:, None] & kmask[None, :],
+                            other=0.0).to(tl.float32)
+                v = tl.load(v_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+                acc += tl.sum(w * v[None, :], axis=1)
+        return acc
+
+    @triton.jit
+    def _shared_block(in_row, up_row, w_ptr, cols, cmask, IS, beta, linear_beta, ACT: tl.constexpr,
+                      GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The shared expert's down-projection for a block of output columns: W[cols] · act(in, up)
+        (GLU) or W[cols] · in (already activated)."""
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        kk = tl.arange(0, BLOCK_K)
+        for k0 in range(0, IS, BLOCK_K):
+            k = k0 + kk
+            kmask = k < IS
+            a = tl.load(in_row + k, mask=kmask, other=0.0).to(tl.float32)
+            if GLU:
+                up = tl.load(up_row + k, mask=kmask, other=0.0).to(tl.float32)
+                a = _glu(a, up, beta, linear_beta, ACT)
+            w = tl.load(w_ptr + cols[:, None] * IS + k[None, :], mask=cmask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * a[None, :], axis=1)
+        return acc
+
+    @triton.jit
+    def _expert_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, x_row_stride, D, I, beta, linear_beta,
+                          TOP_K: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pair = tl.program_id(0).to(tl.int64)  # token * TOP_K + slot
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < I
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        token = pair // TOP_K
+        if MXFP4:
+            w_base = w13_ptr + expert * (2 * I) * (D // 2)
+        else:
+            w_base = w13_ptr + expert * (2 * I) * D
+        s_base = s13_ptr + expert * (2 * I) * (D // 32)
+        x_row = x_ptr + token * x_row_stride
+        g = _row_block_dot(w_base, s_base, cols, cmask, x_row, D, MXFP4, BLOCK_N, BLOCK_K)
+        u = _row_block_dot(w_base, s_base, cols + I, cmask, x_row, D, MXFP4, BLOCK_N, BLOCK_K)
+        tl.store(h_ptr + pair * I + cols, _glu(g, u, beta, linear_beta, ACT), mask=cmask)
+
+    @triton.jit
+    def _expert_down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr,
+                            I, DO, IS, sin_row_stride, sup_row_stride, out_row_stride, beta, linear_beta,
+                            TOP_K: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
+                            SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < DO
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in range(TOP_K):
+            pair = token * TOP_K + j
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            weight = tl.load(wts_ptr + pair).to(tl.float32)
+            if MXFP4:
+                w_base = w2_ptr + expert * DO * (I // 2)
+            else:
+                w_base = w2_ptr + expert * DO * I
+            part = _row_block_dot(w_base, s2_ptr + expert * DO * (I // 32), cols, cmask, h_ptr + pair * I, I,
+                                  MXFP4, BLOCK_N, BLOCK_K)
+            acc += weight * part
+        if SHARED:
+            acc += _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
+                                 cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_K)
+        tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+    @triton.jit
+    def _latent_out_kernel(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr, L, DOUT, IS,
+                           sin_row_stride, sup_row_stride, out_row_stride, eps, beta, linear_beta,
+                           ACT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < DOUT
+        kk = tl.arange(0, BLOCK_K)
+        u_row = u_ptr + token * L
+        rstd = 1.0
+        if NORM:  # every program recomputes the row's statistics: u is one short fp32 row
+            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, L, BLOCK_K):
+                v = tl.load(u_row + k0 + kk, mask=k0 + kk < L, other=0.0)
+                sq += v * v
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / L + eps)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, L, BLOCK_K):
+            k = k0 + kk
+            kmask = k < L
+            v = tl.load(u_row + k, mask=kmask, other=0.0) * rstd
+            if NORM:
+                v = v * tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            w = tl.load(upw_ptr + cols[:, None] * L + k[None, :], mask=cmask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * v[None, :], axis=1)
+        if SHARED:
+            acc += _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
+                                 cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_K)
+        tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def _block_n(rows: int, programs_per_row: int, target: int = 264) -> int:
+    """Columns per program: the widest power of two in 8..64 that still gives >= `target` programs
+    (2 per SM on an H200), so batch 1 fills the GPU."""
+    for bn in (64, 32, 16):
+        if programs_per_row * triton.cdiv(rows, bn) >= target:
+            return bn
+    return 8
+
+
+def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scale=None, shared_in=None,
+                     shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
+                     latent_norm_w=None, latent_eps=1e-5, block_k: int | None = None,
+                     block_n: int | None = None) -> torch.Tensor:
+    """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n
+    (columns per program, a power of two) defaults to a choice that fills an H200 at batch 1."""
+    if triton is None:
+        raise RuntimeError("fused_moe_decode: triton is not installed")
+    num_experts, inter, width, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
+                                                      shared_in, shared_up, shared_w2, act, latent_up_w,
+                                                      latent_norm_w)
+    n, k = topk_ids.shape
+    quantized = w13_scale is not None
+    if block_k is None:
+        # H200 tile sweep at the 48B shape (bf16): 256 fastest at batch 1 (52 vs 73 us per layer with 128),
+        # 128 at batch 8; MXFP4 rows are half as many bytes per input, so twice the inputs per load
+        block_k = (256 if n * k <= 16 else 128) * (2 if quantized else 1)
+    if block_k < 32 or block_k & (block_k - 1):
+        raise ValueError(f"fused_moe_decode: block_k must be a power of two >= 32, got {block_k}")
+    if block_n is not None and (block_n < 1 or block_n & (block_n - 1)):
+        raise ValueError(f"fused_moe_decode: block_n must be a power of two, got {block_n}")
+    out = torch.empty(n, out_width, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ids, wts = topk_ids.contiguous(), topk_weights.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    s13 = w13_scale.contiguous() if quantized else w13  # unused pointer when dense
+    s2 = w2_scale.contiguous() if quantized else w2
+    h = torch.empty(n * k, inter, dtype=torch.float32, device=x.device)
+    act_id = ACTS[act]
+    bn = block_n or _block_n(inter, n * k)
+    _expert_up_kernel[(n * k, triton.cdiv(inter, bn))](
+        x, ids, w13, s13, h, x.stride(0), width, inter, float(beta), float(linear_beta),
+        TOP_K=k, ACT=act_id, MXFP4=quantized, BLOCK_N=bn, BLOCK_K=block_k, num_warps=4)
+    shared = shared_w2 is not None
+    sin = shared_in if shared else h
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    sup = shared_up if shared_up is not None else sin
+    sup = sup if sup.stride(-1) == 1 else sup.contiguous()
+    sw2 = shared_w2.contiguous() if shared else h
+    latent = latent_up_w is not None
+    routed_width = w2.shape[1]
+    # latent: B leaves u in fp32 for C; the shared expert joins in C, on the output side of the up-projection
+    u = torch.empty(n, routed_width, dtype=torch.float32, device=x.device) if latent else out
+    bn = block_n or _block_n(routed_width, n)
+    _expert_down_kernel[(n, triton.cdiv(routed_width, bn))](
+        h, ids, wts, w2, s2, sin, sup, sw2, u, inter, routed_width, sw2.shape[-1] if shared else 0,
+        sin.stride(0), sup.stride(0), u.stride(0), float(beta), float(linear_beta),
+        TOP_K=k, ACT=act_id, MXFP4=quantized, SHARED=shared and not latent, SHARED_GLU=shared_up is not None,
+        BLOCK_N=bn, BLOCK_K=block_k, num_warps=4)
+    if latent:
+        upw = latent_up_w.contiguous()
+        nw = latent_norm_w.contiguous() if latent_norm_w is not None else upw
+        bn = block_n or _block_n(out_width, n)
+        _latent_out_kernel[(n, triton.cdiv(out_width, bn))](
+            u, nw, upw, sin, sup, sw2, out, routed_width, out_width, sw2.shape[-1] if shared else 0,
+            sin.stride(0), sup.stride(0), out.stride(0), float(latent_eps), float(beta), float(linear_beta),
+            ACT=act_id, NORM=latent_norm_w is not None, SHARED=shared, SHARED_GLU=shared_up is not None,
+            BLOCK_N=bn, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+# --------------------------------------------------------------------------- the k3 op
+
+@torch.library.custom_op("k3::fused_moe_decode", mutates_args=())
+def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                     w2: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+                     shared_in: torch.Tensor | None, shared_up: torch.Tensor | None,
+                     shared_w2: torch.Tensor | None, act: str, beta: float, linear_beta: float,
+                     crossover: int, latent_up_w: torch.Tensor | None = None,
+                     latent_norm_w: torch.Tensor | None = None, latent_eps: float = 1e-5) -> torch.Tensor:
+    """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc."""
+    return fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
+                               shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps)
+
+
+@fused_moe_decode.register_kernel("cuda")
+def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
+                           shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
+                           latent_eps=1e-5):
+    args = (x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
+            linear_beta, latent_up_w, latent_norm_w, latent_eps)
+    if triton is None or x.shape[0] >= crossover:
+        return fused_moe_grouped(*args)
+    with torch.cuda.device(x.device):  # Triton launches on the current device
+        return fused_moe_triton(*args)
+
+
+@fused_moe_decode.register_fake
+def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
+                           shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
+                           latent_eps=1e-5):
+    _, _, _, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
+                                    shared_w2, act, latent_up_w, latent_norm_w)
+    return x.new_empty(x.shape[0], out_width)
+
+
+# --------------------------------------------------------------------------- build-time crossover
+
+def _time_us(fn, iters: int = 20) -> float:
+    """Mean µs per call of `fn` replayed from a CUDA graph (what the engine runs); eager if capture fails."""
+    fn()
+    torch.cuda.synchronize()
+    graph = None
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                fn()
+    except RuntimeError:
+        graph = None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    if graph is not None:
+        graph.replay()
+    else:
+        for _ in range(iters):
+            fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def random_routing(n: int, num_experts: int, top_k: int, device, seed: int = 0):
+    """Uniformly random distinct experts per token (what a balanced router gives), weights summing to 1."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.rand(n, num_experts, generator=gen).argsort(-1)[:, :top_k]
+    wts = torch.rand(n, top_k, generator=gen)
+    return ids.to(device), (wts / wts.sum(-1, keepdim=True)).to(device)
+
+
+@torch.no_grad()
+def measure_crossover(w13, w2, w13_scale=None, w2_scale=None, shared_w2=None, top_k: int = 8, act: str = "silu",
+                      beta: float = 4.0, linear_beta: float = 25.0, dtype=torch.bfloat16,
+                      batches=CROSSOVER_BATCHES) -> tuple[int, dict]:
+    """Smallest batch in `batches` at which the grouped path is at least as fast as the GEMV kernels,
+    timed on this layer's weights (CUDA); NO_CROSSOVER if it never is. Returns (crossover, timings µs)."""
+    num_experts = w13.shape[0]
+    width = w13.shape[2] * (2 if w13_scale is not None else 1)
+    device = w13.device
+    timings = {}
+    for n in batches:
+        x = torch.randn(n, width, device=device, dtype=dtype)
+        ids, wts = random_routing(n, num_experts, top_k, device, seed=n)
+        shared = (None, None)
+        if shared_w2 is not None:
+            s = torch.randn(n, shared_w2.shape[1], device=device, dtype=dtype)
+            shared = (s, s)
+        args = (x, ids, wts, w13, w2, w13_scale, w2_scale, *shared, shared_w2, act, beta, linear_beta)
+        fused = _time_us(lambda: fused_moe_triton(*args))
+        grouped = _time_us(lambda: fused_moe_grouped(*args))
+        timings[n] = {"fused_us": round(fused, 2), "grouped_us": round(grouped, 2)}
+        if grouped <= fused:
+            return n, timings
+    return NO_CROSSOVER, timings

@@ -1,0 +1,236 @@
+"""P6 fused MoE decode: each MoE layer's routed experts (+ the shared expert's combine) become one
+`k3::fused_moe_decode` node (passes/kernels/moe_decode.py), in decode graphs only.
+
+Matched, anchored on the expert op (after P1-P4: the router is P4's `k3.fused_route`, whose
+weights / ids outputs the expert op reads; P1 has merged the shared expert's gate and up GEMMs
+into the layer's input GEMM):
+
+    u = k3.moe_experts(z, ids, weights, w13, w2, act, beta, linear_beta)            bf16 / fp32 experts
+      | k3.moe_experts_mxfp4(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, act, ...)
+    [latent MoE (K3): r = mm(n, t(Wup)), n = RMSNorm(u) as model_def's RMSNorm traces (pow, mean,
+        add eps, rsqrt, mul, [casts around it in bf16], mul by the norm weight), or n = u without the
+        norm; otherwise r = u]
+    [shared combine: r's only user is
+        y = add(r, s) | add(s, r)      s = mm(a, t(Ws2)), Ws2 a weight [Do, Is], s used only here
+        a = mul(silu(g), up)                                        SiLU-GLU   -> shared_in=g, shared_up=up
+          | the SiTU-GLU chain of moe_math.glu_act with the same betas (fp32, or between bf16 casts)
+                                                                    -> shared_in=g, shared_up=up
+          | anything else                                           -> shared_in=a (already activated)]
+
+and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
+act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps)`. Each part is optional:
+a layer whose tail deviates from these forms keeps that tail in ATen and fuses what comes before.
+
+`crossover` is the batch from which the op runs the grouped-GEMM path instead of the GEMVs. Config
+`crossover_batch` None (default) = decided at build time: measured on the first matched layer's
+weights when they are on CUDA (kernels.moe_decode.measure_crossover: both paths timed from CUDA
+graphs at batch 1..256), else CPU_CROSSOVER. The pass writes the value it used back into its config,
+with `crossover_source` saying where it came from, so the engine's pass report records both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .graph_utils import attr_tensor, erase_if_dead, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
+from .kernels import moe_decode  # noqa: F401  (registers torch.ops.k3.fused_moe_decode)
+from .patterns import NoMatch, is_cast, match_rms_norm
+from .registry import PassConfig, PassConfigError, register_pass
+
+aten = torch.ops.aten
+FUSED = torch.ops.k3.fused_moe_decode.default
+_EXPERT_OPS = (torch.ops.k3.moe_experts.default, torch.ops.k3.moe_experts_mxfp4.default)
+
+
+@dataclass
+class FusedMoEDecodeConfig(PassConfig):
+    # tokens from which the op switches to the grouped-GEMM path; None = measure at build (CUDA) / fixed (CPU)
+    crossover_batch: int | None = None
+    fuse_shared: bool = True  # fold the shared expert's down-projection (+ its GLU) and the add into the op
+    fuse_latent: bool = True  # fold the latent MoE's RMSNorm and up-projection (K3) into the op
+    crossover_source: str = ""  # filled by the pass: where crossover_batch came from
+
+    def validate(self) -> None:
+        if self.crossover_batch is not None and self.crossover_batch < 1:
+            raise PassConfigError(f"p06_fused_moe_decode: crossover_batch must be >= 1 or none, "
+                                  f"got {self.crossover_batch}")
+
+
+def _single_user(node: Node | None) -> Node | None:
+    return next(iter(node.users)) if node is not None and len(node.users) == 1 else None
+
+
+def _scalar_mul(node, c=None):
+    """(x, constant) of `mul(x, constant)`, or None."""
+    if is_call(node, aten.mul.Tensor) and isinstance(node.args[1], (int, float)) and isinstance(node.args[0], Node):
+        return node.args[0], float(node.args[1])
+    return None
+
+
+def _capped(node: Node):
+    """`mul(tanh(div(v, b)), b)` -> (v, b, chain nodes), else None."""
+    m = _scalar_mul(node)
+    if m is None or not is_call(m[0], aten.tanh.default):
+        return None
+    tanh, b = m
+    div = tanh.args[0]
+    if not (is_call(div, aten.div.Tensor) and div.args[1] == b and isinstance(div.args[0], Node)):
+        return None
+    return div.args[0], b, [node, tanh, div]
+
+
+def _match_glu(a: Node, act: str, beta: float, linear_beta: float):
+    """(gate, up, nodes) when `a` is glu_act(gate, up) in the op's activation, else None."""
+    if not is_call(a, aten.mul.Tensor) or len(a.args) != 2 or not all(isinstance(x, Node) for x in a.args):
+        return None
+    left, right = a.args
+    if act == "silu":
+        if is_call(left, aten.silu.default):
+            return left.args[0], right, [a, left]
+        return None
+    # situ: mul(mul(beta·tanh(g/beta), sigmoid(g)), linear_beta·tanh(up/linear_beta))
+    up_part = _capped(right)
+    if up_part is None or up_part[1] != linear_beta or not is_call(left, aten.mul.Tensor):
+        return None
+    capped, sig = left.args
+    gate_part = _capped(capped) if isinstance(capped, Node) else None
+    if gate_part is None or gate_part[1] != beta or not is_call(sig, aten.sigmoid.default) \
+            or sig.args[0] is not gate_part[0]:
+        return None
+    return gate_part[0], up_part[0], [a, left, sig] + gate_part[2] + up_part[2]
+
+
+def _owned(nodes: list[Node], root: Node) -> bool:
+    """Every node except `root` is used only inside the set (so it can go with the match)."""
+    inside = set(nodes)
+    return all(all(u in inside for u in n.users) for n in nodes if n is not root)
+
+
+def _match_shared(moe: Node, act, beta, linear_beta):
+    """(add, shared_in, shared_up, Ws2 get_attr, dead nodes) for the shared combine after `moe` (the routed
+    experts' output, or the latent tail's up-projection), or None."""
+    add = _single_user(moe)
+    if not is_call(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs:
+        return None
+    other = add.args[1] if add.args[0] is moe else add.args[0]
+    if other is moe or not is_call(other, aten.mm.default) or len(other.users) != 1:
+        return None
+    a, t = other.args
+    if not is_call(t, aten.t.default) or not isinstance(t.args[0], Node) or t.args[0].op != "get_attr":
+        return None
+    weight, a_val, out_val = t.args[0], val_of(a), val_of(add)
+    if a_val is None or out_val is None or val_of(moe) is None or out_val.dtype != val_of(moe).dtype \
+            or tuple(val_of(other).shape[1:]) != tuple(val_of(moe).shape[1:]):
+        return None
+    glu = _match_glu(a, act, beta, linear_beta)
+    if glu is None and _cast(a) is not None:  # bf16 SiTU: fp32 chain between casts of g, up and of the result
+        inner = _match_glu(_cast(a), act, beta, linear_beta)
+        if inner is not None and _cast(inner[0], torch.float32) is not None \
+                and _cast(inner[1], torch.float32) is not None:
+            glu = (_cast(inner[0]), _cast(inner[1]), [a] + inner[2] + [inner[0], inner[1]])
+    if glu is not None and len(a.users) == 1 and _owned(glu[2], a):
+        return add, glu[0], glu[1], weight, [other, t] + glu[2]
+    return add, a, None, weight, [other, t]
+
+
+def _cast(node, dtype=None):
+    """The input of `_to_copy(x, dtype=...)` (only a dtype change), else None."""
+    return node.args[0] if is_cast(node, dtype) and isinstance(node.args[0], Node) else None
+
+
+def _linear_of(node: Node):
+    """(mm, weight get_attr) when `node`'s only user is mm(node, t(W)) with W a weight, else None."""
+    mm = _single_user(node)
+    if not is_call(mm, aten.mm.default) or mm.args[0] is not node:
+        return None
+    t = mm.args[1]
+    if not is_call(t, aten.t.default) or len(t.users) != 1 or t.args[0].op != "get_attr":
+        return None
+    return mm, t.args[0], [mm, t]
+
+
+def _match_latent(moe: Node):
+    """(up-projection mm, Wup, norm weight or None, eps, dead nodes) for K3's latent tail after `moe`."""
+    plain = _linear_of(moe)
+    if plain is not None:
+        return plain[0], plain[1], None, 1e-5, plain[2]
+    # walk forward to the norm's output (mul by its weight), then let patterns.match_rms_norm check the chain
+    src = _single_user(moe) if _cast(_single_user(moe), torch.float32) is moe else moe
+    scaled = next((u for u in src.users if is_call(u, aten.mul.Tensor)), None) if src is not None else None
+    out = _single_user(scaled) if scaled is not None else None
+    if out is not None and _cast(out) is scaled:
+        out = _single_user(out)
+    try:
+        x, weight, eps, chain = match_rms_norm(out) if out is not None else (None, None, None, None)
+    except NoMatch:
+        return None
+    if x is not moe or not isinstance(weight, Node) or weight.op != "get_attr":
+        return None
+    up = _linear_of(out)
+    if up is None or not _owned(chain, out):
+        return None
+    return up[0], up[1], weight, eps, chain + up[2]
+
+
+def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor], top_k: int,
+                       act, beta, linear_beta, dtype, shared_w2) -> int:
+    if config.crossover_batch is not None:
+        if not config.crossover_source:
+            config.crossover_source = "config"
+        return config.crossover_batch
+    w13 = weights[0]
+    if w13.is_cuda and moe_decode.triton is not None:
+        scales = (weights[2], weights[3]) if len(weights) == 4 else (None, None)
+        w2 = weights[1]
+        crossover, timings = moe_decode.measure_crossover(w13, w2, *scales, shared_w2=shared_w2, top_k=top_k,
+                                                          act=act, beta=beta, linear_beta=linear_beta, dtype=dtype)
+        summary = ", ".join(f"{n}: {t['fused_us']}/{t['grouped_us']} us" for n, t in timings.items())
+        config.crossover_source = (f"measured on {torch.cuda.get_device_name(w13.device)} "
+                                   f"(batch: fused/grouped per layer) {summary}")
+    else:
+        crossover = moe_decode.CPU_CROSSOVER
+        config.crossover_source = "fixed (weights not on CUDA)"
+    config.crossover_batch = crossover
+    return crossover
+
+
+@register_pass("p06_fused_moe_decode", FusedMoEDecodeConfig)
+def fused_moe_decode(gm: GraphModule, config: FusedMoEDecodeConfig) -> int:
+    """Routed experts (+ shared expert combine) of each MoE layer -> one k3.fused_moe_decode (decode only)."""
+    if gm.meta.get("k3", {}).get("mode") != "decode":
+        return 0
+    matches, fake_mode = 0, None
+    for moe in [n for n in gm.graph.nodes if is_call(n, *_EXPERT_OPS)]:
+        quantized = moe.target is torch.ops.k3.moe_experts_mxfp4.default
+        if quantized:
+            z, ids, wts, w13, s13, w2, s2, act, beta, linear_beta = moe.args
+        else:
+            z, ids, wts, w13, w2, act, beta, linear_beta = moe.args
+            s13 = s2 = None
+        weight_nodes = [w13, w2] + ([s13, s2] if quantized else [])
+        if not all(isinstance(w, Node) and w.op == "get_attr" for w in weight_nodes):
+            continue
+        routed, up_w, norm_w, eps, dead = moe, None, None, 1e-5, []
+        latent = _match_latent(moe) if config.fuse_latent else None
+        if latent is not None:
+            routed, up_w, norm_w, eps, dead = latent
+        shared = _match_shared(routed, act, beta, linear_beta) if config.fuse_shared else None
+        out, shared_in, shared_up, shared_w2 = routed, None, None, None
+        if shared is not None:
+            out, shared_in, shared_up, shared_w2, shared_dead = shared
+            dead = dead + shared_dead
+        fake_mode = fake_mode or fake_mode_of(gm)
+        ordered = [w13, w2, s13, s2] if quantized else [w13, w2]
+        crossover = _resolve_crossover(
+            config, [attr_tensor(gm, w) for w in ordered], val_of(ids).shape[1], act, beta, linear_beta,
+            val_of(z).dtype, attr_tensor(gm, shared_w2) if shared_w2 is not None else None)
+        with gm.graph.inserting_before(out):
+            fused = gm.graph.call_function(FUSED, (z, ids, wts, w13, w2, s13, s2, shared_in, shared_up, shared_w2,
+                                                   act, beta, linear_beta, crossover, up_w, norm_w, eps))
+        set_meta_val(fused, fake_mode)
+        replace_uses(out, fused, fake_mode)
+        erase_if_dead(gm, [out, moe] + dead)
+        matches += 1
+    return matches

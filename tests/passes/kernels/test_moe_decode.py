@@ -1,0 +1,191 @@
+"""Fused MoE decode (k3::fused_moe_decode): the reference is the unfused composition, argument errors,
+the Triton kernels under the interpreter on CPU, the op's traceability, and on CUDA at the
+Kimi-Linear-48B MoE shape (bf16 and MXFP4 experts, both sides of the crossover)."""
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from k3compile.model_def.config import get_preset
+from k3compile.model_def.ops import mxfp4
+from k3compile.model_def.ops.moe_math import glu_act, moe_experts_loop
+from k3compile.passes.kernels import moe_decode
+from k3compile.passes.kernels.moe_decode import fused_moe_reference, random_routing
+
+from .interpreted import run_interpreted
+
+FUSED = torch.ops.k3.fused_moe_decode.default
+
+
+def _problem(n=3, e=8, k=2, d=64, i=32, do=48, s=16, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    ids, wts = random_routing(n, e, k, "cpu", seed)
+    return dict(x=torch.randn(n, d, generator=gen).to(dtype), topk_ids=ids, topk_weights=wts,
+                w13=(torch.randn(e, 2 * i, d, generator=gen) * d ** -0.5).to(dtype),
+                w2=(torch.randn(e, do, i, generator=gen) * i ** -0.5).to(dtype),
+                shared_in=torch.randn(n, s, generator=gen).to(dtype), shared_up=torch.randn(n, s, generator=gen).to(dtype),
+                shared_w2=(torch.randn(do, s, generator=gen) * s ** -0.5).to(dtype))
+
+
+def _op_args(p, act="situ", crossover=16, w13_scale=None, w2_scale=None):
+    return (p["x"], p["topk_ids"], p["topk_weights"], p["w13"], p["w2"], w13_scale, w2_scale, p.get("shared_in"),
+            p.get("shared_up"), p.get("shared_w2"), act, 4.0, 25.0, crossover)
+
+
+@pytest.mark.parametrize("act", ["silu", "situ"])
+def test_reference_is_the_unfused_composition(act):
+    p = _problem()
+    want = moe_experts_loop(p["x"], p["topk_ids"], p["topk_weights"], p["w13"], p["w2"], act, 4.0, 25.0)
+    want = want + F.linear(glu_act(p["shared_in"], p["shared_up"], act, 4.0, 25.0), p["shared_w2"])
+    assert torch.equal(FUSED(*_op_args(p, act)), want)
+    # the shared input already activated
+    activated = glu_act(p["shared_in"], p["shared_up"], act, 4.0, 25.0)
+    args = list(_op_args(p, act))
+    args[7], args[8] = activated, None
+    assert torch.equal(FUSED(*args), want)
+
+
+def test_mxfp4_reference_runs_on_dequantized_weights():
+    p = _problem()
+    w13p, w13s = mxfp4.quantize(p["w13"])
+    w2p, w2s = mxfp4.quantize(p["w2"])
+    got = fused_moe_reference(p["x"], p["topk_ids"], p["topk_weights"], w13p, w2p, w13s, w2s, act="silu")
+    want = moe_experts_loop(p["x"], p["topk_ids"], p["topk_weights"], mxfp4.dequantize(w13p, w13s),
+                            mxfp4.dequantize(w2p, w2s), "silu", 4.0, 25.0)
+    assert torch.equal(got, want)
+    # and it is close to the unquantized experts (MXFP4 keeps ~2 significant bits per weight)
+    dense = moe_experts_loop(p["x"], p["topk_ids"], p["topk_weights"], p["w13"], p["w2"], "silu", 4.0, 25.0)
+    assert (got - dense).abs().max() < 0.35 * dense.abs().max()
+
+
+def test_bad_arguments_raise_clear_errors():
+    p = _problem()
+    cases = [
+        (dict(act="gelu"), "unknown activation 'gelu'"),
+        (dict(topk_ids=p["topk_ids"][:2]), "must both be \\[tokens = 3, k\\]"),
+        (dict(topk_ids=p["topk_ids"].float()), "topk_ids must be integer"),
+        (dict(w13=p["w13"][:, :, :32]), "x width 64 != expert input width 32"),
+        (dict(w2=p["w2"][:, :, :16]), "w13 \\[E, 2I, D\\] and w2 \\[E, Do, I\\]"),
+        (dict(shared_in=p["shared_in"][:, :8]), "shared_in must be \\[3, 16\\]"),
+        (dict(shared_w2=None), "given without shared_w2"),
+        (dict(w13=p["w13"].to(torch.uint8)), "float expert weights expected"),
+        (dict(w13_scale=torch.zeros(8, 64, 2, dtype=torch.uint8)), "both MXFP4 scale tensors"),
+    ]
+    for change, message in cases:
+        q = dict(p, act="situ")
+        q.update(change)
+        args = (q["x"], q["topk_ids"], q["topk_weights"], q["w13"], q["w2"], q.get("w13_scale"), q.get("w2_scale"),
+                q["shared_in"], q["shared_up"], q["shared_w2"], q["act"], 4.0, 25.0, 16)
+        with pytest.raises(ValueError, match=message):
+            FUSED(*args)
+    w13p, w13s = mxfp4.quantize(p["w13"])
+    w2p, w2s = mxfp4.quantize(p["w2"])
+    with pytest.raises(mxfp4.MXFP4FormatError, match="scales have shape"):
+        fused_moe_reference(p["x"], p["topk_ids"], p["topk_weights"], w13p, w2p, w13s[..., :1], w2s)
+
+
+def test_triton_kernels_under_interpreter_match_reference():
+    run_interpreted("interpret_moe_decode.py", timeout=900)
+
+
+def test_op_passes_opcheck_and_stays_one_node():
+    p = _problem(n=2)
+    torch.library.opcheck(FUSED, _op_args(p))
+    w13p, w13s = mxfp4.quantize(p["w13"])
+    w2p, w2s = mxfp4.quantize(p["w2"])
+    torch.library.opcheck(FUSED, _op_args(dict(p, w13=w13p, w2=w2p), "silu", 16, w13s, w2s))
+
+    def fn(x, ids, wts, w13, w2):
+        return FUSED(x, ids, wts, w13, w2, None, None, None, None, None, "silu", 4.0, 25.0, 8)
+
+    graph = make_fx(fn, tracing_mode="symbolic")(p["x"], p["topk_ids"], p["topk_weights"], p["w13"], p["w2"])
+    calls = [n.target for n in graph.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    assert calls == [FUSED]
+
+
+# ------------------------------------------------------------------------------------- CUDA
+
+def _shape_48b():
+    cfg = get_preset("kimi-linear-48b")
+    return dict(e=cfg.num_experts, k=cfg.num_experts_per_token, d=cfg.hidden_size, i=cfg.moe_intermediate_size,
+                do=cfg.hidden_size, s=cfg.moe_intermediate_size * cfg.num_shared_experts)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def _cuda_problem(n, seed, e, k, d, i, do, s):
+    """bf16 tensors made on the GPU (the 48B experts are 2.4 GB: too slow to make on the host)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).bfloat16()
+
+    ids, wts = random_routing(n, e, k, "cuda", seed)
+    return dict(x=randn(n, d), topk_ids=ids, topk_weights=wts, w13=randn(e, 2 * i, d, scale=d ** -0.5),
+                w2=randn(e, do, i, scale=i ** -0.5), shared_in=randn(n, s), shared_up=randn(n, s),
+                shared_w2=randn(do, s, scale=s ** -0.5))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_cuda_op_at_the_48b_shape_matches_reference(quant, n):
+    p = _cuda_problem(n, n, **_shape_48b())
+    scales = (None, None)
+    if quant:
+        w13p, w13s = mxfp4.quantize(p["w13"])
+        w2p, w2s = mxfp4.quantize(p["w2"])
+        p.update(w13=w13p, w2=w2p)
+        scales = (w13s, w2s)
+    for act in ("silu", "situ"):
+        # reference: the unfused composition in fp32 (on the GPU, host-synchronizing expert loop)
+        f32 = {key: (v.float() if v.dtype == torch.bfloat16 else v) for key, v in p.items()}
+        ref = fused_moe_reference(*_op_args(f32, act, 0, *scales)[:13])
+        for crossover in (1 << 30, 1):  # the Triton GEMVs, then the grouped-GEMM path
+            got = FUSED(*_op_args(p, act, crossover, *scales))
+            assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+            err = _rel(got, ref)
+            assert err < 1e-2, (act, crossover, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("n", [1, 8])
+def test_cuda_latent_tail_at_the_k3_mini_shape(quant, n):
+    """K3-style layer (k3-mini-6b): experts on the latent, RMSNorm + up-projection + shared expert in kernel C."""
+    cfg = get_preset("k3-mini-6b")
+    d, lat = cfg.hidden_size, cfg.latent_size
+    s = cfg.moe_intermediate_size * cfg.num_shared_experts
+    p = _cuda_problem(n, n, e=cfg.num_experts, k=cfg.num_experts_per_token, d=lat, i=cfg.moe_intermediate_size,
+                      do=lat, s=s)
+    gen = torch.Generator(device="cuda").manual_seed(99)
+    p["shared_w2"] = (torch.randn(d, s, generator=gen, device="cuda") * s ** -0.5).bfloat16()
+    up_w = (torch.randn(d, lat, generator=gen, device="cuda") * lat ** -0.5).bfloat16()
+    norm_w = (1 + 0.1 * torch.randn(lat, generator=gen, device="cuda")).bfloat16()
+    scales = (None, None)
+    if quant:
+        (w13p, w13s), (w2p, w2s) = mxfp4.quantize(p["w13"]), mxfp4.quantize(p["w2"])
+        p.update(w13=w13p, w2=w2p)
+        scales = (w13s, w2s)
+    f32 = {key: (v.float() if v.dtype == torch.bfloat16 else v) for key, v in p.items()}
+    ref = fused_moe_reference(*_op_args(f32, "situ", 0, *scales)[:13], up_w.float(), norm_w.float(), 1e-5)
+    for crossover in (1 << 30, 1):
+        got = FUSED(*_op_args(p, "situ", crossover, *scales), up_w, norm_w, 1e-5)
+        assert got.shape == (n, d) and _rel(got, ref) < 1e-2, (crossover, _rel(got, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_crossover_measurement_returns_a_tried_batch():
+    shape = _shape_48b()
+    p = _cuda_problem(1, 0, **shape)
+    crossover, timings = moe_decode.measure_crossover(p["w13"], p["w2"], shared_w2=p["shared_w2"], top_k=shape["k"],
+                                                      batches=(1, 64, 256))
+    assert crossover in (1, 64, 256, moe_decode.NO_CROSSOVER)
+    assert all(t["fused_us"] > 0 and t["grouped_us"] > 0 for t in timings.values())

@@ -1,0 +1,166 @@
+"""P6 fused MoE decode: one k3.fused_moe_decode per MoE layer in decode graphs after P1-P4 (shared
+expert folded in where the MoE is full width), none in prefill, the crossover decided and recorded,
+MXFP4 experts, the SiTU shared GLU, numerics vs the unpassed graph and the eager model."""
+import functools
+
+import pytest
+import torch
+
+from k3compile.capture import capture_step
+from k3compile.model_def.init import init_random
+from k3compile.model_def.loader import build_model
+from k3compile.passes.kernels import moe_decode
+from k3compile.passes.manager import PassManager
+from k3compile.passes.pipeline import PipelineConfig, pipeline_from_flags
+from k3compile.passes.registry import PassConfigError
+from k3compile.passes.verify import step_inputs
+
+from .helpers import (BF16_TOL, FP32_TOL, MODELS, assert_same_step, eager_step, graph, inputs_for, layer_counts, model,
+                      op_counts, randomized_inputs, run_graph, run_pass)
+
+aten = torch.ops.aten
+P6 = "p06_fused_moe_decode"
+BEFORE = ("p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing")
+FUSED = torch.ops.k3.fused_moe_decode.default
+
+
+def _after_p1_p4(gm):
+    for name in BEFORE:
+        run_pass(gm, name)
+    return gm
+
+
+def _fused_nodes(gm):
+    return [n for n in gm.graph.nodes if n.target == FUSED]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_one_fused_op_per_moe_layer_in_decode(name):
+    cfg = model(name).config
+    n = layer_counts(cfg)["moe"]
+    gm = _after_p1_p4(graph(name, "decode"))
+    before = op_counts(gm)
+    assert run_pass(gm, P6) == n
+    after = op_counts(gm)
+    assert after[FUSED] == n and after[torch.ops.k3.moe_experts.default] == 0
+    latent = cfg.latent_size is not None
+    for node in _fused_nodes(gm):
+        (x, ids, wts, w13, w2, s13, s2, shared_in, shared_up, shared_w2, act, beta, linear_beta, crossover, up_w,
+         norm_w, eps) = node.args
+        assert ids.args[0].target == torch.ops.k3.fused_route.default  # P4's outputs, consumed directly
+        assert (act, beta, linear_beta) == (cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
+        assert s13 is None and s2 is None and crossover == moe_decode.CPU_CROSSOVER
+        assert shared_w2.target.endswith("shared_experts_down_proj_weight") and shared_up is not None
+        if latent:  # K3: the latent RMSNorm and up-projection went in too
+            assert up_w.target.endswith("routed_expert_up_proj_weight") and eps == cfg.rms_norm_eps
+            assert norm_w.target.endswith("routed_expert_norm_weight")
+        else:
+            assert up_w is None and norm_w is None
+    # per layer: the shared down GEMM, its t, the combining add and the GLU are gone (SiLU: silu + mul;
+    # SiTU: 2 div, 2 tanh, 4 mul, sigmoid); latent: also the norm (pow, mean, add, rsqrt, 2 mul) and up GEMM
+    gone = {aten.mm.default: 1, aten.t.default: 1, aten.add.Tensor: 1}
+    gone.update({aten.silu.default: 1, aten.mul.Tensor: 1} if cfg.hidden_act == "silu" else
+                {aten.tanh.default: 2, aten.sigmoid.default: 1, aten.div.Tensor: 2, aten.mul.Tensor: 4})
+    if latent:
+        for op, k in {aten.mm.default: 1, aten.t.default: 1, aten.pow.Tensor_Scalar: 1, aten.mean.dim: 1,
+                      aten.add.Tensor: 1, aten.rsqrt.default: 1, aten.mul.Tensor: 2}.items():
+            gone[op] = gone.get(op, 0) + k
+    for op, k in gone.items():
+        assert after[op] == before[op] - k * n, op
+    code = gm.code
+    assert run_pass(gm, P6) == 0
+    assert gm.code == code
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_prefill_is_left_alone(name):
+    gm = _after_p1_p4(graph(name, "prefill"))
+    code = gm.code
+    assert run_pass(gm, P6) == 0
+    assert gm.code == code
+
+
+@pytest.mark.parametrize("name,dtype", [("kimi-linear-tiny", torch.float32), ("k3-tiny", torch.bfloat16)])
+def test_numerics_vs_unpassed_graph_and_eager(name, dtype):
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    before, gm = _after_p1_p4(graph(name, "decode", dtype)), _after_p1_p4(graph(name, "decode", dtype))
+    assert run_pass(gm, P6) == layer_counts(model(name).config)["moe"]
+    x = inputs_for(name, "decode", dtype)
+    got = run_graph(gm, x)
+    assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")
+    assert_same_step(got, eager_step(model(name, dtype), "decode", x), tol, "vs eager model")
+
+
+def test_crossover_from_config_goes_into_the_graph_and_the_report():
+    gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
+    assert run_pass(gm, P6, crossover_batch=5) == 5
+    assert {n.args[13] for n in _fused_nodes(gm)} == {5}
+    pipeline = pipeline_from_flags(",".join(BEFORE + (P6,)))
+    report = PassManager(pipeline).run(graph("kimi-linear-tiny", "decode"))
+    rec = report.passes[-1]
+    assert rec.name == P6 and rec.matches == 5
+    # on CPU the default is the fixed value, and the report says so
+    assert rec.options["crossover_batch"] == moe_decode.CPU_CROSSOVER
+    assert rec.options["crossover_source"].startswith("fixed")
+
+
+def test_default_pipeline_runs_p06_after_p04():
+    order = PipelineConfig.default().order
+    assert order.index(P6) == order.index("p04_fused_routing") + 1 or \
+        order[order.index("p04_fused_routing") + 1].startswith("p05")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_disabled_tail_fusion_keeps_the_shared_expert_and_latent_tail(name):
+    n = layer_counts(model(name).config)["moe"]
+    gm = _after_p1_p4(graph(name, "decode"))
+    before = op_counts(gm)
+    assert run_pass(gm, P6, fuse_shared=False, fuse_latent=False) == n
+    assert op_counts(gm)[aten.mm.default] == before[aten.mm.default]
+    assert all(n.args[9] is None and n.args[14] is None for n in _fused_nodes(gm))
+
+
+@functools.lru_cache(maxsize=None)
+def _small_model(kind: str):
+    """3 layers (dense, 2 MoE). 'mxfp4': K3-like with MXFP4 experts; 'situ': Kimi-Linear-like (full width,
+    shared expert) with SiTU activations, so the SiTU shared GLU is matched."""
+    if kind == "mxfp4":
+        cfg = model("k3-tiny").config.replace(name="mxfp4", num_hidden_layers=3, layer_types=("kda", "mla", "kda"),
+                                              attn_res_block_size=None, expert_quant="mxfp4")
+    else:
+        cfg = model("kimi-linear-tiny").config.replace(name="situ", num_hidden_layers=3,
+                                                       layer_types=("kda", "mla", "kda"), hidden_act="situ")
+    m = build_model(cfg)
+    init_random(m, 0)
+    return m
+
+
+@pytest.mark.parametrize("kind", ["mxfp4", "situ"])
+def test_mxfp4_experts_and_situ_shared_glu(kind):
+    m = _small_model(kind)
+    gm, before = _after_p1_p4(capture_step(m, "decode")), _after_p1_p4(capture_step(m, "decode"))
+    counts = op_counts(gm)
+    assert run_pass(gm, P6) == 2
+    after = op_counts(gm)
+    fused = _fused_nodes(gm)
+    if kind == "mxfp4":
+        assert counts[torch.ops.k3.moe_experts_mxfp4.default] == 2
+        assert after[torch.ops.k3.moe_experts_mxfp4.default] == 0
+        for n in fused:
+            assert n.args[3].target.endswith("w13_packed") and n.args[5].target.endswith("w13_scale")
+            assert n.args[4].target.endswith("w2_packed") and n.args[6].target.endswith("w2_scale")
+    else:  # the SiTU chain (2 div, 2 tanh, 4 mul, sigmoid) of each shared GLU went into the op
+        assert all(n.args[8] is not None for n in fused)
+        assert after[aten.tanh.default] == counts[aten.tanh.default] - 4
+        assert after[aten.sigmoid.default] == counts[aten.sigmoid.default] - 2
+    x = randomized_inputs(step_inputs(m, "decode"), 3)
+    got = run_graph(gm, x)
+    assert_same_step(got, run_graph(before, x), FP32_TOL, f"{kind} vs unpassed graph")
+    assert_same_step(got, eager_step(m, "decode", x), FP32_TOL, f"{kind} vs eager")
+
+
+def test_crossover_flag_and_bad_values():
+    pipeline = pipeline_from_flags(P6, pass_opts=[f"{P6}.crossover_batch=12"])
+    assert pipeline.config(P6).crossover_batch == 12
+    with pytest.raises(PassConfigError, match="crossover_batch must be >= 1"):
+        pipeline_from_flags(P6, pass_opts=[f"{P6}.crossover_batch=0"]).validate()
