@@ -1,0 +1,347 @@
+"""Fused KDA decode: a whole KDA layer's decode step between its input GEMM and o_proj, in one kernel.
+
+This is the op that pass P5 puts in place of a KDA layer's decode subgraph. For B requests (one
+token each), H heads of key dim K and value dim V, C = H*K channels per stream, it computes
+exactly what `model_def.layers.kda.KDAMixer.forward` does in decode mode after the projections:
+
+    q, k, v  = SiLU(short conv(x_q / x_k / x_v))     window conv_pool[slot, layer, stream*C + c, :]
+                                                       is read and shifted in place; the result is
+                                                       rounded to x's dtype (as k3::short_conv_decode)
+    g        = Kimi Linear: -exp(A_log[h]) * softplus(f + dt_bias)     (lower_bound None)
+               K3:          lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))
+    beta     = sigmoid(b)
+    q, k     = L2-normalized q * K^-1/2, L2-normalized k
+    S        = ssm_pool[slot, layer, h] (fp32, updated in place):
+               S <- Diag(exp g) S;  S <- S + beta k (v - S^T k)^T;  o = S^T q, rounded to v's dtype
+    out      = RMSNorm(o) * norm_weight * sigmoid(gate)                 per head, fp32, in v's dtype
+
+`torch.ops.k3.fused_kda_decode(...)` is the single graph node. CPU (and any device or shape the
+kernel does not take) runs the reference: the composition of the unfused ops (k3::short_conv_decode,
+model_def's kda_gate, k3::kda_decode, the gated RMSNorm), so a CPU engine with P5 gives the same
+numbers as one without it. CUDA runs the Triton kernel: one program per (request, head) holding the
+head's whole K x V state tile, so the gated RMSNorm over V needs no second kernel.
+
+Programmatic dependent launch: `set_use_pdl(True)` (or K3_KDA_PDL=1 in the environment) launches the
+kernel with `launch_pdl=True`; the kernel then loads its weights before `gdc_wait()` (overlapping the
+previous kernel's tail) and calls `gdc_launch_dependents()` once its inputs are read. Off by default.
+
+Testing without a GPU: with TRITON_INTERPRET=1 in the environment *before this module is imported*,
+`fused_kda_decode_triton` runs on CPU tensors (see tests/passes/kernels/interpret_kda_decode.py).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.library import custom_op
+
+from k3compile.model_def.ops import library as k3ops  # noqa: F401  (registers the unfused k3 ops)
+from k3compile.model_def.ops.kda_math import L2_EPS, kda_gate
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the op still works through the reference
+    triton = None
+
+# The kernel keeps a [K, V] fp32 tile in registers: beyond 128 x 128 it would spill, so larger
+# heads run the reference (no model we serve has them).
+KERNEL_MAX_TILE = 128 * 128
+SOFTPLUS_THRESHOLD = 20.0  # torch's softplus(beta=1, threshold=20), as kda_gate uses
+
+_use_pdl = os.environ.get("K3_KDA_PDL", "0") == "1"
+
+
+def pdl_available() -> bool:
+    """Triton can launch with PDL and has the device-side calls (Triton >= 3.4 on sm90+)."""
+    if triton is None or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+def set_use_pdl(enabled: bool) -> None:
+    global _use_pdl
+    _use_pdl = bool(enabled)
+
+
+# --------------------------------------------------------------------------- argument checks
+
+def check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log, beta_logits,
+               gate, norm_weight, conv_pool, ssm_pool, layer, slots) -> tuple[int, int, int, int, int]:
+    """Raise ValueError naming the first inconsistency; returns (B, H, K, V, conv width)."""
+    def need(cond, msg):
+        if not cond:
+            raise ValueError(f"fused_kda_decode: {msg}")
+
+    def same(shape, want) -> bool:
+        # symbolic batch sizes (fake tensors in a captured graph) are not compared: that would add
+        # guards tying independent symbols together; eager calls always have int sizes
+        return len(shape) == len(want) and all(not (isinstance(a, int) and isinstance(b, int)) or a == b
+                                               for a, b in zip(shape, want))
+
+    need(q_in.dim() == 2 and same(k_in.shape, q_in.shape) and same(v_in.shape, q_in.shape),
+         f"q/k/v inputs must be [B, H*K] of one shape, got {tuple(q_in.shape)}, {tuple(k_in.shape)}, "
+         f"{tuple(v_in.shape)}")
+    b, c = q_in.shape
+    need(a_log.dim() == 1 and a_log.shape[0] >= 1, f"A_log must be [H], got {tuple(a_log.shape)}")
+    h = a_log.shape[0]
+    need(c % h == 0, f"{c} channels do not split into {h} heads")
+    kd = c // h
+    need(gate.dim() == 3 and same(gate.shape[:2], (b, h)),
+         f"gate must be [B, H, V] = [{b}, {h}, V], got {tuple(gate.shape)}")
+    vd = gate.shape[2]
+    need(vd == kd, f"value dim {vd} must equal key dim {kd} (the conv pool stores v with q's channel count)")
+    need(norm_weight.shape == (vd,), f"norm weight must be [V] = [{vd}], got {tuple(norm_weight.shape)}")
+    for name, w in (("q", q_conv_weight), ("k", k_conv_weight), ("v", v_conv_weight)):
+        need(w.dim() == 2 and w.shape[0] == c, f"{name} conv weight must be [{c}, width], got {tuple(w.shape)}")
+    width = q_conv_weight.shape[1]
+    need(k_conv_weight.shape[1] == width and v_conv_weight.shape[1] == width, "conv widths differ")
+    need(same(f.shape, (b, c)), f"forget projection must be [B, H*K] = [{b}, {c}], got {tuple(f.shape)}")
+    need(dt_bias.shape == (c,), f"dt_bias must be [H*K] = [{c}], got {tuple(dt_bias.shape)}")
+    need(same(beta_logits.shape, (b, h)), f"beta logits must be [B, H] = [{b}, {h}], got {tuple(beta_logits.shape)}")
+    need(conv_pool.dim() == 4 and same(conv_pool.shape[2:], (3 * c, width - 1)),
+         f"conv pool must be [slots, layers, 3*H*K = {3 * c}, width-1 = {width - 1}], got {tuple(conv_pool.shape)}")
+    need(ssm_pool.dim() == 5 and same(ssm_pool.shape[2:], (h, kd, vd)) and ssm_pool.dtype == torch.float32,
+         f"ssm pool must be fp32 [slots, layers, {h}, {kd}, {vd}], got {ssm_pool.dtype} {tuple(ssm_pool.shape)}")
+    layers = (ssm_pool.shape[1], conv_pool.shape[1])
+    need(layer >= 0 and all(not isinstance(n, int) or layer < n for n in layers),
+         f"layer {layer} out of range for pools with {ssm_pool.shape[1]} / {conv_pool.shape[1]} layers")
+    need(same(slots.shape, (b,)) and not slots.dtype.is_floating_point,
+         f"slots must be an integer [B] = [{b}] tensor, got {slots.dtype} {tuple(slots.shape)}")
+    return b, h, kd, vd, width
+
+
+# --------------------------------------------------------------------------- CPU reference
+
+def fused_kda_decode_reference(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
+                               beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound,
+                               norm_eps):
+    """The unfused ops, composed exactly as KDAMixer.forward calls them in decode."""
+    b, h, kd, vd, _ = check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
+                                 beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots)
+    c = h * kd
+    conv = torch.ops.k3.short_conv_decode
+    q = conv(q_in, q_conv_weight, conv_pool, layer, 0, slots).unflatten(-1, (h, kd))
+    k = conv(k_in, k_conv_weight, conv_pool, layer, c, slots).unflatten(-1, (h, kd))
+    v = conv(v_in, v_conv_weight, conv_pool, layer, 2 * c, slots).unflatten(-1, (h, vd))
+    g = kda_gate(f, a_log, dt_bias, kd, lower_bound)
+    beta = torch.sigmoid(beta_logits.float())
+    o = torch.ops.k3.kda_decode(q, k, v, g, beta, ssm_pool, layer, slots)
+    # model_def.layers.common.GatedRMSNorm
+    of = o.float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_weight.float()
+    return (of * torch.sigmoid(gate.float())).to(o.dtype)
+
+
+# --------------------------------------------------------------------------- Triton kernel
+
+if triton is not None:
+
+    @triton.jit
+    def _fused_kda_decode_kernel(
+        xq_ptr, xk_ptr, xv_ptr, xq_row, xk_row, xv_row,
+        wq_ptr, wk_ptr, wv_ptr,
+        f_ptr, f_row, dt_ptr, alog_ptr,
+        b_ptr, b_row, b_col,
+        gate_ptr, gate_row, gate_head,
+        normw_ptr,
+        conv_ptr, conv_slot_stride, conv_layer_offset,
+        ssm_ptr, ssm_slot_stride, ssm_layer_offset,
+        slots_ptr, out_ptr,
+        lower_bound, norm_eps, scale,
+        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr,
+        SOFTPLUS_GATE: tl.constexpr, USE_PDL: tl.constexpr,
+    ):
+        # One program = one (request, head): its q/k/v conv channels, its K x V state tile, its
+        # V outputs. Conv pool layout per (slot, layer): [3 * H * K channels, WIDTH - 1] (q, k, v
+        # streams stacked, window oldest first); state per (slot, layer): [H, K, V] row-major.
+        pid = tl.program_id(0)
+        req = (pid // H).to(tl.int64)
+        head = pid % H
+        C: tl.constexpr = H * K
+        ok = tl.arange(0, BK)
+        ov = tl.arange(0, BV)
+        mk = ok < K
+        mv = ov < V
+        ch = head * K + ok  # channel within a stream (v uses the same, V == K)
+
+        # Constants first: with PDL these loads overlap the previous kernel's tail.
+        a = tl.exp(tl.load(alog_ptr + head).to(tl.float32))
+        dt = tl.load(dt_ptr + ch, mask=mk, other=0.0).to(tl.float32)
+        normw = tl.load(normw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+
+        slot = tl.load(slots_ptr + req).to(tl.int64)
+        conv_base = conv_ptr + slot * conv_slot_stride + conv_layer_offset
+        x_dtype = xq_ptr.dtype.element_ty
+
+        # ---- short conv + SiLU per stream; window shifted in place
+        acc_q = tl.zeros([BK], dtype=tl.float32)
+        acc_k = tl.zeros([BK], dtype=tl.float32)
+        acc_v = tl.zeros([BK], dtype=tl.float32)
+        for j in tl.static_range(WIDTH - 1):
+            wq = tl.load(wq_ptr + ch * WIDTH + j, mask=mk, other=0.0).to(tl.float32)
+            wk = tl.load(wk_ptr + ch * WIDTH + j, mask=mk, other=0.0).to(tl.float32)
+            wv = tl.load(wv_ptr + ch * WIDTH + j, mask=mk, other=0.0).to(tl.float32)
+            hq = tl.load(conv_base + ch * (WIDTH - 1) + j, mask=mk, other=0.0)
+            hk = tl.load(conv_base + (C + ch) * (WIDTH - 1) + j, mask=mk, other=0.0)
+            hv = tl.load(conv_base + (2 * C + ch) * (WIDTH - 1) + j, mask=mk, other=0.0)
+            # the window is cast to x's dtype before the multiply (as short_conv_decode does)
+            acc_q += wq * hq.to(x_dtype).to(tl.float32)
+            acc_k += wk * hk.to(x_dtype).to(tl.float32)
+            acc_v += wv * hv.to(x_dtype).to(tl.float32)
+            if j > 0:  # shift: window[j-1] <- window[j] (through x's dtype, as the unfused op)
+                pool_dtype = conv_ptr.dtype.element_ty
+                tl.store(conv_base + ch * (WIDTH - 1) + j - 1, hq.to(x_dtype).to(pool_dtype), mask=mk)
+                tl.store(conv_base + (C + ch) * (WIDTH - 1) + j - 1, hk.to(x_dtype).to(pool_dtype), mask=mk)
+                tl.store(conv_base + (2 * C + ch) * (WIDTH - 1) + j - 1, hv.to(x_dtype).to(pool_dtype), mask=mk)
+        xq = tl.load(xq_ptr + req * xq_row + ch, mask=mk, other=0.0)
+        xk = tl.load(xk_ptr + req * xk_row + ch, mask=mk, other=0.0)
+        xv = tl.load(xv_ptr + req * xv_row + ch, mask=mk, other=0.0)
+        last = WIDTH - 1
+        acc_q += tl.load(wq_ptr + ch * WIDTH + last, mask=mk, other=0.0).to(tl.float32) * xq.to(tl.float32)
+        acc_k += tl.load(wk_ptr + ch * WIDTH + last, mask=mk, other=0.0).to(tl.float32) * xk.to(tl.float32)
+        acc_v += tl.load(wv_ptr + ch * WIDTH + last, mask=mk, other=0.0).to(tl.float32) * xv.to(tl.float32)
+        if WIDTH > 1:  # window[-1] <- this token's input
+            pool_dtype = conv_ptr.dtype.element_ty
+            tl.store(conv_base + ch * (WIDTH - 1) + WIDTH - 2, xq.to(pool_dtype), mask=mk)
+            tl.store(conv_base + (C + ch) * (WIDTH - 1) + WIDTH - 2, xk.to(pool_dtype), mask=mk)
+            tl.store(conv_base + (2 * C + ch) * (WIDTH - 1) + WIDTH - 2, xv.to(pool_dtype), mask=mk)
+        # SiLU, then round to x's dtype like the unfused op's output
+        q = (acc_q * tl.sigmoid(acc_q)).to(x_dtype).to(tl.float32)
+        k = (acc_k * tl.sigmoid(acc_k)).to(x_dtype).to(tl.float32)
+        v_k = (acc_v * tl.sigmoid(acc_v)).to(x_dtype).to(tl.float32)
+
+        # ---- gates
+        fx = tl.load(f_ptr + req * f_row + ch, mask=mk, other=0.0).to(tl.float32) + dt
+        if SOFTPLUS_GATE:
+            sp = tl.where(fx > 20.0, fx, tl.log(1.0 + tl.exp(tl.minimum(fx, 20.0))))
+            g = -a * sp
+        else:
+            g = lower_bound * tl.sigmoid(a * fx)
+        decay = tl.where(mk, tl.exp(g), 0.0)
+        beta = tl.sigmoid(tl.load(b_ptr + req * b_row + head * b_col).to(tl.float32))
+        gate = tl.load(gate_ptr + req * gate_row + head * gate_head + ov, mask=mv, other=0.0).to(tl.float32)
+
+        # ---- L2 norms (epsilon inside the sqrt, as fla)
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        v = v_k  # V == K: v's channels index the tile's V axis
+
+        # ---- delta rule on the fp32 state, in place
+        s_ptrs = (ssm_ptr + slot * ssm_slot_stride + ssm_layer_offset + head * K * V
+                  + ok[:, None] * V + ov[None, :])
+        m2 = mk[:, None] & mv[None, :]
+        s = tl.load(s_ptrs, mask=m2, other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        s = s * decay[:, None]
+        kv_mem = tl.sum(s * k[:, None], axis=0)  # S^T k: [V]
+        delta = (v - kv_mem) * beta
+        s = s + k[:, None] * delta[None, :]
+        tl.store(s_ptrs, s, mask=m2)
+        o = tl.sum(s * q[:, None], axis=0)
+        out_dtype = out_ptr.dtype.element_ty
+        o = o.to(out_dtype).to(tl.float32)  # k3::kda_decode returns v's dtype
+
+        # ---- gated RMSNorm over V
+        o = o * tl.rsqrt(tl.sum(o * o, axis=0) / V + norm_eps) * normw
+        o = o * tl.sigmoid(gate)
+        tl.store(out_ptr + (req * H + head) * V + ov, o.to(out_dtype), mask=mv)
+
+
+def kernel_supports(head_dim: int, value_dim: int) -> bool:
+    return (triton is not None and head_dim == value_dim
+            and triton.next_power_of_2(head_dim) * triton.next_power_of_2(value_dim) <= KERNEL_MAX_TILE)
+
+
+def _row_major_rows(t: torch.Tensor) -> torch.Tensor:
+    """Rows may be strided (column blocks of a merged GEMM's output); elements within a row must not."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
+                            beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound,
+                            norm_eps, num_warps: int | None = None, use_pdl: bool | None = None) -> torch.Tensor:
+    """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    if triton is None:
+        raise RuntimeError("fused_kda_decode: triton is not installed")
+    b, h, kd, vd, width = check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias,
+                                     a_log, beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots)
+    if not kernel_supports(kd, vd):
+        raise ValueError(f"fused_kda_decode kernel: needs K == V and a K x V tile <= {KERNEL_MAX_TILE}, "
+                         f"got K={kd}, V={vd}")
+    # the pools are written in place, so they cannot be copied: their inner blocks must be dense
+    if conv_pool.stride(3) != 1 or conv_pool.stride(2) != width - 1:
+        raise ValueError("fused_kda_decode kernel: conv pool [slot, layer] blocks must be row-major")
+    if ssm_pool.stride(4) != 1 or ssm_pool.stride(3) != vd or ssm_pool.stride(2) != kd * vd:
+        raise ValueError("fused_kda_decode kernel: ssm pool [slot, layer] blocks must be row-major")
+    q_in, k_in, v_in, f = (_row_major_rows(t) for t in (q_in, k_in, v_in, f))
+    gate = _row_major_rows(gate)
+    wq, wk, wv = (w.contiguous() for w in (q_conv_weight, k_conv_weight, v_conv_weight))
+    dt_bias, a_log, norm_weight = dt_bias.contiguous(), a_log.contiguous(), norm_weight.contiguous()
+    out = torch.empty(b, h, vd, dtype=v_in.dtype, device=v_in.device)
+    if b == 0:
+        return out
+    if use_pdl is None:
+        use_pdl = _use_pdl and pdl_available()
+    bk = triton.next_power_of_2(kd)
+    if num_warps is None:
+        num_warps = 8 if bk * bk >= 128 * 128 else 4 if bk * bk >= 64 * 64 else 1
+    extra = {"launch_pdl": True} if use_pdl else {}
+    _fused_kda_decode_kernel[(b * h,)](
+        q_in, k_in, v_in, q_in.stride(0), k_in.stride(0), v_in.stride(0),
+        wq, wk, wv,
+        f, f.stride(0), dt_bias, a_log,
+        beta_logits, beta_logits.stride(0), beta_logits.stride(1),
+        gate, gate.stride(0), gate.stride(1),
+        norm_weight,
+        conv_pool, conv_pool.stride(0), layer * conv_pool.stride(1),
+        ssm_pool, ssm_pool.stride(0), layer * ssm_pool.stride(1),
+        slots, out,
+        float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps), kd ** -0.5,
+        H=h, K=kd, V=vd, WIDTH=width, BK=bk, BV=bk,
+        SOFTPLUS_GATE=lower_bound is None, USE_PDL=bool(use_pdl),
+        num_warps=num_warps, **extra,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- the k3 op
+
+@custom_op("k3::fused_kda_decode", mutates_args=("conv_pool", "ssm_pool"))
+def fused_kda_decode(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, q_conv_weight: torch.Tensor,
+                     k_conv_weight: torch.Tensor, v_conv_weight: torch.Tensor, f: torch.Tensor,
+                     dt_bias: torch.Tensor, a_log: torch.Tensor, beta_logits: torch.Tensor, gate: torch.Tensor,
+                     norm_weight: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, layer: int,
+                     slots: torch.Tensor, lower_bound: float | None, norm_eps: float) -> torch.Tensor:
+    """A KDA layer's decode step after its input GEMM: [B, H, V] gated-norm output. See module doc."""
+    return fused_kda_decode_reference(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias,
+                                      a_log, beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots,
+                                      lower_bound, norm_eps)
+
+
+@fused_kda_decode.register_kernel("cuda")
+def _fused_kda_decode_cuda(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
+                           beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps):
+    args = (q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log, beta_logits, gate,
+            norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps)
+    c, h = q_in.shape[-1], a_log.shape[0]
+    if kernel_supports(c // h, gate.shape[-1]):
+        with torch.cuda.device(q_in.device):  # Triton launches on the current device
+            return fused_kda_decode_triton(*args)
+    return fused_kda_decode_reference(*args)
+
+
+@fused_kda_decode.register_fake
+def _fused_kda_decode_fake(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
+                           beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps):
+    b, h, _, vd, _ = check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
+                                beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots)
+    return v_in.new_empty(b, h, vd)
