@@ -21,9 +21,10 @@ model_def's kda_gate, k3::kda_decode, the gated RMSNorm), so a CPU engine with P
 numbers as one without it. CUDA runs the Triton kernel: one program per (request, head) holding the
 head's whole K x V state tile, so the gated RMSNorm over V needs no second kernel.
 
-Programmatic dependent launch: `set_use_pdl(True)` (or K3_KDA_PDL=1 in the environment) launches the
-kernel with `launch_pdl=True`; the kernel then loads its weights before `gdc_wait()` (overlapping the
-previous kernel's tail) and calls `gdc_launch_dependents()` once its inputs are read. Off by default.
+Programmatic dependent launch: the op's `use_pdl` argument (P5's option, so an engine records it)
+launches the kernel with `launch_pdl=True` where Triton and the GPU support it (sm90+); the kernel
+then loads its weights before `gdc_wait()` (overlapping the previous kernel's tail) and calls
+`gdc_launch_dependents()` once its inputs are read. The CPU reference ignores it.
 
 Testing without a GPU: with TRITON_INTERPRET=1 in the environment *before this module is imported*,
 `fused_kda_decode_triton` runs on CPU tensors (see tests/passes/kernels/interpret_kda_decode.py).
@@ -49,9 +50,6 @@ except ImportError:  # CPU-only install: the op still works through the referenc
 KERNEL_MAX_TILE = 128 * 128
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus(beta=1, threshold=20), as kda_gate uses
 
-_use_pdl = os.environ.get("K3_KDA_PDL", "0") == "1"
-
-
 def pdl_available() -> bool:
     """Triton can launch with PDL and has the device-side calls (Triton >= 3.4 on sm90+)."""
     if triton is None or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
@@ -61,11 +59,6 @@ def pdl_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.get_device_capability()[0] >= 9
-
-
-def set_use_pdl(enabled: bool) -> None:
-    global _use_pdl
-    _use_pdl = bool(enabled)
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -268,7 +261,7 @@ def _row_major_rows(t: torch.Tensor) -> torch.Tensor:
 
 def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                             beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound,
-                            norm_eps, num_warps: int | None = None, use_pdl: bool | None = None) -> torch.Tensor:
+                            norm_eps, use_pdl: bool = False, num_warps: int | None = None) -> torch.Tensor:
     """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
     if triton is None:
         raise RuntimeError("fused_kda_decode: triton is not installed")
@@ -289,8 +282,7 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
     out = torch.empty(b, h, vd, dtype=v_in.dtype, device=v_in.device)
     if b == 0:
         return out
-    if use_pdl is None:
-        use_pdl = _use_pdl and pdl_available()
+    use_pdl = use_pdl and pdl_available()
     bk = triton.next_power_of_2(kd)
     if num_warps is None:
         num_warps = 8 if bk * bk >= 128 * 128 else 4 if bk * bk >= 64 * 64 else 1
@@ -320,7 +312,8 @@ def fused_kda_decode(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
                      k_conv_weight: torch.Tensor, v_conv_weight: torch.Tensor, f: torch.Tensor,
                      dt_bias: torch.Tensor, a_log: torch.Tensor, beta_logits: torch.Tensor, gate: torch.Tensor,
                      norm_weight: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, layer: int,
-                     slots: torch.Tensor, lower_bound: float | None, norm_eps: float) -> torch.Tensor:
+                     slots: torch.Tensor, lower_bound: float | None, norm_eps: float,
+                     use_pdl: bool = False) -> torch.Tensor:
     """A KDA layer's decode step after its input GEMM: [B, H, V] gated-norm output. See module doc."""
     return fused_kda_decode_reference(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias,
                                       a_log, beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots,
@@ -329,19 +322,21 @@ def fused_kda_decode(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
 
 @fused_kda_decode.register_kernel("cuda")
 def _fused_kda_decode_cuda(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
-                           beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps):
+                           beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps,
+                           use_pdl=False):
     args = (q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log, beta_logits, gate,
             norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps)
     c, h = q_in.shape[-1], a_log.shape[0]
     if kernel_supports(c // h, gate.shape[-1]):
         with torch.cuda.device(q_in.device):  # Triton launches on the current device
-            return fused_kda_decode_triton(*args)
+            return fused_kda_decode_triton(*args, use_pdl=use_pdl)
     return fused_kda_decode_reference(*args)
 
 
 @fused_kda_decode.register_fake
 def _fused_kda_decode_fake(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
-                           beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps):
+                           beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps,
+                           use_pdl=False):
     b, h, _, vd, _ = check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                                 beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots)
     return v_in.new_empty(b, h, vd)
