@@ -1,4 +1,4 @@
-"""Pass manager: the whole P1-P4 pipeline on both models, the report, order/enable/options from
+"""Pass manager: the whole P1-P5 pipeline on both models, the report, order/enable/options from
 flags and files, graph dumps, and verification catching a broken pass by name."""
 import argparse
 import json
@@ -18,8 +18,8 @@ from .helpers import (FP32_TOL, assert_same_step, attn_res_reads_with_weights, e
                       model, other_batch, run_graph)
 
 aten = torch.ops.aten
-BUILTIN = ["p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing", "p07_attn_res_norm",
-           "p15_mla_decode"]
+BUILTIN = ["p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing", "p05_fused_kda_decode",
+           "p07_attn_res_norm", "p15_mla_decode"]
 
 
 def _expected(cfg, dtype, mode) -> dict:
@@ -27,6 +27,7 @@ def _expected(cfg, dtype, mode) -> dict:
     folded = 0 if dtype == torch.float32 else 3 * n["kda"] + n["moe"] + 2 * attn_res_reads_with_weights(cfg)
     return {"p01_gemm_merge": n["kda"] + n["mla"] + n["moe"] + n["dense"], "p02_noop_views": 2 * n["mla"],
             "p03_casts_copies_dce": n["moe"] + folded, "p04_fused_routing": n["moe"],
+            "p05_fused_kda_decode": n["kda"] if mode == "decode" else 0,
             "p07_attn_res_norm": 2 * n["layers"], "p15_mla_decode": 2 * n["mla"] if mode == "decode" else 0}
 
 
@@ -87,7 +88,7 @@ def test_launch_rule():
 
 def test_default_pipeline_is_every_pass_in_name_order():
     cfg = PipelineConfig.default()
-    assert cfg.order[:6] == BUILTIN and cfg.order == sorted(cfg.order)
+    assert cfg.order[:len(BUILTIN)] == BUILTIN and cfg.order == sorted(cfg.order)
     assert cfg.enabled_passes() == cfg.order
     assert list(registered_passes()) == cfg.order
 
@@ -106,7 +107,7 @@ def test_flags_order_enable_disable_options():
     assert cfg.config("p03_casts_copies_dce").dce is False
     assert "p04_fused_routing" not in cfg.enabled_passes()
     assert pipeline_from_flags(passes="none").order == []
-    assert pipeline_from_flags(passes="all").order[:6] == BUILTIN
+    assert pipeline_from_flags(passes="all").order[:len(BUILTIN)] == BUILTIN
 
 
 @pytest.mark.parametrize("kwargs,message", [

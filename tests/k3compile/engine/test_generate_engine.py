@@ -38,7 +38,8 @@ def test_build_command_then_generate(main, capsys, tmp_path):
         assert stage in err
     m = json.load(open(os.path.join(out, "engine.json")))
     names = [p["name"] for p in m["passes"]["decode"]["passes"]]
-    assert names[:3] == ["p01_gemm_merge", "p02_noop_views", "p04_fused_routing"] and "p03_casts_copies_dce" not in names
+    assert names[:4] == ["p01_gemm_merge", "p02_noop_views", "p04_fused_routing", "p05_fused_kda_decode"]
+    assert "p03_casts_copies_dce" not in names
     want = generated_ids(main, capsys, "--model", "kimi-linear-tiny")
     assert generated_ids(main, capsys, "--engine", out) == want
     # a second build into the same directory needs --overwrite; the error names the directory
