@@ -13,12 +13,13 @@ Matched (the ATen form of `KDAMixer.forward` in decode mode), anchored on `k3.kd
 
 where any operand may sit behind a cast to fp32 (bf16 graphs; the fused op upcasts itself), and is
 replaced by `out = k3.fused_kda_decode(x_q, x_k, x_v, w_q, w_k, w_v, f, dt_bias, A_log, b, gate,
-w_norm, conv, ssm, layer, slots, lower_bound | None, eps, use_pdl)`. Only decode graphs have
+w_norm, conv, ssm, layer, slots, lower_bound | None, eps, f_b, g_b, use_pdl)`. With
+`absorb_low_rank` (default), an `f` that is `mm(f_a, t(W_fb))` (f_b_proj) and a `gate` that is
+`view(mm(g_a, t(W_gb)), [B, H, V])` (Kimi Linear's g_b_proj) enter the op as their low-rank inputs
+and weights, so the kernel does those GEMVs too at small batch. Only decode graphs have
 `kda_decode` (prefill calls `kda_prefill`), so prefill is never touched. A chain whose intermediates
 are read elsewhere, whose conv offsets or layer indices differ from the model's layout, or that
 deviates from the form above (other constants, other reduction dims) is left alone.
-
-The f_b_proj (and Kimi Linear's g_b_proj) GEMMs stay outside: the fused op starts from their outputs.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ _SOFTPLUS = (1.0, kda_decode.SOFTPLUS_THRESHOLD)  # (beta, threshold) the kernel
 @dataclass
 class FusedKDADecodeConfig(PassConfig):
     use_pdl: bool = False  # launch the kernel with programmatic dependent launch (sm90+, Triton >= 3.4)
+    absorb_low_rank: bool = True  # take f_b_proj / g_b_proj (mm of a low-rank input) into the fused op
 
 
 class _NoMatch(Exception):
@@ -55,8 +57,9 @@ def _need(cond) -> None:
 class _Pattern:
     """The nodes a match will erase; `take` follows a node into the pattern."""
 
-    def __init__(self):
+    def __init__(self, absorb_low_rank: bool):
         self.nodes: list[Node] = []
+        self.absorb_low_rank = absorb_low_rank
 
     def take(self, node, *targets) -> Node:
         _need(is_call(node, *targets))
@@ -71,6 +74,18 @@ class _Pattern:
                 self.nodes.append(node)
                 return node.args[0]
         return node
+
+
+def _low_rank(p: _Pattern, node: Node):
+    """`mm(x, t(W))` read only by the pattern -> (x, W), taking mm and t in; None if `node` is not that."""
+    if not (is_call(node, aten.mm.default) and is_call(node.args[1], aten.t.default)) or len(node.users) != 1:
+        return None
+    t = node.args[1]
+    w = val_of(t.args[0]) if isinstance(t.args[0], Node) else None
+    if len(t.users) != 1 or w is None or w.dim() != 2:
+        return None
+    p.nodes += [node, t]
+    return node.args[0], t.args[0]
 
 
 def _scalar(x) -> bool:
@@ -99,7 +114,7 @@ def _match_decay_scale(p: _Pattern, node: Node, heads: int) -> Node:
 
 
 def _match_forget(p: _Pattern, node: Node, batch, heads: int, head_dim: int) -> tuple[Node, Node]:
-    """view(add(f, dt_bias), [B, H, K]) -> (f, dt_bias)."""
+    """view(add(f, dt_bias), [B, H, K]) -> (f, dt_bias, f_b weight or None)."""
     view = p.take(node, aten.view.default)
     _need(len(view.args[1]) == 3 and list(view.args[1])[1:] == [heads, head_dim])
     add = p.take(view.args[0], aten.add.Tensor)
@@ -110,11 +125,12 @@ def _match_forget(p: _Pattern, node: Node, batch, heads: int, head_dim: int) -> 
     fv, dv = _tensor(f, 2), _tensor(dt, 1)
     c = heads * head_dim
     _need(known_equal(fv.shape[0], batch) and fv.shape[1] == c and dv.shape[0] == c)
-    return f, dt
+    low_rank = _low_rank(p, f) if p.absorb_low_rank else None
+    return (*low_rank, dt) if low_rank else (f, None, dt)
 
 
 def _match_gate(p: _Pattern, g: Node, batch, heads: int, head_dim: int):
-    """The log-decay chain -> (f, dt_bias, A_log, lower_bound or None)."""
+    """The log-decay chain -> (f, f_b weight or None, dt_bias, A_log, lower_bound or None)."""
     mul = p.take(g, aten.mul.Tensor)
     a, b = _split_mul(mul)
     if _scalar(a) or _scalar(b):  # K3: lower_bound * sigmoid(exp(A_log) * x)
@@ -125,16 +141,16 @@ def _match_gate(p: _Pattern, g: Node, batch, heads: int, head_dim: int):
         scale_node, forget = (x, y) if is_call(x, aten.view.default) and is_call(x.args[0], aten.exp.default) \
             else (y, x)
         a_log = _match_decay_scale(p, scale_node, heads)
-        f, dt = _match_forget(p, forget, batch, heads, head_dim)
-        return f, dt, a_log, float(lower_bound)
+        f, f_b, dt = _match_forget(p, forget, batch, heads, head_dim)
+        return f, f_b, dt, a_log, float(lower_bound)
     # Kimi Linear: -exp(A_log) * softplus(x)
     neg, sp = (a, b) if is_call(a, aten.neg.default) else (b, a)
     a_log = _match_decay_scale(p, p.take(neg, aten.neg.default).args[0], heads)
     p.take(sp, aten.softplus.default)
     beta_thr = tuple(sp.args[1:]) + (1.0, 20.0)[len(sp.args) - 1:]
     _need(not sp.kwargs and beta_thr == _SOFTPLUS)
-    f, dt = _match_forget(p, sp.args[0], batch, heads, head_dim)
-    return f, dt, a_log, None
+    f, f_b, dt = _match_forget(p, sp.args[0], batch, heads, head_dim)
+    return f, f_b, dt, a_log, None
 
 
 def _match_convs(p: _Pattern, kda: Node, heads: int, head_dim: int):
@@ -154,7 +170,7 @@ def _match_convs(p: _Pattern, kda: Node, heads: int, head_dim: int):
 
 
 def _match_norm(p: _Pattern, kda: Node, heads: int, head_dim: int):
-    """The gated RMSNorm after kda_decode -> (end node, norm weight, gate, eps)."""
+    """The gated RMSNorm after kda_decode -> (end node, norm weight, gate, g_b weight or None, eps)."""
     out_dtype = val_of(kda).dtype
     o = kda
     if len(kda.users) == 1:
@@ -188,17 +204,23 @@ def _match_norm(p: _Pattern, kda: Node, heads: int, head_dim: int):
     gate = p.upcast(sig.args[0])
     gv = _tensor(gate, 3)
     _need(known_equal(gv.shape[0], val_of(kda).shape[0]) and tuple(gv.shape[1:]) == (heads, head_dim))
+    g_b = None
+    if p.absorb_low_rank and is_call(gate, aten.view.default) and len(gate.users) == 1:
+        low_rank = _low_rank(p, gate.args[0])
+        if low_rank:  # Kimi Linear's g_b_proj
+            p.nodes.append(gate)
+            gate, g_b = low_rank
     end = gated
     if val_of(gated).dtype != out_dtype:
         _need(len(gated.users) == 1)
         end = p.take(next(iter(gated.users)), aten._to_copy.default)
         _need(end.kwargs == {"dtype": out_dtype} and len(end.args) == 1)
     _need(val_of(end).dtype == out_dtype)
-    return end, weight, gate, eps
+    return end, weight, gate, g_b, eps
 
 
-def _match(kda: Node):
-    p = _Pattern()
+def _match(kda: Node, absorb_low_rank: bool):
+    p = _Pattern(absorb_low_rank)
     p.nodes.append(kda)
     q, _, v, g, beta, ssm, layer, slots = kda.args
     qv = val_of(q)
@@ -206,15 +228,15 @@ def _match(kda: Node):
     batch, heads, head_dim = qv.shape
     _need(tuple(val_of(v).shape[1:]) == (heads, head_dim))
     xs, ws, conv = _match_convs(p, kda, heads, head_dim)
-    f, dt, a_log, lower_bound = _match_gate(p, g, batch, heads, head_dim)
+    f, f_b, dt, a_log, lower_bound = _match_gate(p, g, batch, heads, head_dim)
     b = p.upcast(p.take(beta, aten.sigmoid.default).args[0])
     bv = _tensor(b, 2)
     _need(known_equal(bv.shape[0], batch) and bv.shape[1] == heads)
-    end, weight, gate, eps = _match_norm(p, kda, heads, head_dim)
+    end, weight, gate, g_b, eps = _match_norm(p, kda, heads, head_dim)
     for n in p.nodes:
         if n is not end:
             _need(all(u in p.nodes for u in n.users))
-    args = (*xs, *ws, f, dt, a_log, b, gate, weight, conv, ssm, layer, slots, lower_bound, eps)
+    args = (*xs, *ws, f, dt, a_log, b, gate, weight, conv, ssm, layer, slots, lower_bound, eps, f_b, g_b)
     return p.nodes, end, args
 
 
@@ -224,7 +246,7 @@ def fused_kda_decode(gm: GraphModule, config: FusedKDADecodeConfig) -> int:
     matches, fake_mode = 0, None
     for kda in [n for n in gm.graph.nodes if is_call(n, _KDA_DECODE)]:
         try:
-            nodes, end, args = _match(kda)
+            nodes, end, args = _match(kda, config.absorb_low_rank)
         except _NoMatch:
             continue
         fake_mode = fake_mode or fake_mode_of(gm)

@@ -1,6 +1,7 @@
-"""Microbenchmark: one KDA layer's decode step after its input GEMM, fused (k3::fused_kda_decode, the
-Triton kernel) vs unfused (the ops the P1-P4 engine runs: k3::short_conv_decode x3, the gate and beta
-ops, k3::kda_decode (fla's fused_recurrent on CUDA when fla is installed), the gated RMSNorm ops).
+"""Microbenchmark: one KDA layer's decode step after its input GEMM, fused (k3::fused_kda_decode as P5
+emits it: the Triton kernel, with f_b_proj and Kimi Linear's g_b_proj absorbed) vs unfused (the ops
+the P1-P4 engine runs: the f_b_proj / g_b_proj GEMMs, k3::short_conv_decode x3, the gate and beta ops,
+k3::kda_decode (fla's fused_recurrent on CUDA when fla is installed), the gated RMSNorm ops).
 
 Both run as CUDA graphs of `--layers` consecutive layers (distinct pool layers, as in a step), so
 Python and launch overhead are excluded the way the engine's graph replay excludes them; before each
@@ -23,25 +24,34 @@ from k3compile.model_def.ops.cuda_backend import BACKENDS
 from k3compile.passes.kernels import kda_decode
 
 
-def make_layer_inputs(batch, heads, head_dim, lower_bound, layers, dtype, gen, dev="cuda"):
+def make_layer_inputs(batch, heads, head_dim, lower_bound, full_rank_gate, layers, dtype, gen, dev="cuda"):
     """Post-GEMM activations as column blocks of one merged output (as in the captured graph), per-layer
-    weights, pools of `layers` KDA layers with random contents and the batch in a shuffled slot order."""
+    weights, pools of `layers` KDA layers with random contents and the batch in a shuffled slot order.
+    f (and the gate, unless full rank) come as low-rank inputs of rank head_dim plus their weights."""
     c = heads * head_dim
+    rank = head_dim  # f_a_proj / g_a_proj: hidden -> head_dim
     slots = torch.randperm(batch + 16, generator=gen)[:batch].to(dev)
     num_slots = batch + 16
     ssm = 0.3 * torch.randn(num_slots, layers, heads, head_dim, head_dim, device=dev)
     conv = torch.randn(num_slots, layers, 3 * c, 3, device=dev, dtype=dtype)
     per_layer = []
     for layer in range(layers):
-        merged = torch.randn(batch, 5 * c + heads, device=dev, dtype=dtype)
-        xq, xk, xv, f, gate = (merged[:, i * c:(i + 1) * c] for i in range(5))
-        beta = merged[:, 5 * c:]
+        g_cols = c if full_rank_gate else rank
+        merged = torch.randn(batch, 3 * c + rank + heads + g_cols, device=dev, dtype=dtype)
+        xq, xk, xv = (merged[:, i * c:(i + 1) * c] for i in range(3))
+        f = merged[:, 3 * c:3 * c + rank]
+        beta = merged[:, 3 * c + rank:3 * c + rank + heads]
+        gate = merged[:, 3 * c + rank + heads:]
+        f_b = torch.randn(c, rank, device=dev, dtype=dtype) / rank ** 0.5
+        g_b = None if full_rank_gate else torch.randn(c, rank, device=dev, dtype=dtype) / rank ** 0.5
+        if full_rank_gate:
+            gate = gate.unflatten(-1, (heads, head_dim))
         w = [0.5 * torch.randn(c, 4, device=dev, dtype=dtype) for _ in range(3)]
         a_log = (torch.rand(heads, device=dev) * 2.7).to(dtype)
         dt_bias = (0.1 * torch.randn(c, device=dev)).float()
         norm_w = torch.ones(head_dim, device=dev, dtype=torch.float32)
-        per_layer.append((xq, xk, xv, *w, f, dt_bias, a_log, beta, gate.unflatten(-1, (heads, head_dim)), norm_w,
-                          conv, ssm, layer, slots, lower_bound, 1e-5))
+        per_layer.append((xq, xk, xv, *w, f, dt_bias, a_log, beta, gate, norm_w, conv, ssm, layer, slots,
+                          lower_bound, 1e-5, f_b, g_b))
     return per_layer
 
 
@@ -50,7 +60,7 @@ def unfused(args, use_pdl=False):
 
 
 def fused(args, use_pdl=False):
-    return kda_decode.fused_kda_decode_triton(*args, use_pdl=use_pdl)
+    return torch.ops.k3.fused_kda_decode(*args, use_pdl=use_pdl)  # the CUDA registration P5's graphs call
 
 
 def time_graph(fn, layer_args, use_pdl, replays):
@@ -103,12 +113,13 @@ def main() -> None:
     print(f"{a.preset}: H={cfg.kda_num_heads} K=V={cfg.kda_head_dim} gate="
           f"{'softplus' if cfg.gate_lower_bound is None else f'lower bound {cfg.gate_lower_bound}'} {a.dtype}; "
           f"unfused KDA backend: {BACKENDS.get('kda')}; PDL available: {pdl}; {torch.cuda.get_device_name()}")
-    print("| batch | unfused µs/layer | fused µs/layer | fused+PDL µs/layer | speedup | kernels/layer unfused → fused |")
+    print("| batch | unfused µs/layer | fused µs/layer | fused+PDL µs/layer | speedup "
+          "| kernels/layer unfused → fused |")
     print("|---|---|---|---|---|---|")
     rows = []
     for b in a.batch:
-        layer_args = make_layer_inputs(b, cfg.kda_num_heads, cfg.kda_head_dim, cfg.gate_lower_bound, a.layers,
-                                       dtype, gen)
+        layer_args = make_layer_inputs(b, cfg.kda_num_heads, cfg.kda_head_dim, cfg.gate_lower_bound,
+                                       cfg.kda_full_rank_gate, a.layers, dtype, gen)
         t_unfused = time_graph(unfused, layer_args, False, a.replays)
         t_fused = time_graph(fused, layer_args, False, a.replays)
         t_pdl = time_graph(fused, layer_args, True, a.replays) if pdl else None

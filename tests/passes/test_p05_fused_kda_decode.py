@@ -25,9 +25,13 @@ P5 = "p05_fused_kda_decode"
 FUSED = torch.ops.k3.fused_kda_decode.default
 SHORT_CONV = torch.ops.k3.short_conv_decode.default
 KDA = torch.ops.k3.kda_decode.default
-# nodes one KDA layer loses, for the fused node it gains: 3 convs + 3 views + kda_decode, 7 of the decay
-# gate, 1 of beta, 8 of the gated norm; bf16 graphs add 5 fp32 casts (f, b, o, gate, and the one back)
-NODES_REMOVED = {torch.float32: 23 - 1, torch.bfloat16: 28 - 1}
+
+
+def nodes_removed(cfg, dtype) -> int:
+    """Nodes one KDA layer loses, for the one fused node it gains: 3 convs + 3 views + kda_decode, 7 of
+    the decay gate, 1 of beta, 8 of the gated norm, f_b_proj's mm + t; Kimi Linear's low-rank output
+    gate adds g_b_proj's mm + t + view; bf16 graphs add 5 fp32 casts (f, b, o, gate, and the one back)."""
+    return 23 + 2 + (0 if cfg.kda_full_rank_gate else 3) + (5 if dtype == torch.bfloat16 else 0) - 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,11 +71,11 @@ def test_one_fused_op_per_kda_layer_in_decode_only(name, mode, dtype):
     if mode == "decode":
         assert before[SHORT_CONV] == 3 * n_kda and before[KDA] == n_kda
         assert after[SHORT_CONV] == 0 and after[KDA] == 0
-    assert len(gm.graph.nodes) == nodes0 - NODES_REMOVED[dtype] * n_kda
+    assert len(gm.graph.nodes) == nodes0 - nodes_removed(cfg, dtype) * n_kda
     fused = _fused_nodes(gm)
     # layer index, gate variant and eps as the config says; weights are the layer's own
     assert [n.args[14] for n in fused] == list(range(n_kda))
-    assert all(n.args[16] == cfg.gate_lower_bound and n.args[17] == cfg.rms_norm_eps and n.args[18] is False
+    assert all(n.args[16] == cfg.gate_lower_bound and n.args[17] == cfg.rms_norm_eps and n.args[20] is False
                for n in fused)
     for i, node in enumerate(fused):
         layer = cfg.kda_layers[i]
@@ -79,6 +83,12 @@ def test_one_fused_op_per_kda_layer_in_decode_only(name, mode, dtype):
         assert a_log.op == "get_attr" and f"layers_{layer}_self_attn_A_log" in a_log.target
         assert norm_weight.op == "get_attr" and f"layers_{layer}_self_attn_o_norm_weight" in norm_weight.target
         assert [a.target for a in node.args[12:14]] == ["conv", "ssm"]
+        f_b, g_b = node.args[18:20]  # the absorbed low-rank up-projections
+        assert f_b.op == "get_attr" and f"layers_{layer}_self_attn_f_b_proj_weight" in f_b.target
+        if cfg.kda_full_rank_gate:
+            assert g_b is None
+        else:
+            assert g_b.op == "get_attr" and f"layers_{layer}_self_attn_g_b_proj_weight" in g_b.target
     code = gm.code
     assert run_pass(gm, P5) == 0
     assert gm.code == code
@@ -96,12 +106,21 @@ def test_numerics_vs_unpassed_graph_and_eager(name, dtype):
         assert_same_step(got, eager_step(model(name, dtype), "decode", x), tol, "vs eager model")
 
 
-def test_use_pdl_option_is_recorded_in_the_graph():
-    gm = _upstream("k3-tiny", "decode")
-    assert run_pass(gm, P5, use_pdl=True) == len(model("k3-tiny").config.kda_layers)
-    assert all(n.args[18] is True for n in _fused_nodes(gm))
-    x = inputs_for("k3-tiny", "decode")
-    assert_same_step(run_graph(gm, x), run_graph(_upstream("k3-tiny", "decode"), x), FP32_TOL, "use_pdl on CPU")
+def test_options_use_pdl_and_no_low_rank_absorption():
+    cfg = model("kimi-linear-tiny").config
+    n_kda = len(cfg.kda_layers)
+    gm = _upstream("kimi-linear-tiny", "decode")
+    mm0 = op_counts(gm)[torch.ops.aten.mm.default]
+    assert run_pass(gm, P5, use_pdl=True, absorb_low_rank=False) == n_kda
+    assert all(n.args[18:] == (None, None, True) for n in _fused_nodes(gm))
+    assert op_counts(gm)[torch.ops.aten.mm.default] == mm0  # f_b_proj and g_b_proj stay GEMMs
+    absorbed = _upstream("kimi-linear-tiny", "decode")
+    run_pass(absorbed, P5)
+    assert op_counts(absorbed)[torch.ops.aten.mm.default] == mm0 - 2 * n_kda
+    x = inputs_for("kimi-linear-tiny", "decode")
+    want = run_graph(_upstream("kimi-linear-tiny", "decode"), x)
+    assert_same_step(run_graph(gm, x), want, FP32_TOL, "use_pdl, no absorption, on CPU")
+    assert_same_step(run_graph(absorbed, x), want, FP32_TOL, "absorbed low-rank GEMMs, on CPU")
 
 
 def test_graph_json_round_trip_keeps_the_fused_op():
@@ -112,7 +131,7 @@ def test_graph_json_round_trip_keeps_the_fused_op():
     text = json.dumps(graph_to_dict(gm, "decode", keys), allow_nan=False)
     weights = {k: getattr(gm, k) for k in keys}
     back = graph_from_dict(json.loads(text), weights, tuple(n.target for n in gm.graph.nodes if n.op == "placeholder"))
-    assert [n.args[16:] for n in back.graph.nodes if n.target == FUSED] == [(None, 1e-5, False)] * 4
+    assert [(n.args[16:18], n.args[20]) for n in back.graph.nodes if n.target == FUSED] == [((None, 1e-5), False)] * 4
     x = inputs_for("kimi-linear-tiny", "decode")
     got, want = run_graph(back, x), run_graph(gm, x)
     for a, b in zip(got[0] + got[1], want[0] + want[1]):

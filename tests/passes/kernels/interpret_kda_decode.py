@@ -14,8 +14,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch  # noqa: E402
 
 from k3compile.passes.kernels import kda_decode  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
+from interpreted import report  # noqa: E402  (this folder is sys.path[0] when run as a script)
 from kda_decode_cases import make_case, rel_err  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -33,9 +32,15 @@ def cases():
                                       slots=[4, 0, 2])
     yield "K=32 (non-trivial tile), strided x rows", dict(batch=2, heads=2, head_dim=32, lower_bound=-5.0,
                                                           strided_inputs=True, slots=[3, 1])
+    yield "K=64: two V blocks, low-rank f and gate", dict(batch=2, heads=1, head_dim=64, lower_bound=None, f_rank=64,
+                                                          g_rank=64, slots=[1, 0])
     yield "conv width 2", dict(batch=2, heads=2, head_dim=16, lower_bound=None, width=2, slots=[1, 0])
     yield "large forget logits (softplus identity branch)", dict(batch=2, heads=2, head_dim=16, lower_bound=None,
                                                                  f_scale=30.0, slots=[0, 3])
+    yield "Kimi-Linear low-rank f and gate (R=16)", dict(batch=3, heads=2, head_dim=16, lower_bound=None, f_rank=16,
+                                                         g_rank=16, slots=[2, 0, 4])
+    yield "K3 low-rank f (R=40, not a power of 2), bf16", dict(batch=2, heads=2, head_dim=16, lower_bound=-5.0,
+                                                              f_rank=40, dtype=torch.bfloat16, slots=[1, 3])
     yield "no requests", dict(batch=0, heads=2, head_dim=16, lower_bound=-5.0)
 
 
@@ -63,10 +68,7 @@ def main() -> int:
                 if untouched and not torch.equal(ker_args[idx][untouched], orig[untouched]):
                     problems.append(f"{what} pool slots outside the batch changed")
         failures += [f"{name}: {p}" for p in problems]
-    for line in failures:
-        print("FAIL", line)
-    print(f"{n - len(failures)}/{n} cases match")
-    return 1 if failures else 0
+    return report(failures, n)
 
 
 if __name__ == "__main__":

@@ -34,12 +34,14 @@ class Case:
     lower_bound: float | None
     norm_eps: float
     dtype: torch.dtype
+    f_b_weight: torch.Tensor | None = None  # f is then f_b_proj's low-rank input [B, R]
+    g_b_weight: torch.Tensor | None = None  # gate is then g_b_proj's low-rank input [B, R]
 
     def args(self) -> tuple:
         """The op's arguments, with private copies of the pools (so two runs start equal)."""
         return (*self.x, *self.conv_weights, self.f, self.dt_bias, self.a_log, self.beta_logits, self.gate,
                 self.norm_weight, self.conv_pool.clone(), self.ssm_pool.clone(), self.layer, self.slots,
-                self.lower_bound, self.norm_eps)
+                self.lower_bound, self.norm_eps, self.f_b_weight, self.g_b_weight)
 
     def untouched_slots(self) -> list[int]:
         used = set(self.slots.tolist())
@@ -48,7 +50,8 @@ class Case:
 
 def make_case(batch: int, heads: int, head_dim: int, lower_bound: float | None, dtype=torch.float32,
               layer: int = 0, num_layers: int = 2, slots=None, width: int = 4, strided_inputs: bool = False,
-              f_scale: float = 1.0, seed: int = 0, device="cpu") -> Case:
+              f_scale: float = 1.0, seed: int = 0, device="cpu", f_rank: int = 0, g_rank: int = 0) -> Case:
+    """f_rank / g_rank > 0: f and the output gate come as low-rank inputs plus up-projection weights."""
     gen = torch.Generator().manual_seed(seed)
     c = heads * head_dim
 
@@ -68,6 +71,9 @@ def make_case(batch: int, heads: int, head_dim: int, lower_bound: float | None, 
         f = randn(batch, c, scale=f_scale)
         beta_logits = randn(batch, heads)
     conv_weights = [randn(c, width, scale=1 / math.sqrt(width)) for _ in range(3)]
+    f_b_weight = g_b_weight = None
+    if f_rank:
+        f, f_b_weight = randn(batch, f_rank, scale=f_scale), randn(c, f_rank, scale=1 / math.sqrt(f_rank))
     if lower_bound is None:  # the Kimi Linear init ranges (spec §1.2)
         a_log = torch.empty(heads).uniform_(1, 16, generator=gen).log()
     else:
@@ -75,9 +81,11 @@ def make_case(batch: int, heads: int, head_dim: int, lower_bound: float | None, 
     dt = torch.empty(c).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
     dt_bias = dt + torch.log(-torch.expm1(-dt))
     gate = randn(batch, heads, head_dim)
+    if g_rank:
+        gate, g_b_weight = randn(batch, g_rank), randn(c, g_rank, scale=1 / math.sqrt(g_rank))
     norm_weight = 1.0 + randn(head_dim, scale=0.1)
     conv_pool = randn(num_slots, num_layers, 3 * c, width - 1)
     ssm_pool = (0.3 * torch.randn(num_slots, num_layers, heads, head_dim, head_dim, generator=gen)).to(device)
     return Case(x, conv_weights, f, dt_bias.to(dtype).to(device), a_log.to(dtype).to(device), beta_logits, gate,
                 norm_weight, conv_pool, ssm_pool, layer, torch.tensor(slots, dtype=torch.int64, device=device),
-                lower_bound, 1e-5, dtype)
+                lower_bound, 1e-5, dtype, f_b_weight, g_b_weight)

@@ -1,10 +1,6 @@
 """Fused KDA decode (k3::fused_kda_decode): the reference vs the independent per-sequence math, the
 Triton kernel (under the interpreter on CPU, natively on CUDA at real shapes), argument errors, and
 the op's registration and traceability."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +10,7 @@ from k3compile.model_def.config import get_preset
 from k3compile.model_def.ops import kda_math
 from k3compile.passes.kernels.kda_decode import fused_kda_decode_reference, fused_kda_decode_triton
 
+from .interpreted import run_interpreted
 from .kda_decode_cases import make_case, rel_err
 
 FUSED = torch.ops.k3.fused_kda_decode.default
@@ -58,6 +55,17 @@ def test_reference_matches_the_per_sequence_math(lower_bound):
     assert not torch.equal(args[13][case.slots], case.ssm_pool[case.slots])  # updated in place
 
 
+def test_low_rank_inputs_are_the_up_projections():
+    case = make_case(batch=3, heads=2, head_dim=16, lower_bound=None, f_rank=8, g_rank=12, slots=[1, 0, 2])
+    args = list(case.args())
+    full = list(case.args())
+    full[6] = case.f @ case.f_b_weight.t()
+    full[10] = (case.gate @ case.g_b_weight.t()).view(3, 2, 16)
+    full[18] = full[19] = None
+    assert torch.equal(FUSED(*args), FUSED(*full))
+    assert torch.equal(args[13], full[13]) and torch.equal(args[12], full[12])
+
+
 def test_gate_variants_differ():
     kw = dict(batch=2, heads=2, head_dim=16, seed=4)
     kimi, k3 = make_case(lower_bound=None, **kw), make_case(lower_bound=-5.0, **kw)
@@ -66,12 +74,7 @@ def test_gate_variants_differ():
 
 
 def test_triton_kernel_under_interpreter_matches_reference():
-    # A subprocess: TRITON_INTERPRET must be set before the kernel is decorated (module import).
-    script = Path(__file__).with_name("interpret_kda_decode.py")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "cases match" in done.stdout
+    run_interpreted("interpret_kda_decode.py")
 
 
 def test_op_passes_opcheck_on_cpu():
@@ -106,6 +109,8 @@ def test_op_stays_one_node_under_make_fx():
     (lambda a: a.__setitem__(12, a[12][..., :2]), "conv pool must be"),
     (lambda a: a.__setitem__(14, 7), "layer 7 out of range"),
     (lambda a: a.__setitem__(15, a[15].float()), "slots must be an integer"),
+    (lambda a: a.__setitem__(18, torch.zeros(32, 5)), "low-rank forget input must be \\[B, R\\] = \\[2, 5\\]"),
+    (lambda a: a.__setitem__(19, torch.zeros(31, 4)), "g_b weight must be \\[H\\*V, R\\]"),
 ])
 def test_bad_arguments_raise_clear_errors(change, message):
     args = list(make_case(batch=2, heads=2, head_dim=16, lower_bound=-5.0).args())
@@ -123,16 +128,25 @@ def _real_shape(preset: str):
     return cfg.kda_num_heads, cfg.kda_head_dim, cfg.gate_lower_bound
 
 
+def _low_rank(preset: str, absorbed: bool) -> dict:
+    """P5's default absorbs f_b_proj (rank = head dim) and, for Kimi Linear, g_b_proj."""
+    cfg = get_preset(preset)
+    if not absorbed:
+        return {}
+    return dict(f_rank=cfg.kda_head_dim, g_rank=0 if cfg.kda_full_rank_gate else cfg.kda_head_dim)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset", ["kimi-linear-48b", "k3"])
 @pytest.mark.parametrize("batch", [1, 8, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_kernel_matches_reference_at_real_shapes(preset, batch, dtype):
+@pytest.mark.parametrize("absorbed", [True, False])
+def test_cuda_kernel_matches_reference_at_real_shapes(preset, batch, dtype, absorbed):
     heads, head_dim, lower_bound = _real_shape(preset)
     slots = torch.randperm(batch + 3, generator=torch.Generator().manual_seed(batch))[:batch].tolist()
     case = make_case(batch=batch, heads=heads, head_dim=head_dim, lower_bound=lower_bound, dtype=dtype, layer=1,
-                     slots=slots, seed=batch, device="cuda")
+                     slots=slots, seed=batch, device="cuda", **_low_rank(preset, absorbed))
     want_args, got_args = case.args(), case.args()
     want = fused_kda_decode_reference(*want_args)
     got = FUSED(*got_args)  # the CUDA registration: the Triton kernel
@@ -151,7 +165,7 @@ def test_cuda_kernel_matches_reference_at_real_shapes(preset, batch, dtype):
 def test_cuda_kernel_with_pdl_matches_reference():
     heads, head_dim, lower_bound = _real_shape("kimi-linear-48b")
     case = make_case(batch=8, heads=heads, head_dim=head_dim, lower_bound=lower_bound, dtype=torch.bfloat16,
-                     slots=[9, 3, 0, 12, 5, 7, 1, 14], seed=3, device="cuda")
+                     slots=[9, 3, 0, 12, 5, 7, 1, 14], seed=3, device="cuda", **_low_rank("kimi-linear-48b", True))
     a, b = case.args(), case.args()
     got = fused_kda_decode_triton(*a, use_pdl=True)
     want = fused_kda_decode_reference(*b)
