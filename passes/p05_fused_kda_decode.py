@@ -113,7 +113,7 @@ def _match_decay_scale(p: _Pattern, node: Node, heads: int) -> Node:
     return a_log
 
 
-def _match_forget(p: _Pattern, node: Node, batch, heads: int, head_dim: int) -> tuple[Node, Node]:
+def _match_forget(p: _Pattern, node: Node, batch, heads: int, head_dim: int) -> tuple:
     """view(add(f, dt_bias), [B, H, K]) -> (f, dt_bias, f_b weight or None)."""
     view = p.take(node, aten.view.default)
     _need(len(view.args[1]) == 3 and list(view.args[1])[1:] == [heads, head_dim])

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# P5 fused KDA decode on the H200, one device call (~3-4 min): the kernel's GPU tests at real shapes
-# (Kimi-Linear-48B and K3 heads, batch 1/8/64, fp32 and bf16, PDL), the P1-P5 pipeline GPU test, then
-# the per-layer microbenchmark fused vs unfused at the 48B shape (and K3's 96 heads), batch 1/8/64.
-# Look at: $OUT/p05_gpu_tests.txt (pass/fail), $OUT/p05_bench.md (µs per layer, kernels per layer).
+# P5 fused KDA decode on the H200, one device call (about 7-9 min; run with timeout_s 600): the kernel's GPU
+# tests at real shapes (Kimi-Linear-48B: 32 heads, K3: 96 heads; batch 1/8/64; fp32 and bf16; low-rank
+# GEMVs absorbed or not; PDL), the P1-P5 pipeline on CUDA (k3-tiny, verify on), then the per-layer
+# microbenchmark fused vs unfused (CUDA graphs of 20 / 10 KDA layers, L2 flushed) at batch 1/8/64.
+# Look at: $OUT/p05_gpu_tests.txt (pass/fail, last lines), $OUT/p05_bench.md (µs per layer and kernels
+# per layer, unfused vs fused vs fused+PDL), $OUT/p05_bench_*.json (the same rows).
 source tools/gpu_setup.sh
-timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 \
+timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 \
   tests/passes/kernels/test_kda_decode.py tests/passes/test_gpu_pipeline.py > $OUT/p05_gpu_tests.txt 2>&1
 tail -15 $OUT/p05_gpu_tests.txt
 {
