@@ -170,3 +170,17 @@ def test_cuda_kernel_with_pdl_matches_reference():
     got = fused_kda_decode_triton(*a, use_pdl=True)
     want = fused_kda_decode_reference(*b)
     assert rel_err(got, want) <= 3e-2 and rel_err(a[13], b[13]) <= 3e-2
+
+
+def test_profiling_cost_counts_only_the_pool_rows_it_touches():
+    from k3compile.engine.profiling import node_cost
+
+    case = make_case(batch=3, heads=2, head_dim=16, lower_bound=None, f_rank=8, g_rank=8, slots=[1, 0, 2])
+    args = case.args()
+    out = fused_kda_decode_reference(*case.args())
+    cost = node_cost(FUSED, args, {}, out, 0)
+    dense = [*case.x, *case.conv_weights, case.f, case.dt_bias, case.a_log, case.beta_logits, case.gate,
+             case.norm_weight, case.f_b_weight, case.g_b_weight, case.slots, out]
+    state, window = 2 * 16 * 16 * 4, 3 * 32 * 3 * 4  # fp32 state [H, K, V]; fp32 window [3 * H * K, 3]
+    assert cost == {"bytes": sum(t.numel() * t.element_size() for t in dense) + 3 * 2 * (state + window),
+                    "flops": 6 * 3 * 32 * 16 + 2 * 2 * 3 * 32 * 8, "exact": True}
