@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import (erase_subgraph, fake_mode_of, is_call, known_equal, replace_uses,
-                          set_meta_val, val_of)
+from .graph_utils import erase_subgraph, fake_mode_of, is_call, known_equal, replace_uses, set_meta_val, val_of
+from .patterns import NoMatch, is_cast, need, rms_chain, strip_cast
 from .kernels import kda_decode  # noqa: F401  (registers torch.ops.k3.fused_kda_decode)
 from .registry import PassConfig, register_pass
 
@@ -45,15 +45,6 @@ class FusedKDADecodeConfig(PassConfig):
     absorb_low_rank: bool = True  # take f_b_proj / g_b_proj (mm of a low-rank input) into the fused op
 
 
-class _NoMatch(Exception):
-    pass
-
-
-def _need(cond) -> None:
-    if not cond:
-        raise _NoMatch
-
-
 class _Pattern:
     """The nodes a match will erase; `take` follows a node into the pattern."""
 
@@ -62,18 +53,14 @@ class _Pattern:
         self.absorb_low_rank = absorb_low_rank
 
     def take(self, node, *targets) -> Node:
-        _need(is_call(node, *targets))
+        need(is_call(node, *targets))
         self.nodes.append(node)
         return node
 
     def upcast(self, node: Node) -> Node:
         """Skip a `_to_copy(x, dtype=fp32)` of a float tensor (taking it into the pattern)."""
-        if is_call(node, aten._to_copy.default) and node.kwargs == {"dtype": torch.float32} and len(node.args) == 1:
-            src = val_of(node.args[0])
-            if src is not None and src.dtype.is_floating_point:
-                self.nodes.append(node)
-                return node.args[0]
-        return node
+        src = val_of(node.args[0]) if is_cast(node, torch.float32) else None
+        return strip_cast(node, torch.float32, self.nodes) if src is not None and src.dtype.is_floating_point else node
 
 
 def _low_rank(p: _Pattern, node: Node):
@@ -93,38 +80,38 @@ def _scalar(x) -> bool:
 
 
 def _split_mul(node: Node) -> tuple[Node, Node]:
-    _need(len(node.args) == 2 and not node.kwargs)
+    need(len(node.args) == 2 and not node.kwargs)
     return node.args
 
 
 def _tensor(node, dims: int) -> torch.Tensor:
-    _need(isinstance(node, Node))
+    need(isinstance(node, Node))
     v = val_of(node)
-    _need(v is not None and v.dim() == dims and v.dtype.is_floating_point)
+    need(v is not None and v.dim() == dims and v.dtype.is_floating_point)
     return v
 
 
 def _match_decay_scale(p: _Pattern, node: Node, heads: int) -> Node:
     """view(exp(A_log), [-1, 1]) -> A_log (before any fp32 cast)."""
     view = p.take(node, aten.view.default)
-    _need(list(view.args[1]) == [-1, 1])
+    need(list(view.args[1]) == [-1, 1])
     a_log = p.upcast(p.take(view.args[0], aten.exp.default).args[0])
-    _need(_tensor(a_log, 1).shape[0] == heads)
+    need(_tensor(a_log, 1).shape[0] == heads)
     return a_log
 
 
 def _match_forget(p: _Pattern, node: Node, batch, heads: int, head_dim: int) -> tuple:
     """view(add(f, dt_bias), [B, H, K]) -> (f, dt_bias, f_b weight or None)."""
     view = p.take(node, aten.view.default)
-    _need(len(view.args[1]) == 3 and list(view.args[1])[1:] == [heads, head_dim])
+    need(len(view.args[1]) == 3 and list(view.args[1])[1:] == [heads, head_dim])
     add = p.take(view.args[0], aten.add.Tensor)
-    _need(len(add.args) == 2 and not add.kwargs and all(isinstance(a, Node) for a in add.args))
+    need(len(add.args) == 2 and not add.kwargs and all(isinstance(a, Node) for a in add.args))
     f, dt = (p.upcast(a) for a in add.args)
     if val_of(f) is not None and val_of(f).dim() == 1:
         f, dt = dt, f
     fv, dv = _tensor(f, 2), _tensor(dt, 1)
     c = heads * head_dim
-    _need(known_equal(fv.shape[0], batch) and fv.shape[1] == c and dv.shape[0] == c)
+    need(known_equal(fv.shape[0], batch) and fv.shape[1] == c and dv.shape[0] == c)
     low_rank = _low_rank(p, f) if p.absorb_low_rank else None
     return (*low_rank, dt) if low_rank else (f, None, dt)
 
@@ -137,7 +124,7 @@ def _match_gate(p: _Pattern, g: Node, batch, heads: int, head_dim: int):
         sig, lower_bound = (b, a) if _scalar(a) else (a, b)
         inner = p.take(p.take(sig, aten.sigmoid.default).args[0], aten.mul.Tensor)
         x, y = _split_mul(inner)
-        _need(isinstance(x, Node) and isinstance(y, Node))
+        need(isinstance(x, Node) and isinstance(y, Node))
         scale_node, forget = (x, y) if is_call(x, aten.view.default) and is_call(x.args[0], aten.exp.default) \
             else (y, x)
         a_log = _match_decay_scale(p, scale_node, heads)
@@ -148,7 +135,7 @@ def _match_gate(p: _Pattern, g: Node, batch, heads: int, head_dim: int):
     a_log = _match_decay_scale(p, p.take(neg, aten.neg.default).args[0], heads)
     p.take(sp, aten.softplus.default)
     beta_thr = tuple(sp.args[1:]) + (1.0, 20.0)[len(sp.args) - 1:]
-    _need(not sp.kwargs and beta_thr == _SOFTPLUS)
+    need(not sp.kwargs and beta_thr == _SOFTPLUS)
     f, f_b, dt = _match_forget(p, sp.args[0], batch, heads, head_dim)
     return f, f_b, dt, a_log, None
 
@@ -158,14 +145,14 @@ def _match_convs(p: _Pattern, kda: Node, heads: int, head_dim: int):
     xs, ws, convs = [], [], []
     for stream, arg in enumerate(kda.args[:3]):
         view = p.take(arg, aten.view.default)
-        _need(list(view.args[1])[1:] == [heads, head_dim])
+        need(list(view.args[1])[1:] == [heads, head_dim])
         conv = p.take(view.args[0], _SHORT_CONV)
         x, w, pool, layer, offset, slots = conv.args
-        _need(offset == stream * heads * head_dim and layer == kda.args[6] and slots is kda.args[7])
+        need(offset == stream * heads * head_dim and layer == kda.args[6] and slots is kda.args[7])
         xs.append(x)
         ws.append(w)
         convs.append(pool)
-    _need(convs[0] is convs[1] is convs[2])
+    need(convs[0] is convs[1] is convs[2])
     return xs, ws, convs[0]
 
 
@@ -175,35 +162,25 @@ def _match_norm(p: _Pattern, kda: Node, heads: int, head_dim: int):
     o = kda
     if len(kda.users) == 1:
         o = p.take(next(iter(kda.users)), aten._to_copy.default)
-        _need(o.kwargs == {"dtype": torch.float32} and len(o.args) == 1)
-    _need(len(o.users) == 2)
-    sq = [u for u in o.users if is_call(u, aten.pow.Tensor_Scalar)]
-    _need(len(sq) == 1 and sq[0].args == (o, 2))
-    p.take(sq[0], aten.pow.Tensor_Scalar)
-    mean = p.take(next(iter(sq[0].users)), aten.mean.dim)
-    _need(len(sq[0].users) == 1 and list(mean.args[1]) in ([-1], [2]) and len(mean.args) == 3 and mean.args[2] is True
-          and not mean.kwargs)
-    _need(len(mean.users) == 1)
-    add = p.take(next(iter(mean.users)), aten.add.Tensor)
-    _need(add.args[0] is mean and _scalar(add.args[1]) and not add.kwargs and len(add.users) == 1)
-    eps = float(add.args[1])
-    rsqrt = p.take(next(iter(add.users)), aten.rsqrt.default)
-    _need(len(rsqrt.users) == 1)
-    normed = p.take(next(iter(rsqrt.users)), aten.mul.Tensor)
-    _need(set(_split_mul(normed)) == {o, rsqrt})
-    _need(len(normed.users) == 1)
+        need(o.kwargs == {"dtype": torch.float32} and len(o.args) == 1)
+    need(len(o.users) == 2)
+    normed = [u for u in o.users if is_call(u, aten.mul.Tensor)]
+    need(len(normed) == 1)
+    normed = normed[0]
+    eps = rms_chain(o, normed, p.nodes)
+    need(len(normed.users) == 1)
     scaled = p.take(next(iter(normed.users)), aten.mul.Tensor)
     a, b = _split_mul(scaled)
     weight = p.upcast(b if a is normed else a)
-    _need(normed in (a, b) and tuple(_tensor(weight, 1).shape) == (head_dim,))
-    _need(len(scaled.users) == 1)
+    need(normed in (a, b) and tuple(_tensor(weight, 1).shape) == (head_dim,))
+    need(len(scaled.users) == 1)
     gated = p.take(next(iter(scaled.users)), aten.mul.Tensor)
     a, b = _split_mul(gated)
-    _need(scaled in (a, b))
+    need(scaled in (a, b))
     sig = p.take(b if a is scaled else a, aten.sigmoid.default)
     gate = p.upcast(sig.args[0])
     gv = _tensor(gate, 3)
-    _need(known_equal(gv.shape[0], val_of(kda).shape[0]) and tuple(gv.shape[1:]) == (heads, head_dim))
+    need(known_equal(gv.shape[0], val_of(kda).shape[0]) and tuple(gv.shape[1:]) == (heads, head_dim))
     g_b = None
     if p.absorb_low_rank and is_call(gate, aten.view.default) and len(gate.users) == 1:
         low_rank = _low_rank(p, gate.args[0])
@@ -212,10 +189,10 @@ def _match_norm(p: _Pattern, kda: Node, heads: int, head_dim: int):
             gate, g_b = low_rank
     end = gated
     if val_of(gated).dtype != out_dtype:
-        _need(len(gated.users) == 1)
+        need(len(gated.users) == 1)
         end = p.take(next(iter(gated.users)), aten._to_copy.default)
-        _need(end.kwargs == {"dtype": out_dtype} and len(end.args) == 1)
-    _need(val_of(end).dtype == out_dtype)
+        need(end.kwargs == {"dtype": out_dtype} and len(end.args) == 1)
+    need(val_of(end).dtype == out_dtype)
     return end, weight, gate, g_b, eps
 
 
@@ -224,18 +201,18 @@ def _match(kda: Node, absorb_low_rank: bool):
     p.nodes.append(kda)
     q, _, v, g, beta, ssm, layer, slots = kda.args
     qv = val_of(q)
-    _need(qv is not None and qv.dim() == 3 and isinstance(qv.shape[1], int) and isinstance(qv.shape[2], int))
+    need(qv is not None and qv.dim() == 3 and isinstance(qv.shape[1], int) and isinstance(qv.shape[2], int))
     batch, heads, head_dim = qv.shape
-    _need(tuple(val_of(v).shape[1:]) == (heads, head_dim))
+    need(tuple(val_of(v).shape[1:]) == (heads, head_dim))
     xs, ws, conv = _match_convs(p, kda, heads, head_dim)
     f, f_b, dt, a_log, lower_bound = _match_gate(p, g, batch, heads, head_dim)
     b = p.upcast(p.take(beta, aten.sigmoid.default).args[0])
     bv = _tensor(b, 2)
-    _need(known_equal(bv.shape[0], batch) and bv.shape[1] == heads)
+    need(known_equal(bv.shape[0], batch) and bv.shape[1] == heads)
     end, weight, gate, g_b, eps = _match_norm(p, kda, heads, head_dim)
     for n in p.nodes:
         if n is not end:
-            _need(all(u in p.nodes for u in n.users))
+            need(all(u in p.nodes for u in n.users))
     args = (*xs, *ws, f, dt, a_log, b, gate, weight, conv, ssm, layer, slots, lower_bound, eps, f_b, g_b)
     return p.nodes, end, args
 
@@ -247,7 +224,7 @@ def fused_kda_decode(gm: GraphModule, config: FusedKDADecodeConfig) -> int:
     for kda in [n for n in gm.graph.nodes if is_call(n, _KDA_DECODE)]:
         try:
             nodes, end, args = _match(kda, config.absorb_low_rank)
-        except _NoMatch:
+        except NoMatch:
             continue
         fake_mode = fake_mode or fake_mode_of(gm)
         g = gm.graph
