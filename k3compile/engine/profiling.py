@@ -89,6 +89,15 @@ def _k3_cost(name: str, args: tuple, out) -> tuple[int, int] | None:
         x, weight, pool, layer, offset, slots = args[:6]
         window = x.shape[1] * pool.shape[-1] * pool.element_size()
         return _sum((x, weight, slots)) + out_b + 2 * slots.numel() * window, 2 * x.numel() * weight.shape[-1]
+    if name == "fused_kda_decode":  # P5: the convs, gates, recurrence and gated norm of one KDA layer
+        conv_pool, pool, layer, slots = args[12:16]
+        b, c = args[0].shape
+        low_rank = [w for w in args[18:20] if isinstance(w, torch.Tensor)]
+        dense = [a for i, a in enumerate(args[:12]) if isinstance(a, torch.Tensor)] + low_rank + [slots]
+        per_request = 2 * (_nbytes(pool[0, layer]) + _nbytes(conv_pool[0, layer]))
+        k_dim = c // pool.shape[2]
+        gemv = sum(2 * b * w.numel() for w in low_rank)
+        return _sum(dense) + out_b + b * per_request, 6 * b * c * k_dim + gemv
     if name == "kv_write":  # rows, kv_pool, layer, out_cache_loc
         rows, pool, layer, loc = args[:4]
         return _sum((rows, loc)) + loc.numel() * _nbytes(pool[0, layer, 0]), 0

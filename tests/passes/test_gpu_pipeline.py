@@ -1,5 +1,5 @@
-"""P1-P4 on CUDA (bf16): verification passes with the GPU's GEMM algorithms and kernels (fla KDA,
-Triton fused_route), the post-pass graph matches the eager model, and it launches fewer kernels."""
+"""P1-P5 on CUDA (bf16): verification passes with the GPU's GEMM algorithms and kernels (fla KDA,
+Triton fused_route and fused_kda_decode), the post-pass graph matches the eager model, and it launches fewer kernels."""
 import pytest
 import torch
 
@@ -31,6 +31,7 @@ def test_pipeline_on_cuda_bf16(mode):
     n = layer_counts(m.config)
     assert report.matches()["p01_gemm_merge"] == n["kda"] + n["mla"] + n["moe"] + n["dense"]
     assert report.matches()["p04_fused_routing"] == n["moe"]
+    assert report.matches()["p05_fused_kda_decode"] == (n["kda"] if mode == "decode" else 0)
     assert report.matches()["p07_attn_res_norm"] == 2 * n["layers"]
     assert report.matches()["p15_mla_decode"] == (2 * n["mla"] if mode == "decode" else 0)
     print(report.render())

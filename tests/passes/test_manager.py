@@ -1,4 +1,4 @@
-"""Pass manager: the whole P1-P4 pipeline on both models, the report, order/enable/options from
+"""Pass manager: the whole P1-P5 pipeline on both models, the report, order/enable/options from
 flags and files, graph dumps, and verification catching a broken pass by name."""
 import argparse
 import json
@@ -27,6 +27,7 @@ def _expected(cfg, dtype, mode) -> dict:
     folded = 0 if dtype == torch.float32 else 3 * n["kda"] + n["moe"] + 2 * attn_res_reads_with_weights(cfg)
     return {"p01_gemm_merge": n["kda"] + n["mla"] + n["moe"] + n["dense"], "p02_noop_views": 2 * n["mla"],
             "p03_casts_copies_dce": n["moe"] + folded, "p04_fused_routing": n["moe"],
+            "p05_fused_kda_decode": n["kda"] if mode == "decode" else 0,
             "p06_fused_moe_decode": n["moe"] if mode == "decode" else 0,
             "p07_attn_res_norm": 2 * n["layers"], "p15_mla_decode": 2 * n["mla"] if mode == "decode" else 0}
 

@@ -10,7 +10,7 @@ _BUILT = {}
 @pytest.fixture(scope="session")
 def built_engine(tmp_path_factory):
     """build(name) -> (in-memory engine, engine directory): k3-tiny / kimi-linear-tiny, fp32, CPU, the
-    default P1-P4 pipeline; built once per session."""
+    default pipeline (P1-P5); built once per session."""
     def build(name: str):
         if name not in _BUILT:
             out = tmp_path_factory.mktemp("engines") / name

@@ -1,4 +1,4 @@
-"""Engine round trip: build (capture + P1-P4) -> save -> load gives the same steps, and loading refuses
+"""Engine round trip: build (capture + P1-P5) -> save -> load gives the same steps, and loading refuses
 damaged directories with an error that names the problem."""
 import json
 import os
@@ -66,12 +66,14 @@ def test_manifest_records_the_build(tiny):
     names = [p["name"] for p in m["passes"]["decode"]["passes"]]
     assert names == list(registered_passes())  # the default pipeline: every registered pass
     assert names[:4] == ["p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing"]
-    assert {"p06_fused_moe_decode", "p07_attn_res_norm", "p15_mla_decode"} <= set(names)
+    assert {"p05_fused_kda_decode", "p06_fused_moe_decode", "p07_attn_res_norm", "p15_mla_decode"} <= set(names)
     route = m["passes"]["decode"]["passes"][3]
     assert route["matches"] == 8  # one fused router per MoE layer of k3-tiny
     ops = {p["op"]: p for p in m["kernel_plugins"]}
     assert ops["k3.fused_route.default"]["count"] == {"decode": 8, "prefill": 8}
-    assert ops["k3.kda_decode.default"]["count"] == {"decode": 6}
+    assert ops["k3.fused_kda_decode.default"]["count"] == {"decode": 6}  # P5: one per KDA layer
+    assert ops["k3.fused_kda_decode.default"]["module"] == "k3compile.passes.kernels.kda_decode"
+    assert "k3.kda_decode.default" not in ops and ops["k3.kda_prefill.default"]["count"] == {"prefill": 6}
     assert ops["k3.fused_route.default"]["module"] == "k3compile.passes.kernels.routing"
     files = set(m["files"])
     assert {"weights.safetensors", "graphs/decode.json", "graphs/prefill.json", "build_report.md"} <= files

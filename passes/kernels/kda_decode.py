@@ -1,0 +1,412 @@
+"""Fused KDA decode: a whole KDA layer's decode step between its input GEMM and o_proj, in one kernel.
+
+This is the op that pass P5 puts in place of a KDA layer's decode subgraph. For B requests (one
+token each), H heads of key dim K and value dim V, C = H*K channels per stream, it computes
+exactly what `model_def.layers.kda.KDAMixer.forward` does in decode mode after the projections:
+
+    q, k, v  = SiLU(short conv(x_q / x_k / x_v))     window conv_pool[slot, layer, stream*C + c, :]
+                                                       is read and shifted in place; the result is
+                                                       rounded to x's dtype (as k3::short_conv_decode)
+    g        = Kimi Linear: -exp(A_log[h]) * softplus(f + dt_bias)     (lower_bound None)
+               K3:          lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))
+    beta     = sigmoid(b)
+    q, k     = L2-normalized q * K^-1/2, L2-normalized k
+    S        = ssm_pool[slot, layer, h] (fp32, updated in place):
+               S <- Diag(exp g) S;  S <- S + beta k (v - S^T k)^T;  o = S^T q, rounded to v's dtype
+    out      = RMSNorm(o) * norm_weight * sigmoid(gate)                 per head, fp32, in v's dtype
+
+Optionally the op also absorbs the low-rank up-projections that feed it: given `f_b_weight` [H*K, R],
+`f` is f_b_proj's input [B, R] and f = f @ f_b_weight^T; given `g_b_weight` [H*V, R] (Kimi Linear's
+output gate), `gate` is g_b_proj's input [B, R]. Up to LOW_RANK_IN_KERNEL_MAX_BATCH requests the
+kernel does these GEMVs itself (so a Kimi-Linear KDA layer is one kernel between its input GEMM and
+o_proj); above it they run as cuBLAS GEMMs first.
+
+`torch.ops.k3.fused_kda_decode(...)` is the single graph node. CPU (and any device or shape the
+kernel does not take) runs the reference: the composition of the unfused ops (k3::short_conv_decode,
+model_def's kda_gate, k3::kda_decode, the gated RMSNorm), so a CPU engine with P5 gives the same
+numbers as one without it. CUDA runs the Triton kernel: one program per (request, head) holding the
+head's K x V state in column blocks, then the gated RMSNorm over V in the same program (no second
+kernel).
+
+Programmatic dependent launch: the op's `use_pdl` argument (P5's option, so an engine records it)
+launches the kernel with `launch_pdl=True` where Triton and the GPU support it (sm90+); the kernel
+then loads its weights before `gdc_wait()` (overlapping the previous kernel's tail) and calls
+`gdc_launch_dependents()` once its inputs are read. The CPU reference ignores it.
+
+Testing without a GPU: with TRITON_INTERPRET=1 in the environment *before this module is imported*,
+`fused_kda_decode_triton` runs on CPU tensors (see tests/passes/kernels/interpret_kda_decode.py).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch.library import custom_op
+
+from k3compile.model_def.ops import library as k3ops  # noqa: F401  (registers the unfused k3 ops)
+from k3compile.model_def.ops.kda_math import L2_EPS, kda_gate
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the op still works through the reference
+    triton = None
+
+# The kernel walks the [K, V] state in [K, V_BLOCK] column blocks; heads beyond 128 x 128 run the
+# reference (no model we serve has them; the launch heuristics are tuned up to there).
+KERNEL_MAX_TILE = 128 * 128
+V_BLOCK = 32
+SOFTPLUS_THRESHOLD = 20.0  # torch's softplus(beta=1, threshold=20), as kda_gate uses
+# Above this batch the absorbed low-rank up-projections (f_b_proj, g_b_proj) run as cuBLAS GEMMs before
+# the kernel: inside it every (request, head) program re-reads its weight rows, which pays at small
+# batch (two launches saved) and costs L2 traffic at large batch.
+LOW_RANK_IN_KERNEL_MAX_BATCH = 16
+
+@functools.lru_cache(maxsize=None)
+def pdl_available() -> bool:
+    """Triton can launch with PDL and has the device-side calls (Triton >= 3.4 on sm90+)."""
+    if triton is None or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+# --------------------------------------------------------------------------- argument checks
+
+def check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log, beta_logits,
+               gate, norm_weight, conv_pool, ssm_pool, layer, slots, f_b_weight=None,
+               g_b_weight=None) -> tuple[int, int, int, int, int]:
+    """Raise ValueError naming the first inconsistency; returns (B, H, K, V, conv width)."""
+    def need(cond, msg):
+        if not cond:
+            raise ValueError(f"fused_kda_decode: {msg}")
+
+    def same(shape, want) -> bool:
+        # symbolic batch sizes (fake tensors in a captured graph) are not compared: that would add
+        # guards tying independent symbols together; eager calls always have int sizes
+        return len(shape) == len(want) and all(not (isinstance(a, int) and isinstance(b, int)) or a == b
+                                               for a, b in zip(shape, want))
+
+    need(q_in.dim() == 2 and same(k_in.shape, q_in.shape) and same(v_in.shape, q_in.shape),
+         f"q/k/v inputs must be [B, H*K] of one shape, got {tuple(q_in.shape)}, {tuple(k_in.shape)}, "
+         f"{tuple(v_in.shape)}")
+    b, c = q_in.shape
+    need(a_log.dim() == 1 and a_log.shape[0] >= 1, f"A_log must be [H], got {tuple(a_log.shape)}")
+    h = a_log.shape[0]
+    need(c % h == 0, f"{c} channels do not split into {h} heads")
+    kd = c // h
+    if g_b_weight is None:
+        need(gate.dim() == 3 and same(gate.shape[:2], (b, h)),
+             f"gate must be [B, H, V] = [{b}, {h}, V], got {tuple(gate.shape)}")
+        vd = gate.shape[2]
+    else:
+        need(g_b_weight.dim() == 2 and g_b_weight.shape[0] % h == 0,
+             f"g_b weight must be [H*V, R] with H = {h}, got {tuple(g_b_weight.shape)}")
+        vd = g_b_weight.shape[0] // h
+        need(gate.dim() == 2 and same(gate.shape, (b, g_b_weight.shape[1])),
+             f"low-rank gate input must be [B, R] = [{b}, {g_b_weight.shape[1]}], got {tuple(gate.shape)}")
+    need(vd == kd, f"value dim {vd} must equal key dim {kd} (the conv pool stores v with q's channel count)")
+    need(norm_weight.shape == (vd,), f"norm weight must be [V] = [{vd}], got {tuple(norm_weight.shape)}")
+    for name, w in (("q", q_conv_weight), ("k", k_conv_weight), ("v", v_conv_weight)):
+        need(w.dim() == 2 and w.shape[0] == c, f"{name} conv weight must be [{c}, width], got {tuple(w.shape)}")
+    width = q_conv_weight.shape[1]
+    need(k_conv_weight.shape[1] == width and v_conv_weight.shape[1] == width, "conv widths differ")
+    if f_b_weight is None:
+        need(same(f.shape, (b, c)), f"forget projection must be [B, H*K] = [{b}, {c}], got {tuple(f.shape)}")
+    else:
+        need(f_b_weight.dim() == 2 and f_b_weight.shape[0] == c,
+             f"f_b weight must be [H*K = {c}, R], got {tuple(f_b_weight.shape)}")
+        need(f.dim() == 2 and same(f.shape, (b, f_b_weight.shape[1])),
+             f"low-rank forget input must be [B, R] = [{b}, {f_b_weight.shape[1]}], got {tuple(f.shape)}")
+    need(dt_bias.shape == (c,), f"dt_bias must be [H*K] = [{c}], got {tuple(dt_bias.shape)}")
+    need(same(beta_logits.shape, (b, h)), f"beta logits must be [B, H] = [{b}, {h}], got {tuple(beta_logits.shape)}")
+    need(conv_pool.dim() == 4 and same(conv_pool.shape[2:], (3 * c, width - 1)),
+         f"conv pool must be [slots, layers, 3*H*K = {3 * c}, width-1 = {width - 1}], got {tuple(conv_pool.shape)}")
+    need(ssm_pool.dim() == 5 and same(ssm_pool.shape[2:], (h, kd, vd)) and ssm_pool.dtype == torch.float32,
+         f"ssm pool must be fp32 [slots, layers, {h}, {kd}, {vd}], got {ssm_pool.dtype} {tuple(ssm_pool.shape)}")
+    layers = (ssm_pool.shape[1], conv_pool.shape[1])
+    need(layer >= 0 and all(not isinstance(n, int) or layer < n for n in layers),
+         f"layer {layer} out of range for pools with {ssm_pool.shape[1]} / {conv_pool.shape[1]} layers")
+    need(same(slots.shape, (b,)) and not slots.dtype.is_floating_point,
+         f"slots must be an integer [B] = [{b}] tensor, got {slots.dtype} {tuple(slots.shape)}")
+    return b, h, kd, vd, width
+
+
+# --------------------------------------------------------------------------- CPU reference
+
+def expand_low_rank(f, gate, f_b_weight, g_b_weight, heads: int):
+    """The low-rank up-projections the op may absorb, as the unfused graph computes them (mm, t)."""
+    if f_b_weight is not None:
+        f = torch.mm(f, f_b_weight.t())
+    if g_b_weight is not None:
+        gate = torch.mm(gate, g_b_weight.t()).unflatten(-1, (heads, -1))
+    return f, gate
+
+
+def fused_kda_decode_reference(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
+                               beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound,
+                               norm_eps, f_b_weight=None, g_b_weight=None):
+    """The unfused ops, composed exactly as KDAMixer.forward calls them in decode."""
+    b, h, kd, vd, _ = check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
+                                 beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, f_b_weight,
+                                 g_b_weight)
+    f, gate = expand_low_rank(f, gate, f_b_weight, g_b_weight, h)
+    c = h * kd
+    conv = torch.ops.k3.short_conv_decode
+    q = conv(q_in, q_conv_weight, conv_pool, layer, 0, slots).unflatten(-1, (h, kd))
+    k = conv(k_in, k_conv_weight, conv_pool, layer, c, slots).unflatten(-1, (h, kd))
+    v = conv(v_in, v_conv_weight, conv_pool, layer, 2 * c, slots).unflatten(-1, (h, vd))
+    g = kda_gate(f, a_log, dt_bias, kd, lower_bound)
+    beta = torch.sigmoid(beta_logits.float())
+    o = torch.ops.k3.kda_decode(q, k, v, g, beta, ssm_pool, layer, slots)
+    # model_def.layers.common.GatedRMSNorm
+    of = o.float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_weight.float()
+    return (of * torch.sigmoid(gate.float())).to(o.dtype)
+
+
+# --------------------------------------------------------------------------- Triton kernel
+
+if triton is not None:
+
+    @triton.jit
+    def _low_rank_rows(x_row_ptr, w_ptr, rows, row_mask, RANK: tl.constexpr, BROWS: tl.constexpr,
+                       BR: tl.constexpr):
+        """(W[rows, :] @ x) for one token, fp32 accumulation, rounded to x's dtype; W is [*, RANK] row-major."""
+        acc = tl.zeros([BROWS], dtype=tl.float32)
+        for r0 in range(0, RANK, BR):
+            r = r0 + tl.arange(0, BR)
+            mr = r < RANK
+            x = tl.load(x_row_ptr + r, mask=mr, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + rows[:, None] * RANK + r[None, :], mask=row_mask[:, None] & mr[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        return acc.to(x_row_ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _short_conv_step(x_row_ptr, w_ptr, win_ptr, chans, mask, WIDTH: tl.constexpr, WPAD: tl.constexpr):
+        """One causal depthwise conv step + SiLU for channels `chans`; the window [chans, WIDTH-1] at
+        win_ptr is shifted in place and this token's x appended. Returns the output rounded to x's dtype
+        (as k3::short_conv_decode), in fp32."""
+        x_dtype = x_row_ptr.dtype.element_ty
+        pool_dtype = win_ptr.dtype.element_ty
+        j = tl.arange(0, WPAD)
+        mj = mask[:, None] & (j[None, :] < WIDTH - 1)
+        # the window is cast to x's dtype before the multiply, as the unfused op does
+        hist = tl.load(win_ptr + chans[:, None] * (WIDTH - 1) + j[None, :], mask=mj, other=0.0).to(x_dtype)
+        w = tl.load(w_ptr + chans[:, None] * WIDTH + j[None, :], mask=mj, other=0.0).to(tl.float32)
+        x = tl.load(x_row_ptr + chans, mask=mask, other=0.0)
+        acc = tl.sum(w * hist.to(tl.float32), axis=1)
+        acc += tl.load(w_ptr + chans * WIDTH + WIDTH - 1, mask=mask, other=0.0).to(tl.float32) * x.to(tl.float32)
+        # every thread holding a copy of these channels has read the window before anyone writes it
+        tl.debug_barrier()
+        tl.store(win_ptr + chans[:, None] * (WIDTH - 1) + j[None, :] - 1, hist.to(pool_dtype),
+                 mask=mj & (j[None, :] >= 1))
+        tl.store(win_ptr + chans * (WIDTH - 1) + WIDTH - 2, x.to(pool_dtype), mask=mask & (WIDTH > 1))
+        return (acc * tl.sigmoid(acc)).to(x_dtype).to(tl.float32)
+
+    @triton.jit
+    def _fused_kda_decode_kernel(
+        xq_ptr, xk_ptr, xv_ptr, xq_row, xk_row, xv_row,
+        wq_ptr, wk_ptr, wv_ptr,
+        f_ptr, f_row, wfb_ptr, dt_ptr, alog_ptr,
+        b_ptr, b_row, b_col,
+        gate_ptr, gate_row, gate_head, wgb_ptr,
+        normw_ptr,
+        conv_ptr, conv_slot_stride, conv_layer_offset,
+        ssm_ptr, ssm_slot_stride, ssm_layer_offset,
+        slots_ptr, out_ptr,
+        lower_bound, norm_eps, scale,
+        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr, WPAD: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr,
+        SOFTPLUS_GATE: tl.constexpr, USE_PDL: tl.constexpr,
+        F_RANK: tl.constexpr, G_RANK: tl.constexpr, BR: tl.constexpr, L2EPS: tl.constexpr,
+    ):
+        # One program = one (request, head): its q/k/v conv channels, its K x V state, its V outputs.
+        # The state is walked in [K, BV] column blocks (a whole 128 x 128 fp32 tile would spill).
+        # Conv pool per (slot, layer): [3 * H * K channels, WIDTH - 1] (q, k, v streams stacked,
+        # window oldest first); state per (slot, layer): [H, K, V] row-major.
+        pid = tl.program_id(0)
+        req = (pid // H).to(tl.int64)
+        head = pid % H
+        C: tl.constexpr = H * K
+        ok = tl.arange(0, BK)
+        mk = ok < K
+        ch = head * K + ok  # channel within a stream
+
+        # Constants first: with PDL these loads overlap the previous kernel's tail.
+        a = tl.exp(tl.load(alog_ptr + head).to(tl.float32))
+        dt = tl.load(dt_ptr + ch, mask=mk, other=0.0).to(tl.float32)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+
+        slot = tl.load(slots_ptr + req).to(tl.int64)
+        conv_base = conv_ptr + slot * conv_slot_stride + conv_layer_offset
+
+        # ---- q, k: short conv + SiLU, L2 norm (epsilon inside the sqrt, as fla)
+        q = _short_conv_step(xq_ptr + req * xq_row, wq_ptr, conv_base, ch, mk, WIDTH, WPAD)
+        k = _short_conv_step(xk_ptr + req * xk_row, wk_ptr, conv_base + C * (WIDTH - 1), ch, mk, WIDTH, WPAD)
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + L2EPS) * scale
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + L2EPS)
+
+        # ---- decay gate (F_RANK > 0: f_b_proj's GEMV here) and beta
+        if F_RANK > 0:
+            f_raw = _low_rank_rows(f_ptr + req * f_row, wfb_ptr, ch, mk, F_RANK, BK, BR)
+        else:
+            f_raw = tl.load(f_ptr + req * f_row + ch, mask=mk, other=0.0).to(tl.float32)
+        fx = f_raw + dt
+        if SOFTPLUS_GATE:
+            g = -a * tl.where(fx > 20.0, fx, tl.log(1.0 + tl.exp(tl.minimum(fx, 20.0))))
+        else:
+            g = lower_bound * tl.sigmoid(a * fx)
+        decay = tl.where(mk, tl.exp(g), 0.0)
+        beta = tl.sigmoid(tl.load(b_ptr + req * b_row + head * b_col).to(tl.float32))
+
+        # ---- per V block: v's conv, the delta rule on the fp32 state in place, o = S^T q
+        s_base = ssm_ptr + slot * ssm_slot_stride + ssm_layer_offset + head * K * V
+        out_row = out_ptr + (req * H + head) * V
+        out_dtype = out_ptr.dtype.element_ty
+        sum_sq = tl.zeros([BV], dtype=tl.float32)
+        for v0 in range(0, V, BV):
+            ov = v0 + tl.arange(0, BV)
+            mv = ov < V
+            v = _short_conv_step(xv_ptr + req * xv_row, wv_ptr, conv_base + 2 * C * (WIDTH - 1), head * V + ov, mv,
+                                 WIDTH, WPAD)
+            s_ptrs = s_base + ok[:, None] * V + ov[None, :]
+            m2 = mk[:, None] & mv[None, :]
+            s = tl.load(s_ptrs, mask=m2, other=0.0) * decay[:, None]
+            kv_mem = tl.sum(s * k[:, None], axis=0)  # S^T k: [BV]
+            s += k[:, None] * ((v - kv_mem) * beta)[None, :]
+            tl.debug_barrier()  # all copies of this block are read before any is overwritten
+            tl.store(s_ptrs, s, mask=m2)
+            o = tl.sum(s * q[:, None], axis=0).to(out_dtype)  # k3::kda_decode returns v's dtype
+            of = o.to(tl.float32)
+            sum_sq += tl.where(mv, of * of, 0.0)
+            tl.store(out_row + ov, o, mask=mv)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+
+        # ---- gated RMSNorm over V (G_RANK > 0: g_b_proj's GEMV here), rewriting o in place
+        inv_rms = tl.rsqrt(tl.sum(sum_sq, axis=0) / V + norm_eps)
+        tl.debug_barrier()  # o's blocks, stored above by other threads, are visible
+        for v0 in range(0, V, BV):
+            ov = v0 + tl.arange(0, BV)
+            mv = ov < V
+            if G_RANK > 0:
+                gate = _low_rank_rows(gate_ptr + req * gate_row, wgb_ptr, head * V + ov, mv, G_RANK, BV, BR)
+            else:
+                gate = tl.load(gate_ptr + req * gate_row + head * gate_head + ov, mask=mv, other=0.0).to(tl.float32)
+            normw = tl.load(normw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
+            o = tl.load(out_row + ov, mask=mv, other=0.0).to(tl.float32)
+            y = o * inv_rms * normw * tl.sigmoid(gate)
+            tl.debug_barrier()
+            tl.store(out_row + ov, y.to(out_dtype), mask=mv)
+
+
+def kernel_supports(head_dim: int, value_dim: int) -> bool:
+    return (triton is not None and head_dim == value_dim
+            and triton.next_power_of_2(head_dim) * triton.next_power_of_2(value_dim) <= KERNEL_MAX_TILE)
+
+
+def _row_major_rows(t: torch.Tensor) -> torch.Tensor:
+    """Rows may be strided (column blocks of a merged GEMM's output); elements within a row must not."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
+                            beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound,
+                            norm_eps, f_b_weight=None, g_b_weight=None, use_pdl: bool = False,
+                            num_warps: int | None = None) -> torch.Tensor:
+    """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    if triton is None:
+        raise RuntimeError("fused_kda_decode: triton is not installed")
+    b, h, kd, vd, width = check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias,
+                                     a_log, beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots,
+                                     f_b_weight, g_b_weight)
+    if not kernel_supports(kd, vd):
+        raise ValueError(f"fused_kda_decode kernel: needs K == V and a K x V tile <= {KERNEL_MAX_TILE}, "
+                         f"got K={kd}, V={vd}")
+    # the pools are written in place, so they cannot be copied: their inner blocks must be dense
+    if conv_pool.stride(3) != 1 or conv_pool.stride(2) != width - 1:
+        raise ValueError("fused_kda_decode kernel: conv pool [slot, layer] blocks must be row-major")
+    if ssm_pool.stride(4) != 1 or ssm_pool.stride(3) != vd or ssm_pool.stride(2) != kd * vd:
+        raise ValueError("fused_kda_decode kernel: ssm pool [slot, layer] blocks must be row-major")
+    q_in, k_in, v_in, f, gate = (_row_major_rows(t) for t in (q_in, k_in, v_in, f, gate))
+    wq, wk, wv = (w.contiguous() for w in (q_conv_weight, k_conv_weight, v_conv_weight))
+    dt_bias, a_log, norm_weight = dt_bias.contiguous(), a_log.contiguous(), norm_weight.contiguous()
+    f_rank = 0 if f_b_weight is None else f_b_weight.shape[1]
+    g_rank = 0 if g_b_weight is None else g_b_weight.shape[1]
+    wfb = f if f_b_weight is None else f_b_weight.contiguous()  # (unused pointer when the rank is 0)
+    wgb = gate if g_b_weight is None else g_b_weight.contiguous()
+    out = torch.empty(b, h, vd, dtype=v_in.dtype, device=v_in.device)
+    if b == 0:
+        return out
+    use_pdl = use_pdl and pdl_available()
+    bk = triton.next_power_of_2(kd)
+    bv = min(triton.next_power_of_2(vd), V_BLOCK)
+    if num_warps is None:
+        num_warps = 4 if bk * bv >= 64 * 32 else 1
+    extra = {"launch_pdl": True} if use_pdl else {}
+    _fused_kda_decode_kernel[(b * h,)](
+        q_in, k_in, v_in, q_in.stride(0), k_in.stride(0), v_in.stride(0),
+        wq, wk, wv,
+        f, f.stride(0), wfb, dt_bias, a_log,
+        beta_logits, beta_logits.stride(0), beta_logits.stride(1),
+        gate, gate.stride(0), gate.stride(1) if g_b_weight is None else 0, wgb,
+        norm_weight,
+        conv_pool, conv_pool.stride(0), layer * conv_pool.stride(1),
+        ssm_pool, ssm_pool.stride(0), layer * ssm_pool.stride(1),
+        slots, out,
+        float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps), kd ** -0.5,
+        H=h, K=kd, V=vd, WIDTH=width, WPAD=triton.next_power_of_2(max(width - 1, 1)), BK=bk, BV=bv,
+        SOFTPLUS_GATE=lower_bound is None, USE_PDL=bool(use_pdl),
+        F_RANK=f_rank, G_RANK=g_rank, BR=min(32, triton.next_power_of_2(max(f_rank, g_rank, 1))), L2EPS=L2_EPS,
+        num_warps=num_warps, **extra,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- the k3 op
+
+@custom_op("k3::fused_kda_decode", mutates_args=("conv_pool", "ssm_pool"))
+def fused_kda_decode(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, q_conv_weight: torch.Tensor,
+                     k_conv_weight: torch.Tensor, v_conv_weight: torch.Tensor, f: torch.Tensor,
+                     dt_bias: torch.Tensor, a_log: torch.Tensor, beta_logits: torch.Tensor, gate: torch.Tensor,
+                     norm_weight: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, layer: int,
+                     slots: torch.Tensor, lower_bound: float | None, norm_eps: float,
+                     f_b_weight: torch.Tensor | None = None, g_b_weight: torch.Tensor | None = None,
+                     use_pdl: bool = False) -> torch.Tensor:
+    """A KDA layer's decode step after its input GEMM: [B, H, V] gated-norm output. See module doc."""
+    return fused_kda_decode_reference(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias,
+                                      a_log, beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots,
+                                      lower_bound, norm_eps, f_b_weight, g_b_weight)
+
+
+@fused_kda_decode.register_kernel("cuda")
+def _fused_kda_decode_cuda(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
+                           beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps,
+                           f_b_weight=None, g_b_weight=None, use_pdl=False):
+    h = a_log.shape[0]
+    if q_in.shape[0] > LOW_RANK_IN_KERNEL_MAX_BATCH:  # cuBLAS reads each weight once for the whole batch
+        f, gate = expand_low_rank(f, gate, f_b_weight, g_b_weight, h)
+        f_b_weight = g_b_weight = None
+    args = (q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log, beta_logits, gate,
+            norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps, f_b_weight, g_b_weight)
+    vd = gate.shape[-1] if g_b_weight is None else g_b_weight.shape[0] // h
+    if kernel_supports(q_in.shape[-1] // h, vd):
+        with torch.cuda.device(q_in.device):  # Triton launches on the current device
+            return fused_kda_decode_triton(*args, use_pdl=use_pdl)
+    return fused_kda_decode_reference(*args)
+
+
+@fused_kda_decode.register_fake
+def _fused_kda_decode_fake(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
+                           beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps,
+                           f_b_weight=None, g_b_weight=None, use_pdl=False):
+    b, h, _, vd, _ = check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
+                                beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, f_b_weight,
+                                g_b_weight)
+    return v_in.new_empty(b, h, vd)
