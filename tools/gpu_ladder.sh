@@ -32,11 +32,14 @@ ladder() {  # model, time budget (s), hard timeout (s)
     k3compile report "$t" --top 25 > "${t%.json.gz}.report.txt" 2>&1
   done
 }
-# P8's kernel at the 48B shapes against an fp32 reference, and its build-time measuring, before it is trusted
-timeout 80 python3 -m pytest -q -m gpu -p no:cacheprovider tests/passes/test_p08_small_m_gemm.py >> "$LOG" 2>&1
-echo "p08 gpu tests: exit $?" | tee -a "$LOG"
-ladder kimi-linear-48b 255 285
-ladder k3-mini-6b 125 150
+# every kernel's GPU tests at real shapes (P5, P6, P7, P8, P15) before the ladder trusts them
+timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/passes/test_p08_small_m_gemm.py \
+  tests/passes/kernels/test_kda_decode.py tests/passes/kernels/test_moe_decode.py tests/passes/kernels/test_mla_decode.py \
+  tests/passes/kernels/test_attn_res_norm.py >> "$LOG" 2>&1
+echo "kernel gpu tests (P5, P6, P7, P8, P15): exit $?" | tee -a "$LOG"
+grep -E "^FAILED|passed|failed" "$LOG" | tail -20
+ladder kimi-linear-48b 245 270
+ladder k3-mini-6b 105 130
 (cd "$R" && tar cf "$OUT/ladder_traces.tar" */traces/*_bs1.* 2>>"$LOG")
 rm -rf "$R"  # under $OUT: its copies would count against the 8 files that come back
 grep -h -A14 "^| arm |" "$OUT"/ladder_*.md
