@@ -16,18 +16,9 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from k3compile.model_def.batch import ForwardBatch
+# The step contract (modes, inputs, step_args) lives in model_def; re-exported for the passes and benches.
+from k3compile.model_def.batch import MODES, STEP_INPUTS, ForwardBatch, step_args  # noqa: F401
 from k3compile.model_def.cache import CacheTensors
-
-# Graph inputs, in order. The pools are the last three.
-STEP_INPUTS = ("input_ids", "cu_seqlens", "seq_lens", "page_table", "state_slots", "out_cache_loc",
-               "logits_indices", "ssm", "conv", "kv")
-MODES = ("decode", "prefill")
-
-
-def step_args(batch: ForwardBatch, cache: CacheTensors) -> tuple:
-    return (batch.input_ids, batch.cu_seqlens, batch.seq_lens, batch.page_table, batch.state_slots,
-            batch.out_cache_loc, batch.logits_indices, cache.ssm, cache.conv, cache.kv)
 
 
 def example_batch(mode: str, cache: CacheTensors, device) -> ForwardBatch:

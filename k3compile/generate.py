@@ -39,6 +39,9 @@ def generate_ids(model, prompt_ids: list[int], params: SamplingParams, page_size
     out: list[int] = []
     while engine.has_unfinished():
         for o in engine.step():
+            if o.error is not None:
+                engine.close()
+                raise RuntimeError(o.error)
             for tok in o.new_token_ids:
                 out.append(tok)
                 if on_token is not None:

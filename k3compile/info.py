@@ -7,12 +7,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
-
 from k3compile.model_def.cache import CacheSpec
+from k3compile.model_def.dtypes import DTYPES  # noqa: F401  (re-exported: the CLI's commands read it here)
 from k3compile.model_def.loader import build_model, resolve_config
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass

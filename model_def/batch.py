@@ -1,4 +1,6 @@
-"""The one batch-metadata object of the step contract (like SGLang's ForwardBatch / nano-vllm's Context).
+"""The step contract between model_def and its callers (runtime, capture, engines): the step modes,
+the tensors a step takes (`STEP_INPUTS`, in order) and the one batch-metadata object they come from
+(`ForwardBatch`, like SGLang's ForwardBatch / nano-vllm's Context).
 
 Tokens of all requests are packed along one axis ([N] ids); `cu_seqlens` cuts them into requests.
 Host-side copies of the lengths ride along so reference code can loop without device syncs.
@@ -8,6 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+# The step modes a model and a built engine provide.
+MODES = ("decode", "prefill")
+# Tensor inputs of every step, in order (what `step_tensors(mode, *inputs)` and a captured graph take).
+# The pools are the last three.
+STEP_INPUTS = ("input_ids", "cu_seqlens", "seq_lens", "page_table", "state_slots", "out_cache_loc",
+               "logits_indices", "ssm", "conv", "kv")
 
 
 @dataclass
@@ -78,3 +87,9 @@ class ForwardBatch:
                    state_slots=t(state_slots, torch.int64), out_cache_loc=t(loc, torch.int64), page_size=page_size,
                    logits_indices=t(li, torch.int64), seq_lens_cpu=seq, prefix_lens_cpu=list(prefix_lens),
                    extend_lens_cpu=ext)
+
+
+def step_args(batch: ForwardBatch, cache) -> tuple:
+    """The STEP_INPUTS of one step: the batch's tensors, then the pools (`cache`: a CacheTensors)."""
+    return (batch.input_ids, batch.cu_seqlens, batch.seq_lens, batch.page_table, batch.state_slots,
+            batch.out_cache_loc, batch.logits_indices, cache.ssm, cache.conv, cache.kv)

@@ -7,8 +7,14 @@
             ...
     engine.generate([ids_a, ids_b], SamplingParams(max_new_tokens=8))   # offline convenience
 
-Memory. A byte budget (`memory_bytes`) becomes split pools (`state_fraction` of it for KDA state
-slots, the rest KV pages) or, with `enable_unified_memory`, one arena both kinds share.
+Memory. A byte budget (`memory_bytes`; without it sized from the device after the weights are
+loaded, `mem_fraction_static`, runtime/memory/sizing.py) becomes split pools (`state_fraction` of it
+for KDA state slots, the rest KV pages) or, with `enable_unified_memory`, one arena both kinds share.
+`memory_summary()` says what was sized.
+
+Engines. With `engine_dir` the engine directory is opened by `open_engine` (k3compile/engine): its
+dtype, page size, decode buckets and tokenizer are the ones `build` wrote; `page_size` or
+`cuda_graph_buckets` given here override them, a different `dtype` is refused.
 
 Running limit. With the prefix cache each running request can hold up to MAX_TRANSIENT_SLOTS (4)
 state slots (working slot, newest complete snapshot, the snapshot of the batch in flight and the
@@ -25,20 +31,28 @@ max_new_tokens must fit in it.
 
 Stop conditions: the tokenizer's eos (unless ignore_eos), the request's stop_token_ids, and
 max_new_tokens ("length"). The token that stopped a request is part of its output.
+
+Failures. A request whose sampling raises fails alone (finish_reason "error", `RequestOutput.error`
+says why). A forward that raises is attributed by the scheduler (`Scheduler.fail_batch`): alone in
+its batch, the request fails; sharing it, each request is recomputed from its tokens and from then
+on runs in batches of its own, so only the request that causes it fails when it happens again. The
+engine keeps serving either way.
 """
 from __future__ import annotations
 
 import itertools
-import os
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 
 import torch
 
 from k3compile.runtime.cache.radix import HybridRadixCache
 from k3compile.runtime.cache.request_table import RequestTable
 from k3compile.runtime.cache.state_slots import MAX_TRANSIENT_SLOTS
+from k3compile.model_def.dtypes import DTYPE_NAMES, DTYPES
 from k3compile.runtime.executor import provider_device
 from k3compile.runtime.memory.pools import DEFAULT_STATE_FRACTION, SplitPools
+from k3compile.runtime.memory.sizing import check_fraction, pool_budget
 from k3compile.runtime.memory.unified import UnifiedArena
 from k3compile.runtime.sampling import SamplingParams
 
@@ -49,22 +63,26 @@ from .model_runner import ModelRunner
 from .request import Request
 from .scheduler import DEFAULT_RESERVE_RATIO, ScheduledBatch, Scheduler, SchedulerConfig
 
-DEFAULT_MEMORY_BYTES = 64 << 20  # sized for tiny models on CPU
 MAX_DEFAULT_CONTEXT = 32768
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_DTYPE = "fp32"
+
+log = logging.getLogger("k3compile.engine")
 
 
 @dataclass
 class EngineArgs:
     model: str | None = "k3-tiny"
     engine_dir: str | None = None
-    dtype: str = "fp32"
+    dtype: str | None = None  # None: the engine's own, else DEFAULT_DTYPE
     device: str = "cpu"
     seed: int = 0
-    page_size: int = 16
+    page_size: int | None = None  # None: the engine's (engine.json), else DEFAULT_PAGE_SIZE
     chunk_size: int = 256
     max_batch_tokens: int = 2048
     max_running: int | None = None
-    memory_bytes: int | None = None  # None: DEFAULT_MEMORY_BYTES
+    memory_bytes: int | None = None  # None: sized from the device (mem_fraction_static)
+    mem_fraction_static: float | None = None  # None: sizing.DEFAULT_MEM_FRACTION_STATIC
     state_fraction: float | None = None  # split pools only; None: DEFAULT_STATE_FRACTION
     enable_unified_memory: bool = False
     enable_prefix_cache: bool = True
@@ -77,7 +95,7 @@ class EngineArgs:
     max_checkpoints_per_path: int | None = None  # None: the policy's; 0: no cap
     max_checkpoints: int | None = None  # None: the policy's; 0: no cap
     cuda_graphs: bool | None = None  # None: on for CUDA devices
-    cuda_graph_buckets: tuple[int, ...] | None = None  # decode batch sizes with a graph; None: the executor's
+    cuda_graph_buckets: tuple[int, ...] | None = None  # decode batch sizes with a graph; None: the engine's, else the executor's
     decode_reserve_ratio: float | None = None  # admission keeps pages for this share of remaining output; None: 0.7
     pad_decode_batches: bool | None = None  # pad decode batches to the buckets without graphs (CPU tests of the path)
 
@@ -93,6 +111,7 @@ class RequestOutput:
     cached_tokens: int
     logprobs: list | None = None  # TokenLogprobs per new token, when the request asked for logprobs
     prompt_logprobs: list | None = None  # first output only: None for the first prompt token, then TokenLogprobs
+    error: str | None = None  # finish_reason "error": what failed
 
 
 def _checkpoint_interval(args: EngineArgs) -> int:
@@ -111,9 +130,7 @@ def _checkpoint_interval(args: EngineArgs) -> int:
 
 
 def _check_args(args: EngineArgs, have_model: bool) -> None:
-    from k3compile.info import DTYPES
-
-    if args.dtype not in DTYPES:
+    if args.dtype is not None and args.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     if args.model is None and args.engine_dir is None and not have_model:
         raise ValueError("give a model (preset or checkpoint directory) or an engine_dir")
@@ -121,6 +138,8 @@ def _check_args(args: EngineArgs, have_model: bool) -> None:
         v = getattr(args, name)
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if args.mem_fraction_static is not None:
+        check_fraction(args.mem_fraction_static)
     p = args.page_size
     if args.enable_prefix_cache and (args.chunk_size % p or args.track_interval % p):
         raise ValueError(f"chunk_size ({args.chunk_size}) and track_interval ({args.track_interval}) must be "
@@ -142,18 +161,27 @@ class LLMEngine:
         """`model`: an already loaded model or compiled Engine to use instead of loading one (args.model
         and args.engine_dir then only name where the tokenizer is; both None: token ids only).
         `eos_token_id`: overrides the tokenizer's."""
-        _check_args(args, model is not None)
-        self.args = args
-        self.provider = model if model is not None else self._load(args)
+        _check_args(replace(args, page_size=args.page_size or DEFAULT_PAGE_SIZE), model is not None)
+        opened = None
+        if model is not None:
+            self.provider = model
+        elif args.engine_dir is not None:
+            opened = self._open(args)
+            self.provider = opened.engine
+        else:
+            self.provider = self._load(args)
         self.config = self.provider.config
-        self.tokenizer = self._tokenizer(args)
+        args = self.args = self._settle_args(args, self.provider)
+        _check_args(args, True)
+        self.tokenizer = opened.tokenizer if opened is not None else self._tokenizer(args)
         if eos_token_id is None:
             eos_token_id = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer else self.config.eos_token_id
         self.eos_token_id = eos_token_id
         device = str(provider_device(self.provider))
 
         spec = self.provider.cache_spec()
-        budget = args.memory_bytes or DEFAULT_MEMORY_BYTES
+        self.budget = pool_budget(device, args.mem_fraction_static, args.memory_bytes)
+        budget = self.budget.bytes
         if args.enable_unified_memory:
             inner = UnifiedArena.from_budget(spec, budget, args.page_size, device=device)
         else:
@@ -190,36 +218,52 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
+    def _open(args: EngineArgs):
+        from k3compile.engine import open_engine
+
+        opened = open_engine(args.engine_dir, device=args.device)
+        if args.dtype is not None and args.dtype != opened.dtype:
+            raise ValueError(f"engine {args.engine_dir} was built for {opened.dtype}, not dtype {args.dtype} "
+                             f"(rebuild it to change)")
+        return opened
+
+    @staticmethod
     def _load(args: EngineArgs):
-        from k3compile.info import DTYPES
-
-        if args.engine_dir is not None:
-            from k3compile.engine import Engine
-            from k3compile.engine.engine import DTYPE_NAMES
-
-            engine = Engine.load(args.engine_dir, device=args.device)
-            if DTYPE_NAMES[engine.dtype] != args.dtype:
-                raise ValueError(f"engine {args.engine_dir} was built for {DTYPE_NAMES[engine.dtype]}, "
-                                 f"not dtype {args.dtype}")
-            return engine
         from k3compile.model_def.loader import load_model
-        return load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, seed=args.seed, progress=False)
+        return load_model(args.model, dtype=DTYPES[args.dtype or DEFAULT_DTYPE], device=args.device, seed=args.seed,
+                          progress=False)
+
+    @staticmethod
+    def _settle_args(args: EngineArgs, provider) -> EngineArgs:
+        """Fill what the args leave open from the provider: an Engine brings the page size, decode
+        buckets and dtype it was built with."""
+        dtype = getattr(provider, "dtype", None)
+        return replace(
+            args, page_size=args.page_size or getattr(provider, "page_size", None) or DEFAULT_PAGE_SIZE,
+            cuda_graph_buckets=args.cuda_graph_buckets or getattr(provider, "decode_buckets", None),
+            dtype=args.dtype or DTYPE_NAMES.get(dtype, DEFAULT_DTYPE))
 
     def _tokenizer(self, args: EngineArgs):
+        from k3compile.engine.opened import engine_tokenizer
         from k3compile.tokenizer import load_tokenizer
 
         if args.engine_dir is not None:
-            from k3compile.engine.format import TOKENIZER_DIR
-            tok_dir = os.path.join(args.engine_dir, TOKENIZER_DIR)
-            source = tok_dir if os.path.isdir(tok_dir) else args.engine_dir
-        elif args.model is not None:
-            source = args.model
-        else:
+            return engine_tokenizer(args.engine_dir, self.config)
+        if args.model is None:
             return None
         try:
-            return load_tokenizer(source, self.config)
+            return load_tokenizer(args.model, self.config)
         except ValueError:
             return None  # no tokenizer for this model: token ids only
+
+    def memory_summary(self) -> str:
+        """What the memory was sized to, for the start-up log."""
+        mem, p = self.memory, self.args.page_size
+        pages, slots = mem.num_free_pages() + mem.num_used_pages(), mem.num_free_slots() + mem.num_used_slots()
+        kind = "one unified arena" if self.args.enable_unified_memory else "split pools"
+        return (f"memory: {self.budget.bytes / (1 << 20):.0f} MiB for KV + KDA state ({self.budget.source}); "
+                f"{kind}: {pages * p} tokens of KV ({pages} pages of {p}), {slots} state slots; "
+                f"up to {self.scheduler.cfg.max_running} requests running, context {self.max_context} tokens")
 
     @staticmethod
     def _capacity(inner, spec, slots_per_request: int) -> tuple[int, int]:
@@ -235,11 +279,12 @@ class LLMEngine:
         if args.max_context is not None:
             if args.max_context > cap:
                 raise ValueError(f"max_context {args.max_context} does not fit the memory: one request can hold "
-                                 f"at most {cap} tokens of KV with memory_bytes={args.memory_bytes}")
+                                 f"at most {cap} tokens of KV in {self.budget.bytes} bytes ({self.budget.source})")
             return args.max_context
         ctx = min(self.config.max_position_embeddings, MAX_DEFAULT_CONTEXT, cap)
         if ctx < 2:
-            raise ValueError(f"memory_bytes={args.memory_bytes} leaves room for {cap} tokens per request")
+            raise ValueError(f"{self.budget.bytes} bytes of pools ({self.budget.source}) leave room for {cap} "
+                             f"tokens per request")
         return ctx
 
     # ------------------------------------------------------------------ requests
@@ -299,15 +344,13 @@ class LLMEngine:
         if not self.args.overlap:
             batch = self.scheduler.schedule()
             if batch is not None:
-                logits = self.runner.run(batch)
-                self._note(self.scheduler.process(batch, self.runner.sample(batch, logits)))
+                self._finish(batch, lambda: self.runner.run(batch))
             return self._collect()
         # Overlap: plan batch N+1 while batch N runs, then finish N, then launch N+1.
         nxt = self.scheduler.schedule()
         if self._inflight is not None:
             done, self._inflight = self._inflight, None
-            logits = self.runner.wait()
-            self._note(self.scheduler.process(done, self.runner.sample(done, logits)))
+            self._finish(done, self.runner.wait)
         if nxt is not None:
             if all(row.req.finished for row in nxt.rows):  # everyone in it finished meanwhile
                 self.scheduler.process(nxt, [None] * len(nxt.rows))
@@ -317,6 +360,22 @@ class LLMEngine:
                 self._inflight = nxt
                 prepare_masks(nxt)  # structured-output masks while the forward runs
         return self._collect()
+
+    def _finish(self, batch: ScheduledBatch, forward) -> None:
+        """Run (or wait for) a batch's forward, sample, apply. A failure fails the request that caused it."""
+        try:
+            logits = forward()
+        except Exception as e:
+            log.exception("a %s step over %d request(s) failed", batch.mode, len(batch.rows))
+            self._note(self.scheduler.fail_batch(batch, f"the {batch.mode} step failed: {e!r}"))
+            return
+        sampled, errors = self.runner.sample(batch, logits)
+        self._note(self.scheduler.process(batch, sampled))
+        for i, err in errors.items():
+            req = batch.rows[i].req
+            log.warning("request %s failed: %s", req.rid, err)
+            self.scheduler.fail(req, err)
+            self._outbox[req.rid] = req
 
     @staticmethod
     def _fill_placeholders(batch: ScheduledBatch) -> None:
@@ -349,7 +408,7 @@ class LLMEngine:
                 req.finish_reported = True
                 self._requests.pop(rid, None)
             outs.append(RequestOutput(rid, list(new), req.finished, req.finish_reason, len(req.prompt_ids),
-                                      len(req.output_ids), req.cached_tokens, lps, plp))
+                                      len(req.output_ids), req.cached_tokens, lps, plp, error=req.error))
         self._outbox.clear()
         return outs
 
@@ -362,13 +421,17 @@ class LLMEngine:
         for rid, ids, p in zip(rids, prompts, plist):
             self.add_request(rid, ids, p)
         out = {rid: [] for rid in rids}
-        pending = set(rids)
+        pending, errors = set(rids), []
         while pending:
             for o in self.step():
                 if o.rid in out:
                     out[o.rid].extend(o.new_token_ids)
                     if o.finished:
                         pending.discard(o.rid)
+                    if o.error is not None:
+                        errors.append(f"prompt {rids.index(o.rid)}: {o.error}")
+        if errors:
+            raise RuntimeError("; ".join(errors))
         return [out[rid] for rid in rids]
 
     # ------------------------------------------------------------------ metrics

@@ -33,8 +33,7 @@ from typing import Callable, Mapping, Protocol
 
 import torch
 
-from k3compile.capture import step_args
-from k3compile.model_def.batch import ForwardBatch
+from k3compile.model_def.batch import ForwardBatch, step_args
 from k3compile.model_def.cache import CacheTensors
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -12,6 +12,7 @@ next batch is launched, which the engine's loop guarantees.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -55,9 +56,29 @@ class ModelRunner:
         return fut.result()
 
     @staticmethod
-    def sample(batch: ScheduledBatch, logits: torch.Tensor) -> BatchSample:
-        """Tokens (and logprobs) for every sampling row of a live request, in one batched pass."""
-        return sample_batch(batch, logits)
+    def sample(batch: ScheduledBatch, logits: torch.Tensor) -> tuple[BatchSample, dict[int, str]]:
+        """Tokens (and logprobs) for every sampling row of a live request, in one batched pass, and
+        {row: why} for rows whose sampling failed. If the batched pass raises, each row is sampled
+        alone, so only the requests whose own sampling fails fail; the others go on."""
+        try:
+            return sample_batch(batch, logits), {}
+        except Exception:
+            pass
+        n = len(batch.rows)
+        out, errors = BatchSample([None] * n, [None] * n), {}
+        for i in range(n):
+            alone = replace(batch, rows=[r if j == i else replace(r, samples=False) for j, r in enumerate(batch.rows)])
+            try:
+                one = sample_batch(alone, logits)
+            except Exception as e:  # this request's parameters or logits
+                errors[i] = f"sampling failed: {e!r}"
+                continue
+            out.tokens[i], out.logprobs[i] = one.tokens[i], one.logprobs[i]
+            if i in one.forks:
+                out.forks[i] = one.forks[i]
+            if i in one.prompt_logprobs:
+                out.prompt_logprobs[i] = one.prompt_logprobs[i]
+        return out, errors
 
     def close(self) -> None:
         if self._worker is not None:

@@ -35,7 +35,8 @@ class Request:
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # finish_reason "error": what failed
     # scheduling
     num_scheduled: int = 0
     num_computed: int = 0
@@ -46,6 +47,9 @@ class Request:
     inflight: int = 0  # batches scheduled or running that include this request
     retract_pending: bool = False  # retract once no batch includes it any more
     latest_snapshot: int | None = None  # position of the newest complete snapshot not yet donated
+    # failure isolation (Scheduler.fail_batch)
+    isolate: bool = False  # shared a batch whose forward failed: runs in batches of its own from now on
+    void: bool = False  # what batches still in flight compute for it is discarded (it is being recomputed)
     # accounting
     # n > 1: requests sampled from this one's first logits row and forked from its state after the
     # prompt (runtime/scheduler.py `_fork`); a follower waits outside the queues until then

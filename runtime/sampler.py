@@ -46,8 +46,12 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     dev = x.device
     greedy = [p.greedy for p in params]
     if not all(greedy):
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        if not bool(torch.isfinite(logits[sampled]).all()):
+            raise ValueError("the model produced non-finite logits for a sampled request")
         temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=dev)
-        x = x / temps[:, None]
+        # shifted to <= 0 first: a temperature down to SAMPLING_EPS cannot overflow a logit to inf
+        x = (x - x.max(dim=-1, keepdim=True).values) / temps[:, None]
         ks = [p.top_k if p.top_k and not g else 0 for p, g in zip(params, greedy)]
         ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         if any(ks) or any(p < 1.0 for p in ps):
@@ -81,7 +85,8 @@ def _truncate(x: torch.Tensor, ks: list[int], ps: list[float]) -> None:
     sorted_x = sorted_x.masked_fill(rank >= k, float("-inf"))
     probs = sorted_x.softmax(-1)
     top_p = torch.tensor(ps, device=dev)[:, None]
-    remove = (rank >= k) | (probs.cumsum(-1) - probs >= top_p)  # the most likely token always stays
+    remove = (rank >= k) | (probs.cumsum(-1) - probs >= top_p)
+    remove[:, 0] = False  # the most likely token always stays (a top_p below fp32's range rounds to 0)
     x.masked_fill_(torch.zeros_like(remove).scatter_(1, order, remove), float("-inf"))
 
 

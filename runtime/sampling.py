@@ -2,14 +2,21 @@
 
 The engine samples whole batches at once (runtime/sampler.py); `sample` here is the same
 distribution for one row, used where there is no batch (tests, simple tools).
+
+Every value SamplingParams accepts samples without raising: temperatures below SAMPLING_EPS are
+greedy (dividing by them would overflow the logits to inf, as in vLLM), and a seed must fit
+torch.Generator (the unsigned 64-bit range, negatives as two's complement).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
+SAMPLING_EPS = 1e-5  # vLLM's: temperatures below it are greedy
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -33,8 +40,10 @@ class SamplingParams:
     guide: tuple[str, str] | None = None  # structured output: (kind, spec), runtime/structured_output.py
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -53,7 +62,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def penalized(self) -> bool:

@@ -38,6 +38,13 @@ snapshot is donated (so its prefix may stay in the tree), everything else goes b
 and it returns to the front of the queue to be re-admitted and recompute what it lost
 (prompt + output so far is prefilled again, so its outputs are unchanged). A retraction of a
 request in flight waits until its batch is processed; only one retraction is pending at a time.
+
+Failures (`fail_batch`, `fail`). A batch whose forward raised is applied as nothing: its pins and
+in-flight counts are released and no position advances. If it held one live request, that request
+caused it and fails (finish_reason "error"). Otherwise nobody can tell which one did, so each is
+retracted -- recomputed from its tokens, outputs unchanged; results of its batches still in flight
+are discarded (`void`) -- and marked `isolate`: from then on it runs in batches of its own, taking
+turns with the others, so if it fails again it fails alone.
 """
 from __future__ import annotations
 
@@ -110,6 +117,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._admissions = 0
+        self._isolated_turn = False  # the last batch was an isolated request's: the others go next
         # counters for metrics
         self.retractions = 0
         self.prefill_tokens = 0  # tokens computed by prefill rows (cache hits excluded, recomputation included)
@@ -122,11 +130,11 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def abort(self, req: Request) -> None:
+    def abort(self, req: Request, reason: str = "abort") -> None:
         """Finish now; resources go back at once, or when the last batch that includes it is processed."""
         if req.finished:
             return
-        req.finish("abort")
+        req.finish(reason)
         if req.fork_leader is not None and req in req.fork_leader.followers:  # a follower not forked yet
             req.fork_leader.followers.remove(req)
             return
@@ -144,16 +152,64 @@ class Scheduler:
             f.fork_leader = new
         self.waiting.appendleft(new)
 
+    def fail(self, req: Request, error: str) -> None:
+        """Finish a request with finish_reason "error" (`error` says why); the others go on."""
+        if not req.finished:
+            req.error = error
+            self.abort(req, "error")
+
+    def fail_batch(self, batch: ScheduledBatch, error: str) -> list[Request]:
+        """A batch whose forward raised (see the module docstring). Returns the requests that failed."""
+        self.memory.unpin(*batch.pinned)
+        live: list[Request] = []
+        for row in batch.rows:
+            row.req.inflight -= 1
+            if not row.req.finished and row.req.status is Status.RUNNING and not row.req.void \
+                    and row.req not in live:
+                live.append(row.req)
+        if len(live) == 1:
+            self.fail(live[0], error)
+        else:
+            for req in live:
+                req.isolate = req.void = True
+                req.latest_snapshot = None  # donate nothing of a request whose state is in doubt
+                self._retract(req)
+        for row in batch.rows:
+            self._settle(row.req)
+        return live if len(live) == 1 else []
+
     def num_running(self) -> int:
         return sum(1 for r in self.running if not r.finished)
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch | None:
         for _ in range(len(self.running) + 1):  # each round without a batch retracts one request
-            batch = self._schedule_prefill() or self._schedule_decode()
+            batch = self._schedule_once()
             if batch is not None or not self._stuck():
                 return batch
             self._retract(self._newest())
+        return None
+
+    def _schedule_once(self) -> ScheduledBatch | None:
+        """Isolated requests (fail_batch) run alone, taking turns with the batch of all the others."""
+        regular = lambda: self._schedule_prefill() or self._schedule_decode()  # noqa: E731
+        order = (regular, self._schedule_isolated) if self._isolated_turn else (self._schedule_isolated, regular)
+        for schedule in order:
+            batch = schedule()
+            if batch is not None:
+                self._isolated_turn = any(r.req.isolate for r in batch.rows)
+                return batch
+        return None
+
+    def _schedule_isolated(self) -> ScheduledBatch | None:
+        for req in self.running:
+            if req.isolate and self._schedulable(req):
+                if req.in_prefill:
+                    row = self._prefill_row(req, self.cfg.max_batch_tokens)
+                else:
+                    row = self._decode_row(req)
+                if row is not None:
+                    return self._build("prefill" if req.in_prefill else "decode", [row])
         return None
 
     def _stuck(self) -> bool:
@@ -164,13 +220,15 @@ class Scheduler:
     def _schedule_prefill(self) -> ScheduledBatch | None:
         rows, budget = [], self.cfg.max_batch_tokens
         for req in list(self.running):
-            if budget > 0 and req.in_prefill and self._schedulable(req):
+            if budget > 0 and req.in_prefill and self._schedulable(req) and not req.isolate:
                 row = self._prefill_row(req, budget)
                 if row is not None:
                     rows.append(row)
                     budget -= row.end - row.start
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
+            if req.isolate and rows:
+                break  # it prefills alone
             if not self._admit(req):
                 break
             self.waiting.popleft()
@@ -178,22 +236,29 @@ class Scheduler:
             if row is not None:
                 rows.append(row)
                 budget -= row.end - row.start
+            if req.isolate:
+                break
         return self._build("prefill", rows) if rows else None
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         rows = []
         for req in list(self.running):
-            if not self._schedulable(req) or req.in_prefill:
+            if not self._schedulable(req) or req.in_prefill or req.isolate:
                 continue
-            pending = req.num_scheduled + 1 - req.num_tokens  # 1: a token still comes from the batch in flight
-            if len(req.output_ids) + pending >= req.params.max_new_tokens:
-                continue  # that token ends it
-            pos = req.num_scheduled
-            if not self._ensure_pages(req, pos + 1, retract=True):
-                continue
-            snap = pos + 1 if self.policy.enabled and (pos + 1) % self.cfg.track_interval == 0 else None
-            rows.append(Row(req, pos, pos + 1, samples=True, snapshot=self._alloc_snapshot(req, snap)))
+            row = self._decode_row(req)
+            if row is not None:
+                rows.append(row)
         return self._build("decode", rows) if rows else None
+
+    def _decode_row(self, req: Request) -> Row | None:
+        pending = req.num_scheduled + 1 - req.num_tokens  # 1: a token still comes from the batch in flight
+        if len(req.output_ids) + pending >= req.params.max_new_tokens:
+            return None  # that token ends it
+        pos = req.num_scheduled
+        if not self._ensure_pages(req, pos + 1, retract=True):
+            return None
+        snap = pos + 1 if self.policy.enabled and (pos + 1) % self.cfg.track_interval == 0 else None
+        return Row(req, pos, pos + 1, samples=True, snapshot=self._alloc_snapshot(req, snap))
 
     def _schedulable(self, req: Request) -> bool:
         return req.status is Status.RUNNING and not req.retract_pending
@@ -375,8 +440,8 @@ class Scheduler:
         for i, (row, tok) in enumerate(zip(batch.rows, sampled.tokens)):
             req = row.req
             req.inflight -= 1
-            if req.finished or req.status is not Status.RUNNING:
-                continue  # a zombie row: finished or aborted while this batch was built
+            if req.finished or req.status is not Status.RUNNING or req.void:
+                continue  # a zombie row (finished or aborted while this batch was built), or void
             req.num_computed = row.end
             if batch.mode == "prefill":
                 self.prefill_tokens += row.end - row.start
@@ -452,7 +517,7 @@ class Scheduler:
         if req.inflight or req.handle is None:
             return
         if req.finished:
-            if req.finish_reason != "abort" and self.policy.donate_finish:
+            if req.finish_reason not in ("abort", "error") and self.policy.donate_finish:
                 self._donate_latest(req)
             self.table.release(req.handle)
             req.handle = None
@@ -470,7 +535,7 @@ class Scheduler:
         if self.policy.donate_finish:
             self._donate_latest(req)
         self.table.release(req.handle)
-        req.handle, req.status, req.retract_pending = None, Status.WAITING, False
+        req.handle, req.status, req.retract_pending, req.void = None, Status.WAITING, False, False
         req.num_scheduled = req.num_computed = req.prefill_target = 0
         req.latest_snapshot = req.branch_point = None
         self.running.remove(req)

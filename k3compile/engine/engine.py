@@ -16,17 +16,15 @@ import os
 import torch
 import torch.fx
 
-from k3compile.capture import STEP_INPUTS, step_args
-from k3compile.model_def.batch import ForwardBatch
+from k3compile.model_def.batch import STEP_INPUTS, ForwardBatch, step_args
 from k3compile.model_def.cache import CacheSpec, CacheTensors
 from k3compile.model_def.config import ConfigError, ModelConfig
+from k3compile.model_def.dtypes import DTYPE_NAMES, DTYPES  # noqa: F401  (DTYPE_NAMES re-exported for build, emit, bench)
 
 from . import format as fmt
 from .graph_io import GraphFormatError, graph_from_dict
 from .plugins import import_plugins
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 class Engine:
@@ -93,7 +91,7 @@ class Engine:
             config = ModelConfig.from_hf_dict(model["hf_config"], name=model.get("name", "engine"))
         except (ConfigError, KeyError, TypeError) as e:
             raise fmt.EngineError(f"{path}/{fmt.MANIFEST}: bad model config ({e})") from None
-        if m["dtype"] not in DTYPES_BY_NAME:
+        if m["dtype"] not in DTYPES:
             raise fmt.EngineError(f"{path}/{fmt.MANIFEST}: unknown dtype {m['dtype']!r}")
         import_plugins(m.get("kernel_plugins", []), f"{path}/{fmt.MANIFEST}")
         device = torch.device(device) if device is not None else None
@@ -108,7 +106,7 @@ class Engine:
                 graphs[mode] = graph_from_dict(d, weights, STEP_INPUTS, device, source=f"{path}/{rel}")
             except GraphFormatError as e:
                 raise fmt.EngineError(str(e)) from None
-        return cls(config, graphs, DTYPES_BY_NAME[m["dtype"]], page_size=int(m["page_size"]),
+        return cls(config, graphs, DTYPES[m["dtype"]], page_size=int(m["page_size"]),
                    decode_buckets=m["decode_buckets"], manifest=m, path=path)
 
 

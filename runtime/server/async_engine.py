@@ -5,12 +5,13 @@
 thread runs `step()` while there is work and hands each step's outputs back to the loop with
 `loop.call_soon_threadsafe`, where they land in the request's own asyncio.Queue.
 
-Failures: `add_request` rejecting a request (ValueError) fails that request only. If `step()`
-raises, the engine cannot say which request caused it (a step covers the whole batch), so every
-request the engine holds fails with an EngineError, is aborted, and the engine is stepped until
-it has nothing left; requests arriving afterwards are served normally. If even that recovery
-raises, or leaves requests behind, the engine is marked broken: new requests fail at once and
-`health()` reports the cause.
+Failures: `add_request` rejecting a request (ValueError) fails that request only. A request the
+engine itself failed (an output with `error`: its sampling or a forward it ran alone raised, see
+LLMEngine) gets an EngineError; the others go on. If `step()` itself raises (a bug outside any
+forward), every request the engine holds fails with an EngineError, is aborted, and the engine is
+stepped until it has nothing left; requests arriving afterwards are served normally. If even that
+recovery raises, or leaves requests behind, the engine is marked broken: new requests fail at once
+and `health()` reports the cause.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 log = logging.getLogger("k3compile.server")
 
@@ -159,7 +160,12 @@ class AsyncEngine:
             stream = self._streams.get(out.rid)
             if stream is None:
                 continue   # aborted by its consumer
-            stream._queue.put_nowait(out)
+            if out.error is None:
+                stream._queue.put_nowait(out)
+            else:   # tokens it got before the failure, then the failure
+                if out.new_token_ids:
+                    stream._queue.put_nowait(replace(out, finished=False, finish_reason=None, error=None))
+                stream._queue.put_nowait(EngineError(f"the engine failed this request: {out.error}"))
             if out.finished:
                 del self._streams[out.rid]
 
