@@ -112,6 +112,7 @@ class RequestOutput:
     logprobs: list | None = None  # TokenLogprobs per new token, when the request asked for logprobs
     prompt_logprobs: list | None = None  # first output only: None for the first prompt token, then TokenLogprobs
     error: str | None = None  # finish_reason "error": what failed
+    queue_time: float | None = None  # seconds from add_request to first admission (once admitted)
 
 
 def _checkpoint_interval(args: EngineArgs) -> int:
@@ -408,7 +409,8 @@ class LLMEngine:
                 req.finish_reported = True
                 self._requests.pop(rid, None)
             outs.append(RequestOutput(rid, list(new), req.finished, req.finish_reason, len(req.prompt_ids),
-                                      len(req.output_ids), req.cached_tokens, lps, plp, error=req.error))
+                                      len(req.output_ids), req.cached_tokens, lps, plp, error=req.error,
+                                      queue_time=req.queue_time))
         self._outbox.clear()
         return outs
 

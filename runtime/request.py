@@ -65,12 +65,17 @@ class Request:
     finish_reported: bool = False
     prompt_reported: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    admit_time: float | None = None  # first admission
     first_token_time: float | None = None
     finish_time: float | None = None
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.admit_time is None else self.admit_time - self.arrival_time
 
     @property
     def num_tokens(self) -> int:

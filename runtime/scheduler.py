@@ -49,6 +49,7 @@ turns with the others, so if it fails again it fails alone.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -290,7 +291,7 @@ class Scheduler:
         self._admissions += 1
         req.admit_seq = self._admissions
         if not req.admitted_once:
-            req.admitted_once, req.cached_tokens = True, hit
+            req.admitted_once, req.cached_tokens, req.admit_time = True, hit, time.monotonic()
             self.prompt_tokens += len(req.prompt_ids)
             self.cache_hit_tokens += hit
         self.running.append(req)

@@ -28,6 +28,7 @@ from . import protocol as P
 from .async_engine import AsyncEngine, EngineError
 from .chat_format import ChatFormat
 from .choices import ChoiceView
+from .edge import CatchAll, json_body
 from .metrics import ServerMetrics
 from .serving import Choice, Generation, collect, merged_deltas, start_generation
 from .token_routes import add_token_routes
@@ -43,6 +44,7 @@ def build_app(front: AsyncEngine, model_name: str, api_key: str | None = None) -
         raise ValueError("the model has no tokenizer (no tokenizer files and no byte-level vocabulary); "
                          "the server needs one to turn text into tokens")
     metrics = ServerMetrics(front)
+    front.on_latency = metrics.observe_latency
     created = P.now()
 
     @asynccontextmanager
@@ -55,6 +57,7 @@ def build_app(front: AsyncEngine, model_name: str, api_key: str | None = None) -
     app.state.front, app.state.metrics = front, metrics
     from .profiling import register as register_profiling   # POST /start_profile, /stop_profile
     app.state.profiler = register_profiling(app, front)
+    app.add_middleware(CatchAll, on_status=lambda status: metrics.errors.labels(status=status).inc())
 
     # -- errors ---------------------------------------------------------------------------------
 
@@ -68,12 +71,6 @@ def build_app(front: AsyncEngine, model_name: str, api_key: str | None = None) -
         metrics.errors.labels(status=str(e.status_code)).inc()
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return JSONResponse(P.ApiError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def server_error(request: Request, e: Exception):
-        log.exception("unhandled error serving %s", request.url.path)
-        metrics.errors.labels(status="500").inc()
-        return JSONResponse(P.ApiError(500, f"internal server error: {e!r}", "server_error").body(), status_code=500)
 
     def check_auth(request: Request) -> None:
         if api_key is None:
@@ -257,14 +254,6 @@ def build_app(front: AsyncEngine, model_name: str, api_key: str | None = None) -
         yield "data: [DONE]\n\n"
 
     return app
-
-
-async def json_body(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise P.ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
 async def wait_disconnect(request: Request) -> None:

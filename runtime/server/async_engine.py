@@ -58,6 +58,8 @@ class RequestStream:
         self.rid, self._front = rid, front
         self._queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
+        self.arrival = time.monotonic()
+        self.last_token: float | None = None
 
     def __aiter__(self):
         return self
@@ -92,6 +94,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._broken: str | None = None
         self._snapshot: dict = {}   # replaced (never mutated) by the engine thread; read anywhere
+        self.on_latency = None   # fn(kind, seconds), kinds "ttft" | "itl" | "e2e" | "queue" (on the loop)
 
     # ---- event-loop side ---------------------------------------------------------------------
 
@@ -155,11 +158,31 @@ class AsyncEngine:
             return "engine thread is not running"
         return None
 
+    def _observe(self, stream: RequestStream, out) -> None:   # on the loop
+        if self.on_latency is None:
+            return
+        now = time.monotonic()
+        n = len(out.new_token_ids)
+        if n:
+            if stream.last_token is None:
+                self.on_latency("ttft", now - stream.arrival)
+                rest, gap = n - 1, 0.0
+            else:   # tokens that arrive together share the gap since the previous ones
+                rest, gap = n, (now - stream.last_token) / n
+            for _ in range(rest):
+                self.on_latency("itl", gap)
+            stream.last_token = now
+        if out.finished and out.error is None:
+            self.on_latency("e2e", now - stream.arrival)
+            if out.queue_time is not None:
+                self.on_latency("queue", out.queue_time)
+
     def _deliver(self, outputs) -> None:   # on the loop
         for out in outputs:
             stream = self._streams.get(out.rid)
             if stream is None:
                 continue   # aborted by its consumer
+            self._observe(stream, out)
             if out.error is None:
                 stream._queue.put_nowait(out)
             else:   # tokens it got before the failure, then the failure

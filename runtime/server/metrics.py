@@ -7,7 +7,7 @@ engine itself.
 """
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "k3compile"
@@ -57,14 +57,35 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+# Per-request latencies as vLLM and SGLang export them (bucket bounds in seconds from vLLM's).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+LATENCIES = {  # AsyncEngine's latency kinds -> (name without prefix, help, buckets)
+    "ttft": ("time_to_first_token_seconds", "time from arrival to the first output token", _TTFT_BUCKETS),
+    "itl": ("inter_token_latency_seconds", "time between consecutive output tokens", _ITL_BUCKETS),
+    "e2e": ("e2e_request_latency_seconds", "time from arrival to the last output", _REQUEST_BUCKETS),
+    "queue": ("request_queue_time_seconds", "time from arrival to first admission into the running batch",
+              _REQUEST_BUCKETS),
+}
+
+
 class ServerMetrics:
     def __init__(self, front):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(front))
         self.requests = Counter(f"{PREFIX}_requests", "finished requests by finish reason", ["finish_reason"],
                                 registry=self.registry)
-        self.errors = Counter(f"{PREFIX}_request_errors", "requests answered with an error, by HTTP status",
-                              ["status"], registry=self.registry)
+        self.errors = Counter(f"{PREFIX}_request_errors", "requests answered with an error, by HTTP status "
+                              "(499: the client disconnected first)", ["status"], registry=self.registry)
+        self.latency = {kind: Histogram(f"{PREFIX}_{name}", help_, buckets=buckets, registry=self.registry)
+                        for kind, (name, help_, buckets) in LATENCIES.items()}
+
+    def observe_latency(self, kind: str, seconds: float) -> None:
+        self.latency[kind].observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

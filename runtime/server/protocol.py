@@ -17,6 +17,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from k3compile.runtime.sampling import SEED_RANGE
+
 
 class ApiError(Exception):
     """A request we answer with `status` and {"error": {message, type, param, code}}."""
@@ -163,6 +165,8 @@ def _common(body, known: set[str]) -> dict:
     if top_k < -1:
         raise invalid("top_k", f"'top_k' must be >= 0 (0 or -1 = off), got {top_k}")
     seed = _int(body, "seed", None)
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise invalid("seed", f"'seed' must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed}")
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
     include_usage = False

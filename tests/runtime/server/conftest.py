@@ -19,7 +19,9 @@ class RunningServer:
         self.port = sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         import uvicorn
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+
+        from k3compile.runtime.server.edge import server_config
+        self.server = uvicorn.Server(server_config(app, log_level="warning", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
