@@ -162,7 +162,8 @@ class LLMEngine:
         """`model`: an already loaded model or compiled Engine to use instead of loading one (args.model
         and args.engine_dir then only name where the tokenizer is; both None: token ids only).
         `eos_token_id`: overrides the tokenizer's."""
-        _check_args(replace(args, page_size=args.page_size or DEFAULT_PAGE_SIZE), model is not None)
+        # cheap checks before loading anything; again once the engine filled in its settings
+        _check_args(replace(args, page_size=DEFAULT_PAGE_SIZE) if args.page_size is None else args, model is not None)
         opened = None
         if model is not None:
             self.provider = model
@@ -238,11 +239,13 @@ class LLMEngine:
     def _settle_args(args: EngineArgs, provider) -> EngineArgs:
         """Fill what the args leave open from the provider: an Engine brings the page size, decode
         buckets and dtype it was built with."""
-        dtype = getattr(provider, "dtype", None)
+        def first(*values):
+            return next((v for v in values if v is not None), None)
+
         return replace(
-            args, page_size=args.page_size or getattr(provider, "page_size", None) or DEFAULT_PAGE_SIZE,
-            cuda_graph_buckets=args.cuda_graph_buckets or getattr(provider, "decode_buckets", None),
-            dtype=args.dtype or DTYPE_NAMES.get(dtype, DEFAULT_DTYPE))
+            args, page_size=first(args.page_size, getattr(provider, "page_size", None), DEFAULT_PAGE_SIZE),
+            cuda_graph_buckets=first(args.cuda_graph_buckets, getattr(provider, "decode_buckets", None)),
+            dtype=first(args.dtype, DTYPE_NAMES.get(getattr(provider, "dtype", None)), DEFAULT_DTYPE))
 
     def _tokenizer(self, args: EngineArgs):
         from k3compile.engine.opened import engine_tokenizer
