@@ -1,6 +1,6 @@
 """k3compile bench cache: prefix-cache policies replayed through the real engine on one session trace.
 
-    k3compile bench cache --model k3-tiny --out traces/
+    k3compile bench cache --model k3-tiny          # results in a fresh bench_out/cache-<time>/
 
 Replays a generated workload (bench/cache_workload.py: multi-turn sessions over shared system
 prompts, tree-of-thought forks) through LLMEngine once per cache policy, same model, same engine
@@ -16,7 +16,7 @@ total; 0 turns a flag off / removes a cap). Every policy must produce the same g
 
 Memory is sized so that nothing is evicted for lack of room (reported: checkpoints evicted by
 the caps vs. by pressure are both in the JSON), so the bytes are what each policy chooses to keep.
-CPU numbers: counts and bytes are exact; times are for relative comparison only (BENCHMARKS.md
+CPU numbers: counts and bytes are exact; times are for relative comparison only (docs/BENCHMARKS.md
 rule 7). Results: OUT/cache_<model>.json and .md.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ def register(sub) -> None:
     p.add_argument("--memory-bytes", type=int, default=256 << 20)
     p.add_argument("--overlap", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="workload seed (weights use seed 0)")
-    p.add_argument("--out", default="traces")
+    p.add_argument("--out", default=None, help="output folder (default: a fresh bench_out/cache-<UTC time>)")
     p.set_defaults(func=run)
     return p
 
@@ -178,7 +178,7 @@ def run(args) -> int:
     from k3compile.model_def.loader import load_model
 
     from .cache_workload import WorkloadSpec, count_requests, kv_only_bound, make_workload
-    from .results import environment, write_json
+    from .results import environment, fresh_out_dir, write_json
 
     spec = WorkloadSpec(sessions=args.sessions, systems=args.systems, system_len=args.system_len, turns=args.turns,
                         user_len=_pair(args.user_len, "--user-len"), answer_len=_pair(args.answer_len, "--answer-len"),
@@ -205,7 +205,7 @@ def run(args) -> int:
     doc.update(workload=asdict(spec), environment=environment(torch.device(args.device)),
                engine={k: getattr(args, k) for k in ("model", "engine", "dtype", "device", "page_size", "chunk_size",
                                                     "track_interval", "max_batch_tokens", "memory_bytes", "overlap")})
-    os.makedirs(args.out, exist_ok=True)
+    args.out = fresh_out_dir("cache", args.out)
     name = os.path.basename(os.path.normpath(args.engine or args.model))
     json_path, md_path = os.path.join(args.out, f"cache_{name}.json"), os.path.join(args.out, f"cache_{name}.md")
     write_json(json_path, doc)
@@ -270,7 +270,7 @@ def render_markdown(doc: dict) -> str:
                      f"{a['peak_bytes_vs_every_chunk']:.1%} (peak) / {a['mean_bytes_vs_every_chunk']:.1%} (mean) of "
                      f"every_chunk's checkpoint bytes: **{'met' if ok else 'not met'}**.")
     lines += ["", "CPU run: token counts and bytes are exact; times are for relative comparison only "
-                  "(BENCHMARKS.md rule 7).", ""]
+                  "(docs/BENCHMARKS.md rule 7).", ""]
     return "\n".join(lines)
 
 

@@ -3,7 +3,7 @@
 In one process, over one UnifiedArena holding a decode batch: time the decode step (CUDA graphs
 through the executor on a GPU) and time `free` of a block in the middle of each band, which moves
 the band's end block into the hole (one device copy + index bookkeeping). Arms are interleaved
-(decode, slot move, page move, decode, ...) per BENCHMARKS.md; the claim is the ratio.
+(decode, slot move, page move, decode, ...) per docs/BENCHMARKS.md; the claim is the ratio.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
     k3compile bench decode --model k3-mini-6b --dtype bf16 --batch 1,8,64 --context 512 --out traces/
 
-Protocol (../shared/docs/BENCHMARKS.md): every arm is built and warmed up first (>= 20 steps);
+Protocol (docs/BENCHMARKS.md): every arm is built and warmed up first (>= 20 steps);
 then, for each repetition, every arm times >= 200 consecutive steps with CUDA events, arms
 interleaved within the repetition; >= 5 repetitions give the median and spread. Each arm's first
 output is compared with eager's from the same pool state (max |diff| is reported). Kernel counts
@@ -396,11 +396,11 @@ def markdown_header(doc: dict, title: str) -> list[str]:
              f"commit {env.get('git_commit')}.",
              f"Protocol: {proto['warmup']} warm-up steps, {proto['reps']} reps x {proto['steps']} steps "
              f"({proto['timer']}), arms interleaved"
-             + ("" if proto["meets_benchmarks_md"] else " — **below the BENCHMARKS.md minimums (smoke run)**") + ".",
+             + ("" if proto["meets_benchmarks_md"] else " — **below the docs/BENCHMARKS.md minimums (smoke run)**") + ".",
              f"Copy bandwidth (same process): {doc['copy_bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s "
              f"({doc['copy_bandwidth']['formula']}).", ""]
     if dev.get("type") != "cuda":
-        lines += ["CPU run: times are for relative comparisons only (BENCHMARKS.md rule 7); kernel counts are "
+        lines += ["CPU run: times are for relative comparisons only (docs/BENCHMARKS.md rule 7); kernel counts are "
                   "replaced by top-level CPU ops per step.", ""]
     return lines
 

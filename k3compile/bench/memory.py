@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3compile.bench.results import environment, write_json
+from k3compile.bench.results import environment, fresh_out_dir, write_json
 from k3compile.runtime.memory.pools import DEFAULT_STATE_FRACTION  # SGLang's ratio 0.9 -> 0.9 / 1.9
 from k3compile.runtime.scheduler import DEFAULT_RESERVE_RATIO
 SWEEP = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--reserve-ratio", type=float, default=None,
                    help="share of remaining output admission reserves pages for (default: the scheduler's 0.7)")
     p.add_argument("--skip-allocator", action="store_true", help="skip the K3-sized allocator-only part")
-    p.add_argument("--out", default="traces")
+    p.add_argument("--out", default=None, help="output folder (default: a fresh bench_out/memory-<UTC time>)")
     p.set_defaults(func=run)
 
 
@@ -114,9 +114,12 @@ def run_engine(model, jobs: list[Job], budget: int, page_size: int, unified: boo
             "tokens_served": served, "rejected": rejected, "drained": step < max_steps}
 
 
-def compare(model, jobs, budget, page_size, sweep, reserve_ratio: float | None = None) -> dict:
-    run = lambda unified, f: run_engine(model, jobs, budget, page_size, unified, f,  # noqa: E731
-                                        reserve_ratio=reserve_ratio)
+def compare(model, jobs, budget, page_size, sweep, reserve_ratio: float | None = None, on_run=None) -> dict:
+    def run(unified, f):
+        result = run_engine(model, jobs, budget, page_size, unified, f, reserve_ratio=reserve_ratio)
+        if on_run is not None:
+            on_run()
+        return result
     unified = run(True, None)
     default = run(False, DEFAULT_STATE_FRACTION)
     splits = {f: run(False, f) for f in sweep}
@@ -146,21 +149,29 @@ def run(args) -> int:
            "environment": environment(torch.device("cpu")), "engine": {}, "allocator": None}
     spec = model.cache_spec()
     doc["engine_sizes"] = {"slot_bytes": spec.slot_bytes, "page_bytes": spec.page_bytes(args.page_size)}
-    for name, jobs in workloads(args.seed, args.scale).items():
-        print(f"[memory] engine runs: {name} ({len(jobs)} requests)", flush=True)
-        doc["engine"][name] = compare(model, jobs, budget, args.page_size, sweep, args.reserve_ratio)
+    base = os.path.join(fresh_out_dir("memory", args.out), f"memory_{args.model}")
+    loads = workloads(args.seed, args.scale)
+    from tqdm import tqdm
+    with tqdm(total=len(loads) * (2 + len(sweep)), desc="bench memory: engine runs", unit="run") as bar:
+        for name, jobs in loads.items():
+            bar.set_postfix_str(f"{name}, {len(jobs)} requests")
+            doc["engine"][name] = compare(model, jobs, budget, args.page_size, sweep, args.reserve_ratio, bar.update)
+            _write(base, doc)   # results as they come: a long run stopped early keeps what it measured
     if not args.skip_allocator:
         from k3compile.runtime.memory.capacity_sim import run_capacity_benchmark
         print("[memory] allocator-only runs at K3 sizes (TP 8)", flush=True)
         doc["allocator"] = run_capacity_benchmark()
-    os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"memory_{args.model}")
+    print(_write(base, doc))
+    print(f"wrote {base}.json and {base}.md")
+    return 0
+
+
+def _write(base: str, doc: dict) -> str:
     write_json(base + ".json", doc)
     md = render(doc)
     with open(base + ".md", "w") as f:
         f.write(md)
-    print(md)
-    return 0
+    return md
 
 
 def _cell(r: dict | None, key: str) -> str:

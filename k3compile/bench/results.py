@@ -1,4 +1,4 @@
-"""Bench results as files (BENCHMARKS.md rule 6): the environment, JSON, and a markdown table."""
+"""Bench results as files (docs/BENCHMARKS.md rule 6): the environment, JSON, and a markdown table."""
 from __future__ import annotations
 
 import json
@@ -63,3 +63,21 @@ def write_json(path: str, doc: dict) -> None:
         json.dump(_finite(doc), f, indent=1, allow_nan=False, default=str)
         f.write("\n")
     os.replace(tmp, path)  # a run killed mid-write keeps the previous complete file
+
+
+DEFAULT_OUT_ROOT = "bench_out"
+
+
+def fresh_out_dir(bench: str, out: str | None) -> str:
+    """`out` if given; else a new folder bench_out/<bench>-<UTC time> (never overwriting earlier
+    results, e.g. the ones committed under traces/). Created, and announced on stdout."""
+    if out is None:
+        import time
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        out, n = os.path.join(DEFAULT_OUT_ROOT, f"{bench}-{stamp}"), 1
+        while os.path.exists(out):
+            n += 1
+            out = os.path.join(DEFAULT_OUT_ROOT, f"{bench}-{stamp}-{n}")
+    os.makedirs(out, exist_ok=True)
+    print(f"bench {bench}: results go to {out}/", flush=True)
+    return out

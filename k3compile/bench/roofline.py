@@ -1,4 +1,4 @@
-"""Bytes a decode step must move: the numerator of the HBM-roofline figure (BENCHMARKS.md rule 3).
+"""Bytes a decode step must move: the numerator of the HBM-roofline figure (docs/BENCHMARKS.md rule 3).
 
     bytes/step = W_dense + W_experts(routed) + W_embed(rows) + KV_read + KV_write + state_rw
     W_dense    = every non-expert weight and buffer, whole (projections, norms, routers, lm_head)

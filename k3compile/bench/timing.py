@@ -1,4 +1,4 @@
-"""Timing, launch counting and copy bandwidth, per ../shared/docs/BENCHMARKS.md.
+"""Timing, launch counting and copy bandwidth, per docs/BENCHMARKS.md.
 
 * `time_steps(fn, steps, device)`: mean ms per step over `steps` back-to-back calls: CUDA events
   around the whole loop on a GPU (the launch queue stays full, as in serving), perf_counter on CPU.
