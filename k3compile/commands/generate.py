@@ -1,7 +1,6 @@
 """k3compile generate (--model NAME|PATH | --engine DIR) --prompt TEXT --max-new-tokens N [sampling flags]"""
 from __future__ import annotations
 
-import os
 import sys
 
 
@@ -28,37 +27,39 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from k3compile.generate import generate_ids
-    from k3compile.info import DTYPES
+    from k3compile.model_def.config import ConfigError
+    from k3compile.model_def.dtypes import DTYPES
     from k3compile.model_def.loader import load_model
     from k3compile.runtime.sampling import SamplingParams
     from k3compile.tokenizer import load_tokenizer
 
+    try:   # bad sampling flags: one line before anything is loaded
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_new_tokens=args.max_new_tokens, seed=args.seed)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("max_new_tokens", "--max-new-tokens")) from None
+    page_size = 16
     if args.engine is not None:
-        model, tok_path = _load_engine(args)
+        from k3compile.engine import open_engine
+
+        opened = open_engine(args.engine, device=args.device, trust_remote_code=args.trust_remote_code)
+        if args.dtype is not None and args.dtype != opened.dtype:
+            raise ConfigError(f"--dtype {args.dtype}: engine {args.engine} was built for {opened.dtype} "
+                              f"(rebuild it to change)")
+        if opened.tokenizer is None:
+            raise ConfigError(f"engine {args.engine} has no tokenizer (no tokenizer/ folder and a vocabulary "
+                              f"too small for bytes)")
+        model, tok, page_size = opened.engine, opened.tokenizer, opened.page_size
     else:
         model = load_model(args.model, dtype=DTYPES[args.dtype or "fp32"], device=args.device, seed=args.seed)
-        tok_path = args.model
-    tok = load_tokenizer(tok_path, model.config, args.trust_remote_code)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+        tok = load_tokenizer(args.model, model.config, args.trust_remote_code)
     prompt = tok.encode(args.prompt)
-    ids = generate_ids(model, prompt, params, chunk_size=args.chunk_size, eos_token_id=tok.eos_token_id)
+    try:
+        ids = generate_ids(model, prompt, params, page_size=page_size, chunk_size=args.chunk_size,
+                           eos_token_id=tok.eos_token_id)
+    except ValueError as e:   # the prompt does not fit the context, ...
+        raise ConfigError(str(e)) from None
     sys.stdout.write(args.prompt + tok.decode(ids) + "\n")
     if args.show_ids:
         print("ids:", " ".join(map(str, ids)))
     return 0
-
-
-def _load_engine(args):
-    """The engine and where its tokenizer is (its tokenizer/ folder, or the byte tokenizer's config)."""
-    from k3compile.engine import Engine
-    from k3compile.engine.engine import DTYPE_NAMES
-    from k3compile.engine.format import TOKENIZER_DIR
-    from k3compile.model_def.config import ConfigError
-
-    engine = Engine.load(args.engine, device=args.device)
-    built = DTYPE_NAMES[engine.dtype]
-    if args.dtype is not None and args.dtype != built:
-        raise ConfigError(f"--dtype {args.dtype}: engine {args.engine} was built for {built} (rebuild it to change)")
-    tok_dir = os.path.join(args.engine, TOKENIZER_DIR)
-    return engine, tok_dir if os.path.isdir(tok_dir) else args.engine

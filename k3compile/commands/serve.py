@@ -1,7 +1,10 @@
-"""k3compile serve MODEL|ENGINE_DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY] [engine flags]
+"""k3compile serve (MODEL|ENGINE_DIR | --model MODEL|ENGINE_DIR) [--host 127.0.0.1] [--port 30000] [engine flags]
 
 An OpenAI-compatible HTTP server (see runtime/server/app.py). MODEL is a preset name or a
-checkpoint directory; a directory holding engine.json is an engine built by `k3compile build`.
+checkpoint directory; a directory holding engine.json is an engine built by `k3compile build`
+(opened with its own dtype, page size, decode buckets and tokenizer). Positional or `--model`, as
+vLLM takes it. Memory for KV + KDA state is sized from the device unless `--memory-bytes` says
+(`--mem-fraction-static`, vLLM's `--gpu-memory-utilization` names the same); the sizes are logged.
 """
 from __future__ import annotations
 
@@ -10,15 +13,17 @@ import os
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
-    p.add_argument("model", metavar="MODEL|ENGINE_DIR",
+    p.add_argument("model_positional", metavar="MODEL|ENGINE_DIR", nargs="?", default=None,
                    help="preset name, checkpoint directory, or engine directory (has engine.json)")
+    p.add_argument("--model", dest="model_flag", metavar="MODEL|ENGINE_DIR", default=None,
+                   help="the same, as a flag (give one of the two)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=os.environ.get("K3COMPILE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $K3COMPILE_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the preset name or the directory's name)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: the engine's, else 16)")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk size (tokens)")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget of one scheduler step")
     p.add_argument("--max-running", type=int, default=None,
@@ -28,7 +33,12 @@ def register(sub) -> None:
                    help="weights dtype for a model (default fp32); an engine has the dtype it was built with")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0, help="weight seed for presets")
-    p.add_argument("--memory-bytes", type=int, default=None, help="bytes for KV pages + KDA state slots")
+    p.add_argument("--memory-bytes", type=int, default=None,
+                   help="bytes for KV pages + KDA state slots (default: sized from the device)")
+    p.add_argument("--mem-fraction-static", "--gpu-memory-utilization", dest="mem_fraction_static", type=float,
+                   default=None, help="share of the GPU's memory for weights + KV + state (SGLang's name; vLLM's "
+                   "--gpu-memory-utilization is the same flag here); on CPU the share of available RAM "
+                   "(default: 0.85)")
     p.add_argument("--enable-unified-memory", action="store_true",
                    help="one arena for KV pages and state slots instead of split pools")
     p.add_argument("--mamba-full-memory-ratio", type=float, default=None,
@@ -40,49 +50,45 @@ def register(sub) -> None:
     return p
 
 
+def model_source(args) -> str:
+    """The model or engine directory, given positionally or as --model (exactly one of them)."""
+    from k3compile.model_def.config import ConfigError
+
+    given = [m for m in (args.model_positional, args.model_flag) if m is not None]
+    if len(given) != 1:
+        raise ConfigError("give the model or engine directory once: `serve MODEL` or `serve --model MODEL`"
+                          if given else "which model? `serve MODEL` or `serve --model MODEL` (a preset, a "
+                          "checkpoint directory or an engine directory)")
+    return given[0]
+
+
 def engine_args(args):
-    """EngineArgs for the parsed flags; the positional picks model vs engine_dir."""
+    """EngineArgs for the parsed flags; the model source picks model vs engine_dir."""
+    from k3compile.engine.opened import is_engine_dir
     from k3compile.runtime.engine import EngineArgs
     from k3compile.runtime.memory.pools import state_fraction_from_ratio
 
-    is_engine = os.path.isdir(args.model) and os.path.isfile(os.path.join(args.model, "engine.json"))
-    kwargs = dict(model=None if is_engine else args.model, engine_dir=args.model if is_engine else None,
+    source = model_source(args)
+    is_engine = is_engine_dir(source)
+    kwargs = dict(model=None if is_engine else source, engine_dir=source if is_engine else None,
                   device=args.device, seed=args.seed, page_size=args.page_size, chunk_size=args.chunk_size,
                   max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                   memory_bytes=args.memory_bytes, enable_unified_memory=args.enable_unified_memory,
                   state_fraction=None if args.mamba_full_memory_ratio is None
                   else state_fraction_from_ratio(args.mamba_full_memory_ratio),
                   enable_prefix_cache=not args.disable_prefix_cache, overlap=args.overlap,
-                  max_context=args.max_context)
-    if args.dtype is not None:
-        kwargs["dtype"] = args.dtype
-    elif is_engine:   # an engine runs in the dtype it was built for
-        kwargs["dtype"] = _engine_dtype(args.model)
+                  max_context=args.max_context, mem_fraction_static=args.mem_fraction_static,
+                  dtype=args.dtype)   # dtype None: fp32 for a model, the engine's own for an engine
     return EngineArgs(**kwargs)
-
-
-def _engine_dtype(engine_dir: str) -> str:
-    import json
-
-    from k3compile.engine.format import MANIFEST, EngineError
-
-    path = os.path.join(engine_dir, MANIFEST)
-    try:
-        with open(path) as f:
-            dtype = json.load(f).get("dtype")
-    except (OSError, ValueError, AttributeError) as e:
-        raise EngineError(f"{path}: cannot read the engine manifest ({e})") from None
-    if not isinstance(dtype, str):
-        raise EngineError(f"{path}: the manifest has no 'dtype'")
-    return dtype
 
 
 def served_name(args) -> str:
     if args.served_model_name:
         return args.served_model_name
-    if os.path.isdir(args.model):
-        return os.path.basename(os.path.normpath(os.path.abspath(args.model)))
-    return args.model
+    source = model_source(args)
+    if os.path.isdir(source):
+        return os.path.basename(os.path.normpath(os.path.abspath(source)))
+    return source
 
 
 def run(args) -> int:
@@ -92,9 +98,12 @@ def run(args) -> int:
     from k3compile.runtime.engine import LLMEngine
     from k3compile.runtime.server.app import build_app
     from k3compile.runtime.server.async_engine import AsyncEngine
+    from k3compile.runtime.server.edge import server_config
 
     for flag in ("port", "page_size", "chunk_size", "max_batch_tokens"):
         value = getattr(args, flag)
+        if value is None:
+            continue
         if value < (0 if flag == "port" else 1) or (flag == "port" and value > 65535):
             raise ConfigError(f"--{flag.replace('_', '-')} {value} is out of range")
     try:
@@ -104,6 +113,7 @@ def run(args) -> int:
     name = served_name(args)
     app = build_app(AsyncEngine(engine), name, api_key=args.api_key)
     auth = "API key required" if args.api_key else "no API key"
+    print(f"k3compile serve: {engine.memory_summary()}", flush=True)
     print(f"k3compile serve: '{name}' on http://{args.host}:{args.port}/v1 ({auth})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.Server(server_config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
     return 0
