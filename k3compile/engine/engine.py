@@ -110,11 +110,19 @@ class Engine:
                    decode_buckets=m["decode_buckets"], manifest=m, path=path)
 
 
+# Byte alignment of every loaded weight: what torch's own allocators give (CPU 64, CUDA more). safetensors
+# packs tensors at 8-byte offsets, and on CPU a weight at an odd address takes other kernel paths
+# (oneDNN / MKL), so a loaded engine computed bits that differ from the built one's.
+WEIGHT_ALIGN = 64
+
+
 def _load_weights(path: str, device: torch.device | None) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
-        return load_file(path, device=str(device) if device is not None else "cpu")
+        weights = load_file(path, device=str(device) if device is not None else "cpu")
     except (SafetensorError, OSError, ValueError) as e:
         raise fmt.EngineError(f"{path}: cannot read the weights ({e})") from None
+    return {k: t if t.data_ptr() % WEIGHT_ALIGN == 0 else t.clone(memory_format=torch.contiguous_format)
+            for k, t in weights.items()}

@@ -57,6 +57,16 @@ def test_round_trip_same_logits_as_in_memory_graphs_and_eager_model(tiny):
         torch.testing.assert_close(getattr(got_cache, name), getattr(ref_cache, name), rtol=1e-5, atol=1e-5)
 
 
+def test_loaded_weights_sit_in_aligned_storage(tiny):
+    """Like the built engine's parameters: the same kernels run on both, on any machine (safetensors'
+    8-byte offsets left weights at odd addresses, and oneDNN picked other paths for them)."""
+    from k3compile.engine.engine import WEIGHT_ALIGN
+
+    loaded = Engine.load(tiny[1])
+    tensors = [t for gm in loaded.graphs.values() for t in gm.buffers()]
+    assert tensors and all(t.data_ptr() % WEIGHT_ALIGN == 0 and t.is_contiguous() for t in tensors)
+
+
 def test_manifest_records_the_build(tiny):
     _, path = tiny
     m = json.load(open(os.path.join(path, "engine.json")))
