@@ -30,3 +30,13 @@ class Sessions:
         for r, t in zip(reqs, tokens):
             self.lens[r] += len(t)
         return out
+
+
+def assert_fla_in_use() -> None:
+    """For GPU tests about fla's kernels: fail (not silently test the reference) when fla did not register."""
+    from k3compile.model_def.ops.cuda_backend import BACKENDS
+
+    assert BACKENDS.get("kda") == "fla", f"fla's KDA kernels are not in use: {BACKENDS}"
+    for op in ("kda_prefill", "kda_decode"):
+        import torch
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"k3::{op}", "CUDA"), f"k3::{op} has no CUDA kernel"

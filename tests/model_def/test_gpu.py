@@ -28,6 +28,8 @@ from k3compile.model_def.loader import build_model
 from k3compile.model_def.ops import library  # noqa: F401  (registers torch.ops.k3.* and the CUDA overrides)
 from k3compile.model_def.ops.kda_math import kda_gate
 
+from .helpers import assert_fla_in_use
+
 try:
     from k3compile.model_def.ops.cuda_backend import BACKENDS
 except ImportError:  # no CUDA backend module: the reference runs on CUDA
@@ -185,6 +187,7 @@ def kda_inputs(n, gate, seed, device):
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
 def test_kda_prefill_op_matches_cpu(gate, record_property):
     """Ragged varlen batch: fresh requests (stale slot contents ignored) and continued ones (state read)."""
+    assert_fla_in_use()
     lens, prefixes, slots = [1, 64, 150, 17], [0, 0, 40, 9], [3, 1, 0, 5]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     seq = torch.tensor([p + n for p, n in zip(prefixes, lens)], dtype=torch.int32)
@@ -204,6 +207,7 @@ def test_kda_prefill_op_matches_cpu(gate, record_property):
 
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
 def test_kda_decode_op_matches_cpu(gate, record_property):
+    assert_fla_in_use()
     slots = torch.tensor([4, 0, 2, 7, 5])
     pool = torch.randn(8, 2, H, K, V, generator=torch.Generator().manual_seed(6)) * 0.1
     cpu_pool, gpu_pool = pool.clone(), pool.to(CUDA)

@@ -22,9 +22,14 @@ def _kernels_per_step(gm, inputs) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+@pytest.fixture(scope="module")
+def model():
+    return k3compile.load_model("k3-tiny", dtype=torch.bfloat16, device="cuda")
+
+
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
-def test_pipeline_on_cuda_bf16(mode):
-    m = k3compile.load_model("k3-tiny", dtype=torch.bfloat16, device="cuda")
+def test_pipeline_on_cuda_bf16(model, mode):
+    m = model
     gm = capture_step(m, mode)
     before = snapshot(gm)
     report = PassManager(verify=True).run(gm, step_inputs(m, mode))
