@@ -186,8 +186,8 @@ def run(args) -> int:
     sessions = make_workload(spec)
     policies = [parse_policy(p) for p in split_policies(args.policies)]
     if args.engine is not None:
-        from k3compile.engine import Engine
-        model = Engine.load(args.engine, device=args.device)
+        from k3compile.engine import open_engine
+        model = open_engine(args.engine, device=args.device).engine
     else:
         from k3compile.info import DTYPES
         model = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, progress=False)

@@ -142,17 +142,17 @@ class DecodeBench:
     def _load(self):
         import torch
 
-        from k3compile.engine import Engine
-        from k3compile.engine.engine import DTYPE_NAMES
+        from k3compile.engine import open_engine
         from k3compile.model_def.config import ConfigError
 
         a = self.args
         self.engine = None
         if a.engine:
             self.log(f"loading engine {a.engine}")
-            self.engine = Engine.load(a.engine, device=self.device)
-            if self.engine.dtype != self.dtype:
-                raise ConfigError(f"--dtype {a.dtype}: engine {a.engine} is {DTYPE_NAMES[self.engine.dtype]}")
+            opened = open_engine(a.engine, device=self.device)
+            self.engine = opened.engine
+            if opened.dtype != a.dtype:
+                raise ConfigError(f"--dtype {a.dtype}: engine {a.engine} is {opened.dtype}")
         source = a.model or self.engine.manifest["model"]["source"]
         # a preset engine's weights came from its build seed: the model arms use the same weights
         seed = self.engine.manifest.get("build", {}).get("seed", a.seed) if self.engine is not None else a.seed

@@ -38,7 +38,7 @@ def test_flags_map_to_engine_args(tmp_path):
     engine_dir.mkdir()
     (engine_dir / "engine.json").write_text('{"dtype": "bf16"}')
     e = serve.engine_args(parse(str(engine_dir)))
-    assert (e.model, e.engine_dir, e.dtype) == (None, str(engine_dir), "bf16")   # the engine's own dtype
+    assert (e.model, e.engine_dir, e.dtype) == (None, str(engine_dir), None)   # None: open_engine gives the engine's
     assert serve.engine_args(parse(str(engine_dir), "--dtype", "fp32")).dtype == "fp32"   # the engine rejects it
     assert serve.served_name(parse(str(engine_dir) + "/")) == "mini"
     assert serve.served_name(parse(str(engine_dir), "--served-model-name", "m")) == "m"
