@@ -96,8 +96,9 @@ def test_serve_process_answers_the_openai_client():
 def test_unreadable_engine_manifest_is_a_clear_error(tmp_path):
     from k3compile.engine.format import EngineError
     (tmp_path / "engine.json").write_text("{not json")
-    with pytest.raises(EngineError, match="engine.json"):
-        serve.engine_args(parse(str(tmp_path)))
+    from k3compile.runtime.engine import LLMEngine
+    with pytest.raises(EngineError, match="engine.json"):   # open_engine reads the manifest
+        LLMEngine(serve.engine_args(parse(str(tmp_path))))
 
 
 def test_bad_flag_value_is_one_clear_error():
