@@ -20,6 +20,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from k3compile.model_def.batch import MODES, STEP_INPUTS, ForwardBatch, step_args  # noqa: F401
 from k3compile.model_def.cache import CacheTensors
 
+# node.meta key naming the pass that created a node (the pass manager sets it; engines store it so
+# reports can attribute kernels); here, below both passes and the engine format, so both can read it
+PASS_META = "k3_pass"
+
 
 def example_batch(mode: str, cache: CacheTensors, device) -> ForwardBatch:
     """A small batch whose sizes are all >= 2 and distinct, so symbolic tracing does not specialize them."""

@@ -35,7 +35,7 @@ from .verify import (TOLERANCES, PassVerificationError, compare_results, graph_p
 
 # node.meta key naming the pass that created a node; captured nodes have none. Engines store it per node
 # (engine/graph_io.py) so that trace reports attribute each kernel to the pass behind it.
-PASS_META = "k3_pass"
+from k3compile.capture import PASS_META  # noqa: F401  (defined in capture, below passes and engines)
 
 
 class PassError(RuntimeError):

@@ -3,8 +3,9 @@
 
     model_def   nothing of the project
     capture     model_def
-    shared      the engine format (k3compile/engine: engine, format, graph_io, plugins, opened) and
-                the tokenizer: model_def and each other
+    shared      the engine format (k3compile/engine: engine, format, graph_io, plugins, opened, and the
+                engine-step profiling the server's profiler uses: profiling, provenance) and the
+                tokenizer: model_def, capture's graph conventions, each other
     passes      model_def, capture
     runtime     model_def, the shared engine format and tokenizer
     k3compile/  (the rest: CLI, build, bench, report) anything
@@ -20,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = {"model_def": "k3compile.model_def", "passes": "k3compile.passes", "runtime": "k3compile.runtime",
            "k3compile": "k3compile"}
 SHARED = ("k3compile.engine", "k3compile.engine.engine", "k3compile.engine.format", "k3compile.engine.graph_io",
-          "k3compile.engine.plugins", "k3compile.engine.opened", "k3compile.tokenizer")
+          "k3compile.engine.plugins", "k3compile.engine.opened", "k3compile.engine.profiling",
+          "k3compile.engine.provenance", "k3compile.tokenizer")
 CAPTURE = ("k3compile.capture",)
 
 
@@ -45,7 +47,7 @@ def layer(module: str) -> str:
 ALLOWED = {
     "model_def": {"model_def"},
     "capture": {"model_def", "capture"},
-    "shared": {"model_def", "shared"},
+    "shared": {"model_def", "capture", "shared"},
     "passes": {"model_def", "capture", "passes"},
     "runtime": {"model_def", "shared", "runtime"},
     "driver": {"model_def", "capture", "shared", "passes", "runtime", "driver"},

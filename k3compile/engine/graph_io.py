@@ -28,7 +28,7 @@ import operator
 import torch
 import torch.fx
 
-from k3compile.passes.manager import PASS_META  # node.meta key: the pass that created a node
+from k3compile.capture import PASS_META  # node.meta key: the pass that created a node
 
 GRAPH_FORMAT = "k3compile.fx-graph/1"
 OP_NAMESPACES = ("aten", "k3", "prims")

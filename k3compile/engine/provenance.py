@@ -18,7 +18,7 @@ import re
 
 import torch.fx
 
-from k3compile.passes.manager import PASS_META
+from k3compile.capture import PASS_META
 
 CAPTURED = "capture"
 EMBED, HEAD, INPUTS = "embed", "head", "inputs"

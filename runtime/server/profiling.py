@@ -117,9 +117,10 @@ def register(app, front) -> ServerProfiler:
 
     @app.post("/start_profile")
     async def start_profile(request: Request):
-        body = {}
-        if (await request.body()).strip():
-            body = await request.json()
+        from .edge import parse_json   # a body that is not JSON is a 400, like on every route
+
+        raw = await request.body()
+        body = parse_json(raw) if raw.strip() else {}
         if not isinstance(body, dict):
             return JSONResponse({"error": {"message": "body must be a JSON object", "type": "invalid_request_error",
                                            "param": None, "code": None}}, status_code=400)
