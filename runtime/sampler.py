@@ -81,7 +81,7 @@ def _truncate(x: torch.Tensor, ks: list[int], ps: list[float]) -> None:
     dev, vocab = x.device, x.shape[1]
     sorted_x, order = x.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=dev)[None, :]
-    k = torch.tensor([kk if kk else vocab for kk in ks], device=dev)[:, None]
+    k = torch.tensor([min(kk, vocab) if kk else vocab for kk in ks], device=dev)[:, None]  # top_k may exceed int64
     sorted_x = sorted_x.masked_fill(rank >= k, float("-inf"))
     probs = sorted_x.softmax(-1)
     top_p = torch.tensor(ps, device=dev)[:, None]
