@@ -8,7 +8,7 @@ that lands in passes/ is a new rung without any change here. The last rung is th
 `k3compile build` writes with the same flags (the engine `serve` runs). Every rung runs through
 the runtime's Executor (CUDA graphs on a GPU), like `bench decode`'s engine arm.
 
-Per rung and batch size: step time (CUDA events; BENCHMARKS.md protocol, every arm interleaved
+Per rung and batch size: step time (CUDA events; docs/BENCHMARKS.md protocol, every arm interleaved
 within each repetition), kernels per step (torch.profiler over CUDA-graph replays), % of the HBM
 roofline (same-run copy bandwidth, bytes per step as k3compile/bench/roofline.py). Anchors in the
 same run: eager model_def, optionally torch.compile(mode="reduce-overhead") (`--compile`: it takes
