@@ -113,16 +113,12 @@ def make_trace(spec: TraceSpec) -> list[Root]:
         rid = f"{kind[0]}{i}"
         if kind == "chat":
             k = rng.randrange(spec.systems)
-            req = _chat(rng, toks, rint, spec, rid, systems[k])
+            req = Req(rid, systems[k] + toks(rint(spec.chat_user)), rint(spec.chat_answer))
+            _chain(rng, toks, rint, req, rint(spec.chat_turns), spec.chat_user, spec.chat_answer, spec.chat_think)
             stem = f"system{k}"
         elif kind == "agent":
             req = Req(rid, tool_prefix + toks(rint(spec.task_len)), rint(spec.agent_answer))
-            node = req
-            for s in range(1, rint(spec.agent_steps)):
-                child = Req(f"{rid}.{s}", toks(rint(spec.tool_result)), rint(spec.agent_answer),
-                            think=rng.expovariate(1.0 / spec.tool_latency))
-                node.children = [child]
-                node = child
+            _chain(rng, toks, rint, req, rint(spec.agent_steps), spec.tool_result, spec.agent_answer, spec.tool_latency)
             stem = "tools"
         elif kind == "tot":
             req = Req(rid, toks(rint(spec.problem_len)), rint(spec.tot_answer))
@@ -144,15 +140,13 @@ def make_trace(spec: TraceSpec) -> list[Root]:
     return roots
 
 
-def _chat(rng, toks, rint, spec, rid, system) -> Req:
-    req = Req(rid, system + toks(rint(spec.chat_user)), rint(spec.chat_answer))
-    node = req
-    for k in range(1, rint(spec.chat_turns)):
-        child = Req(f"{rid}.{k}", toks(rint(spec.chat_user)), rint(spec.chat_answer),
-                    think=rng.expovariate(1.0 / spec.chat_think))
+def _chain(rng, toks, rint, first: Req, turns: int, user, answer, think_mean: float) -> None:
+    """Turns 2..`turns` after `first`, one after the other: a chat session or an agent's tool loop."""
+    node = first
+    for k in range(1, turns):
+        child = Req(f"{first.tid}.{k}", toks(rint(user)), rint(answer), think=rng.expovariate(1.0 / think_mean))
         node.children = [child]
         node = child
-    return req
 
 
 def _fork(rng, toks, rint, spec, node: Req, depth: int) -> None:
