@@ -166,7 +166,9 @@ def run(args) -> int:
     seeds, budgets = _ints(args.seeds, "--seeds"), [b << 10 for b in _ints(args.budgets_kib, "--budgets-kib")]
     policies = [parse_policy(p) for p in split_policies(args.policies)]
     model = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, progress=False)
-    rows = []
+    env = environment(torch.device(args.device))
+    save = lambda rs: _save(args, rs, env, write_json)  # noqa: E731
+    rows, md = [], ""
     for trace in traces:
         for seed in seeds:
             spec = TraceSpec(mix=PRESETS[trace], roots=args.roots, duration=args.duration, seed=seed)
@@ -181,18 +183,25 @@ def run(args) -> int:
                     print(f"  {budget >> 10} KiB {policy.name}: hit {res['hit_rate']:.3f} (bound "
                           f"{res['kv_only_bound']:.3f}), ckpt mean {res['checkpoint_bytes_mean']:.0f} B, "
                           f"TTFT {res['ttft_mean_s']:.3f} s, {res['wall_seconds']:.0f} s wall", flush=True)
+                    md = save(rows + _relate(group))  # after every run: a long sweep keeps what it has
                 rows.extend(_relate(group))
+    print(md)
+    return 0
+
+
+def _save(args, rows, environment, write_json) -> str:
+    from .cache_traces import TraceSpec
+
     doc = {"bench": "cache-pressure", "rows": rows, "goals": goals(rows),
            "args": {k: v for k, v in vars(args).items() if k != "func"},
-           "trace_spec": asdict(replace(TraceSpec(), roots=args.roots, duration=args.duration)),
-           "environment": environment(torch.device(args.device))}
+           "trace_spec": asdict(replace(TraceSpec(), roots=args.roots, duration=args.duration))}
+    doc["environment"] = environment
     os.makedirs(args.out, exist_ok=True)
     write_json(os.path.join(args.out, "cache_pressure.json"), doc)
     md = render_markdown(doc)
     with open(os.path.join(args.out, "cache_pressure.md"), "w") as f:
         f.write(md)
-    print(md)
-    return 0
+    return md
 
 
 def _relate(group: list[dict]) -> list[dict]:
