@@ -72,7 +72,7 @@ def replay(engine, roots, step_ms: float, token_ms: float) -> dict:
         heapq.heappush(pending, (r.arrival, order, r.req, []))
         order += 1
     live, events, outputs, cached, tags = {}, [], {}, {}, {}
-    arrival, first_time, first_step = {}, {}, {}
+    arrival, arrival_step, first_time, first_step = {}, {}, {}, {}
     ckpt_bytes, now, step = [], 0.0, 0
     done = engine.metrics()["prefill_tokens"] + engine.metrics()["generated_tokens"]
     while pending or engine.has_unfinished():
@@ -83,7 +83,7 @@ def replay(engine, roots, step_ms: float, token_ms: float) -> dict:
             prompt = ctx + req.user
             engine.add_request(req.tid, prompt, SamplingParams(max_new_tokens=req.max_new_tokens, ignore_eos=True))
             live[req.tid] = (req, prompt, [])
-            arrival[req.tid], tags[req.tid] = t, req.tags
+            arrival[req.tid], arrival_step[req.tid], tags[req.tid] = t, step, req.tags
             events.append(("submit", req.tid, prompt))
         outs = engine.step()
         m = engine.metrics()
@@ -95,7 +95,7 @@ def replay(engine, roots, step_ms: float, token_ms: float) -> dict:
         for o in outs:
             req, prompt, out = live[o.rid]
             if o.new_token_ids and o.rid not in first_time:
-                first_time[o.rid], first_step[o.rid] = now, step
+                first_time[o.rid], first_step[o.rid] = now, step - arrival_step[o.rid]  # steps it waited
             out.extend(o.new_token_ids)
             if o.finished:
                 del live[o.rid]
