@@ -7,11 +7,22 @@ decode. A policy says which of those snapshots are donated to the tree:
 * `none`: no prefix cache at all.
 * `end`: only the newest snapshot when a request finishes (or is retracted).
 * `every_chunk`: every prefill chunk end and every decode track point (dense; the most memory).
-* `sparse` (ours): Marconi-style admission -- the state at the branch point a request's match
-  reported (so the next request forking there restores directly), the state at the end of the
-  request (multi-turn reuse) and at the prompt's end (repeated prompts); the last prefill chunk
-  is cut at the prompt's last checkpoint boundary so that state exists. A per-path cap of 2 with
-  LRU bounds what stays.
+* `sparse`: Marconi-style admission -- the state at the branch point a request's match reported
+  (so the next request forking there restores directly), the state at the end of the request
+  (multi-turn reuse) and at the prompt's tail, the last checkpoint boundary before the prompt's
+  last token (a repeat matches prompt[:-1], so that is where it can restore; prefill is cut there
+  and the state donated at once, which also puts a shared system prompt into the tree before the
+  first request finishes). A per-path cap of 2 progress checkpoints (branch points exempt) bounds
+  what stays; memory pressure evicts least recently used first.
+* `valued` (ours): the same admission, and under memory pressure Marconi's FLOP-aware eviction
+  (runtime/cache/radix.py, "value"): the checkpoint with the lowest recency + weight x recompute
+  FLOPs saved per byte goes first, and a branch point that live paths still share is kept until
+  the leaves below it are gone.
+
+Issue 15 changed two things measured on the old trace below: the prompt-end donation now sits at
+the prompt's tail (the old one, at the prompt's end, never served a repeat when the length was a
+multiple of the grid, nor ever at page size 1), which replaces the handover donation in `sparse`;
+and branch points no longer count against the per-path cap. The figures below predate both.
 
 Tuning (`k3compile bench cache`, k3-tiny, CPU; numbers in traces/cache_k3-tiny.md and
 traces/cache_variants/): the prompt-end donation matters -- it puts a shared system prompt's KV
@@ -39,6 +50,8 @@ class CachePolicy:
     split_prompt_tail: bool = False  # end a chunk at the last boundary before the prompt's end
     max_checkpoints_per_path: int | None = None
     max_checkpoints: int | None = None
+    eviction: str = "lru"  # under memory pressure: "lru" or "value" (HybridRadixCache)
+    value_weight: float = 1.0  # "value": weight of FLOPs-saved-per-byte against recency (Marconi's alpha)
 
     def with_caps(self, per_path: int | None, total: int | None) -> "CachePolicy":
         return replace(self, max_checkpoints_per_path=per_path, max_checkpoints=total)
@@ -49,8 +62,10 @@ POLICIES = {
     "end": CachePolicy("end", donate_finish=True),
     "every_chunk": CachePolicy("every_chunk", donate_chunks=True, donate_decode=True, donate_handover=True,
                                donate_finish=True),
-    "sparse": CachePolicy("sparse", donate_handover=True, donate_finish=True, branch_points=True,
-                          split_prompt_tail=True, max_checkpoints_per_path=2),
+    "sparse": CachePolicy("sparse", donate_finish=True, branch_points=True, split_prompt_tail=True,
+                          max_checkpoints_per_path=2),
+    "valued": CachePolicy("valued", donate_finish=True, branch_points=True, split_prompt_tail=True,
+                          max_checkpoints_per_path=2, eviction="value"),
 }
 
 

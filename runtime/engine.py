@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from k3compile.runtime.cache.radix import HybridRadixCache
+from k3compile.runtime.cache.recompute_cost import RecomputeCost
 from k3compile.runtime.cache.request_table import RequestTable
 from k3compile.runtime.cache.state_slots import MAX_TRANSIENT_SLOTS
 from k3compile.model_def.dtypes import DTYPE_NAMES, DTYPES
@@ -90,7 +91,7 @@ class EngineArgs:
     track_interval: int = 256
     max_context: int | None = None
     # cache policy knobs (runtime/cache_policy.py)
-    cache_policy: "str | CachePolicy" = "sparse"  # none | end | every_chunk | sparse, or a CachePolicy
+    cache_policy: "str | CachePolicy" = "sparse"  # none | end | every_chunk | sparse | valued, or a CachePolicy
     checkpoint_interval: int | None = None  # checkpoint grid; None: page_size
     max_checkpoints_per_path: int | None = None  # None: the policy's; 0: no cap
     max_checkpoints: int | None = None  # None: the policy's; 0: no cap
@@ -198,7 +199,9 @@ class LLMEngine:
         total = policy.max_checkpoints if args.max_checkpoints is None else (args.max_checkpoints or None)
         self.policy = policy.with_caps(per_path, total)
         interval = _checkpoint_interval(args)
-        self.cache = HybridRadixCache(self.memory, interval, per_path, total)
+        cost = RecomputeCost.from_config(self.config) if self.policy.eviction == "value" else None
+        self.cache = HybridRadixCache(self.memory, interval, per_path, total, eviction=self.policy.eviction,
+                                      recompute_cost=cost, value_weight=self.policy.value_weight)
         self.table = RequestTable(self.cache)
 
         slots_per_request = MAX_TRANSIENT_SLOTS if self.policy.enabled else 1

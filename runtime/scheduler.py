@@ -11,7 +11,8 @@ at most once per batch.
 
 Chunks end at absolute multiples of `chunk_size`, at the prompt's end, and -- so the cache can
 take a state there -- at the branch point the admission match reported and (policy
-`split_prompt_tail`) at the prompt's last checkpoint boundary. A chunk cut short by the budget
+`split_prompt_tail`) at the last checkpoint boundary before the prompt's last token (both are
+donated as soon as their chunk is processed). A chunk cut short by the budget
 is pulled back to a checkpoint boundary when one lies inside it.
 
 State moves (runtime/cache/state_slots.py): admission restores the working slot from the matched
@@ -20,7 +21,7 @@ a decode step that reaches a multiple of `track_interval`, get a snapshot slot w
 built; the runner copies the working state into it right after the forward, before any later
 forward can write the working slot. Only once `process` has seen the batch finish is the
 snapshot "complete"; older complete snapshots are then dropped, and the policy decides whether it
-is donated now (chunk / decode track point / branch point / prompt end) or kept for the finish.
+is donated now (chunk / decode track point / branch point / prompt tail) or kept for the finish.
 
 Overlap. `schedule` may run while the previous batch is still in flight: positions advance at
 scheduling time (`num_scheduled`), and a decode row whose input token is still being sampled
@@ -317,15 +318,22 @@ class Scheduler:
         start, target = req.num_scheduled, req.prefill_target
         c, g = self.cfg.chunk_size, self.cfg.checkpoint_interval
         end = min(target, (start // c + 1) * c, start + budget)
-        cuts = [req.branch_point]
-        if self.policy.enabled and self.policy.split_prompt_tail:
-            cuts.append(target - target % g)
+        cuts = [req.branch_point, self._tail_point(req)]
         for cut in cuts:
             if cut is not None and start < cut < end:
                 end = cut
         if end < target and end % g and end - end % g > start:
             end -= end % g  # cut by the budget: keep chunk ends on checkpoint boundaries
         return end
+
+    def _tail_point(self, req: Request) -> int | None:
+        """Policy `split_prompt_tail`: the last checkpoint boundary before the prompt's last token.
+        A repeat of the prompt matches prompt[:-1] (one token must be computed for logits), so the
+        state that serves it sits at the boundary <= len - 1, not at the prompt's end."""
+        if not (self.policy.enabled and self.policy.split_prompt_tail) or req.prefill_target < 2:
+            return None
+        g = self.cfg.checkpoint_interval
+        return (req.prefill_target - 1) // g * g or None
 
     def _prefill_row(self, req: Request, budget: int) -> Row | None:
         end = self._chunk_end(req, budget)
@@ -450,7 +458,7 @@ class Scheduler:
                 req.handle.slots.drop_before(row.snapshot)  # superseded by the newer complete state
                 req.latest_snapshot = row.snapshot
                 if (batch.mode == "prefill" and pol.donate_chunks) or (batch.mode == "decode" and pol.donate_decode) \
-                        or row.snapshot == req.branch_point:
+                        or row.snapshot in (req.branch_point, self._tail_point(req)):
                     self._donate_latest(req)
             if batch.mode == "prefill" and row.end == req.prefill_target and pol.donate_handover:
                 self._donate_latest(req)

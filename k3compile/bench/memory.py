@@ -23,6 +23,7 @@ import torch
 from k3compile.bench.results import environment, fresh_out_dir, write_json
 from k3compile.runtime.memory.pools import DEFAULT_STATE_FRACTION  # SGLang's ratio 0.9 -> 0.9 / 1.9
 from k3compile.runtime.scheduler import DEFAULT_RESERVE_RATIO
+MINI_BUDGET = 96 << 30  # KV + state of k3-mini-6b on one 141 GB H200 after weights and activations
 SWEEP = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
@@ -158,9 +159,12 @@ def run(args) -> int:
             doc["engine"][name] = compare(model, jobs, budget, args.page_size, sweep, args.reserve_ratio, bar.update)
             _write(base, doc)   # results as they come: a long run stopped early keeps what it measured
     if not args.skip_allocator:
-        from k3compile.runtime.memory.capacity_sim import run_capacity_benchmark
+        from k3compile.runtime.memory.capacity_sim import k3_spec, run_capacity_benchmark
         print("[memory] allocator-only runs at K3 sizes (TP 8)", flush=True)
         doc["allocator"] = run_capacity_benchmark()
+        print("[memory] allocator-only runs at k3-mini-6b sizes (one GPU)", flush=True)
+        doc["allocator_mini"] = run_capacity_benchmark(spec=k3_spec(1, "k3-mini-6b"), budget_bytes=MINI_BUDGET)
+        doc["allocator_mini"]["model"] = "k3-mini-6b at TP 1"
     print(_write(base, doc))
     print(f"wrote {base}.json and {base}.md")
     return 0
@@ -210,12 +214,14 @@ def render(doc: dict) -> str:
     lines += ["", "(For `steps`, lower is better and the ratios are inverted so that > 1 favours unified.)", ""]
     if doc.get("allocator"):
         lines += render_allocator(doc["allocator"])
+    if doc.get("allocator_mini"):
+        lines += [""] + render_allocator(doc["allocator_mini"])
     return "\n".join(lines) + "\n"
 
 
 def render_allocator(a: dict) -> list[str]:
     gib = a["budget_bytes"] / 2**30
-    lines = ["## Allocator alone, K3 byte sizes at TP 8", "",
+    lines = [f"## Allocator alone, {a.get('model', 'K3 at TP 8')} byte sizes", "",
              f"Budget {gib:.0f} GiB, page {a['page_size']} tokens (slot {a['slot_bytes'] / 1e6:.1f} MB, page "
              f"{a['page_bytes'] / 1e6:.2f} MB), decode-growth reservation {a['reserve_ratio']}; "
              "runtime/memory/capacity_sim.py (bookkeeping on the meta device).", "",

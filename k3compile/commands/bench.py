@@ -8,6 +8,7 @@ BENCHES = {
     "decode": "k3compile.bench.decode",
     "ladder": "k3compile.bench.ladder",
     "cache": "k3compile.bench.cache",
+    "cache-pressure": "k3compile.bench.cache_pressure",
     "compaction": "k3compile.bench.compaction",
     "memory": "k3compile.bench.memory",
 }

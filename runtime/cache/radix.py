@@ -42,14 +42,27 @@ Locks (SGLang's full_lock_ref / mamba_lock_ref)
   `unlock` releases the rest. Counts never go negative: misuse raises.
 
 Caps and eviction
-* Per-path cap: at most `max_checkpoints_per_path` checkpoints on any root-to-leaf path. A new
-  checkpoint that would exceed it evicts the least recently used unpinned checkpoints above it
-  (they become tombstones); if those are pinned, the new one is rejected.
+* Per-path cap: at most `max_checkpoints_per_path` *progress* checkpoints on any root-to-leaf path.
+  Branch points do not count and are never its victims: a checkpoint at a node with two or more
+  children, or one planted by splitting an existing edge (a request diverging from, or ending
+  inside, a path the tree holds). A new checkpoint that would exceed the cap evicts the least
+  recently used unpinned progress checkpoints above it (they become tombstones); if those are
+  pinned, the new one is rejected. (Counting branch points made a forking request's own later
+  checkpoints push out -- or block -- the shared-stem state it had just planted: issue 15.)
 * Global cap `max_checkpoints`: a new checkpoint beyond it evicts the LRU evictable checkpoint
   (anywhere but the leaf the insert extends or splits); if none is evictable it is rejected.
-* `evict_checkpoints(n)` (state pressure): LRU unpinned checkpoints; an internal node becomes a
-  tombstone, a leaf is deleted. `evict_pages(n)` (KV pressure): LRU unlocked leaves, with their
-  checkpoints.
+* `evict_checkpoints(n)` (state pressure): unpinned checkpoints; an internal node becomes a
+  tombstone, a leaf is deleted. `evict_pages(n)` (KV pressure): unlocked leaves, with their
+  checkpoints. Which ones, by `eviction`:
+  - "lru": least recently used first (SGLang's MambaRadixCache).
+  - "value" (Marconi's FLOP-aware eviction): candidates are scored
+        utility = recency + value_weight * efficiency
+    both min-max normalised over the candidates, where efficiency = the prefill FLOPs a hit here
+    saves over restoring from the nearest checkpointed ancestor (RecomputeCost), divided by the
+    bytes evicting it frees (the state slot, plus the leaf's own KV pages when the node goes with
+    it); the lowest utility goes first. A branch point (a checkpoint at a node with two or more
+    children: live paths still share it) is never chosen while any other candidate exists, so it
+    outlives the leaves below it.
 
 LRU touch policy: a hit refreshes only the node whose checkpoint was consumed, not the whole
 matched path (SGLang PR #31643 measured multi-turn hit rate 0.61 -> 0.83 with this over refreshing
@@ -67,14 +80,17 @@ from typing import Iterator
 
 from k3compile.runtime.memory.base import KVStateMemory
 
+from .recompute_cost import RecomputeCost
 from .stats import CacheStats
+
+EVICTION_POLICIES = ("lru", "value")
 
 
 class TreeNode:
     """One edge: `key` (a whole number of pages of token ids) and its KV `pages`."""
 
     __slots__ = ("id", "key", "pages", "parent", "children", "depth", "checkpoint", "kv_lock", "ckpt_lock",
-                 "last_access", "ckpt_access", "alive")
+                 "last_access", "ckpt_access", "alive", "planted")
 
     def __init__(self, nid: int, key: tuple[int, ...], pages: list[int], parent: "TreeNode | None", depth: int):
         self.id = nid
@@ -89,6 +105,7 @@ class TreeNode:
         self.last_access = 0  # orders leaf eviction (KV pressure)
         self.ckpt_access = 0  # orders checkpoint eviction (state pressure, caps)
         self.alive = True
+        self.planted = False  # its checkpoint was planted by splitting an edge: a branch point for the cap
 
     @property
     def is_leaf(self) -> bool:
@@ -146,13 +163,21 @@ def _check_cap(name: str, value: int | None) -> None:
 
 class HybridRadixCache:
     def __init__(self, memory: KVStateMemory, checkpoint_interval: int, max_checkpoints_per_path: int | None = None,
-                 max_checkpoints: int | None = None):
+                 max_checkpoints: int | None = None, eviction: str = "lru", recompute_cost: RecomputeCost | None = None,
+                 value_weight: float = 1.0):
         p = memory.page_size
         if not isinstance(checkpoint_interval, int) or checkpoint_interval < 1 or checkpoint_interval % p:
             raise ValueError(f"checkpoint_interval must be a positive multiple of the page size {p}, "
                              f"got {checkpoint_interval!r}")
         _check_cap("max_checkpoints_per_path", max_checkpoints_per_path)
         _check_cap("max_checkpoints", max_checkpoints)
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}")
+        if eviction == "value" and recompute_cost is None:
+            raise ValueError("eviction='value' needs a recompute_cost (RecomputeCost.from_config(model config))")
+        if not value_weight >= 0:
+            raise ValueError(f"value_weight must be >= 0, got {value_weight!r}")
+        self.eviction, self.recompute_cost, self.value_weight = eviction, recompute_cost, float(value_weight)
         self.memory, self.page_size, self.checkpoint_interval = memory, p, checkpoint_interval
         self.max_checkpoints_per_path, self.max_checkpoints = max_checkpoints_per_path, max_checkpoints
         self.root = TreeNode(0, (), [], None, 0)
@@ -290,6 +315,7 @@ class HybridRadixCache:
             self._drop_checkpoint(v)
             self._stats.checkpoints_evicted += 1
         if admitted:
+            node.planted = partial is not None and node is end and n == m
             node.checkpoint = checkpoint_slot
             self._slot_owner[checkpoint_slot] = node
             self._stats.checkpoints_stored += 1
@@ -324,19 +350,21 @@ class HybridRadixCache:
         cascades from deleting anything the insert stands on.
         """
         if new_leaf:
-            above, below = path, 0
-        elif partial is not None:  # the end splits an edge: the edge and its subtree lie below
-            above, below = path, self._max_checkpoints_down(partial[0])
+            above, below, own = path, 0, 1
+        elif partial is not None:  # the end splits an edge: a branch point, the edge and its subtree lie below
+            above, below, own = path, self._max_checkpoints_down(partial[0]), 0
         else:
             end = path[-1]
             if end.checkpoint is not None:
                 self._stats.checkpoints_duplicate += 1
                 return False, []
-            above, below = path[:-1], max((self._max_checkpoints_down(c) for c in end.children.values()), default=0)
-        held = [nd for nd in above if nd.checkpoint is not None]
+            above = path[:-1]
+            below = max((self._max_checkpoints_down(c) for c in end.children.values()), default=0)
+            own = 0 if self._is_branch(end) else 1
+        held = [nd for nd in above if nd.checkpoint is not None and not self._is_branch(nd)]
         victims: list[TreeNode] = []
         if self.max_checkpoints_per_path is not None:
-            excess = len(held) + 1 + below - self.max_checkpoints_per_path
+            excess = len(held) + own + below - self.max_checkpoints_per_path
             if excess > 0:
                 free = sorted((nd for nd in held if not nd.ckpt_lock), key=lambda nd: nd.ckpt_access)
                 if len(free) < excess:
@@ -351,7 +379,7 @@ class HybridRadixCache:
             self._add_kv_refs(deepest, 1)
             try:
                 while len(self._slot_owner) + 1 > cap:
-                    victim = self._lru_checkpoint()
+                    victim = self._checkpoint_victim()
                     if victim is None:  # everything else is pinned or locked
                         self._stats.checkpoints_rejected += 1
                         return False, []
@@ -370,12 +398,22 @@ class HybridRadixCache:
         if nd is not self.root and nd.alive and nd.is_leaf and nd.checkpoint is None and not nd.kv_lock:
             self._delete_upward(nd)
 
+    @staticmethod
+    def _is_branch(nd: TreeNode) -> bool:
+        """A branch point for the per-path cap: a fork, or a checkpoint planted by splitting an edge."""
+        return len(nd.children) >= 2 or nd.planted
+
+    @staticmethod
+    def _is_fork(nd: TreeNode) -> bool:
+        """Two or more live paths continue from this node (eviction keeps its checkpoint longest)."""
+        return len(nd.children) >= 2
+
     def _max_checkpoints_down(self, node: TreeNode) -> int:
-        """Most checkpoints on any path from `node` (included) down to a leaf."""
+        """Most progress checkpoints (branch points excluded) on any path from `node` (included) to a leaf."""
         best, stack = 0, [(node, 0)]
         while stack:
             nd, above = stack.pop()
-            count = above + (nd.checkpoint is not None)
+            count = above + (nd.checkpoint is not None and not self._is_branch(nd))
             best = max(best, count)
             stack.extend((c, count) for c in nd.children.values())
         return best
@@ -430,6 +468,15 @@ class HybridRadixCache:
     def evict_pages(self, num_pages: int) -> int:
         """KV pressure: delete LRU unlocked leaves until `num_pages` pages are freed. Returns pages freed."""
         self._check_count(num_pages)
+        if self.eviction == "value":
+            freed = 0
+            while freed < num_pages:
+                leaves = [nd for nd in self._nodes.values() if nd.is_leaf and not nd.kv_lock]
+                if not leaves:
+                    break
+                freed += self._delete_upward(self._lowest_utility(leaves, "last_access"))[1]
+            self._flush()
+            return freed
         heap = [(nd.last_access, nd.id, nd) for nd in self._nodes.values() if nd.is_leaf and not nd.kv_lock]
         heapq.heapify(heap)
         freed = 0
@@ -447,6 +494,16 @@ class HybridRadixCache:
     def evict_checkpoints(self, num_checkpoints: int) -> int:
         """State pressure: free LRU unpinned checkpoints. Returns slots freed."""
         self._check_count(num_checkpoints)
+        if self.eviction == "value":
+            freed = 0
+            while freed < num_checkpoints:
+                victim = self._checkpoint_victim()
+                if victim is None:
+                    break
+                self._evict_checkpoint(victim)
+                freed += 1
+            self._flush()
+            return freed
         heap = [(nd.ckpt_access, nd.id, nd) for nd in self._slot_owner.values()]
         heapq.heapify(heap)
         freed = 0
@@ -468,13 +525,38 @@ class HybridRadixCache:
         # A locked leaf would become a tombstone leaf that cannot be deleted: keep its state.
         return not nd.ckpt_lock and (bool(nd.children) or not nd.kv_lock)
 
-    def _lru_checkpoint(self) -> TreeNode | None:
-        best = None
-        for nd in self._slot_owner.values():
-            if self._checkpoint_evictable(nd):
-                if best is None or nd.ckpt_access < best.ckpt_access:
-                    best = nd
-        return best
+    def _checkpoint_victim(self) -> TreeNode | None:
+        """The checkpoint state pressure or the global cap gives up next (None: nothing evictable)."""
+        candidates = [nd for nd in self._slot_owner.values() if self._checkpoint_evictable(nd)]
+        if not candidates:
+            return None
+        if self.eviction == "lru":
+            return min(candidates, key=lambda nd: (nd.ckpt_access, nd.id))
+        plain = [nd for nd in candidates if not self._is_fork(nd)]
+        return self._lowest_utility(plain or candidates, "ckpt_access")
+
+    def checkpoint_efficiency(self, nd: TreeNode) -> float:
+        """Prefill FLOPs a hit at `nd` saves over the nearest checkpointed ancestor, per byte that
+        evicting it frees (its slot, plus its KV when it is a leaf and goes with it)."""
+        anc = nd.parent
+        while anc is not self.root and anc.checkpoint is None:
+            anc = anc.parent
+        freed = self.memory.spec.slot_bytes
+        if nd.is_leaf:
+            freed += len(nd.pages) * self.memory.spec.page_bytes(self.page_size)
+        return self.recompute_cost.prefill(anc.depth, nd.depth) / freed
+
+    def _lowest_utility(self, nodes: list[TreeNode], clock: str) -> TreeNode:
+        """Marconi's utility: recency + value_weight * efficiency, each min-max normalised over `nodes`."""
+        rec = [getattr(nd, clock) for nd in nodes]
+        eff = [self.checkpoint_efficiency(nd) if nd.checkpoint is not None else 0.0 for nd in nodes]
+
+        def norm(xs):
+            lo, hi = min(xs), max(xs)
+            return [(x - lo) / (hi - lo) if hi > lo else 0.0 for x in xs]
+
+        util = [r + self.value_weight * e for r, e in zip(norm(rec), norm(eff))]
+        return min(zip(util, (nd.id for nd in nodes), nodes))[2]
 
     def _evict_checkpoint(self, nd: TreeNode) -> None:
         if nd.children:
@@ -535,7 +617,7 @@ class HybridRadixCache:
     def _drop_checkpoint(self, nd: TreeNode) -> None:
         del self._slot_owner[nd.checkpoint]
         self._doomed_slots.append(nd.checkpoint)
-        nd.checkpoint = None
+        nd.checkpoint, nd.planted = None, False
 
     def _delete_upward(self, nd: TreeNode) -> tuple[TreeNode, int]:
         """Delete leaf `nd`, then every ancestor left as an unlocked tombstone leaf.

@@ -95,6 +95,20 @@ def shifting_mix(seed: int = 0, n: int = 2000, per_step: float = 10.0, short=((6
     return _arrivals(rng, n, per_step, draw)
 
 
+def phased_mix(seed: int = 0, n: int = 2000, per_step: float = 10.0, short=((64, 1024), (32, 512)),
+               long=((32_768, 262_144), (256, 2048)), phases: int = 4, long_share: float = 0.08) -> list[Arrival]:
+    """A mix that shifts back and forth: `phases` equal runs of arrivals, alternately short chats
+    only and short chats with `long_share` long contexts. One fixed split has to serve both
+    phases, so even the best split in hindsight is wrong for half the time."""
+    rng = random.Random(seed)
+
+    def draw(i):
+        in_long_phase = (i * phases // max(1, n)) % 2 == 1
+        (p, o) = long if in_long_phase and rng.random() < long_share else short
+        return rng.randint(*p), rng.randint(*o)
+    return _arrivals(rng, n, per_step, draw)
+
+
 def default_workloads(seed: int = 0, scale: float = 1.0) -> dict[str, list[Arrival]]:
     """The three workloads of issue 5, sized for K3 at TP 8 (scale < 1 shrinks lengths and counts)."""
     def s(r):
@@ -105,6 +119,8 @@ def default_workloads(seed: int = 0, scale: float = 1.0) -> dict[str, list[Arriv
                                        output=s((256, 2048))),
         "shifting_mix": shifting_mix(seed, n=max(10, int(2000 * scale)), short=(s((64, 1024)), s((32, 512))),
                                      long=(s((32_768, 262_144)), s((256, 2048)))),
+        "phased_mix": phased_mix(seed, n=max(10, int(2000 * scale)), short=(s((64, 1024)), s((32, 512))),
+                                 long=(s((32_768, 262_144)), s((256, 2048)))),
     }
 
 
@@ -357,10 +373,11 @@ def compare_allocators(spec: CacheSpec, budget_bytes: int, page_size: int, arriv
     }
 
 
-def k3_spec(tp_size: int = 8) -> CacheSpec:
-    """K3's real per-GPU byte sizes at tensor parallelism `tp_size` (bf16 KV, fp32 KDA state)."""
+def k3_spec(tp_size: int = 8, preset: str = "k3") -> CacheSpec:
+    """A preset's real per-GPU byte sizes at tensor parallelism `tp_size` (bf16 KV, fp32 KDA state):
+    K3 at TP 8 by default; `preset="k3-mini-6b", tp_size=1` gives the mini model's byte ratio."""
     from k3compile.model_def.config import get_preset
-    return CacheSpec.from_config(get_preset("k3"), dtype=torch.bfloat16, tp_size=tp_size)
+    return CacheSpec.from_config(get_preset(preset), dtype=torch.bfloat16, tp_size=tp_size)
 
 
 def run_capacity_benchmark(spec: CacheSpec | None = None, budget_bytes: int = 64 << 30, page_size: int = 64,

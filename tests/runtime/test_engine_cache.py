@@ -62,14 +62,16 @@ BRANCH_CONFIGS = [dict(page_size=16, chunk_size=64), dict(page_size=16, chunk_si
 def test_restore_and_branch_point(model, cfg):
     rng = random.Random(11)
     shared = tokens(rng, 130)
-    a = shared + tokens(rng, 150)  # its checkpoint lands at the prompt's last boundary: one edge, no fork state
+    a = shared + tokens(rng, 150)  # its checkpoints land at the prompt's tail (and end): one path, no fork state
     b, c, d = (shared + tokens(rng, 20 + 7 * i) for i in range(3))  # fork after 130 shared tokens
     engine = make_engine(model, **cfg)
 
     out_a, cached_a = generate_one(engine, "a", a)
     assert cached_a == 0 and out_a == reference_generate(model, a, GREEDY.max_new_tokens)
     g = engine.scheduler.cfg.checkpoint_interval
-    assert checkpoint_depths(engine) == {len(a) // g * g}
+    # the prompt tail (last boundary before the last token) and, when the prompt ends on the grid,
+    # the end-of-request state (the newest snapshot, donated at the finish)
+    assert checkpoint_depths(engine) == {(len(a) - 1) // g * g} | ({len(a)} if len(a) % g == 0 else set())
 
     # b forks in the middle of the cached edge: KV matches the shared pages but no state is saved
     # there; it replays from the root, ends a chunk at the branch point, snapshots and donates there.
@@ -144,4 +146,52 @@ def test_every_checkpoint_matches_recomputation_after_mixed_workload(model):
     check_idle(engine)
     assert engine.metrics()["cache_hit_tokens"] > 0
     assert assert_checkpoints_hold_their_prefix_state(engine, model) >= 8
+    engine.close()
+
+
+HIT_CONFIGS = [dict(page_size=16), dict(page_size=1), dict(page_size=16, overlap=True)]  # engine's default chunk (256)
+
+
+@pytest.mark.parametrize("policy", ["sparse", "valued"])
+@pytest.mark.parametrize("cfg", HIT_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("length", [64, 77])
+def test_exact_repeat_hits(model, cfg, policy, length):
+    """A prompt sent twice: the second run restores from the state at the prompt's last checkpoint
+    boundary before its last token (issue 15: it missed when the length was a multiple of the grid,
+    and always at page size 1, because the checkpoint sat at the prompt's end, which matching of
+    prompt[:-1] can never reach)."""
+    prompt = tokens(random.Random(21 + length), length)
+    engine = make_engine(model, cache_policy=policy, **cfg)
+    first, cached_first = generate_one(engine, "a", prompt)
+    again, cached_again = generate_one(engine, "b", prompt)
+    g = engine.scheduler.cfg.checkpoint_interval
+    assert cached_first == 0
+    assert cached_again == (length - 1) // g * g > 0
+    assert again == first == reference_generate(model, prompt, GREEDY.max_new_tokens)
+    check_idle(engine)
+    assert_checkpoints_hold_their_prefix_state(engine, model)
+    engine.close()
+
+
+@pytest.mark.parametrize("policy", ["sparse", "valued"])
+@pytest.mark.parametrize("cfg", HIT_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_shared_stem_branch_point_survives_the_per_path_cap(model, cfg, policy):
+    """Five requests, one after the other, over a shared 64-token stem: the second plants the branch
+    point, every later one restores from it (issue 15: the per-path cap of 2 rejected it, or evicted
+    it for the request's own later checkpoints, so all five hit 0)."""
+    rng = random.Random(22)
+    stem = tokens(rng, 64)
+    # each request leaves two checkpoints on its own path: its prompt tail and the decode track
+    # point at 256 (its 12 answer tokens cross it), so a third one on the path exceeds the cap
+    prompts = [stem + tokens(rng, 186 + 3 * i) for i in range(5)]
+    engine = make_engine(model, cache_policy=policy, **cfg)
+    assert engine.policy.max_checkpoints_per_path == 2
+    cached = []
+    for i, p in enumerate(prompts):
+        out, hit = generate_one(engine, f"r{i}", p)
+        assert out == reference_generate(model, p, GREEDY.max_new_tokens)
+        cached.append(hit)
+    assert cached == [0, 0, 64, 64, 64]
+    check_idle(engine)
+    assert_checkpoints_hold_their_prefix_state(engine, model)
     engine.close()

@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from k3compile.runtime.cache.checks import check_cache
 from k3compile.runtime.cache.radix import HybridRadixCache
+from k3compile.runtime.cache.recompute_cost import RecomputeCost
 from k3compile.runtime.cache.request_table import RequestTable
 from k3compile.runtime.cache.state_slots import TooManyStateSlotsError
 from k3compile.runtime.memory.base import OutOfMemoryError
@@ -46,8 +47,8 @@ class Sim:
 class CacheMachine(RuleBasedStateMachine):
     @initialize(page_size=st.sampled_from([1, 2, 4]), interval_pages=st.sampled_from([1, 2]),
                 per_path=st.sampled_from([None, 1, 2, 3]), global_cap=st.sampled_from([None, 2, 5]),
-                arena=st.booleans())
-    def setup(self, page_size, interval_pages, per_path, global_cap, arena):
+                arena=st.booleans(), eviction=st.sampled_from(["lru", "value"]))
+    def setup(self, page_size, interval_pages, per_path, global_cap, arena, eviction):
         if arena:
             size = 10 * SPEC.slot_bytes + 40 * SPEC.page_bytes(page_size)
             inner = UnifiedArena(SPEC, size, page_size)
@@ -56,7 +57,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.mem = TrackingMemory(inner)
         self.interval = interval_pages * page_size
         self.cache = HybridRadixCache(self.mem, self.interval, max_checkpoints_per_path=per_path,
-                                      max_checkpoints=global_cap)
+                                      max_checkpoints=global_cap, eviction=eviction,
+                                      recompute_cost=RecomputeCost(linear=1.0, attention=0.05))
         self.table = RequestTable(self.cache)
         self.sims: dict[int, Sim] = {}
         self.locks = []

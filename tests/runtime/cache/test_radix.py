@@ -194,13 +194,40 @@ def test_per_path_cap_rejects_when_the_ancestors_are_pinned():
     owned(cache, mem)
 
 
-def test_per_path_cap_counts_the_subtree_below_a_branch_point():
+def test_per_path_cap_exempts_a_checkpoint_planted_inside_an_edge():
     mem, cache = setup(max_checkpoints_per_path=2)
     donate_sequence(cache, mem, A[:4])
     donate_sequence(cache, mem, A[:12])
-    res, _ = donate_sequence(cache, mem, A[:8])  # lands mid-edge: 4 above, 12 below
+    res, _ = donate_sequence(cache, mem, A[:8])  # lands mid-edge: a branch point, not counted
     assert res.checkpoint_stored and res.node.depth == 8
-    assert sorted(nd.depth for nd in cache.nodes() if nd.checkpoint is not None) == [8, 12]
+    assert sorted(nd.depth for nd in cache.nodes() if nd.checkpoint is not None) == [4, 8, 12]
+    donate_sequence(cache, mem, A[:16])  # a third progress checkpoint: the LRU one (4) goes, never 8
+    assert sorted(nd.depth for nd in cache.nodes() if nd.checkpoint is not None) == [8, 12, 16]
+    assert cache.match(A[:8], touch=False).cached_len == 8
+    owned(cache, mem)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "value"])
+def test_forking_requests_keep_the_branch_point_they_planted(eviction):
+    """Issue 15: requests over a shared stem, each leaving a prompt-tail and an end checkpoint on its
+    own path. The second plants the stem's branch point; its own later checkpoints must not evict it
+    (nor may the first request's two checkpoints below block it), so every later request restores."""
+    from k3compile.runtime.cache.recompute_cost import RecomputeCost
+
+    mem = make_memory(1, num_slots=32, num_pages=256)
+    cache = HybridRadixCache(mem, 4, max_checkpoints_per_path=2, eviction=eviction,
+                             recompute_cost=RecomputeCost(1.0, 0.01))
+    stem = tuple(range(200, 208))
+    hits = []
+    for i in range(5):
+        seq = stem + tuple(range(10 * i, 10 * i + 12))
+        hit = cache.match(seq[:-1])
+        hits.append(hit.cached_len)
+        if hit.branch_point is not None:  # the scheduler ends a chunk there and donates the state
+            donate_sequence(cache, mem, seq[:hit.branch_point])
+        donate_sequence(cache, mem, seq[:16])  # prompt tail
+        donate_sequence(cache, mem, seq[:20])  # end of the request
+    assert hits == [0, 0, 8, 8, 8]
     owned(cache, mem)
 
 

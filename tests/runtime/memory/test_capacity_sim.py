@@ -8,7 +8,7 @@ from k3compile.model_def.cache import CacheSpec
 from k3compile.model_def.config import get_preset
 from k3compile.runtime.memory.capacity_sim import (
     DEFAULT_STATE_FRACTION, METRICS, Arrival, compare_allocators, k3_spec, long_contexts, run_capacity_benchmark,
-    short_chats, shifting_mix, simulate)
+    phased_mix, short_chats, shifting_mix, simulate)
 from k3compile.runtime.memory.pools import SplitPools
 from k3compile.runtime.memory.unified import UnifiedArena
 
@@ -89,6 +89,15 @@ def test_workloads_are_deterministic_per_seed():
     assert [a.step for a in mix] == sorted(a.step for a in mix)
     longs = [a.prompt_len >= 32_768 for a in mix]
     assert sum(longs[:200]) < sum(longs[200:])  # the mix shifts toward long contexts
+    phased = [a.prompt_len >= 32_768 for a in phased_mix(3, n=400, phases=4, long_share=0.5)]
+    quarters = [sum(phased[i * 100:(i + 1) * 100]) for i in range(4)]
+    assert quarters[0] == quarters[2] == 0 and quarters[1] > 20 and quarters[3] > 20  # back and forth
+
+
+def test_k3_mini_byte_ratio():
+    mini = k3_spec(1, "k3-mini-6b")
+    assert mini.slot_bytes > 1000 * mini.kv_bytes_per_token  # a state slot outweighs 1000+ tokens of KV
+    assert mini.kv_bytes_per_token < k3_spec().kv_bytes_per_token
 
 
 K3_CASES = {

@@ -1,0 +1,169 @@
+"""Parameterized request traces for the cache benchmark, in simulated time (issue 15).
+
+A trace is a forest of requests. A root arrives at a time (seconds, Poisson); a child arrives
+`think` seconds after its parent finishes, with the parent's prompt + answer + its own `user`
+tokens as its prompt. Four kinds of traffic, mixed by weight and interleaved in time:
+
+* chat: sessions over a few shared system prompts; turns with think time of minutes.
+* agent: tool loops over a long shared tool/system prefix: many steps, each appending a short
+  tool result to the whole context so far; think time = tool latency (seconds).
+* tot: tree-of-thought: a problem, a first answer, then forks into branches that share a lead-in
+  and diverge; branches go on a few levels; submitted together (think time ~0).
+* oneoff: unrelated single requests (noise that competes for memory); a share of them are exact
+  repeats of an earlier one-off (retries, evaluation harnesses, n samples).
+
+Token ids are random bytes; answers come from the model (greedy, ignore_eos), so the token trace
+is the same under every cache policy. Tags on requests: `repeat` (an exact repeat of an earlier
+prompt) and `stem` (a root whose prompt starts with a shared prefix an earlier root had), for
+"repeats and shared stems always hit".
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+KINDS = ("chat", "agent", "tot", "oneoff")
+
+
+@dataclass
+class Req:
+    tid: str
+    user: list[int]  # appended to the parent's prompt + answer (a root: its whole prompt)
+    max_new_tokens: int
+    think: float = 0.0  # seconds after the parent finishes
+    children: list["Req"] = field(default_factory=list)
+    tags: tuple[str, ...] = ()
+
+
+@dataclass
+class Root:
+    arrival: float  # seconds
+    kind: str
+    req: Req
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    mix: tuple[tuple[str, float], ...] = (("agent", 1.0), ("oneoff", 1.0))  # kind -> weight of roots
+    roots: int = 40  # root requests (sessions, agent tasks, ToT problems, one-offs)
+    duration: float = 600.0  # seconds over which roots arrive
+    # chat
+    systems: int = 3
+    system_len: tuple[int, int] = (300, 500)
+    chat_turns: tuple[int, int] = (2, 5)
+    chat_user: tuple[int, int] = (16, 80)
+    chat_answer: tuple[int, int] = (8, 32)
+    chat_think: float = 90.0  # mean seconds between turns
+    # agent
+    tool_prefix_len: int = 700  # shared tool definitions + instructions
+    task_len: tuple[int, int] = (40, 160)
+    agent_steps: tuple[int, int] = (4, 10)
+    tool_result: tuple[int, int] = (8, 48)
+    agent_answer: tuple[int, int] = (4, 16)
+    tool_latency: float = 8.0  # mean seconds
+    # tree of thought
+    problem_len: tuple[int, int] = (200, 400)
+    tot_answer: tuple[int, int] = (8, 24)
+    branches: tuple[int, int] = (2, 3)
+    tot_depth: int = 2
+    branch_lead: int = 24
+    branch_user: tuple[int, int] = (8, 32)
+    # one-off
+    oneoff_len: tuple[int, int] = (100, 500)
+    oneoff_answer: tuple[int, int] = (4, 16)
+    repeat_prob: float = 0.2
+    seed: int = 0
+
+    def check(self) -> None:
+        kinds = dict(self.mix)
+        if not kinds or any(k not in KINDS for k in kinds) or any(w < 0 for w in kinds.values()) \
+                or sum(kinds.values()) <= 0:
+            raise ValueError(f"mix must weigh kinds from {KINDS} with non-negative weights (sum > 0), got {self.mix}")
+        if self.roots < 1 or self.duration < 0:
+            raise ValueError(f"roots must be >= 1 and duration >= 0, got {self.roots}, {self.duration}")
+        for name, v in vars(self).items():
+            if isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, int) for x in v) and not 1 <= v[0] <= v[1]:
+                raise ValueError(f"{name} must be a range lo,hi with 1 <= lo <= hi, got {v}")
+        if not 0 <= self.repeat_prob <= 1:
+            raise ValueError(f"repeat_prob must be in [0, 1], got {self.repeat_prob}")
+
+
+PRESETS = {  # named mixes the benchmark reports
+    "agent": (("agent", 1.0), ("oneoff", 1.0)),
+    "tot": (("tot", 1.0), ("oneoff", 1.0)),
+    "chat": (("chat", 1.0), ("oneoff", 0.5)),
+    "mixed": (("chat", 1.0), ("agent", 1.0), ("tot", 1.0), ("oneoff", 1.0)),
+}
+
+
+def make_trace(spec: TraceSpec) -> list[Root]:
+    spec.check()
+    rng = random.Random(spec.seed)
+    toks = lambda n: [rng.randrange(0, 256) for _ in range(n)]  # noqa: E731
+    rint = lambda r: rng.randint(*r)  # noqa: E731
+    systems = [toks(rint(spec.system_len)) for _ in range(spec.systems)]
+    tool_prefix = toks(spec.tool_prefix_len)
+    kinds, weights = zip(*spec.mix)
+    stems_seen: set[str] = set()
+    oneoffs: list[list[int]] = []
+    roots, t = [], 0.0
+    rate = spec.roots / spec.duration if spec.duration > 0 else 0.0
+    for i in range(spec.roots):
+        kind = rng.choices(kinds, weights)[0]
+        rid = f"{kind[0]}{i}"
+        if kind == "chat":
+            k = rng.randrange(spec.systems)
+            req = Req(rid, systems[k] + toks(rint(spec.chat_user)), rint(spec.chat_answer))
+            _chain(rng, toks, rint, req, rint(spec.chat_turns), spec.chat_user, spec.chat_answer, spec.chat_think)
+            stem = f"system{k}"
+        elif kind == "agent":
+            req = Req(rid, tool_prefix + toks(rint(spec.task_len)), rint(spec.agent_answer))
+            _chain(rng, toks, rint, req, rint(spec.agent_steps), spec.tool_result, spec.agent_answer, spec.tool_latency)
+            stem = "tools"
+        elif kind == "tot":
+            req = Req(rid, toks(rint(spec.problem_len)), rint(spec.tot_answer))
+            _fork(rng, toks, rint, spec, req, spec.tot_depth)
+            stem = None
+        else:
+            if oneoffs and rng.random() < spec.repeat_prob:
+                req = Req(rid, list(rng.choice(oneoffs)), rint(spec.oneoff_answer), tags=("repeat",))
+            else:
+                req = Req(rid, toks(rint(spec.oneoff_len)), rint(spec.oneoff_answer))
+                oneoffs.append(req.user)
+            stem = None
+        if stem is not None:
+            if stem in stems_seen:
+                req.tags += ("stem",)
+            stems_seen.add(stem)
+        roots.append(Root(t, kind, req))
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+    return roots
+
+
+def _chain(rng, toks, rint, first: Req, turns: int, user, answer, think_mean: float) -> None:
+    """Turns 2..`turns` after `first`, one after the other: a chat session or an agent's tool loop."""
+    node = first
+    for k in range(1, turns):
+        child = Req(f"{first.tid}.{k}", toks(rint(user)), rint(answer), think=rng.expovariate(1.0 / think_mean))
+        node.children = [child]
+        node = child
+
+
+def _fork(rng, toks, rint, spec, node: Req, depth: int) -> None:
+    if depth <= 0:
+        return
+    lead = toks(spec.branch_lead)
+    for b in range(rint(spec.branches)):
+        child = Req(f"{node.tid}.{b}", lead + toks(rint(spec.branch_user)), rint(spec.tot_answer),
+                    think=rng.uniform(0.0, 1.0))
+        node.children.append(child)
+        _fork(rng, toks, rint, spec, child, depth - 1)
+
+
+def count(roots: list[Root]) -> int:
+    n, stack = 0, [r.req for r in roots]
+    while stack:
+        q = stack.pop()
+        n += 1
+        stack.extend(q.children)
+    return n

@@ -1,0 +1,84 @@
+"""bench cache-pressure: the trace generator's shapes, a tiny replay through the real engine, and
+the goal evaluation."""
+import argparse
+
+import pytest
+
+import k3compile
+from k3compile.bench.cache import parse_policy
+from k3compile.bench.cache_pressure import _relate, goals, register, render_markdown, run_one
+from k3compile.bench.cache_traces import PRESETS, TraceSpec, count, make_trace
+
+
+def walk(roots):
+    stack = [(r.req, r.req.user) for r in roots]
+    while stack:
+        req, prompt = stack.pop()
+        yield req, prompt
+        stack.extend((c, None) for c in req.children)
+
+
+def test_traces_are_seeded_and_shaped():
+    a = make_trace(TraceSpec(mix=PRESETS["mixed"], roots=30, seed=3))
+    b = make_trace(TraceSpec(mix=PRESETS["mixed"], roots=30, seed=3))
+    c = make_trace(TraceSpec(mix=PRESETS["mixed"], roots=30, seed=4))
+    assert [(r.arrival, r.req.user) for r in a] == [(r.arrival, r.req.user) for r in b]
+    assert [r.req.user for r in a] != [r.req.user for r in c]
+    assert [r.arrival for r in a] == sorted(r.arrival for r in a)
+    kinds = {r.kind for r in a}
+    assert kinds == {"chat", "agent", "tot", "oneoff"}
+    spec = TraceSpec()
+    for r in a:
+        if r.kind == "agent":  # every agent task starts with the shared tool prefix and loops
+            assert len(r.req.user) >= spec.tool_prefix_len
+        if r.kind == "tot":  # a fork: siblings share the lead-in
+            kids = r.req.children
+            assert len(kids) >= 2 and all(k.user[:spec.branch_lead] == kids[0].user[:spec.branch_lead] for k in kids)
+    oneoffs = [r.req.user for r in a if r.kind == "oneoff" and "repeat" not in r.req.tags]
+    for r in a:
+        if "repeat" in r.req.tags:
+            assert r.req.user in oneoffs
+    assert count(a) > len(a)
+
+
+def test_trace_spec_rejects_bad_input():
+    with pytest.raises(ValueError, match="mix"):
+        make_trace(TraceSpec(mix=(("video", 1.0),)))
+    with pytest.raises(ValueError, match="agent_steps"):
+        make_trace(TraceSpec(agent_steps=(3, 1)))
+
+
+def test_tiny_replay_hits_and_keeps_outputs():
+    model = k3compile.load_model("k3-tiny")
+    spec = TraceSpec(mix=(("agent", 1.0), ("oneoff", 1.0)), roots=3, duration=10.0, tool_prefix_len=64,
+                     task_len=(8, 16), agent_steps=(2, 3), tool_result=(4, 8), agent_answer=(2, 4),
+                     oneoff_len=(20, 40), oneoff_answer=(2, 4), seed=5)
+    roots = make_trace(spec)
+    parser = argparse.ArgumentParser().add_subparsers()
+    args = register(parser).parse_args(["--page-size", "16", "--chunk-size", "64", "--track-interval", "64"])
+    group = []
+    for name in ("none", "valued"):
+        res = run_one(args, model, parse_policy(name), roots, 8 << 20)
+        res.update(trace="agent", seed=5)
+        group.append(res)
+    rows = _relate(group)
+    none, valued = rows
+    assert none["hit_rate"] == 0 and valued["outputs_match"] and valued["requests"] == count(roots)
+    assert 0 < valued["hit_rate"] <= valued["kv_only_bound"]
+    assert valued["prefill_tokens_saved"] == valued["hit_tokens"] > 0  # no retraction at this budget
+    assert valued["ttft_mean_s"] > 0 and valued["ttft_mean_steps"] >= 1
+    md = render_markdown({"args": vars(args) | {"roots": 3, "duration": 10.0}, "rows": rows, "goals": goals(rows)})
+    assert "| agent | 5 | 8192 KiB | valued |" in md
+
+
+def test_goals_compare_with_end_and_every_chunk():
+    base = dict(trace="tot", seed=1, budget_bytes=1 << 20, kv_only_bound=0.8, repeats=2, repeats_hit=2, stems=1,
+                stems_hit=1)
+    rows = [dict(base, policy="end", hit_rate=0.6, bytes_vs_every_chunk=0.2),
+            dict(base, policy="valued", hit_rate=0.76, fraction_of_bound=0.95, bytes_vs_every_chunk=0.2),
+            dict(base, policy="valued", hit_rate=0.9, fraction_of_bound=1.0, bytes_vs_every_chunk=0.1,
+                 budget_bytes=2 << 20)]
+    (g,) = goals(rows)
+    assert g["budget_bytes"] == 1 << 20 and g["met"] and abs(g["points_above_end"] - 0.2) < 1e-9
+    rows[1] = dict(rows[1], repeats_hit=1)
+    assert not goals(rows)[0]["met"]  # a repeat that missed fails the goal
