@@ -20,10 +20,12 @@ into the layer's input GEMM):
 and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
 act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps)`. Each part is optional:
 a layer whose tail deviates from these forms keeps that tail in ATen and fuses what comes before.
+A layer whose matched shapes the op's argument check refuses is left unfused (never an error), and
+counted in the config's `skipped_layers`.
 
 `crossover` is the batch from which the op runs the grouped-GEMM path instead of the GEMVs. Config
 `crossover_batch` None (default) = decided at build time: measured on the first matched layer's
-weights when they are on CUDA (kernels.moe_decode.measure_crossover: both paths timed from CUDA
+weights and tail (latent up-projection and norm, shared expert) when they are on CUDA (kernels.moe_decode.measure_crossover: both paths timed from CUDA
 graphs at batch 1..256), else CPU_CROSSOVER. The pass writes the value it used back into its config,
 with `crossover_source` saying where it came from, so the engine's pass report records both.
 """
@@ -51,6 +53,7 @@ class FusedMoEDecodeConfig(PassConfig):
     fuse_shared: bool = True  # fold the shared expert's down-projection (+ its GLU) and the add into the op
     fuse_latent: bool = True  # fold the latent MoE's RMSNorm and up-projection (K3) into the op
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
+    skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
 
     def validate(self) -> None:
         if self.crossover_batch is not None and self.crossover_batch < 1:
@@ -175,7 +178,8 @@ def _match_latent(moe: Node):
 
 
 def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor], top_k: int,
-                       act, beta, linear_beta, dtype, shared_w2) -> int:
+                       act, beta, linear_beta, dtype, shared_w2, shared_glu, latent) -> int:
+    """latent: (up-projection weight, norm weight, eps) tensors of the layer's latent tail (Nones without)."""
     if config.crossover_batch is not None:
         if not config.crossover_source:
             config.crossover_source = "config"
@@ -184,8 +188,9 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
     if w13.is_cuda and moe_decode.triton is not None:
         scales = (weights[2], weights[3]) if len(weights) == 4 else (None, None)
         w2 = weights[1]
-        crossover, timings = moe_decode.measure_crossover(w13, w2, *scales, shared_w2=shared_w2, top_k=top_k,
-                                                          act=act, beta=beta, linear_beta=linear_beta, dtype=dtype)
+        crossover, timings = moe_decode.measure_crossover(
+            w13, w2, *scales, shared_w2=shared_w2, top_k=top_k, act=act, beta=beta, linear_beta=linear_beta,
+            dtype=dtype, shared_glu=shared_glu, latent_up_w=latent[0], latent_norm_w=latent[1], latent_eps=latent[2])
         summary = ", ".join(f"{n}: {t['fused_us']}/{t['grouped_us']} us" for n, t in timings.items())
         config.crossover_source = (f"measured on {torch.cuda.get_device_name(w13.device)} "
                                    f"(batch: fused/grouped per layer) {summary}")
@@ -202,6 +207,7 @@ def fused_moe_decode(gm: GraphModule, config: FusedMoEDecodeConfig) -> int:
     if gm.meta.get("k3", {}).get("mode") != "decode":
         return 0
     matches, fake_mode = 0, None
+    config.skipped_layers = 0
     for moe in [n for n in gm.graph.nodes if is_call(n, *_EXPERT_OPS)]:
         quantized = moe.target is torch.ops.k3.moe_experts_mxfp4.default
         if quantized:
@@ -221,11 +227,18 @@ def fused_moe_decode(gm: GraphModule, config: FusedMoEDecodeConfig) -> int:
         if shared is not None:
             out, shared_in, shared_up, shared_w2, shared_dead = shared
             dead = dead + shared_dead
+        tensor = (lambda w: attr_tensor(gm, w) if w is not None else None)
+        weights = [tensor(w) for w in (w13, w2, s13, s2, shared_w2, up_w, norm_w)]
+        try:  # the op's own argument check on the traced shapes: a layer it would refuse stays as it is
+            moe_decode.check_args(val_of(z), val_of(ids), val_of(wts), *weights[:4], val_of(shared_in),
+                                  val_of(shared_up), weights[4], act, *weights[5:])
+        except ValueError:
+            config.skipped_layers += 1
+            continue
         fake_mode = fake_mode or fake_mode_of(gm)
-        ordered = [w13, w2, s13, s2] if quantized else [w13, w2]
         crossover = _resolve_crossover(
-            config, [attr_tensor(gm, w) for w in ordered], val_of(ids).shape[1], act, beta, linear_beta,
-            val_of(z).dtype, attr_tensor(gm, shared_w2) if shared_w2 is not None else None)
+            config, [w for w in weights[:4] if w is not None], val_of(ids).shape[1], act, beta, linear_beta,
+            val_of(z).dtype, weights[4], shared_up is not None, (weights[5], weights[6], eps))
         with gm.graph.inserting_before(out):
             fused = gm.graph.call_function(FUSED, (z, ids, wts, w13, w2, s13, s2, shared_in, shared_up, shared_w2,
                                                    act, beta, linear_beta, crossover, up_w, norm_w, eps))

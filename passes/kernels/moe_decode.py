@@ -467,24 +467,35 @@ def random_routing(n: int, num_experts: int, top_k: int, device, seed: int = 0):
     return ids.to(device), (wts / wts.sum(-1, keepdim=True)).to(device)
 
 
+def crossover_case(n: int, w13, w2, w13_scale, w2_scale, shared_w2, shared_glu: bool, top_k: int, act: str,
+                   beta: float, linear_beta: float, dtype, latent_up_w=None, latent_norm_w=None,
+                   latent_eps: float = 1e-5) -> tuple:
+    """Random op arguments for a batch of n tokens on this layer's weights. The shared expert's input is
+    as wide as shared_w2's columns (not the experts' width: in a latent MoE they differ), and the latent
+    tail comes along, so the measured op has the layer's shapes (and check_args accepts it)."""
+    width = w13.shape[2] * (2 if w13_scale is not None else 1)
+    ids, wts = random_routing(n, w13.shape[0], top_k, w13.device, seed=n)
+    x = torch.randn(n, width, device=w13.device, dtype=dtype)
+    shared = (None, None)
+    if shared_w2 is not None:
+        s = torch.randn(n, shared_w2.shape[1], device=w13.device, dtype=dtype)
+        shared = (s, s if shared_glu else None)
+    return (x, ids, wts, w13, w2, w13_scale, w2_scale, *shared, shared_w2, act, beta, linear_beta, latent_up_w,
+            latent_norm_w, latent_eps)
+
+
 @torch.no_grad()
 def measure_crossover(w13, w2, w13_scale=None, w2_scale=None, shared_w2=None, top_k: int = 8, act: str = "silu",
                       beta: float = 4.0, linear_beta: float = 25.0, dtype=torch.bfloat16,
-                      batches=CROSSOVER_BATCHES) -> tuple[int, dict]:
+                      batches=CROSSOVER_BATCHES, shared_glu: bool = True, latent_up_w=None, latent_norm_w=None,
+                      latent_eps: float = 1e-5) -> tuple[int, dict]:
     """Smallest batch in `batches` at which the grouped path is at least as fast as the GEMV kernels,
-    timed on this layer's weights (CUDA); NO_CROSSOVER if it never is. Returns (crossover, timings µs)."""
-    num_experts = w13.shape[0]
-    width = w13.shape[2] * (2 if w13_scale is not None else 1)
-    device = w13.device
+    timed on this layer's weights (CUDA) with the same tail the layer's op has (latent up-projection and
+    norm, shared expert with or without its GLU); NO_CROSSOVER if it never is. Returns (crossover, timings µs)."""
     timings = {}
     for n in batches:
-        x = torch.randn(n, width, device=device, dtype=dtype)
-        ids, wts = random_routing(n, num_experts, top_k, device, seed=n)
-        shared = (None, None)
-        if shared_w2 is not None:
-            s = torch.randn(n, shared_w2.shape[1], device=device, dtype=dtype)
-            shared = (s, s)
-        args = (x, ids, wts, w13, w2, w13_scale, w2_scale, *shared, shared_w2, act, beta, linear_beta)
+        args = crossover_case(n, w13, w2, w13_scale, w2_scale, shared_w2, shared_glu, top_k, act, beta,
+                              linear_beta, dtype, latent_up_w, latent_norm_w, latent_eps)
         fused = _time_us(lambda: fused_moe_triton(*args))
         grouped = _time_us(lambda: fused_moe_grouped(*args))
         timings[n] = {"fused_us": round(fused, 2), "grouped_us": round(grouped, 2)}
