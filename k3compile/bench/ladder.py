@@ -90,9 +90,11 @@ class LadderBench(DecodeBench):
     # ---- the rungs ----
     def _build_rungs(self) -> None:
         """Capture once, then run the passes one at a time, keeping a snapshot of the graph after each
-        (snapshots share weights: a rung costs only the weights its pass adds)."""
+        (snapshots share weights: a rung costs only the weights its pass adds). A pass that fails gives
+        its rung the error (its arm reports it) and the later rungs go on from the last good graph
+        without it: their "passes" list what they applied, "failed_passes" what was left out."""
         from k3compile.capture import capture_step
-        from k3compile.passes.manager import PassManager, snapshot
+        from k3compile.passes.manager import PassError, PassManager, snapshot
         from k3compile.passes.p11_copy_elision import copy_nodes
         from k3compile.passes.pipeline import PipelineConfig
 
@@ -101,29 +103,44 @@ class LadderBench(DecodeBench):
         self.rung_graphs[self.rungs[0]["name"]] = snapshot(gm)
         self.rungs[0]["graph_copies"] = dict(copy_nodes(gm))
         self.rung_reports[self.rungs[0]["name"]] = []
+        good, failed = self.rungs[0]["name"], []  # the last rung with a graph, the passes left out so far
         for r in self.rungs[1:]:
             name = r["passes"][-1]
             one = PipelineConfig(order=[name], configs={name: self.pipeline.config(name)})
-            rep = PassManager(one).run(gm, graph_name="decode")
+            try:
+                rep = PassManager(one).run(gm, graph_name="decode")
+            except PassError as e:
+                r["error"] = str(e)
+                failed.append(name)
+                self.log(f"  {r['name']}: FAILED: {e}; the next rungs go on from {good} without {name}")
+                gm = snapshot(self.rung_graphs[good])  # the failed pass may have left gm half rewritten
+                continue
             rec = rep.passes[0]
             self.log(f"  {r['name']}: {rec.matches} matches, nodes {rec.nodes_before} -> {rec.nodes_after}, "
                      f"{rec.seconds:.2f}s")
+            if failed:
+                r["passes"], r["failed_passes"] = [p for p in r["passes"] if p not in failed], list(failed)
             self.rung_graphs[r["name"]] = snapshot(gm)
             r["graph_copies"] = dict(copy_nodes(gm))
-            self.rung_reports[r["name"]] = self.rung_reports[self.rungs[r["rung"] - 1]["name"]] + [rep.to_dict()]
+            self.rung_reports[r["name"]] = self.rung_reports[good] + [rep.to_dict()]
+            good = r["name"]
 
     def _rung_arm(self, ctx, batch, name: str):
         from .decode_arms import _executor
 
         if not self.rung_graphs:
             self._build_rungs()
+        rung = next(r for r in self.rungs if r["name"] == name)
+        if "error" in rung:  # the arm's row reports the pass's error
+            raise RuntimeError(rung["error"])
         return _executor(ctx, batch, {"decode": self.rung_graphs[name]})
 
     def final_graph(self):
-        """The last rung's decode graph (what `k3compile build` emits with the same pass flags)."""
+        """The last good rung's decode graph (what `k3compile build` emits with the same pass flags, less
+        any pass that failed here)."""
         if not self.rung_graphs:
             self._build_rungs()
-        return self.rung_graphs[self.rungs[-1]["name"]]
+        return next(self.rung_graphs[r["name"]] for r in reversed(self.rungs) if r["name"] in self.rung_graphs)
 
     # ---- traces ----
     def _bench_batch(self, ctx, b: int) -> None:
@@ -201,6 +218,10 @@ def render_ladder_markdown(doc: dict) -> str:
         recs = rep[-1]["passes"] if rep else []
         what = "; ".join(f"{p['name']}: {p['matches']} matches, nodes {p['nodes_before']} -> {p['nodes_after']}"
                          for p in recs) or "as captured"
+        if r.get("error"):
+            what = f"FAILED ({r['error']}); later rungs go on without it"
+        elif r.get("failed_passes"):
+            what += f" (without failed {', '.join(r['failed_passes'])})"
         copies = ", ".join(f"{k} {v}" for k, v in sorted(r.get("graph_copies", {}).items()))
         lines.append(f"- {r['name']}: {what}" + (f" (copy-kind graph nodes: {copies})" if copies else ""))
     lines += ["", "Bytes per step:", ""]

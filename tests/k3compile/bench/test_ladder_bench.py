@@ -87,3 +87,37 @@ def test_gpu_smoke_run_counts_kernels_per_rung(main, tmp_path):
     for b in (1, 4):
         rows = [next(r for r in doc["results"] if r["arm"] == rung["name"] and r["batch"] == b) for rung in doc["rungs"]]
         assert rows[-1]["kernels_per_step"] < rows[0]["kernels_per_step"]  # the passes remove kernels
+
+
+def test_failed_pass_reports_on_its_rung_and_later_rungs_go_on_without_it(main, tmp_path, monkeypatch):
+    """A pass that raises (here P2, after half rewriting the graph) fails its own rung only; the later rungs
+    run from the last good graph without it (they once all died with a KeyError on the failed rung)."""
+    import dataclasses
+
+    from k3compile.passes import registry
+
+    spec = registry.get_pass("p02_noop_views")
+
+    def broken(gm, cfg):
+        spec.run(gm, cfg)  # leaves the graph rewritten, then fails: the next rungs must not see this
+        gm.graph.erase_node(next(n for n in gm.graph.nodes if n.op == "output"))
+        raise ValueError("forced failure for the test")
+    monkeypatch.setitem(registry._REGISTRY, "p02_noop_views", dataclasses.replace(spec, run=broken))
+    out = tmp_path / "ladder"
+    assert main(["bench", "ladder", "--model", "kimi-linear-tiny", "--batch", "1", "--steps", "1", "--warmup", "0",
+                 "--reps", "1", "--context", "8", "--dtype", "fp32", "--device", "cpu", "--copy-gib", "0.001",
+                 "--passes", "p01,p02,p04", "--out", str(out)]) == 0
+    doc = json.load(open(out / "ladder_kimi-linear-tiny_fp32.json"))
+    rungs = {r["name"]: r for r in doc["rungs"]}
+    failed, after = rungs[rung_name(2, "p02_noop_views")], rungs[rung_name(3, "p04_fused_routing")]
+    assert "forced failure for the test" in failed["error"] and "p02_noop_views" in failed["error"]
+    assert after["passes"] == ["p01_gemm_merge", "p04_fused_routing"] and after["failed_passes"] == ["p02_noop_views"]
+    assert "error" not in after and after["pass_reports"][0]["passes"][0]["matches"] > 0
+    rows = {r["arm"]: r for r in doc["results"]}
+    assert rows[failed["name"]]["status"] == "failed"
+    assert "forced failure for the test" in rows[failed["name"]]["reason"]
+    for arm in ("eager", rung_name(0, None), rung_name(1, "p01_gemm_merge"), after["name"]):
+        assert rows[arm]["status"] == "ok" and rows[arm]["max_abs_diff_vs_eager"] < 1e-4, arm
+    assert rows[after["name"]]["cpu_ops_per_step"] < rows[rung_name(1, "p01_gemm_merge")]["cpu_ops_per_step"]
+    md = (out / "ladder_kimi-linear-tiny_fp32.md").read_text()
+    assert f"- {failed['name']}: FAILED (" in md and "(without failed p02_noop_views)" in md
