@@ -51,7 +51,9 @@ def register(sub) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--step-ms", type=float, default=10.0, help="simulated cost of a step")
     p.add_argument("--token-ms", type=float, default=0.05, help="simulated cost per token computed")
-    p.add_argument("--out", default="traces/cache_pressure")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: a fresh bench_out/cache-pressure-<UTC time>, so that committed "
+                        "results under traces/ are not overwritten by accident)")
     p.set_defaults(func=run)
     return p
 
@@ -157,7 +159,7 @@ def run(args) -> int:
 
     from .cache import parse_policy, split_policies
     from .cache_traces import PRESETS, TraceSpec, count, make_trace
-    from .results import environment, write_json
+    from .results import environment, fresh_out_dir, write_json
 
     traces = [t.strip() for t in args.traces.split(",") if t.strip()]
     for t in traces:
@@ -166,6 +168,7 @@ def run(args) -> int:
     seeds, budgets = _ints(args.seeds, "--seeds"), [b << 10 for b in _ints(args.budgets_kib, "--budgets-kib")]
     policies = [parse_policy(p) for p in split_policies(args.policies)]
     model = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, progress=False)
+    args.out = fresh_out_dir("cache-pressure", args.out)
     env = environment(torch.device(args.device))
     save = lambda rs: _save(args, rs, env, write_json)  # noqa: E731
     rows, md = [], ""

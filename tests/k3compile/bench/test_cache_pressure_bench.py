@@ -82,3 +82,21 @@ def test_goals_compare_with_end_and_every_chunk():
     assert g["budget_bytes"] == 1 << 20 and g["met"] and abs(g["points_above_end"] - 0.2) < 1e-9
     rows[1] = dict(rows[1], repeats_hit=1)
     assert not goals(rows)[0]["met"]  # a repeat that missed fails the goal
+
+
+def test_results_default_to_a_fresh_folder_not_traces(tmp_path, monkeypatch):
+    """Without --out a run writes to a new bench_out/cache-pressure-<time>, never over the committed
+    traces/cache_pressure (the example in the module doc names it explicitly)."""
+    import os
+
+    from k3compile.bench.cache_pressure import run
+
+    monkeypatch.chdir(tmp_path)
+    parser = argparse.ArgumentParser().add_subparsers()
+    args = register(parser).parse_args(["--traces", "agent", "--seeds", "1", "--budgets-kib", "8192",
+                                        "--policies", "none", "--roots", "1", "--duration", "1"])
+    assert args.out is None
+    assert run(args) == 0
+    (out,) = os.listdir(tmp_path / "bench_out")
+    assert out.startswith("cache-pressure-") and args.out == os.path.join("bench_out", out)
+    assert (tmp_path / args.out / "cache_pressure.json").exists() and not (tmp_path / "traces").exists()
