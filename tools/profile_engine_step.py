@@ -31,7 +31,8 @@ def main(argv=None) -> int:
 
     from k3compile.capture import step_args
     from k3compile.engine.build import compile_graphs
-    from k3compile.engine.engine import DTYPES_BY_NAME, Engine
+    from k3compile.engine.engine import Engine
+    from k3compile.model_def.dtypes import DTYPES as DTYPES_BY_NAME
     from k3compile.engine.profiling import AttributionRun, profile_steps
     from k3compile.model_def.batch import ForwardBatch
     from k3compile.model_def.cache import CacheTensors
