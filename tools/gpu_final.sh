@@ -20,20 +20,7 @@ k3compile serve --model $ENGINE --device cuda --port 30000 > $OUT/serve.log 2>&1
 PID=$!
 for _ in $(seq 180); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
 echo "serve healthy after $((SECONDS - T0)) s"
-timeout 120 python3 - > $OUT/serve_check.txt 2>&1 <<'PY'
-import concurrent.futures as cf, json, re, urllib.request
-def post(i):
-    body = json.dumps({"model": "mini", "prompt": f"request {i}: " + "x" * (8 * i), "max_tokens": 16,
-                       "temperature": 0, "ignore_eos": True}).encode()
-    req = urllib.request.Request("http://127.0.0.1:30000/v1/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=100) as r:
-        return r.status, json.load(r)["choices"][0]["finish_reason"]
-with cf.ThreadPoolExecutor(16) as pool:
-    print("16 concurrent completions:", list(pool.map(post, range(16))))
-m = urllib.request.urlopen("http://127.0.0.1:30000/metrics").read().decode()
-print("\n".join(l for l in m.splitlines() if re.match(r"k3compile_(requests_max_running|kv_pages_total|state_slots_total"
-                                                       r"|time_to_first_token_seconds_count|request_errors)", l)))
-PY
+timeout 120 python3 tools/serve_check.py > $OUT/serve_check.txt 2>&1
 kill $PID; wait $PID 2>/dev/null
 grep -i -E "memory|sized|slots|warm" $OUT/serve.log | head -6; cat $OUT/serve_check.txt
 echo "serve check done ($((SECONDS - T0)) s)"
