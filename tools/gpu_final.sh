@@ -3,7 +3,8 @@
 #   1. an attributed profile of its decode step (tools/profile_engine_step.py --engine), reported on CPU afterwards;
 #   2. `serve` of that engine with default memory flags, 16 concurrent completions (issue 10);
 #   3. `bench ladder` of k3-mini-6b at batch 1 and 8 (the rungs after the P6 fix).
-# The device image has no fastapi/uvicorn/pydantic: carry their wheels in .whl/ (tools/gpu_setup.sh installs every
+# The device image has no fastapi/uvicorn/pydantic (and fastapi 0.165 imports opentelemetry-api, with its own
+# requirements): carry all their wheels in .whl/ (tools/gpu_setup.sh installs every
 # wheel there). LADDER=0 skips part 3.
 # Back in $OUT: build.log, engine_attributed_k3-mini-6b_bs1.json.gz, serve.log, serve_check.txt,
 # ladder_k3-mini-6b_bf16.{json,md,png}, ladder.log.
