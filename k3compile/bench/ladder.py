@@ -198,11 +198,22 @@ class LadderBench(DecodeBench):
         super().run()
 
     def _run_hf(self) -> None:
+        import json
         import subprocess
 
-        from .hf_arm import command
+        from k3compile.model_def.config import META_ONLY_PRESETS, ConfigError
+
+        from .hf_arm import command, hf_config
 
         a = self.args
+        try:  # refuse here what the process would refuse after its imports (or fill the host's memory with)
+            if a.model in META_ONLY_PRESETS and self.device.type != "cuda":
+                raise ConfigError(f"preset '{a.model}' is full size: its transformers copy is built on CUDA only")
+            hf_config(a.model)
+        except ConfigError as e:
+            self.hf = {"results": [], "error": str(e)}
+            self.log(f"  transformers anchor not run: {e}")
+            return
         os.makedirs(a.out, exist_ok=True)
         path = os.path.join(a.out, f"hf_{os.path.basename(a.model.rstrip('/'))}_{a.dtype}.json")
         if os.path.exists(path):
@@ -218,7 +229,6 @@ class LadderBench(DecodeBench):
                 error = f"exit status {proc.returncode}"
         except subprocess.TimeoutExpired:
             error = f"killed after {1.5 * a.hf_budget:.0f} s (1.5 x --hf-budget)"
-        import json
         try:
             with open(path) as f:
                 self.hf = json.load(f)
@@ -231,9 +241,8 @@ class LadderBench(DecodeBench):
         self.hf["json"] = path
 
     def _hf_row(self, b: int) -> dict:
-        from .roofline import roofline_pct
-
         from .hf_arm import DESCRIPTION
+        from .roofline import roofline_pct
 
         row = next((dict(r) for r in self.hf.get("results", []) if r.get("batch") == b), None)
         if row is None:

@@ -179,3 +179,14 @@ def test_repetition_cap_and_compile_budget():
     assert bench.compile_skip_reason(arm) is None
     bench.deadline = bench.t0 + 10  # less time left than the last compile took
     assert "time budget" in bench.compile_skip_reason(arm)
+
+
+def test_transformers_anchor_refused_for_k3_without_starting_a_process():
+    args = _ladder_args("--hf")
+    apply_quick(args)
+    bench = LadderBench(args, [1], torch.device("cpu"))
+    bench._run_hf()
+    assert bench.hf["results"] == [] and "transformers has no K3 architecture" in bench.hf["error"]
+    bench.bytes, bench.bandwidth = {1: {"total": 1}}, {"bytes_per_s": 1.0}
+    row = bench._hf_row(1)
+    assert row["arm"] == HF_ARM and row["status"] == "failed" and "no K3" in row["reason"]
