@@ -59,6 +59,8 @@ def build_hf_model(source: str, dtype, device, seed: int):
     else:
         with torch.device(device):  # weights are allocated and initialized on the device (no host copy of 98 GB)
             model = KimiLinearForCausalLM._from_config(config, dtype=dtype)
+        if next(model.parameters()).device.type != device.type:  # a transformers version that ignores the context
+            model.to(device)
     return model.eval()
 
 

@@ -463,12 +463,12 @@ def _gate_table(doc: dict) -> list[str]:
 
 
 def _time_table(doc: dict) -> list[str]:
-    """Where each rung's step goes, by `k3compile report` category (medians of the profiled steps)."""
+    """Where each arm's step goes, by `k3compile report` category (medians of the profiled steps)."""
     cuda = doc["environment"]["device"].get("type") == "cuda"
     key = "gpu_us_by_category" if cuda else "cpu_ops_by_category"
     out = []
     for b in doc["config"]["batches"]:
-        rows = [(r["name"], _row(doc["results"], r["name"], b)) for r in doc["rungs"]]
+        rows = [(arm, _row(doc["results"], arm, b)) for arm in doc["config"]["arms"]]  # rungs and anchors
         rows = [(n, r) for n, r in rows if r and r.get(key)]
         if not rows:
             continue
@@ -476,14 +476,14 @@ def _time_table(doc: dict) -> list[str]:
         if cuda:
             out += ["", f"Where the time goes, batch {b} (GPU µs per step by category, kernels in brackets; busy = "
                         "union of kernel time, gaps = idle time between kernels on a stream):", "",
-                    "| rung | " + " | ".join(cats) + " | busy µs | span µs | gaps µs |",
+                    "| arm | " + " | ".join(cats) + " | busy µs | span µs | gaps µs |",
                     "|---|" + "---:|" * (len(cats) + 3)]
             for n, r in rows:
                 out.append(f"| {n} | " + " | ".join(f"{r[key][c]:.0f} ({r['kernels_by_category'][c]:g})" for c in cats)
                            + f" | {r['gpu_busy_us']:.0f} | {r['gpu_span_us']:.0f} | {r['launch_gap_us']:.0f} |")
         else:
             out += ["", f"Where the ops go, batch {b} (top-level CPU ops per step by category; CPU run):", "",
-                    "| rung | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
+                    "| arm | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
             for n, r in rows:
                 out.append(f"| {n} | " + " | ".join(f"{r[key][c]:g}" for c in cats) + " |")
     return out
