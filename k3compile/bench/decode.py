@@ -28,6 +28,7 @@ import sys
 import time
 
 DEFAULT_TIME_BUDGET_CUDA = 560.0  # seconds: one GPU command must finish within 10 minutes
+MIN_STEPS_PER_REP = 10  # --max-rep-seconds never cuts an arm below this
 
 
 def register(sub) -> None:
@@ -65,6 +66,14 @@ def add_step_bench_args(p) -> None:
     p.add_argument("--time-budget", type=float, default=None,
                    help=f"seconds; arms not started in time are skipped (default {DEFAULT_TIME_BUDGET_CUDA:.0f} on "
                         f"CUDA, none on CPU)")
+    p.add_argument("--max-rep-seconds", type=float, default=None,
+                   help="cap one arm's repetition at about this many seconds: a slow arm (eager at 48B: ~60 ms/step) "
+                        f"times fewer steps (never fewer than {MIN_STEPS_PER_REP}), estimated from its warm-up; "
+                        "each row records the steps it timed (default: no cap, every arm times --steps)")
+    p.add_argument("--compile-budget", type=float, default=None,
+                   help="seconds of torch.compile time (all compile arms and batch sizes together); a compile "
+                        "that would start after it is spent, or that the previous one says would overrun it, "
+                        "is skipped with the reason (default: no separate budget)")
 
 
 def check_step_bench_args(args):
@@ -79,6 +88,9 @@ def check_step_bench_args(args):
             raise ConfigError(f"--{name} must be >= 1")
     if args.warmup < 0:
         raise ConfigError("--warmup must be >= 0")
+    for name in ("max_rep_seconds", "compile_budget"):
+        if getattr(args, name, None) is not None and getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
@@ -122,21 +134,40 @@ class DecodeBench:
         import torch
 
         self.args, self.batches, self.arms, self.device = args, batches, arms, device
-        self.t0 = time.perf_counter()
-        budget = args.time_budget if args.time_budget is not None else (
-            DEFAULT_TIME_BUDGET_CUDA if device.type == "cuda" else None)
-        self.deadline = None if not budget else self.t0 + budget
+        self.start_clock()
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
         self.results: list[dict] = []
         from .decode_arms import ARMS
         self.arm_table = dict(ARMS)  # name -> Arm; a subclass (bench ladder) adds its own arms
         self.bench_name = "decode"  # file stem prefix of the JSON, markdown and traces
+        self.compile_spent = 0.0  # seconds spent compiling (torch.compile arms), against --compile-budget
+        self.last_compile_s: dict[str, float] = {}  # compile arm -> its last compile time (the next one's estimate)
+
+    def start_clock(self) -> None:
+        """--time-budget counts from here (bench ladder restarts it after its transformers process)."""
+        self.t0 = time.perf_counter()
+        a = self.args
+        budget = a.time_budget if a.time_budget is not None else (
+            DEFAULT_TIME_BUDGET_CUDA if self.device.type == "cuda" else None)
+        self.deadline = None if not budget else self.t0 + budget
 
     def log(self, msg: str) -> None:
         print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.perf_counter() > self.deadline
+
+    def compile_skip_reason(self, arm: str) -> str | None:
+        """Why a torch.compile arm is not compiled at the next batch size, or None. Its last compile time
+        estimates the next one (a recompile for a new batch size costs about as much)."""
+        budget = getattr(self.args, "compile_budget", None)
+        expected = self.last_compile_s.get(arm, 0.0)
+        if budget is not None and self.compile_spent + expected > budget:
+            return (f"compile budget ({budget:.0f} s) spent: {self.compile_spent:.0f} s compiled so far"
+                    + (f", the last compile of this arm took {expected:.0f} s" if expected else ""))
+        if self.deadline is not None and expected and time.perf_counter() + expected > self.deadline:
+            return f"time budget: the last compile of this arm took {expected:.0f} s, more than is left"
+        return None
 
     # ---- setup ----
     def _load(self):
@@ -184,10 +215,13 @@ class DecodeBench:
                                                 kv=self.cache.kv.clone(), page_size=page)
         tokens = torch.randint(0, min(self.model.config.vocab_size, 256), (bmax,), generator=gen,
                                device=self.device).tolist()
-        self.make_batch = lambda b: ForwardBatch.build(
-            "decode", [[t] for t in tokens[:b]], [a.context - 1] * b,
-            [list(range(1 + r * self.pages_per_req, 1 + (r + 1) * self.pages_per_req)) for r in range(b)],
-            list(range(1, b + 1)), page, device=self.device)
+        self.first_tokens = tokens
+        # request r: state slot r + 1, pages 1 + r * pages_per_req ... (slot and page 0 are the padding sinks)
+        self.batch_at = lambda ids, pos: ForwardBatch.build(
+            "decode", [[t] for t in ids], [pos] * len(ids),
+            [list(range(1 + r * self.pages_per_req, 1 + (r + 1) * self.pages_per_req)) for r in range(len(ids))],
+            list(range(1, len(ids) + 1)), page, device=self.device)
+        self.make_batch = lambda b: self.batch_at(tokens[:b], a.context - 1)
 
     def _context(self):
         from k3compile.capture import capture_step
@@ -280,6 +314,11 @@ class DecodeBench:
             if self.out_of_time():
                 row.update(status="skipped", reason="time budget exhausted before this arm was set up")
                 continue
+            compiles = name.startswith("compile")
+            if compiles and (why := self.compile_skip_reason(name)):
+                row.update(status="skipped", reason=why)
+                self.log(f"  {name} skipped: {why}")
+                continue
             self.log(f"bs={b}: setting up {name}")
             t_setup = time.perf_counter()
             try:
@@ -287,27 +326,37 @@ class DecodeBench:
                 restore()
                 out = fn().float().clone()  # first call: compiles / warms up; checked against eager
                 sync(self.device)
+                first_s = time.perf_counter() - t_setup
                 restore()
                 if reference is None:
                     reference = out
                 row["max_abs_diff_vs_eager"] = float((out - reference).abs().max())
-                for _ in range(a.warmup):
-                    fn()
+                if a.warmup:  # the warm-up's mean step time sizes the repetitions (--max-rep-seconds)
+                    row["warmup_ms"] = time_steps(fn, a.warmup, self.device)
                 sync(self.device)
             except Exception as e:  # one broken arm must not lose the others' numbers
                 row.update(status="failed", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
                 self.log(f"  {name} failed: {row['reason']}")
+                if compiles:
+                    self.compile_spent += time.perf_counter() - t_setup
                 continue
             row["setup_s"] = round(time.perf_counter() - t_setup, 2)
+            if compiles:  # the first call at this batch size compiles (or recompiles) and records its graphs
+                row["compile_s"] = round(first_s, 2)
+                self.compile_spent += first_s
+                self.last_compile_s[name] = first_s
+                self.log(f"  {name}: compiled in {first_s:.1f} s ({self.compile_spent:.0f} s of compiling so far)")
+            row["steps_per_rep"] = self.steps_per_rep(row.get("warmup_ms"))
             row["status"], row["samples_ms"] = "ok", []
             fns[name] = fn
+        self.after_setup(ctx, b, batch, fns, rows, restore)
         for rep in range(a.reps):
             if self.out_of_time():
                 self.log(f"bs={b}: time budget exhausted after {rep} repetitions")
                 break
             order = list(fns) if rep % 2 == 0 else list(reversed(fns))  # alternate who goes first
             for name in order:
-                rows[name]["samples_ms"].append(time_steps(fns[name], a.steps, self.device))
+                rows[name]["samples_ms"].append(time_steps(fns[name], rows[name]["steps_per_rep"], self.device))
             self.log(f"bs={b} rep {rep + 1}/{a.reps}: " + ", ".join(
                 f"{n} {rows[n]['samples_ms'][-1]:.3f} ms" for n in fns))
         for name, fn in fns.items():
@@ -335,11 +384,25 @@ class DecodeBench:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def steps_per_rep(self, warmup_ms: float | None) -> int:
+        """--steps, or fewer for a slow arm when --max-rep-seconds caps a repetition (never < MIN_STEPS_PER_REP)."""
+        cap = getattr(self.args, "max_rep_seconds", None)
+        if cap is None or not warmup_ms:
+            return self.args.steps
+        return max(min(self.args.steps, MIN_STEPS_PER_REP), min(self.args.steps, int(cap * 1e3 / warmup_ms)))
+
+    def after_setup(self, ctx, b: int, batch, fns: dict, rows: dict, restore) -> None:
+        """Called once per batch size when every arm is built and warm, before the timed repetitions
+        (bench ladder runs its accuracy gate here). `restore()` resets the pools."""
+
     # ---- output ----
     def _protocol(self) -> dict:
         a = self.args
-        ok = a.steps >= 200 and a.warmup >= 20 and a.reps >= 5
-        return {"steps": a.steps, "warmup": a.warmup, "reps": a.reps, "timer": "cuda events" if
+        steps = [r["steps_per_rep"] for r in self.results if r.get("steps_per_rep")]
+        fewest = min(steps, default=a.steps)
+        ok = fewest >= 200 and a.warmup >= 20 and a.reps >= 5
+        return {"steps": a.steps, "fewest_steps_per_rep": fewest, "max_rep_seconds": getattr(a, "max_rep_seconds", None),
+                "warmup": a.warmup, "reps": a.reps, "timer": "cuda events" if
                 self.device.type == "cuda" else "perf_counter", "meets_benchmarks_md": ok,
                 "interleaving": "arms alternate within each repetition (order reversed every other one)"}
 
@@ -396,6 +459,9 @@ def markdown_header(doc: dict, title: str) -> list[str]:
              f"commit {env.get('git_commit')}.",
              f"Protocol: {proto['warmup']} warm-up steps, {proto['reps']} reps x {proto['steps']} steps "
              f"({proto['timer']}), arms interleaved"
+             + (f"; a repetition capped at ~{proto['max_rep_seconds']:g} s (slow arms time fewer steps, at least "
+                f"{proto.get('fewest_steps_per_rep')} here; see steps_per_rep in the JSON)"
+                if proto.get("max_rep_seconds") else "")
              + ("" if proto["meets_benchmarks_md"] else " — **below the docs/BENCHMARKS.md minimums (smoke run)**") + ".",
              f"Copy bandwidth (same process): {doc['copy_bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s "
              f"({doc['copy_bandwidth']['formula']}).", ""]

@@ -10,22 +10,35 @@ the runtime's Executor (CUDA graphs on a GPU), like `bench decode`'s engine arm.
 
 Per rung and batch size: step time (CUDA events; docs/BENCHMARKS.md protocol, every arm interleaved
 within each repetition), kernels per step (torch.profiler over CUDA-graph replays), % of the HBM
-roofline (same-run copy bandwidth, bytes per step as k3compile/bench/roofline.py). Anchors in the
+roofline (same-run copy bandwidth, bytes per step as k3compile/bench/roofline.py), kernels per decode
+layer (kernels/step / layers) and where the step's GPU time goes (report categories). Anchors in the
 same run: eager model_def, optionally torch.compile(mode="reduce-overhead") (`--compile`: it takes
-a minute or more to compile a large step), engine-before (the rung after P1-P4, the engine before
-issue 9) and engine-after (the last rung).
+a minute or more to compile a large step; `--compile-budget` bounds it, a compile that would overrun
+is skipped with the reason, each batch size's compile time is in its row), engine-before (the rung
+after P1-P4, the engine before issue 9), engine-after (the last rung), and with `--hf` Hugging Face
+transformers' KimiLinearForCausalLM (+ fla when installed), timed in its own process
+(k3compile/bench/hf_arm.py) before ours loads: two 98 GB copies of the 48B weights do not fit on one H200.
+
+Accuracy gate (k3compile/bench/accuracy_gate.py), per batch size before the timed repetitions: every
+rung's logits against the previous rung's over `--gate-steps` teacher-forced decode steps from the same
+pool state, as normwise relative error (flagged over the dtype's tolerance) and greedy-token agreement.
+
+`--quick` is the GPU-budget protocol (40 steps x 5 reps, 20 warm-up steps, repetitions capped at
+0.5 s, 3 gate steps); without it the protocol is docs/BENCHMARKS.md's (200 x 5, 20 warm-up).
 
 Results: OUT/ladder_<model>_<dtype>.json, .md and .png (the plot needs matplotlib; without it the
 JSON and table are still written). Profiler traces are kept for the last rung and engine-before
-(`--keep-traces all` keeps every arm's). Not here: Hugging Face transformers + fla at the 48B shape
-(a second 98 GB copy of the weights does not fit next to ours on one H200).
+(`--keep-traces all` keeps every arm's).
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 
+from .accuracy_gate import DEFAULT_GATE_STEPS
 from .decode import DecodeBench, add_step_bench_args, check_step_bench_args, markdown_header
+from .hf_arm import HF_ARM
 
 # the passes that made the engine before issue 9's kernels: the "engine-before" anchor
 BEFORE_PREFIXES = ("p01_", "p02_", "p03_", "p04_")
@@ -39,6 +52,20 @@ def register(sub) -> None:
     add_step_bench_args(p)
     p.add_argument("--compile", action="store_true",
                    help="add the torch.compile(mode='reduce-overhead') anchor (compiles for a minute or more)")
+    p.add_argument("--hf", action="store_true",
+                   help="add Hugging Face transformers' KimiLinearForCausalLM (+ fla when installed) as an anchor, "
+                        "timed in a separate process before this one loads its model (Kimi-Linear configs only)")
+    p.add_argument("--hf-steps", type=int, default=20, help="timed steps per repetition of the transformers arm "
+                                                            "(it is ~20x slower than the engine; --reps repetitions)")
+    p.add_argument("--hf-budget", type=float, default=None,
+                   help="seconds for the transformers process (killed after 1.5x; batch sizes that would start "
+                        "after the budget are skipped). Default: none")
+    p.add_argument("--gate-steps", type=int, default=None,
+                   help="teacher-forced decode steps of the per-rung accuracy gate (0: no gate; default "
+                        f"{DEFAULT_GATE_STEPS}, 3 with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="GPU-budget protocol: the timing flags left at their defaults become 40 steps, 20 warm-up, "
+                        "5 reps, --max-rep-seconds 0.5, 3 gate steps (the markdown says it is below BENCHMARKS.md)")
     p.add_argument("--keep-traces", choices=["final", "all"], default="final",
                    help="profiler traces to keep: the last rung's and engine-before's (default) or every arm's")
     p.add_argument("--out", default="traces/ladder", help="output folder for JSON, markdown, plot and traces")
@@ -47,9 +74,26 @@ def register(sub) -> None:
     return p
 
 
+# --quick: the timing flags it changes when they are left at their defaults (explicit values win)
+QUICK = {"steps": (200, 40), "warmup": (20, 20), "reps": (5, 5), "max_rep_seconds": (None, 0.5)}
+
+
+def apply_quick(args) -> None:
+    if args.gate_steps is None:
+        args.gate_steps = 3 if args.quick else DEFAULT_GATE_STEPS
+    if args.gate_steps < 0:
+        from k3compile.model_def.config import ConfigError
+        raise ConfigError("--gate-steps must be >= 0")
+    if args.quick:
+        for name, (default, quick) in QUICK.items():
+            if getattr(args, name) == default:
+                setattr(args, name, quick)
+
+
 def run(args) -> int:
     import torch
 
+    apply_quick(args)
     batches, device = check_step_bench_args(args)
     bench = LadderBench(args, batches, device)
     with torch.no_grad():
@@ -77,6 +121,10 @@ class LadderBench(DecodeBench):
         self.anchors = {"eager": "eager", "engine-after": self.rungs[-1]["name"]}
         if args.compile:
             self.anchors["torch.compile(reduce-overhead)"] = "compile-reduce-overhead"
+        self.hf = None  # the transformers process's results document (--hf)
+        if getattr(args, "hf", False):
+            self.anchors["transformers+fla"] = HF_ARM
+        self.gate: dict[str, dict] = {}  # batch size -> the accuracy gate's per-runner results
         before = [p for p in passes if p.startswith(BEFORE_PREFIXES)]
         if before and passes[:len(before)] == before:
             self.anchors["engine-before"] = self.rungs[len(before)]["name"]
@@ -142,10 +190,115 @@ class LadderBench(DecodeBench):
             self._build_rungs()
         return next(self.rung_graphs[r["name"]] for r in reversed(self.rungs) if r["name"] in self.rung_graphs)
 
+    # ---- the transformers anchor (its own process, before our model loads) ----
+    def run(self) -> None:
+        if getattr(self.args, "hf", False):
+            self._run_hf()
+            self.start_clock()  # --time-budget is ours; the transformers process had --hf-budget
+        super().run()
+
+    def _run_hf(self) -> None:
+        import json
+        import subprocess
+
+        from k3compile.model_def.config import META_ONLY_PRESETS, ConfigError
+
+        from .hf_arm import command, hf_config
+
+        a = self.args
+        try:  # refuse here what the process would refuse after its imports (or fill the host's memory with)
+            if a.model in META_ONLY_PRESETS and self.device.type != "cuda":
+                raise ConfigError(f"preset '{a.model}' is full size: its transformers copy is built on CUDA only")
+            hf_config(a.model)
+        except ConfigError as e:
+            self.hf = {"results": [], "error": str(e)}
+            self.log(f"  transformers anchor not run: {e}")
+            return
+        os.makedirs(a.out, exist_ok=True)
+        path = os.path.join(a.out, f"hf_{os.path.basename(a.model.rstrip('/'))}_{a.dtype}.json")
+        if os.path.exists(path):
+            os.remove(path)  # never merge an earlier run's numbers
+        cmd = command(a.model, a.dtype, self.batches, a.context, self.device.type, a.hf_steps,
+                      min(a.warmup, 3) if a.warmup else 0, a.reps, a.seed, a.hf_budget, path)
+        self.log(f"transformers anchor in its own process: {' '.join(cmd)}")
+        t0 = time.perf_counter()
+        error = None
+        try:
+            proc = subprocess.run(cmd, timeout=1.5 * a.hf_budget if a.hf_budget else None)
+            if proc.returncode != 0:
+                error = f"exit status {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            error = f"killed after {1.5 * a.hf_budget:.0f} s (1.5 x --hf-budget)"
+        try:
+            with open(path) as f:
+                self.hf = json.load(f)
+        except (OSError, ValueError):
+            self.hf = {"results": []}
+        if error or self.hf.get("error"):
+            self.hf["error"] = self.hf.get("error") or error
+            self.log(f"  transformers anchor: {self.hf['error']}")
+        self.hf["wall_s"] = round(time.perf_counter() - t0, 1)
+        self.hf["json"] = path
+
+    def _hf_row(self, b: int) -> dict:
+        from .hf_arm import DESCRIPTION
+        from .roofline import roofline_pct
+
+        row = next((dict(r) for r in self.hf.get("results", []) if r.get("batch") == b), None)
+        if row is None:
+            row = {"status": "failed" if self.hf.get("error") else "skipped",
+                   "reason": self.hf.get("error") or "no result for this batch size"}
+        row.update(arm=HF_ARM, description=DESCRIPTION, batch=b)
+        if row.get("status") == "ok" and "median_ms" in row:
+            row["tok_s"] = b / (row["median_ms"] / 1e3)
+            # our bytes/step (its random weights route to about as many distinct experts as ours)
+            row["roofline_pct"] = roofline_pct(self.bytes[b]["total"], self.bandwidth["bytes_per_s"], row["median_ms"])
+        return row
+
+    # ---- accuracy gate ----
+    def after_setup(self, ctx, b: int, batch, fns: dict, rows: dict, restore) -> None:
+        from k3compile.capture import step_args
+
+        from .accuracy_gate import GATE_TOLERANCE, run_gate
+
+        steps = self.args.gate_steps
+        if not steps:
+            return
+        runners = {"eager": lambda fb: ctx.model.step_tensors("decode", *step_args(fb, ctx.cache))}
+        order = []
+        for r in self.rungs:
+            fn = fns.get(r["name"])
+            if fn is not None and hasattr(fn, "executor"):
+                runners[r["name"]] = fn.executor.run
+                order.append(r["name"])
+        start = max(0, self.args.context - steps)  # positions start .. context-1: inside the allocated pages
+        self.log(f"bs={b}: accuracy gate, {len(order)} rungs x {steps} teacher-forced steps")
+        t0 = time.perf_counter()
+        gate = run_gate(runners, order, "eager", self.first_tokens[:b], start, min(steps, self.args.context),
+                        self.batch_at, restore, GATE_TOLERANCE[self.dtype])
+        self.gate[str(b)] = gate
+        for name in order:
+            g = gate[name]
+            rows[name]["gate"] = dict(g)
+            if "error" not in g and not g["ok"]:
+                self.log(f"  {name}: rel err {g['rel_err']:.2e} vs {g['vs']} is over the tolerance {g['tolerance']:g}")
+        self.log(f"  gate done in {time.perf_counter() - t0:.1f} s")
+
     # ---- traces ----
     def _bench_batch(self, ctx, b: int) -> None:
         start = len(self.results)
         super()._bench_batch(ctx, b)
+        if self.hf is not None:
+            self.results.append(self._hf_row(b))
+            eager = next((r.get("median_ms") for r in self.results[start:] if r["arm"] == "eager"), None)
+            if eager and self.results[-1].get("median_ms"):
+                self.results[-1]["speedup_vs_eager"] = eager / self.results[-1]["median_ms"]
+        layers = self.model.config.num_hidden_layers
+        for row in self.results[start:]:
+            if row.get("kernels_per_step") is not None:
+                row["kernels_per_layer"] = row["kernels_per_step"] / layers
+            elif row.get("cpu_ops_per_step") is not None:
+                row["cpu_ops_per_layer"] = row["cpu_ops_per_step"] / layers
         if self.args.keep_traces == "all":
             return
         keep = {self.rungs[-1]["name"], self.anchors.get("engine-before")}
@@ -156,18 +309,29 @@ class LadderBench(DecodeBench):
                 row["trace"] = None
 
     # ---- output ----
+    def _gate_tolerance(self) -> float:
+        from .accuracy_gate import GATE_TOLERANCE
+        return GATE_TOLERANCE[self.dtype]
+
     def _write(self, ctx) -> None:
         from .results import write_json
 
         a = self.args
         doc = {"bench": "ladder",
                "config": {"model": self.model_name, "dtype": a.dtype, "batches": self.batches, "context": a.context,
-                          "arms": self.arms, "seed": a.seed, "pipeline": self.pipeline.to_dict(),
-                          "compile": ctx.notes, "command": " ".join(sys.argv)},
+                          "arms": self.arms + ([HF_ARM] if self.hf is not None else []), "seed": a.seed,
+                          "layers": self.model.config.num_hidden_layers, "pipeline": self.pipeline.to_dict(),
+                          "compile": ctx.notes, "compile_budget": a.compile_budget,
+                          "compile_s_total": round(self.compile_spent, 1), "quick": a.quick,
+                          "command": " ".join(sys.argv)},
                **self._measured(),
                "rungs": [dict(r, pass_reports=self.rung_reports.get(r["name"], [])[-1:]) for r in self.rungs],
                "anchors": self.anchors,
-               "results": self.results}
+               "accuracy_gate": {"steps": a.gate_steps, "tolerance": self._gate_tolerance(),
+                                 "per_batch": self.gate},
+               "hf": {k: v for k, v in (self.hf or {}).items() if k != "results"} or None,
+               "results": self.results,
+               "elapsed_s": round(time.perf_counter() - self.t0, 1)}
         write_json(self.json_path, doc)
         with open(self.md_path, "w") as f:
             f.write(render_ladder_markdown(doc))
@@ -182,37 +346,44 @@ def _row(results, arm, b):
 
 def render_ladder_markdown(doc: dict) -> str:
     cfg, dev = doc["config"], doc["environment"]["device"]
+    cuda = dev.get("type") == "cuda"
     lines = markdown_header(doc, "decode ladder")
     lines += ["Rung k = the captured decode step after the first k passes of the pipeline, run by the runtime's "
-              "Executor" + (" from CUDA graphs." if dev.get("type") == "cuda" else " (eager graph on CPU)."), ""]
+              "Executor" + (" from CUDA graphs." if cuda else " (eager graph on CPU)."), ""]
     names: dict[str, list] = {}
     for anchor, arm in doc["anchors"].items():
         names.setdefault(arm, []).append(anchor)
-    count = "kernels/step" if dev.get("type") == "cuda" else "CPU ops/step"
-    head = "| arm | anchor | " + " | ".join(f"bs{b} ms | bs{b} {count} | bs{b} % roofline" for b in cfg["batches"])
-    lines += [head + " |", "|---|---|" + "---:|---:|---:|" * len(cfg["batches"])]
+    count = "kernels" if cuda else "CPU ops"
+    head = "| arm | anchor | " + " | ".join(f"bs{b} ms | bs{b} {count}/step | bs{b} {count}/layer | bs{b} % roofline"
+                                            for b in cfg["batches"])
+    lines += [head + " |", "|---|---|" + "---:|---:|---:|---:|" * len(cfg["batches"])]
     for arm in cfg["arms"]:
         cells = []
         for b in cfg["batches"]:
             r = _row(doc["results"], arm, b)
             if r is None:
-                cells += ["", "", ""]
+                cells += ["", "", "", ""]
             elif r.get("status") != "ok" or "median_ms" not in r:
-                cells += [f"{r.get('status')}: {r.get('reason', '')}", "", ""]
+                cells += [f"{r.get('status')}: {r.get('reason', '')}", "", "", ""]
             else:
-                n = r.get("kernels_per_step") if dev.get("type") == "cuda" else r.get("cpu_ops_per_step")
+                n = r.get("kernels_per_step") if cuda else r.get("cpu_ops_per_step")
+                per_layer = r.get("kernels_per_layer") if cuda else r.get("cpu_ops_per_layer")
                 cells += [f"{r['median_ms']:.3f} ({r['p10_ms']:.3f}–{r['p90_ms']:.3f})",
-                          "–" if n is None else f"{n:g}", f"{r['roofline_pct']:.1f}"]
+                          "–" if n is None else f"{n:g}", "–" if per_layer is None else f"{per_layer:.1f}",
+                          f"{r['roofline_pct']:.1f}"]
         lines.append(f"| {arm} | {', '.join(names.get(arm, []))} | " + " | ".join(cells) + " |")
-    lines += ["", "Each cell: median ms (p10–p90) over the repetitions.", ""]
+    lines += ["", f"Each cell: median ms (p10–p90) over the repetitions; {count}/layer = {count}/step ÷ "
+              f"{cfg.get('layers')} layers.", ""]
     for b in cfg["batches"]:
         after = (_row(doc["results"], doc["anchors"]["engine-after"], b) or {}).get("median_ms")
         ratios = [f"{name} / engine-after = {base / after:.2f}x" for name, arm in doc["anchors"].items()
                   if name != "engine-after" and after and (base := (_row(doc["results"], arm, b) or {}).get("median_ms"))]
         if ratios:
             lines.append(f"- batch {b}: " + ", ".join(ratios))
-    lines += ["",
-              f"% HBM roofline: {doc['roofline_formula']}.", "", "Passes per rung (matches, graph nodes):", ""]
+    lines += _anchor_notes(doc)
+    lines += _gate_table(doc)
+    lines += _time_table(doc)
+    lines += ["", f"% HBM roofline: {doc['roofline_formula']}.", "", "Passes per rung (matches, graph nodes):", ""]
     for r in doc["rungs"]:
         rep = r.get("pass_reports") or []
         recs = rep[-1]["passes"] if rep else []
@@ -231,6 +402,91 @@ def render_ladder_markdown(doc: dict) -> str:
                      f"{d['state_read_write'] / 1e6:.1f})")
     lines += ["", f"Command: `{cfg['command']}`", ""]
     return "\n".join(lines)
+
+
+def _anchor_notes(doc: dict) -> list[str]:
+    """How the torch.compile and transformers anchors were made (compile times, kernels, context)."""
+    cfg, out = doc["config"], []
+    compiled = [r for r in doc["results"] if r["arm"] == "compile-reduce-overhead"]
+    if compiled:
+        times = ", ".join(f"bs{r['batch']} " + (f"{r['compile_s']:.0f} s" if "compile_s" in r else
+                                                 f"{r.get('status')} ({r.get('reason', '')})") for r in compiled)
+        out += ["", f"torch.compile(mode=\"reduce-overhead\"): compile (first call) per batch size: {times}; "
+                    f"{cfg.get('compile_s_total', 0):.0f} s in all"
+                + (f" of a {cfg['compile_budget']:.0f} s budget" if cfg.get("compile_budget") else "") + "."]
+    hf = doc.get("hf")
+    if hf:
+        k = hf.get("kernels", {})
+        rows = [r for r in doc["results"] if r["arm"] == HF_ARM and r.get("status") == "ok"]
+        ctx = ", ".join(f"bs{r['batch']} {r['context_first']}→{r['context_last']}" for r in rows if "context_last" in r)
+        fla = k.get("fla") or "not installed (PyTorch fallback)"
+        conv = k.get("causal_conv1d") or "not installed"
+        out += ["", f"{HF_ARM}: transformers {k.get('transformers')}, fla {fla}, causal_conv1d {conv}, experts "
+                f"implementation {hf.get('experts_implementation') or 'default'}; its own process ({hf.get('wall_s')} s, "
+                f"before this one loaded its model), random weights, no CUDA graphs; the cache grows while timing "
+                f"(context {ctx})." + (f" Error: {hf['error']}." if hf.get("error") else "")]
+    return out
+
+
+def _gate_table(doc: dict) -> list[str]:
+    gate = doc.get("accuracy_gate") or {}
+    per_batch = gate.get("per_batch") or {}
+    if not per_batch:
+        return []
+    tol = gate["tolerance"]
+    out = ["", f"Accuracy gate: each rung's logits vs the previous rung's (same inputs, same pool state), "
+               f"{gate['steps']} teacher-forced decode steps on eager's greedy tokens; rel err = max over steps of "
+               f"‖a−b‖/‖b‖, tolerance {tol:g} ({doc['config']['dtype']}; why: k3compile/bench/accuracy_gate.py); "
+               "agreement = same argmax.", "",
+           "| rung | vs | " + " | ".join(f"bs{b} rel err | bs{b} agree | bs{b} rel err vs eager" for b in per_batch)
+           + " |", "|---|---|" + "---:|---:|---:|" * len(per_batch)]
+    names = [r["name"] for r in doc["rungs"]]
+    for name in names:
+        cells, vs = [], ""
+        for b, g in per_batch.items():
+            e = g.get(name)
+            if e is None:
+                cells += ["", "", ""]
+            elif "error" in e:
+                cells += [f"error: {e['error']}", "", ""]
+            else:
+                vs = e["vs"]
+                flag = "" if e["ok"] else " **over**"
+                cells += [f"{e['rel_err']:.2e}{flag}", f"{100 * e['token_agreement']:.1f}%",
+                          f"{e['rel_err_vs_eager']:.2e}"]
+        lines_ok = any(c for c in cells)
+        if lines_ok:
+            out.append(f"| {name} | {vs} | " + " | ".join(cells) + " |")
+    over = sorted({n for g in per_batch.values() for n, e in g.items() if isinstance(e, dict) and e.get("ok") is False})
+    out += ["", f"Over tolerance: {', '.join(over)}." if over else "Every rung within tolerance."]
+    return out
+
+
+def _time_table(doc: dict) -> list[str]:
+    """Where each arm's step goes, by `k3compile report` category (medians of the profiled steps)."""
+    cuda = doc["environment"]["device"].get("type") == "cuda"
+    key = "gpu_us_by_category" if cuda else "cpu_ops_by_category"
+    out = []
+    for b in doc["config"]["batches"]:
+        rows = [(arm, _row(doc["results"], arm, b)) for arm in doc["config"]["arms"]]  # rungs and anchors
+        rows = [(n, r) for n, r in rows if r and r.get(key)]
+        if not rows:
+            continue
+        cats = [c for c in rows[0][1][key] if any(r[key].get(c) for _, r in rows)]
+        if cuda:
+            out += ["", f"Where the time goes, batch {b} (GPU µs per step by category, kernels in brackets; busy = "
+                        "union of kernel time, gaps = idle time between kernels on a stream):", "",
+                    "| arm | " + " | ".join(cats) + " | busy µs | span µs | gaps µs |",
+                    "|---|" + "---:|" * (len(cats) + 3)]
+            for n, r in rows:
+                out.append(f"| {n} | " + " | ".join(f"{r[key][c]:.0f} ({r['kernels_by_category'][c]:g})" for c in cats)
+                           + f" | {r['gpu_busy_us']:.0f} | {r['gpu_span_us']:.0f} | {r['launch_gap_us']:.0f} |")
+        else:
+            out += ["", f"Where the ops go, batch {b} (top-level CPU ops per step by category; CPU run):", "",
+                    "| arm | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
+            for n, r in rows:
+                out.append(f"| {n} | " + " | ".join(f"{r[key][c]:g}" for c in cats) + " |")
+    return out
 
 
 def plot_ladder(doc: dict, path: str) -> str | None:
@@ -254,17 +510,17 @@ def plot_ladder(doc: dict, path: str) -> str | None:
             ys = [(_row(doc["results"], n, b) or {}).get(key) for n in rungs]
             xs = [i for i, y in enumerate(ys) if y is not None]
             line, = ax.plot(xs, [ys[i] for i in xs], marker="o", label=f"batch {b}")
-            for anchor in ("eager", "compile-reduce-overhead"):
+            for anchor, style in (("eager", "--"), ("compile-reduce-overhead", ":"), (HF_ARM, "-.")):
                 y = (_row(doc["results"], anchor, b) or {}).get(key)
                 if y is not None:
-                    ax.axhline(y, color=line.get_color(), ls="--" if anchor == "eager" else ":", lw=0.8)
+                    ax.axhline(y, color=line.get_color(), ls=style, lw=0.8)
         ax.set_xticks(range(len(rungs)))
         ax.set_xticklabels(rungs, rotation=45, ha="right", fontsize=8)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         if key == "median_ms":
             ax.set_yscale("log")
-    axes[0].legend(title="dashed: eager, dotted: torch.compile", fontsize=8)
+    axes[0].legend(title="dashed: eager, dotted: torch.compile, dash-dot: transformers", fontsize=8)
     fig.suptitle(f"decode ladder: {cfg['model']} {cfg['dtype']}, context {cfg['context']} "
                  f"({doc['environment']['device'].get('name')})")
     fig.tight_layout()

@@ -67,7 +67,7 @@ def profile_steps(fn, n: int, device: torch.device, trace_path: str) -> dict:
         return statistics.median(xs) if xs else None
 
     out = {"trace": trace_path, "profiled_steps": len(steps),
-           "cpu_ops_per_step": med([len(s.cpu_ops) for s in steps])}
+           "cpu_ops_per_step": med([len(s.cpu_ops) for s in steps]), **where_the_time_goes(steps, device)}
     if device.type == "cuda":
         out["kernels_per_step"] = med([sum(e.kind == KERNEL for e in s.gpu) for s in steps])
         out["copies_per_step"] = med([sum(e.kind in (MEMCPY, MEMSET) for e in s.gpu) for s in steps])
@@ -76,6 +76,27 @@ def profile_steps(fn, n: int, device: torch.device, trace_path: str) -> dict:
     else:
         out["kernels_per_step"] = None  # no GPU: cpu_ops_per_step is the comparable count
     return out
+
+
+def where_the_time_goes(steps, device: torch.device) -> dict:
+    """Per-step medians by `k3compile report`'s categories (GEMM, KDA, attention, MoE, norm/elementwise, copy,
+    ...): GPU time and kernel count on CUDA, plus GPU busy time, span and the idle gaps between kernels; on
+    CPU the top-level op count per category (a CPU trace has no GPU time)."""
+    from k3compile.report.analysis import step_report
+    from k3compile.report.categories import CATEGORIES
+
+    reports = [step_report(s) for s in steps]
+    if not reports:
+        return {}
+
+    def med(xs):
+        return statistics.median(xs)
+    if device.type != "cuda":
+        return {"cpu_ops_by_category": {c: med([r.cpu_ops_by_category[c].count for r in reports]) for c in CATEGORIES}}
+    return {"gpu_us_by_category": {c: med([r.by_category[c].time_us for r in reports]) for c in CATEGORIES},
+            "kernels_by_category": {c: med([r.by_category[c].count for r in reports]) for c in CATEGORIES},
+            "gpu_busy_us": med([r.gpu_busy_us for r in reports]), "gpu_span_us": med([r.gpu_span_us for r in reports]),
+            "launch_gap_us": med([r.gap_total_us for r in reports])}
 
 
 def init_profiler_for_cuda_graphs() -> None:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from k3compile import cli
-from k3compile.bench.ladder import LadderBench, rung_name
+from k3compile.bench.hf_arm import HF_ARM
+from k3compile.bench.ladder import LadderBench, apply_quick, render_ladder_markdown, rung_name
 from k3compile.passes.pipeline import PipelineConfig
 
 
@@ -37,22 +38,38 @@ def test_rungs_follow_the_default_pipeline():
 
 
 def test_cpu_smoke_run(main, tmp_path, capsys):
+    """One run with every part: rungs, anchors (transformers in its own process), accuracy gate, per-layer
+    counts and the where-the-ops-go table."""
     out = tmp_path / "ladder"
     rc = main(["bench", "ladder", "--model", "kimi-linear-tiny", "--batch", "1", "--steps", "1", "--warmup", "0",
                "--reps", "1", "--context", "8", "--dtype", "fp32", "--device", "cpu", "--copy-gib", "0.001",
-               "--passes", "p01,p04", "--out", str(out)])
+               "--passes", "p01,p04", "--gate-steps", "2", "--hf", "--hf-steps", "1", "--out", str(out)])
     assert rc == 0
     doc = json.load(open(out / "ladder_kimi-linear-tiny_fp32.json"))
     rungs = [rung_name(0, None), rung_name(1, "p01_gemm_merge"), rung_name(2, "p04_fused_routing")]
     assert [r["name"] for r in doc["rungs"]] == rungs
-    assert doc["config"]["arms"] == ["eager"] + rungs
+    assert doc["config"]["arms"] == ["eager"] + rungs + [HF_ARM]
     # engine-before: the rung after the pipeline's P1-P4 passes (here all of it)
-    assert doc["anchors"] == {"eager": "eager", "engine-after": rungs[-1], "engine-before": rungs[-1]}
+    assert doc["anchors"] == {"eager": "eager", "engine-after": rungs[-1], "engine-before": rungs[-1],
+                              "transformers+fla": HF_ARM}
     rows = {r["arm"]: r for r in doc["results"]}
-    assert set(rows) == {"eager", *rungs}
+    assert set(rows) == {"eager", *rungs, HF_ARM}
+    hf = rows.pop(HF_ARM)  # transformers, its own process: timed, counted, its roofline from our bytes/step
+    assert hf["status"] == "ok" and len(hf["samples_ms"]) == 1 and hf["steps_per_rep"] == 1, hf
+    assert hf["roofline_pct"] > 0 and hf["cpu_ops_per_step"] > 0 and hf["cpu_ops_per_layer"] > 0
+    assert doc["hf"]["kernels"]["fla"] is None and "error" not in doc["hf"]  # CPU: transformers' own fallback
     for arm, r in rows.items():
         assert r["status"] == "ok" and len(r["samples_ms"]) == 1 and r["roofline_pct"] > 0, arm
         assert r["max_abs_diff_vs_eager"] < 1e-4, arm  # every rung computes the same step
+        assert r["cpu_ops_per_layer"] == pytest.approx(r["cpu_ops_per_step"] / doc["config"]["layers"])
+        assert sum(r["cpu_ops_by_category"].values()) == r["cpu_ops_per_step"], arm
+    # the accuracy gate: each rung vs the one before (rung 0 vs eager), fp32: within 1e-4, same tokens
+    gate = doc["accuracy_gate"]["per_batch"]["1"]
+    assert gate["eager"]["steps"] == 2 and len(gate["eager"]["tokens"]) == 2
+    assert [gate[n]["vs"] for n in rungs] == ["eager"] + rungs[:-1]
+    for n in rungs:
+        assert gate[n]["ok"] and gate[n]["rel_err"] < 1e-4 and gate[n]["token_agreement"] == 1.0, gate[n]
+        assert rows[n]["gate"]["rel_err"] == gate[n]["rel_err"]
     # each pass removes ops: CPU ops per step fall along the ladder (the GPU run counts kernels instead)
     ops = [rows[n]["cpu_ops_per_step"] for n in rungs]
     assert ops[0] > ops[1] > ops[2]
@@ -61,8 +78,15 @@ def test_cpu_smoke_run(main, tmp_path, capsys):
     assert rows[rungs[-1]]["trace"] and rows[rungs[0]]["trace"] is None
     md = (out / "ladder_kimi-linear-tiny_fp32.md").read_text()
     assert f"| {rungs[-1]} | engine-after, engine-before |" in md and "% HBM roofline" in md
-    assert "- batch 1: eager / engine-after = " in md
+    assert "- batch 1: eager / engine-after = " in md and "transformers+fla / engine-after = " in md
+    assert f"| {HF_ARM} | transformers+fla |" in md and "fla not installed (PyTorch fallback)" in md
+    assert "Every rung within tolerance." in md and f"| {rungs[1]} | {rungs[0]} | " in md
+    assert "Where the ops go, batch 1" in md
     assert md in capsys.readouterr().out
+    # a rung over tolerance is flagged in the table and listed
+    doc["accuracy_gate"]["per_batch"]["1"][rungs[1]]["ok"] = False
+    flagged = render_ladder_markdown(doc)
+    assert "**over**" in flagged and f"Over tolerance: {rungs[1]}." in flagged
     # the copy census per rung (graph level): P1 merges GEMMs, none of these passes adds copies
     copies = [r["graph_copies"] for r in doc["rungs"]]
     assert copies[0]["cat"] == copies[-1]["cat"] == 2 * model_config_mla("kimi-linear-tiny")
@@ -121,3 +145,48 @@ def test_failed_pass_reports_on_its_rung_and_later_rungs_go_on_without_it(main, 
     assert rows[after["name"]]["cpu_ops_per_step"] < rows[rung_name(1, "p01_gemm_merge")]["cpu_ops_per_step"]
     md = (out / "ladder_kimi-linear-tiny_fp32.md").read_text()
     assert f"- {failed['name']}: FAILED (" in md and "(without failed p02_noop_views)" in md
+
+
+def _ladder_args(*argv):
+    import argparse
+
+    from k3compile.bench import ladder
+    return ladder.register(argparse.ArgumentParser().add_subparsers()).parse_args(["--model", "k3-tiny", *argv])
+
+
+def test_quick_changes_only_the_defaults():
+    args = _ladder_args("--quick", "--reps", "7")
+    apply_quick(args)
+    assert (args.steps, args.warmup, args.reps, args.max_rep_seconds, args.gate_steps) == (40, 20, 7, 0.5, 3)
+    full = _ladder_args()
+    apply_quick(full)
+    assert (full.steps, full.reps, full.max_rep_seconds, full.gate_steps) == (200, 5, None, 4)
+
+
+def test_repetition_cap_and_compile_budget():
+    args = _ladder_args("--max-rep-seconds", "0.5", "--compile-budget", "100", "--compile")
+    apply_quick(args)
+    bench = LadderBench(args, [1], torch.device("cpu"))
+    assert bench.steps_per_rep(None) == 200  # no warm-up timing: no cap
+    assert bench.steps_per_rep(1.0) == 200  # 200 x 1 ms fits in 0.5 s? no: 500 steps would; capped at --steps
+    assert bench.steps_per_rep(5.0) == 100  # 0.5 s / 5 ms
+    assert bench.steps_per_rep(60.0) == 10  # eager at 48B: never fewer than 10
+    arm = "compile-reduce-overhead"
+    assert bench.compile_skip_reason(arm) is None  # the first compile always starts
+    bench.compile_spent, bench.last_compile_s[arm] = 70.0, 70.0
+    assert "compile budget (100 s) spent: 70 s" in bench.compile_skip_reason(arm)  # 70 + 70 > 100
+    bench.args.compile_budget = 200
+    assert bench.compile_skip_reason(arm) is None
+    bench.deadline = bench.t0 + 10  # less time left than the last compile took
+    assert "time budget" in bench.compile_skip_reason(arm)
+
+
+def test_transformers_anchor_refused_for_k3_without_starting_a_process():
+    args = _ladder_args("--hf")
+    apply_quick(args)
+    bench = LadderBench(args, [1], torch.device("cpu"))
+    bench._run_hf()
+    assert bench.hf["results"] == [] and "transformers has no K3 architecture" in bench.hf["error"]
+    bench.bytes, bench.bandwidth = {1: {"total": 1}}, {"bytes_per_s": 1.0}
+    row = bench._hf_row(1)
+    assert row["arm"] == HF_ARM and row["status"] == "failed" and "no K3" in row["reason"]
