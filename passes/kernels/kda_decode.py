@@ -24,9 +24,13 @@ o_proj); above it they run as cuBLAS GEMMs first.
 `torch.ops.k3.fused_kda_decode(...)` is the single graph node. CPU (and any device or shape the
 kernel does not take) runs the reference: the composition of the unfused ops (k3::short_conv_decode,
 model_def's kda_gate, k3::kda_decode, the gated RMSNorm), so a CPU engine with P5 gives the same
-numbers as one without it. CUDA runs the Triton kernel: one program per (request, head) holding the
-head's K x V state in column blocks, then the gated RMSNorm over V in the same program (no second
-kernel).
+numbers as one without it. CUDA runs the Triton kernel, one launch: at large batch one program per
+(request, head) holding the head's K x V state in column blocks, then the gated RMSNorm over V in the
+same program; at small batch (too few programs to fill the GPU) each head's V columns are split over
+`default_v_split` programs, each owning a [K, V / split] slice of the state; every part stores its
+gated, not yet RMS-scaled output in fp32 and its sum of squares, and the last part of the head to
+arrive (an atomic counter that it zeroes again) scales the head and writes the output (no second
+kernel, no zero fill).
 
 Programmatic dependent launch: the op's `use_pdl` argument (P5's option, so an engine records it)
 launches the kernel with `launch_pdl=True` where Triton and the GPU support it (sm90+); the kernel
@@ -62,6 +66,11 @@ SOFTPLUS_THRESHOLD = 20.0  # torch's softplus(beta=1, threshold=20), as kda_gate
 # the kernel: inside it every (request, head) program re-reads its weight rows, which pays at small
 # batch (two launches saved) and costs L2 traffic at large batch.
 LOW_RANK_IN_KERNEL_MAX_BATCH = 16
+# Below ~2 programs per SM of an H200 a head's V columns are split over several programs (one per
+# [K, V / split] slice of the state), down to MIN_V_PER_PROGRAM columns each: at batch 1 one program
+# per (request, head) leaves 100 of 132 SMs idle and the kernel latency-bound.
+TARGET_PROGRAMS = 256
+MIN_V_PER_PROGRAM = 16
 
 @functools.lru_cache(maxsize=None)
 def pdl_available() -> bool:
@@ -187,12 +196,11 @@ if triton is not None:
         return acc.to(x_row_ptr.dtype.element_ty).to(tl.float32)
 
     @triton.jit
-    def _short_conv_step(x_row_ptr, w_ptr, win_ptr, chans, mask, WIDTH: tl.constexpr, WPAD: tl.constexpr):
-        """One causal depthwise conv step + SiLU for channels `chans`; the window [chans, WIDTH-1] at
-        win_ptr is shifted in place and this token's x appended. Returns the output rounded to x's dtype
-        (as k3::short_conv_decode), in fp32."""
+    def _short_conv_read(x_row_ptr, w_ptr, win_ptr, chans, mask, WIDTH: tl.constexpr, WPAD: tl.constexpr):
+        """One causal depthwise conv step + SiLU for channels `chans` from the window [chans, WIDTH-1] at
+        win_ptr and this token's x. Returns (output rounded to x's dtype as k3::short_conv_decode does, in
+        fp32; the window as read; x): `_short_conv_write` later shifts the window in place."""
         x_dtype = x_row_ptr.dtype.element_ty
-        pool_dtype = win_ptr.dtype.element_ty
         j = tl.arange(0, WPAD)
         mj = mask[:, None] & (j[None, :] < WIDTH - 1)
         # the window is cast to x's dtype before the multiply, as the unfused op does
@@ -201,12 +209,17 @@ if triton is not None:
         x = tl.load(x_row_ptr + chans, mask=mask, other=0.0)
         acc = tl.sum(w * hist.to(tl.float32), axis=1)
         acc += tl.load(w_ptr + chans * WIDTH + WIDTH - 1, mask=mask, other=0.0).to(tl.float32) * x.to(tl.float32)
-        # every thread holding a copy of these channels has read the window before anyone writes it
-        tl.debug_barrier()
+        return (acc * tl.sigmoid(acc)).to(x_dtype).to(tl.float32), hist, x
+
+    @triton.jit
+    def _short_conv_write(win_ptr, chans, mask, hist, x, WIDTH: tl.constexpr, WPAD: tl.constexpr):
+        """Shift the window read by `_short_conv_read` one step and append x (in place)."""
+        pool_dtype = win_ptr.dtype.element_ty
+        j = tl.arange(0, WPAD)
+        mj = mask[:, None] & (j[None, :] < WIDTH - 1)
         tl.store(win_ptr + chans[:, None] * (WIDTH - 1) + j[None, :] - 1, hist.to(pool_dtype),
                  mask=mj & (j[None, :] >= 1))
         tl.store(win_ptr + chans * (WIDTH - 1) + WIDTH - 2, x.to(pool_dtype), mask=mask & (WIDTH > 1))
-        return (acc * tl.sigmoid(acc)).to(x_dtype).to(tl.float32)
 
     @triton.jit
     def _fused_kda_decode_kernel(
@@ -218,18 +231,23 @@ if triton is not None:
         normw_ptr,
         conv_ptr, conv_slot_stride, conv_layer_offset,
         ssm_ptr, ssm_slot_stride, ssm_layer_offset,
-        slots_ptr, out_ptr,
+        slots_ptr, out_ptr, part_ptr, sumsq_ptr, arrivals_ptr,
         lower_bound, norm_eps, scale,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr, WPAD: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, V_SPLIT: tl.constexpr, V_PER: tl.constexpr, SPLIT_PAD: tl.constexpr,
         SOFTPLUS_GATE: tl.constexpr, USE_PDL: tl.constexpr,
         F_RANK: tl.constexpr, G_RANK: tl.constexpr, BR: tl.constexpr, L2EPS: tl.constexpr,
     ):
-        # One program = one (request, head): its q/k/v conv channels, its K x V state, its V outputs.
-        # The state is walked in [K, BV] column blocks (a whole 128 x 128 fp32 tile would spill).
-        # Conv pool per (slot, layer): [3 * H * K channels, WIDTH - 1] (q, k, v streams stacked,
-        # window oldest first); state per (slot, layer): [H, K, V] row-major.
+        # Program (request, head, part): the head's q/k conv channels, V_PER = V / V_SPLIT of its V
+        # columns (their conv channels, the [K, V_PER] slice of the state, walked in [K, BV] blocks).
+        # V_SPLIT == 1: the whole head, gated RMSNorm in place at the end. V_SPLIT > 1: each part stores
+        # o * norm_weight * sigmoid(gate) in fp32 and its sum of o^2; the last part of the head to arrive
+        # (an acq_rel counter, zeroed again by it) shifts the q/k windows (every part has read them by
+        # then), and scales the whole head by the RMS into `out`.
+        # Conv pool per (slot, layer): [3 * H * K channels, WIDTH - 1] (q, k, v streams stacked, window
+        # oldest first); state per (slot, layer): [H, K, V] row-major.
         pid = tl.program_id(0)
+        part = tl.program_id(1)
         req = (pid // H).to(tl.int64)
         head = pid % H
         C: tl.constexpr = H * K
@@ -247,8 +265,13 @@ if triton is not None:
         conv_base = conv_ptr + slot * conv_slot_stride + conv_layer_offset
 
         # ---- q, k: short conv + SiLU, L2 norm (epsilon inside the sqrt, as fla)
-        q = _short_conv_step(xq_ptr + req * xq_row, wq_ptr, conv_base, ch, mk, WIDTH, WPAD)
-        k = _short_conv_step(xk_ptr + req * xk_row, wk_ptr, conv_base + C * (WIDTH - 1), ch, mk, WIDTH, WPAD)
+        q_win, k_win = conv_base, conv_base + C * (WIDTH - 1)
+        q, q_hist, q_x = _short_conv_read(xq_ptr + req * xq_row, wq_ptr, q_win, ch, mk, WIDTH, WPAD)
+        k, k_hist, k_x = _short_conv_read(xk_ptr + req * xk_row, wk_ptr, k_win, ch, mk, WIDTH, WPAD)
+        if V_SPLIT == 1:
+            tl.debug_barrier()  # every thread holding a copy of these channels has read the window
+            _short_conv_write(q_win, ch, mk, q_hist, q_x, WIDTH, WPAD)
+            _short_conv_write(k_win, ch, mk, k_hist, k_x, WIDTH, WPAD)
         q = q / tl.sqrt(tl.sum(q * q, axis=0) + L2EPS) * scale
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + L2EPS)
 
@@ -266,44 +289,75 @@ if triton is not None:
         beta = tl.sigmoid(tl.load(b_ptr + req * b_row + head * b_col).to(tl.float32))
 
         # ---- per V block: v's conv, the delta rule on the fp32 state in place, o = S^T q
+        bh = req * H + head
         s_base = ssm_ptr + slot * ssm_slot_stride + ssm_layer_offset + head * K * V
-        out_row = out_ptr + (req * H + head) * V
+        out_row = out_ptr + bh * V
         out_dtype = out_ptr.dtype.element_ty
+        v_end = part * V_PER + V_PER
         sum_sq = tl.zeros([BV], dtype=tl.float32)
-        for v0 in range(0, V, BV):
+        for v0 in range(part * V_PER, v_end, BV):
             ov = v0 + tl.arange(0, BV)
-            mv = ov < V
-            v = _short_conv_step(xv_ptr + req * xv_row, wv_ptr, conv_base + 2 * C * (WIDTH - 1), head * V + ov, mv,
-                                 WIDTH, WPAD)
+            mv = (ov < V) & (ov < v_end)
+            v_win = conv_base + 2 * C * (WIDTH - 1)
+            v, v_hist, v_x = _short_conv_read(xv_ptr + req * xv_row, wv_ptr, v_win, head * V + ov, mv, WIDTH, WPAD)
             s_ptrs = s_base + ok[:, None] * V + ov[None, :]
             m2 = mk[:, None] & mv[None, :]
             s = tl.load(s_ptrs, mask=m2, other=0.0) * decay[:, None]
             kv_mem = tl.sum(s * k[:, None], axis=0)  # S^T k: [BV]
             s += k[:, None] * ((v - kv_mem) * beta)[None, :]
-            tl.debug_barrier()  # all copies of this block are read before any is overwritten
+            tl.debug_barrier()  # all copies of this block (and of v's window) are read before any is overwritten
+            _short_conv_write(v_win, head * V + ov, mv, v_hist, v_x, WIDTH, WPAD)
             tl.store(s_ptrs, s, mask=m2)
             o = tl.sum(s * q[:, None], axis=0).to(out_dtype)  # k3::kda_decode returns v's dtype
             of = o.to(tl.float32)
             sum_sq += tl.where(mv, of * of, 0.0)
-            tl.store(out_row + ov, o, mask=mv)
+            if V_SPLIT == 1:
+                tl.store(out_row + ov, o, mask=mv)
+            else:
+                if G_RANK > 0:
+                    gate = _low_rank_rows(gate_ptr + req * gate_row, wgb_ptr, head * V + ov, mv, G_RANK, BV, BR)
+                else:
+                    gate = tl.load(gate_ptr + req * gate_row + head * gate_head + ov, mask=mv,
+                                   other=0.0).to(tl.float32)
+                normw = tl.load(normw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
+                tl.store(part_ptr + bh * V + ov, of * normw * tl.sigmoid(gate), mask=mv)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
 
-        # ---- gated RMSNorm over V (G_RANK > 0: g_b_proj's GEMV here), rewriting o in place
-        inv_rms = tl.rsqrt(tl.sum(sum_sq, axis=0) / V + norm_eps)
-        tl.debug_barrier()  # o's blocks, stored above by other threads, are visible
-        for v0 in range(0, V, BV):
-            ov = v0 + tl.arange(0, BV)
-            mv = ov < V
-            if G_RANK > 0:
-                gate = _low_rank_rows(gate_ptr + req * gate_row, wgb_ptr, head * V + ov, mv, G_RANK, BV, BR)
-            else:
-                gate = tl.load(gate_ptr + req * gate_row + head * gate_head + ov, mask=mv, other=0.0).to(tl.float32)
-            normw = tl.load(normw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
-            o = tl.load(out_row + ov, mask=mv, other=0.0).to(tl.float32)
-            y = o * inv_rms * normw * tl.sigmoid(gate)
-            tl.debug_barrier()
-            tl.store(out_row + ov, y.to(out_dtype), mask=mv)
+        if V_SPLIT == 1:
+            # ---- gated RMSNorm over V (G_RANK > 0: g_b_proj's GEMV here), rewriting o in place
+            inv_rms = tl.rsqrt(tl.sum(sum_sq, axis=0) / V + norm_eps)
+            tl.debug_barrier()  # o's blocks, stored above by other threads, are visible
+            for v0 in range(0, V, BV):
+                ov = v0 + tl.arange(0, BV)
+                mv = ov < V
+                if G_RANK > 0:
+                    gate = _low_rank_rows(gate_ptr + req * gate_row, wgb_ptr, head * V + ov, mv, G_RANK, BV, BR)
+                else:
+                    gate = tl.load(gate_ptr + req * gate_row + head * gate_head + ov, mask=mv,
+                                   other=0.0).to(tl.float32)
+                normw = tl.load(normw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
+                o = tl.load(out_row + ov, mask=mv, other=0.0).to(tl.float32)
+                y = o * inv_rms * normw * tl.sigmoid(gate)
+                tl.debug_barrier()
+                tl.store(out_row + ov, y.to(out_dtype), mask=mv)
+        else:
+            # ---- the head's last part to arrive: q/k windows, then the RMS over all parts
+            tl.store(sumsq_ptr + bh * V_SPLIT + part, tl.sum(sum_sq, axis=0))
+            tl.debug_barrier()  # this program's stores (and window reads) precede its arrival
+            arrived = tl.atomic_add(arrivals_ptr + bh, 1, sem="acq_rel")
+            if arrived == V_SPLIT - 1:
+                tl.atomic_xchg(arrivals_ptr + bh, 0)  # zero again for the next launch
+                _short_conv_write(q_win, ch, mk, q_hist, q_x, WIDTH, WPAD)
+                _short_conv_write(k_win, ch, mk, k_hist, k_x, WIDTH, WPAD)
+                sp = tl.arange(0, SPLIT_PAD)
+                parts = tl.load(sumsq_ptr + bh * V_SPLIT + sp, mask=sp < V_SPLIT, other=0.0, cache_modifier=".cg")
+                inv_rms = tl.rsqrt(tl.sum(parts, axis=0) / V + norm_eps)
+                for v0 in range(0, V, BV):
+                    ov = v0 + tl.arange(0, BV)
+                    mv = ov < V
+                    y = tl.load(part_ptr + bh * V + ov, mask=mv, other=0.0, cache_modifier=".cg")
+                    tl.store(out_row + ov, (y * inv_rms).to(out_dtype), mask=mv)
 
 
 def kernel_supports(head_dim: int, value_dim: int) -> bool:
@@ -316,11 +370,38 @@ def _row_major_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def default_v_split(batch: int, heads: int, value_dim: int) -> int:
+    """Parts each head's V columns are split into: enough programs to fill ~TARGET_PROGRAMS, parts of
+    at least MIN_V_PER_PROGRAM columns. From static shapes only (CUDA-graph replays see one grid)."""
+    rows = max(batch * heads, 1)
+    split = 1
+    while rows * split < TARGET_PROGRAMS and value_dim % (2 * split) == 0 and value_dim // (2 * split) >= MIN_V_PER_PROGRAM:
+        split *= 2
+    return split
+
+
+_arrivals: dict = {}  # device -> int32 counters, zero between launches (the last part of a head re-zeroes its own)
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    buf = _arrivals.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # zeroed by a memset node of this graph only, so no other graph may share it (the executor's eager
+        # warm-up, before any capture, normally allocates the shared one)
+        return buf
+    _arrivals[device] = buf
+    return buf
+
+
 def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                             beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound,
                             norm_eps, f_b_weight=None, g_b_weight=None, use_pdl: bool = False,
-                            num_warps: int | None = None) -> torch.Tensor:
-    """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+                            num_warps: int | None = None, v_split: int | None = None) -> torch.Tensor:
+    """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). v_split: parts
+    per head along V (default `default_v_split`; 1 = one program per (request, head))."""
     if triton is None:
         raise RuntimeError("fused_kda_decode: triton is not installed")
     b, h, kd, vd, width = check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias,
@@ -334,6 +415,9 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
         raise ValueError("fused_kda_decode kernel: conv pool [slot, layer] blocks must be row-major")
     if ssm_pool.stride(4) != 1 or ssm_pool.stride(3) != vd or ssm_pool.stride(2) != kd * vd:
         raise ValueError("fused_kda_decode kernel: ssm pool [slot, layer] blocks must be row-major")
+    split = default_v_split(b, h, vd) if v_split is None else int(v_split)
+    if split < 1 or vd % split:
+        raise ValueError(f"fused_kda_decode kernel: v_split {split} must be >= 1 and divide V = {vd}")
     q_in, k_in, v_in, f, gate = (_row_major_rows(t) for t in (q_in, k_in, v_in, f, gate))
     wq, wk, wv = (w.contiguous() for w in (q_conv_weight, k_conv_weight, v_conv_weight))
     dt_bias, a_log, norm_weight = dt_bias.contiguous(), a_log.contiguous(), norm_weight.contiguous()
@@ -344,13 +428,20 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
     out = torch.empty(b, h, vd, dtype=v_in.dtype, device=v_in.device)
     if b == 0:
         return out
+    if split > 1:  # fp32 gated-but-unscaled outputs and per-part sums of squares (no zero fill needed)
+        part = torch.empty(b * h * vd, dtype=torch.float32, device=v_in.device)
+        sumsq = torch.empty(b * h * split, dtype=torch.float32, device=v_in.device)
+        arrivals = _arrival_counters(v_in.device, b * h)
+    else:
+        part = sumsq = arrivals = out  # unused
     use_pdl = use_pdl and pdl_available()
+    v_per = vd // split
     bk = triton.next_power_of_2(kd)
-    bv = min(triton.next_power_of_2(vd), V_BLOCK)
+    bv = min(triton.next_power_of_2(v_per), V_BLOCK)
     if num_warps is None:
         num_warps = 4 if bk * bv >= 64 * 32 else 1
     extra = {"launch_pdl": True} if use_pdl else {}
-    _fused_kda_decode_kernel[(b * h,)](
+    _fused_kda_decode_kernel[(b * h, split)](
         q_in, k_in, v_in, q_in.stride(0), k_in.stride(0), v_in.stride(0),
         wq, wk, wv,
         f, f.stride(0), wfb, dt_bias, a_log,
@@ -359,9 +450,10 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
         norm_weight,
         conv_pool, conv_pool.stride(0), layer * conv_pool.stride(1),
         ssm_pool, ssm_pool.stride(0), layer * ssm_pool.stride(1),
-        slots, out,
+        slots, out, part, sumsq, arrivals,
         float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps), kd ** -0.5,
         H=h, K=kd, V=vd, WIDTH=width, WPAD=triton.next_power_of_2(max(width - 1, 1)), BK=bk, BV=bv,
+        V_SPLIT=split, V_PER=v_per, SPLIT_PAD=max(2, triton.next_power_of_2(split)),
         SOFTPLUS_GATE=lower_bound is None, USE_PDL=bool(use_pdl),
         F_RANK=f_rank, G_RANK=g_rank, BR=min(32, triton.next_power_of_2(max(f_rank, g_rank, 1))), L2EPS=L2_EPS,
         num_warps=num_warps, **extra,

@@ -42,6 +42,20 @@ def cases():
     yield "K3 low-rank f (R=40, not a power of 2), bf16", dict(batch=2, heads=2, head_dim=16, lower_bound=-5.0,
                                                               f_rank=40, dtype=torch.bfloat16, slots=[1, 3])
     yield "no requests", dict(batch=0, heads=2, head_dim=16, lower_bound=-5.0)
+    # V split over several programs per head (the last part to arrive normalizes the head)
+    for lb in (None, -5.0):
+        variant = "Kimi-Linear softplus" if lb is None else "K3 lower bound"
+        yield f"{variant} V split 2, B=3 slots reversed", dict(batch=3, heads=2, head_dim=16, lower_bound=lb,
+                                                               slots=[5, 2, 0], v_split=2)
+        yield f"{variant} V split 4, bf16, layer 1", dict(batch=2, heads=3, head_dim=16, lower_bound=lb, layer=1,
+                                                          dtype=torch.bfloat16, slots=[1, 3], v_split=4)
+    yield "V split 2 of K=64 (32 columns a part), low-rank f and gate", dict(
+        batch=2, heads=1, head_dim=64, lower_bound=None, f_rank=64, g_rank=64, slots=[1, 0], v_split=2)
+    yield "V split 4 of K=64, full-rank gate, strided x rows", dict(
+        batch=2, heads=2, head_dim=64, lower_bound=-5.0, strided_inputs=True, slots=[3, 1], v_split=4)
+    yield "V split 8 (2 columns a part), conv width 2", dict(batch=2, heads=2, head_dim=16, lower_bound=None,
+                                                             width=2, slots=[1, 0], v_split=8)
+    yield "V split 2, no requests", dict(batch=0, heads=2, head_dim=16, lower_bound=-5.0, v_split=2)
 
 
 def main() -> int:
@@ -49,10 +63,11 @@ def main() -> int:
     failures, n = [], 0
     for name, kw in cases():
         n += 1
+        v_split = kw.pop("v_split", None)
         case = make_case(seed=n, **kw)
         ref_args, ker_args = case.args(), case.args()
         want = kda_decode.fused_kda_decode_reference(*ref_args)
-        got = kda_decode.fused_kda_decode_triton(*ker_args)
+        got = kda_decode.fused_kda_decode_triton(*ker_args, v_split=v_split)
         tol = TOL[case.dtype]
         problems = []
         if got.dtype != want.dtype or got.shape != want.shape:
@@ -67,6 +82,9 @@ def main() -> int:
             for what, idx, orig in (("conv", 12, case.conv_pool), ("ssm", 13, case.ssm_pool)):
                 if untouched and not torch.equal(ker_args[idx][untouched], orig[untouched]):
                     problems.append(f"{what} pool slots outside the batch changed")
+        if v_split and case.slots.numel():  # the arrival counters are zero again for the next launch
+            if kda_decode._arrivals[torch.device("cpu")].any():
+                problems.append("arrival counters not re-zeroed")
         failures += [f"{name}: {p}" for p in problems]
     return report(failures, n)
 
