@@ -41,7 +41,9 @@ _SOFTPLUS = (1.0, kda_decode.SOFTPLUS_THRESHOLD)  # (beta, threshold) the kernel
 
 @dataclass
 class FusedKDADecodeConfig(PassConfig):
-    use_pdl: bool = False  # launch the kernel with programmatic dependent launch (sm90+, Triton >= 3.4)
+    # programmatic dependent launch (where kernels/pdl.py says the GPU and Triton have it): the kernel's
+    # prologue overlaps the previous kernel's tail; False launches it plainly
+    use_pdl: bool = True
     absorb_low_rank: bool = True  # take f_b_proj / g_b_proj (mm of a low-rank input) into the fused op
 
 

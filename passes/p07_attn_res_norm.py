@@ -12,7 +12,7 @@ weight multiply. Optional casts are shown in brackets (bf16 graphs have them, fp
              with Mf = [_to_copy(mix, fp32)]
 
 and, without AttnRes (Kimi Linear's plain pre-norm residual), the same with mix = p (no stack).
-The replacement is `h, p' = k3.attn_res_norm(bank, x, delta, query, weight, res_eps, norm_eps)`:
+The replacement is `h, p' = k3.attn_res_norm(bank, x, delta, query, weight, res_eps, norm_eps, pdl)`:
 users of p take p', users of h take h; `sym_size(S, k)` becomes `sym_size(x, k - 1)`. `query`
 (γ ⊙ w, a product of two weights) is folded into one fp32 buffer at build time when it is made of
 constants; otherwise its node is passed as is.
@@ -44,6 +44,7 @@ FUSED = torch.ops.k3.attn_res_norm.default
 @dataclass
 class AttnResNormConfig(PassConfig):
     fold_query: bool = True  # compute γ ⊙ w once at build time when both are weights
+    pdl: bool = True  # programmatic dependent launch of the kernel (where kernels/pdl.py allows)
 
 
 def _match_read(mix: Node):
@@ -168,7 +169,7 @@ def attn_res_norm(gm: GraphModule, config: AttnResNormConfig) -> int:
                 _hoist(n, anchor, order)
         with g.inserting_before(anchor):
             fused = g.call_function(FUSED, (list(m["bank"]), m["x"], m["delta"], query, m["weight"],
-                                            m["res_eps"], m["norm_eps"]))
+                                            m["res_eps"], m["norm_eps"], bool(config.pdl)))
             h = g.call_function(operator.getitem, (fused, 0))
             p = g.call_function(operator.getitem, (fused, 1))
         for n in (fused, h, p):

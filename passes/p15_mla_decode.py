@@ -47,7 +47,7 @@ FUSED = torch.ops.k3.mla_decode_fused.default
 class MLADecodeConfig(PassConfig):
     prologue: bool = True  # fuse norms + KV write
     attention: bool = True  # replace mla_decode with the Triton split-K kernel
-    pdl: bool = False  # launch the attention kernels with programmatic dependent launch (sm90+)
+    pdl: bool = True  # prologue + attention kernels with programmatic dependent launch (where kernels/pdl.py allows)
 
 
 _FULL = 2 ** 62  # make_fx spells `x[:, a:]` as slice(slice(x, 0, 0, INT64_MAX), 1, a, INT64_MAX)
@@ -136,7 +136,7 @@ def _hoist_weight(node: Node, anchor: Node, order: dict) -> bool:
     return False
 
 
-def _fuse_prologue(gm: GraphModule, m: dict, fake_mode) -> bool:
+def _fuse_prologue(gm: GraphModule, m: dict, fake_mode, pdl: bool) -> bool:
     g = gm.graph
     order = {n: i for i, n in enumerate(g.nodes)}
     pattern = set(m["nodes"])
@@ -151,7 +151,8 @@ def _fuse_prologue(gm: GraphModule, m: dict, fake_mode) -> bool:
         return False
     with g.inserting_before(anchor):
         fused = g.call_function(PROLOGUE, (m["ckv"], m["kv_w"], m["kv_eps"], m["kv"], m["layer"], m["loc"],
-                                           q[0] if q else None, q[1] if q else None, q[2] if q else 0.0))
+                                           q[0] if q else None, q[1] if q else None, q[2] if q else 0.0,
+                                           bool(pdl)))
     set_meta_val(fused, fake_mode)
     if q is not None:
         replace_uses(q[4], fused, fake_mode)
@@ -186,7 +187,7 @@ def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
                 m = _match_prologue(write, norms, decoded)
             except NoMatch:
                 continue
-            if _fuse_prologue(gm, m, fake_mode):
+            if _fuse_prologue(gm, m, fake_mode, config.pdl):
                 matches += 1
                 norms = _norms_by_input(gm)
     if config.attention:

@@ -18,6 +18,10 @@ CPU (and any device without the kernel) runs `attn_res_norm_reference`; CUDA run
 program per token: pass 1 streams the rows once (the residual add, each row's rms and its logit),
 pass 2 re-reads the bank rows (L2-hot) for the weighted sum and normalizes it in registers.
 
+PDL (`pdl=True`, P7's default; CUDA sm90+ with Triton's device-side calls): the kernel loads its
+weights, waits for the previous kernel (`gdc_wait`), and releases its dependents once its inputs are
+read.
+
 Testing without a GPU: TRITON_INTERPRET=1 in the environment before this module is imported makes
 `attn_res_norm_triton` run on CPU tensors (tests/passes/kernels/interpret_attn_res_norm.py).
 """
@@ -30,6 +34,8 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only install: the op still works through the reference
     triton = None
+
+from .pdl import pdl_available
 
 MAX_BANK = 8  # K3: ceil(93 / 12) bank rows; the kernel has one pointer argument per row
 KERNEL_MAX_DIM = 16384  # one token's row lives in registers
@@ -108,20 +114,25 @@ if triton is not None:
         b0, b1, b2, b3, b4, b5, b6, b7,
         x_ptr, delta_ptr, query_ptr, weight_ptr, h_ptr, p_ptr,
         D, res_eps, norm_eps,
-        NUM_BANK: tl.constexpr, BLOCK_D: tl.constexpr, ROWS_PAD: tl.constexpr,
+        NUM_BANK: tl.constexpr, BLOCK_D: tl.constexpr, ROWS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         # all [N, D] tensors are contiguous (the wrapper makes sure), so a token's row starts at token * D
         token = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         m = cols < D
         base = token * D + cols
+        # weights first: with PDL these loads overlap the previous kernel's tail
+        w = tl.load(weight_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if NUM_BANK > 0:
+            q = tl.load(query_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # x, delta and the bank rows come from earlier kernels
         x = tl.load(x_ptr + base, mask=m, other=0.0)
         dl = tl.load(delta_ptr + base, mask=m, other=0.0)
         p = (x.to(tl.float32) + dl.to(tl.float32)).to(x.dtype)  # the residual add, rounded like torch
         tl.store(p_ptr + base, p, mask=m)
         pf = p.to(tl.float32)
         if NUM_BANK > 0:
-            q = tl.load(query_ptr + cols, mask=m, other=0.0).to(tl.float32)
             idx = tl.arange(0, ROWS_PAD)
             logits = tl.full([ROWS_PAD], float("-inf"), tl.float32)
             for j in tl.static_range(NUM_BANK):
@@ -139,9 +150,10 @@ if triton is not None:
             mix = acc.to(x.dtype).to(tl.float32)
         else:
             mix = pf
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()  # inputs read
         inv = tl.rsqrt(tl.sum(mix * mix, axis=0) / D + norm_eps)
         normed = (mix * inv).to(x.dtype).to(tl.float32)
-        w = tl.load(weight_ptr + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(h_ptr + base, (w * normed).to(h_ptr.dtype.element_ty), mask=m)
 
 
@@ -149,7 +161,8 @@ def kernel_supports(dim: int, num_bank: int) -> bool:
     return triton is not None and dim <= KERNEL_MAX_DIM and num_bank <= MAX_BANK
 
 
-def attn_res_norm_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, num_warps: int | None = None):
+def attn_res_norm_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, num_warps: int | None = None,
+                         pdl: bool = False):
     """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
     check_args(bank, x, delta, query, norm_weight)
     if triton is None:
@@ -167,10 +180,13 @@ def attn_res_norm_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, 
     block = triton.next_power_of_2(d)
     if num_warps is None:
         num_warps = 8 if block >= 4096 else (4 if block >= 1024 else 1)
+    pdl = bool(pdl) and x.is_cuda and pdl_available(x.device.index)
+    extra = {"launch_pdl": True} if pdl else {}
     _attn_res_norm_kernel[(n,)](
         *rows, x, delta, query.contiguous() if query is not None else norm_weight, norm_weight.contiguous(), h, p,
         d, float(res_eps), float(norm_eps),
-        NUM_BANK=len(bank), BLOCK_D=block, ROWS_PAD=triton.next_power_of_2(len(bank) + 1), num_warps=num_warps)
+        NUM_BANK=len(bank), BLOCK_D=block, ROWS_PAD=triton.next_power_of_2(len(bank) + 1), USE_PDL=pdl,
+        num_warps=num_warps, **extra)
     return h, p
 
 
@@ -178,20 +194,21 @@ def attn_res_norm_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, 
 
 @torch.library.custom_op("k3::attn_res_norm", mutates_args=())
 def attn_res_norm(bank: list[torch.Tensor], x: torch.Tensor, delta: torch.Tensor, query: torch.Tensor | None,
-                  norm_weight: torch.Tensor, res_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  norm_weight: torch.Tensor, res_eps: float, norm_eps: float,
+                  pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, p): RMSNorm of the AttnRes read over bank + [x + delta], and x + delta. See module doc."""
     return attn_res_norm_reference(bank, x, delta, query, norm_weight, res_eps, norm_eps)
 
 
 @attn_res_norm.register_kernel("cuda")
-def _attn_res_norm_cuda(bank, x, delta, query, norm_weight, res_eps, norm_eps):
+def _attn_res_norm_cuda(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl=False):
     if kernel_supports(x.shape[-1], len(bank)):
         with torch.cuda.device(x.device):
-            return attn_res_norm_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps)
+            return attn_res_norm_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl=pdl)
     return attn_res_norm_reference(bank, x, delta, query, norm_weight, res_eps, norm_eps)
 
 
 @attn_res_norm.register_fake
-def _attn_res_norm_fake(bank, x, delta, query, norm_weight, res_eps, norm_eps):
+def _attn_res_norm_fake(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl=False):
     check_args(bank, x, delta, query, norm_weight)
     return x.new_empty(x.shape, dtype=_out_dtype(x, norm_weight)), torch.empty_like(x)

@@ -42,14 +42,13 @@ Testing without a GPU: with TRITON_INTERPRET=1 in the environment *before this m
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 from torch.library import custom_op
 
 from k3compile.model_def.ops import library as k3ops  # noqa: F401  (registers the unfused k3 ops)
 from k3compile.model_def.ops.kda_math import L2_EPS, kda_gate
+
+from .pdl import pdl_available
 
 try:
     import triton
@@ -71,18 +70,6 @@ LOW_RANK_IN_KERNEL_MAX_BATCH = 16
 # per (request, head) leaves 100 of 132 SMs idle and the kernel latency-bound.
 TARGET_PROGRAMS = 256
 MIN_V_PER_PROGRAM = 16
-
-@functools.lru_cache(maxsize=None)
-def pdl_available() -> bool:
-    """Triton can launch with PDL and has the device-side calls (Triton >= 3.4 on sm90+)."""
-    if triton is None or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        return False
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.get_device_capability()[0] >= 9
-
 
 # --------------------------------------------------------------------------- argument checks
 
@@ -434,7 +421,7 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
         arrivals = _arrival_counters(v_in.device, b * h)
     else:
         part = sumsq = arrivals = out  # unused
-    use_pdl = use_pdl and pdl_available()
+    use_pdl = use_pdl and v_in.is_cuda and pdl_available(v_in.device.index)
     v_per = vd // split
     bk = triton.next_power_of_2(kd)
     bv = min(triton.next_power_of_2(v_per), V_BLOCK)

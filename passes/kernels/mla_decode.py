@@ -26,7 +26,8 @@ rows are shared by all heads: MQA in latent space, as in FlashMLA).
 PDL (`pdl=True`, CUDA sm90+): both attention kernels launch with programmatic dependent launch and
 call `gdc_wait` before touching anything an earlier kernel produced (q, the pool, the partials),
 and the split kernel calls `gdc_launch_dependents` once its loop is done so the merge kernel's
-launch overlaps its tail. Off by default; P15's config turns it on.
+launch overlaps its tail; the prologue (`pdl` argument) waits before reading ckv / q_a and releases
+its dependents once they are read. Off by default in the ops; P15's config turns it on (its default).
 
 CPU (and any device without Triton) runs the references, which are the exact compositions of
 `model_def` ops (`attention_math.mla_decode_latent`, `k3::kv_write`). Testing without a GPU:
@@ -38,6 +39,8 @@ from __future__ import annotations
 import torch
 
 from k3compile.model_def.ops import attention_math
+
+from .pdl import pdl_available
 
 try:
     import triton
@@ -133,9 +136,12 @@ if triton is not None:
         qa_ptr, qa_stride, q_w_ptr, q_eps, q_out_ptr,
         R: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, Q_DIM: tl.constexpr, ROW_DTYPE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_Q: tl.constexpr, HAS_Q: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         # pool_ptr already points at layer `layer` of page 0
         tok = tl.program_id(0).to(tl.int64)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # ckv / q_a come from the GEMM before; the pool is read after us
         loc = tl.load(loc_ptr + tok).to(tl.int64)
         dst = pool_ptr + (loc // PAGE) * pool_stride_page + (loc % PAGE) * pool_stride_slot
         src = ckv_ptr + tok * ckv_stride
@@ -149,7 +155,11 @@ if triton is not None:
         if HAS_Q:
             qc = tl.arange(0, BLOCK_Q)
             q = _rms_row(qa_ptr + tok * qa_stride, q_w_ptr, Q_DIM, q_eps, BLOCK_Q)
+            if USE_PDL:
+                tl.extra.cuda.gdc_launch_dependents()  # inputs read; only our store remains
             tl.store(q_out_ptr + tok * Q_DIM + qc, q.to(q_out_ptr.dtype.element_ty), mask=qc < Q_DIM)
+        elif USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _decode_split_kernel(
@@ -269,7 +279,7 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
     part = torch.empty(B, H, splits, R, dtype=torch.float32, device=q_nope.device)
     lse = torch.empty(B, H, splits, dtype=torch.float32, device=q_nope.device)
     layer_view = kv_pool[:, layer]  # [P, page, W]: base pointer of this layer, strides of the pool
-    pdl = bool(pdl) and q_nope.is_cuda
+    pdl = bool(pdl) and q_nope.is_cuda and pdl_available(q_nope.device.index)
     extra = {"launch_pdl": True} if pdl else {}
     _decode_split_kernel[(B, triton.cdiv(H, block_h), splits)](
         q_nope, q_nope.stride(0), q_nope.stride(1), q_rope, q_rope.stride(0), q_rope.stride(1),
@@ -286,7 +296,7 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
 
 
 def prologue_triton(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a=None, q_norm_weight=None,
-                    q_eps=0.0) -> torch.Tensor:
+                    q_eps=0.0, pdl: bool = False) -> torch.Tensor:
     check_prologue_args(ckv, kv_norm_weight, kv_pool, layer, out_cache_loc, q_a, q_norm_weight)
     if triton is None:
         raise RuntimeError("mla_decode_prologue: triton is not installed")
@@ -307,6 +317,8 @@ def prologue_triton(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, 
         return q_out
     layer_view = kv_pool[:, layer]
     q_dim = q_a.shape[1] if has_q else 1
+    pdl = bool(pdl) and ckv.is_cuda and pdl_available(ckv.device.index)
+    extra = {"launch_pdl": True} if pdl else {}
     _prologue_kernel[(n,)](
         ckv, ckv.stride(0), kv_norm_weight, float(kv_eps), layer_view, layer_view.stride(0), layer_view.stride(1),
         out_cache_loc,
@@ -315,7 +327,7 @@ def prologue_triton(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, 
         R=r, ROPE=width - r, PAGE=kv_pool.shape[2], Q_DIM=q_dim,
         ROW_DTYPE=_TL_DTYPES[torch.promote_types(kv_norm_weight.dtype, ckv.dtype)], BLOCK_R=triton.next_power_of_2(r),
         BLOCK_ROPE=triton.next_power_of_2(width - r), BLOCK_Q=triton.next_power_of_2(q_dim), HAS_Q=has_q,
-        num_warps=4)
+        USE_PDL=pdl, num_warps=4, **extra)
     return q_out
 
 
@@ -324,22 +336,24 @@ def prologue_triton(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, 
 @torch.library.custom_op("k3::mla_decode_prologue", mutates_args=("kv_pool",))
 def mla_decode_prologue(ckv: torch.Tensor, kv_norm_weight: torch.Tensor, kv_eps: float, kv_pool: torch.Tensor,
                         layer: int, out_cache_loc: torch.Tensor, q_a: torch.Tensor | None,
-                        q_norm_weight: torch.Tensor | None, q_eps: float) -> torch.Tensor:
+                        q_norm_weight: torch.Tensor | None, q_eps: float, pdl: bool = False) -> torch.Tensor:
     """kv norm + KV page write (+ q_a norm); see module doc."""
     return prologue_reference(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a, q_norm_weight, q_eps)
 
 
 @mla_decode_prologue.register_kernel("cuda")
-def _prologue_cuda(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a, q_norm_weight, q_eps):
+def _prologue_cuda(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a, q_norm_weight, q_eps,
+                   pdl=False):
     if triton is not None:
         with torch.cuda.device(ckv.device):
             return prologue_triton(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a, q_norm_weight,
-                                   q_eps)
+                                   q_eps, pdl)
     return prologue_reference(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a, q_norm_weight, q_eps)
 
 
 @mla_decode_prologue.register_fake
-def _prologue_fake(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a, q_norm_weight, q_eps):
+def _prologue_fake(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_a, q_norm_weight, q_eps,
+                   pdl=False):
     if q_a is None:
         return ckv.new_empty(0)
     return q_a.new_empty(q_a.shape, dtype=torch.promote_types(q_norm_weight.dtype, q_a.dtype))
@@ -355,7 +369,7 @@ def mla_decode_fused(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.
 @mla_decode_fused.register_kernel("cuda")
 def _decode_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl):
     if kernel_supports_decode(q_nope.shape[-1], q_rope.shape[-1]):
-        use_pdl = pdl and torch.cuda.get_device_capability(q_nope.device)[0] >= 9
+        use_pdl = pdl and pdl_available(q_nope.device.index)
         with torch.cuda.device(q_nope.device):
             return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl)
     return decode_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale)

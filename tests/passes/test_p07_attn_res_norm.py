@@ -51,6 +51,7 @@ def test_one_fused_norm_per_residual_prenorm(name, mode):
             assert q.op == "get_attr" and getattr(gm, q.target).dtype == torch.float32
         assert not any("res_proj" in k or "res_norm" in k for k in gm.state_dict())
     assert all(f.args[6] == cfg.rms_norm_eps and (not f.args[0] or f.args[5] == cfg.rms_norm_eps) for f in fused)
+    assert all(f.args[7] is True for f in fused)  # PDL on by default (the kernel checks the GPU)
     code = gm.code
     assert run_pass(gm, P7) == 0 and gm.code == code
 
