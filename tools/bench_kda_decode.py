@@ -22,6 +22,7 @@ import torch
 from k3compile.model_def.config import get_preset
 from k3compile.model_def.ops.cuda_backend import BACKENDS
 from k3compile.passes.kernels import kda_decode
+from k3compile.passes.kernels.pdl import pdl_available
 
 
 def make_layer_inputs(batch, heads, head_dim, lower_bound, full_rank_gate, layers, dtype, gen, dev="cuda"):
@@ -55,26 +56,36 @@ def make_layer_inputs(batch, heads, head_dim, lower_bound, full_rank_gate, layer
     return per_layer
 
 
-def unfused(args, use_pdl=False):
+def unfused(args, use_pdl=False, v_split=None):
     return kda_decode.fused_kda_decode_reference(*args)  # the unfused ops, dispatched to their CUDA kernels
 
 
-def fused(args, use_pdl=False):
-    return torch.ops.k3.fused_kda_decode(*args, use_pdl=use_pdl)  # the CUDA registration P5's graphs call
+def fused(args, use_pdl=False, v_split=None):
+    """What P5's graphs run: the CUDA registration (cuBLAS up-projections above the absorb batch), with the
+    kernel's V split forced to `v_split` (None: the default heuristic; 1: one program per (request, head),
+    the schedule before the split)."""
+    if v_split is None:
+        return torch.ops.k3.fused_kda_decode(*args, use_pdl=use_pdl)
+    args = list(args)
+    if args[0].shape[0] > kda_decode.LOW_RANK_IN_KERNEL_MAX_BATCH:
+        h = args[8].shape[0]
+        args[6], args[10] = kda_decode.expand_low_rank(args[6], args[10], args[18], args[19], h)
+        args[18] = args[19] = None
+    return kda_decode.fused_kda_decode_triton(*args, use_pdl=use_pdl, v_split=v_split)
 
 
-def time_graph(fn, layer_args, use_pdl, replays):
+def time_graph(fn, layer_args, use_pdl, replays, v_split=None):
     for args in layer_args:  # warm up: Triton compile, fla autotune
-        fn(args, use_pdl)
+        fn(args, use_pdl, v_split)
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
-        fn(layer_args[0], use_pdl)
+        fn(layer_args[0], use_pdl, v_split)
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, stream=stream):
             for args in layer_args:
-                fn(args, use_pdl)
+                fn(args, use_pdl, v_split)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     times = []
     for _ in range(replays):
@@ -97,6 +108,17 @@ def kernels_per_layer(fn, args) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def check_split(args, v_split) -> float:
+    """Normwise relative error of the forced-split kernel's output vs the reference (private pool copies)."""
+    def private(a):
+        a = list(a)
+        a[12], a[13] = a[12].clone(), a[13].clone()
+        return a
+    got = fused(private(args), False, v_split).float()
+    want = kda_decode.fused_kda_decode_reference(*private(args)).float()
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="kimi-linear-48b")
@@ -104,32 +126,43 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--layers", type=int, default=20, help="KDA layers per graph (48B has 20)")
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4, 8],
+                    help="forced V splits to time besides the default (1 = the kernel before the split)")
+    ap.add_argument("--no-unfused", action="store_true", help="skip the unfused-ops arm")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     cfg = get_preset(a.preset)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     gen = torch.Generator().manual_seed(0)
-    pdl = kda_decode.pdl_available()
+    pdl = pdl_available()
     print(f"{a.preset}: H={cfg.kda_num_heads} K=V={cfg.kda_head_dim} gate="
           f"{'softplus' if cfg.gate_lower_bound is None else f'lower bound {cfg.gate_lower_bound}'} {a.dtype}; "
           f"unfused KDA backend: {BACKENDS.get('kda')}; PDL available: {pdl}; {torch.cuda.get_device_name()}")
-    print("| batch | unfused µs/layer | fused µs/layer | fused+PDL µs/layer | speedup "
-          "| kernels/layer unfused → fused |")
+    print("| batch | arm | V split | µs/layer | µs/layer with PDL | rel err vs reference |")
     print("|---|---|---|---|---|---|")
     rows = []
     for b in a.batch:
         layer_args = make_layer_inputs(b, cfg.kda_num_heads, cfg.kda_head_dim, cfg.gate_lower_bound,
                                        cfg.kda_full_rank_gate, a.layers, dtype, gen)
-        t_unfused = time_graph(unfused, layer_args, False, a.replays)
-        t_fused = time_graph(fused, layer_args, False, a.replays)
-        t_pdl = time_graph(fused, layer_args, True, a.replays) if pdl else None
-        k_unfused, k_fused = kernels_per_layer(unfused, layer_args[0]), kernels_per_layer(fused, layer_args[0])
-        row = dict(preset=a.preset, dtype=a.dtype, batch=b, unfused_us=t_unfused, fused_us=t_fused,
-                   fused_pdl_us=t_pdl, kernels_unfused=k_unfused, kernels_fused=k_fused)
-        rows.append(row)
-        pdl_s = f"{t_pdl:.2f}" if t_pdl is not None else "n/a"
-        print(f"| {b} | {t_unfused:.2f} | {t_fused:.2f} | {pdl_s} | {t_unfused / t_fused:.1f}x | "
-              f"{k_unfused} → {k_fused} |", flush=True)
+        default_split = kda_decode.default_v_split(b, cfg.kda_num_heads, cfg.kda_head_dim)
+        arms = [] if a.no_unfused else [("unfused", unfused, None)]
+        arms += [("fused default", fused, None)]
+        arms += [(f"fused split {s}" + (" (old kernel schedule)" if s == 1 else ""), fused, s)
+                 for s in a.splits if cfg.kda_head_dim % s == 0]
+        for name, fn, split in arms:
+            t = time_graph(fn, layer_args, False, a.replays, split)
+            t_pdl = time_graph(fn, layer_args, True, a.replays, split) if pdl and fn is fused else None
+            err = check_split(layer_args[0], split) if fn is fused else None
+            row = dict(preset=a.preset, dtype=a.dtype, batch=b, arm=name,
+                       v_split=default_split if fn is fused and split is None else split,
+                       us_per_layer=t, us_per_layer_pdl=t_pdl, rel_err=err)
+            rows.append(row)
+            pdl_s = f"{t_pdl:.2f}" if t_pdl is not None else "n/a"
+            err_s = f"{err:.2e}" if err is not None else "-"
+            print(f"| {b} | {name} | {row['v_split'] or '-'} | {t:.2f} | {pdl_s} | {err_s} |", flush=True)
+        if not a.no_unfused:
+            rows.append(dict(preset=a.preset, batch=b, kernels_unfused=kernels_per_layer(unfused, layer_args[0]),
+                             kernels_fused=kernels_per_layer(fused, layer_args[0])))
         del layer_args
         torch.cuda.empty_cache()
     if a.out:

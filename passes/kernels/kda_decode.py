@@ -368,18 +368,20 @@ def default_v_split(batch: int, heads: int, value_dim: int) -> int:
 
 
 _arrivals: dict = {}  # device -> int32 counters, zero between launches (the last part of a head re-zeroes its own)
+_outgrown: list = []  # smaller counter buffers that captured graphs may still use: never freed
 
 
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     buf = _arrivals.get(device)
     if buf is not None and buf.numel() >= n:
         return buf
-    buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         # zeroed by a memset node of this graph only, so no other graph may share it (the executor's eager
         # warm-up, before any capture, normally allocates the shared one)
-        return buf
-    _arrivals[device] = buf
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    if buf is not None:
+        _outgrown.append(buf)
+    buf = _arrivals[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return buf
 
 
