@@ -47,12 +47,12 @@ def cases():
         variant = "Kimi-Linear softplus" if lb is None else "K3 lower bound"
         yield f"{variant} V split 2, B=3 slots reversed", dict(batch=3, heads=2, head_dim=16, lower_bound=lb,
                                                                slots=[5, 2, 0], v_split=2)
-        yield f"{variant} V split 4, bf16, layer 1", dict(batch=2, heads=3, head_dim=16, lower_bound=lb, layer=1,
+        yield f"{variant} V split 4, bf16, layer 1", dict(batch=2, heads=2, head_dim=16, lower_bound=lb, layer=1,
                                                           dtype=torch.bfloat16, slots=[1, 3], v_split=4)
-    yield "V split 2 of K=64 (32 columns a part), low-rank f and gate", dict(
-        batch=2, heads=1, head_dim=64, lower_bound=None, f_rank=64, g_rank=64, slots=[1, 0], v_split=2)
-    yield "V split 4 of K=64, full-rank gate, strided x rows", dict(
-        batch=2, heads=2, head_dim=64, lower_bound=-5.0, strided_inputs=True, slots=[3, 1], v_split=4)
+    yield "V split 2 of K=32, low-rank f and gate", dict(
+        batch=2, heads=1, head_dim=32, lower_bound=None, f_rank=32, g_rank=32, slots=[1, 0], v_split=2)
+    yield "V split 4 of K=32, strided x rows", dict(batch=2, heads=2, head_dim=32, lower_bound=-5.0,
+                                                     strided_inputs=True, slots=[3, 1], v_split=4)
     yield "V split 8 (2 columns a part), conv width 2", dict(batch=2, heads=2, head_dim=16, lower_bound=None,
                                                              width=2, slots=[1, 0], v_split=8)
     yield "V split 2, no requests", dict(batch=0, heads=2, head_dim=16, lower_bound=-5.0, v_split=2)
