@@ -13,7 +13,10 @@ weight multiply. Optional casts are shown in brackets (bf16 graphs have them, fp
 
 and, without AttnRes (Kimi Linear's plain pre-norm residual), the same with mix = p (no stack).
 The replacement is `h, p' = k3.attn_res_norm(bank, x, delta, query, weight, res_eps, norm_eps, pdl)`:
-users of p take p', users of h take h; `sym_size(S, k)` becomes `sym_size(x, k - 1)`. `query`
+users of p take p', users of h take h; `sym_size(S, k)` becomes `sym_size(x, k - 1)`. Where h (not
+fp32 itself) is also cast to fp32 (`_to_copy(h, dtype=fp32)`: the MoE router's GEMM input), the node is
+`k3.attn_res_norm_f32` instead, whose third output, h's fp32 copy written by the same kernel, replaces
+those casts (one copy kernel fewer per MoE layer; `fp32_copy=False` keeps them). `query`
 (γ ⊙ w, a product of two weights) is folded into one fp32 buffer at build time when it is made of
 constants; otherwise its node is passed as is.
 
@@ -34,17 +37,19 @@ from torch.fx import GraphModule, Node
 from .graph_utils import (add_constant, attr_tensor, drop_unused_constants, erase_if_dead, erase_subgraph, fake_mode_of,
                           is_call, replace_uses, set_meta_val, val_of)
 from .kernels import attn_res_norm as _kernel  # registers torch.ops.k3.attn_res_norm
-from .patterns import NoMatch, match_rms_norm, need, rms_chain, strip_cast
+from .patterns import NoMatch, is_cast, match_rms_norm, need, rms_chain, strip_cast
 from .registry import PassConfig, register_pass
 
 aten = torch.ops.aten
 FUSED = torch.ops.k3.attn_res_norm.default
+FUSED_F32 = torch.ops.k3.attn_res_norm_f32.default  # the same, plus h's fp32 copy
 
 
 @dataclass
 class AttnResNormConfig(PassConfig):
     fold_query: bool = True  # compute γ ⊙ w once at build time when both are weights
     pdl: bool = True  # programmatic dependent launch of the kernel (where kernels/pdl.py allows)
+    fp32_copy: bool = True  # h's fp32 casts (the router GEMM's input) written by the kernel, not a copy kernel
 
 
 def _match_read(mix: Node):
@@ -167,13 +172,23 @@ def attn_res_norm(gm: GraphModule, config: AttnResNormConfig) -> int:
         for n in (m["weight"], query):
             if n is not None:
                 _hoist(n, anchor, order)
+        # fp32 casts of h (the MoE router's GEMM input): the kernel writes that copy too
+        casts = [u for u in m["out"].users if is_cast(u, torch.float32)] if config.fp32_copy else []
+        if val_of(m["out"]) is None or val_of(m["out"]).dtype == torch.float32:
+            casts = []
         with g.inserting_before(anchor):
-            fused = g.call_function(FUSED, (list(m["bank"]), m["x"], m["delta"], query, m["weight"],
-                                            m["res_eps"], m["norm_eps"], bool(config.pdl)))
+            fused = g.call_function(FUSED_F32 if casts else FUSED, (
+                list(m["bank"]), m["x"], m["delta"], query, m["weight"], m["res_eps"], m["norm_eps"],
+                bool(config.pdl)))
             h = g.call_function(operator.getitem, (fused, 0))
             p = g.call_function(operator.getitem, (fused, 1))
-        for n in (fused, h, p):
-            set_meta_val(n, fake_mode)
+            h32 = g.call_function(operator.getitem, (fused, 2)) if casts else None
+        for n in (fused, h, p, h32):
+            if n is not None:
+                set_meta_val(n, fake_mode)
+        for cast in casts:
+            replace_uses(cast, h32, fake_mode)
+            g.erase_node(cast)
         replace_uses(m["out"], h, fake_mode)
         stack = m["stack"]
         if stack is not None:

@@ -112,9 +112,10 @@ if triton is not None:
     @triton.jit
     def _attn_res_norm_kernel(
         b0, b1, b2, b3, b4, b5, b6, b7,
-        x_ptr, delta_ptr, query_ptr, weight_ptr, h_ptr, p_ptr,
+        x_ptr, delta_ptr, query_ptr, weight_ptr, h_ptr, p_ptr, h32_ptr,
         D, res_eps, norm_eps,
         NUM_BANK: tl.constexpr, BLOCK_D: tl.constexpr, ROWS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+        WRITE_H32: tl.constexpr,
     ):
         # all [N, D] tensors are contiguous (the wrapper makes sure), so a token's row starts at token * D
         token = tl.program_id(0).to(tl.int64)
@@ -154,7 +155,10 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()  # inputs read
         inv = tl.rsqrt(tl.sum(mix * mix, axis=0) / D + norm_eps)
         normed = (mix * inv).to(x.dtype).to(tl.float32)
-        tl.store(h_ptr + base, (w * normed).to(h_ptr.dtype.element_ty), mask=m)
+        h = (w * normed).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + base, h, mask=m)
+        if WRITE_H32:  # h's fp32 copy for a consumer that casts it (the router's fp32 GEMM)
+            tl.store(h32_ptr + base, h.to(tl.float32), mask=m)
 
 
 def kernel_supports(dim: int, num_bank: int) -> bool:
@@ -162,7 +166,8 @@ def kernel_supports(dim: int, num_bank: int) -> bool:
 
 
 def attn_res_norm_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, num_warps: int | None = None,
-                         pdl: bool = False):
+                         pdl: bool = False, with_fp32: bool = False):
+    """(h, p), or (h, p, h.float()) with `with_fp32`."""
     """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
     check_args(bank, x, delta, query, norm_weight)
     if triton is None:
@@ -174,8 +179,9 @@ def attn_res_norm_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, 
     x, delta = x.contiguous(), delta.contiguous()
     h = torch.empty(n, d, dtype=_out_dtype(x, norm_weight), device=x.device)
     p = torch.empty_like(x)
+    h32 = torch.empty(n, d, dtype=torch.float32, device=x.device) if with_fp32 else h
     if n == 0:
-        return h, p
+        return (h, p, h32) if with_fp32 else (h, p)
     rows = bank + [x] * (MAX_BANK - len(bank))  # unused pointer slots: any valid tensor
     block = triton.next_power_of_2(d)
     if num_warps is None:
@@ -183,11 +189,12 @@ def attn_res_norm_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, 
     pdl = bool(pdl) and x.is_cuda and pdl_available(x.device.index)
     extra = {"launch_pdl": True} if pdl else {}
     _attn_res_norm_kernel[(n,)](
-        *rows, x, delta, query.contiguous() if query is not None else norm_weight, norm_weight.contiguous(), h, p,
+        *rows, x, delta, query.contiguous() if query is not None else norm_weight, norm_weight.contiguous(),
+        h, p, h32,
         d, float(res_eps), float(norm_eps),
         NUM_BANK=len(bank), BLOCK_D=block, ROWS_PAD=triton.next_power_of_2(len(bank) + 1), USE_PDL=pdl,
-        num_warps=num_warps, **extra)
-    return h, p
+        WRITE_H32=with_fp32, num_warps=num_warps, **extra)
+    return (h, p, h32) if with_fp32 else (h, p)
 
 
 # --------------------------------------------------------------------------- the k3 op
@@ -212,3 +219,30 @@ def _attn_res_norm_cuda(bank, x, delta, query, norm_weight, res_eps, norm_eps, p
 def _attn_res_norm_fake(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl=False):
     check_args(bank, x, delta, query, norm_weight)
     return x.new_empty(x.shape, dtype=_out_dtype(x, norm_weight)), torch.empty_like(x)
+
+
+@torch.library.custom_op("k3::attn_res_norm_f32", mutates_args=())
+def attn_res_norm_f32(bank: list[torch.Tensor], x: torch.Tensor, delta: torch.Tensor, query: torch.Tensor | None,
+                      norm_weight: torch.Tensor, res_eps: float, norm_eps: float,
+                      pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k3::attn_res_norm plus h's fp32 copy from the same kernel (saves the cast kernel of a consumer that
+    reads h in fp32, such as the MoE router's GEMM)."""
+    h, p = attn_res_norm_reference(bank, x, delta, query, norm_weight, res_eps, norm_eps)
+    return h, p, h.float()
+
+
+@attn_res_norm_f32.register_kernel("cuda")
+def _attn_res_norm_f32_cuda(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl=False):
+    if kernel_supports(x.shape[-1], len(bank)):
+        with torch.cuda.device(x.device):
+            return attn_res_norm_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl=pdl,
+                                        with_fp32=True)
+    h, p = attn_res_norm_reference(bank, x, delta, query, norm_weight, res_eps, norm_eps)
+    return h, p, h.float()
+
+
+@attn_res_norm_f32.register_fake
+def _attn_res_norm_f32_fake(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl=False):
+    check_args(bank, x, delta, query, norm_weight)
+    return (x.new_empty(x.shape, dtype=_out_dtype(x, norm_weight)), torch.empty_like(x),
+            x.new_empty(x.shape, dtype=torch.float32))

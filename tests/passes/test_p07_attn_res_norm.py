@@ -114,3 +114,24 @@ def test_a_norm_without_a_residual_add_is_left_alone():
     d = 16
     gm = _trace(lambda x, y, w: _norm(x * y, w), torch.randn(2, d), torch.randn(2, d), torch.randn(d))
     assert run_pass(gm, P7) == 0
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fp32_casts_of_h_come_from_the_kernel(name):
+    """bf16 decode: each MoE layer's router casts h to fp32; P7 emits attn_res_norm_f32 there (one per
+    MoE layer) and the casts are gone; fp32_copy=False keeps them; fp32 graphs have no such cast."""
+    from k3compile.passes.manager import snapshot
+    F32 = torch.ops.k3.attn_res_norm_f32.default
+    moe = layer_counts(model(name).config)["moe"]
+    base = graph(name, "decode", torch.bfloat16)
+    gm, kept = snapshot(base), snapshot(base)
+    casts0 = op_counts(base)[aten._to_copy.default]
+    assert run_pass(gm, P7) == run_pass(kept, P7, fp32_copy=False)
+    assert op_counts(gm)[F32] == moe and op_counts(kept)[F32] == 0
+    assert op_counts(kept)[aten._to_copy.default] - op_counts(gm)[aten._to_copy.default] == moe
+    assert op_counts(kept)[aten._to_copy.default] < casts0  # (P7 takes other casts in either way)
+    x = inputs_for(name, "decode", torch.bfloat16)
+    assert_same_step(run_graph(gm, x), run_graph(kept, x), BF16_TOL, "fp32 copy from the kernel")
+    fp32 = graph(name, "decode")
+    run_pass(fp32, P7)
+    assert op_counts(fp32)[F32] == 0

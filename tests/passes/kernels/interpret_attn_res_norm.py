@@ -40,7 +40,10 @@ def main() -> int:
     failures, n = [], 0
     for name, bank, x, delta, query, weight in cases():
         n += 1
-        h, p = arn.attn_res_norm_triton(bank, x, delta, query, weight, 1e-5, 1e-6)
+        with_fp32 = x.dtype == torch.bfloat16  # k3::attn_res_norm_f32's extra output: h's fp32 copy
+        h, p, *h32 = arn.attn_res_norm_triton(bank, x, delta, query, weight, 1e-5, 1e-6, with_fp32=with_fp32)
+        if with_fp32 and not (h32[0].dtype == torch.float32 and torch.equal(h32[0], h.float())):
+            failures.append(f"{name}: the fp32 copy is not h.float()")
         h0, p0 = arn.attn_res_norm_reference(bank, x, delta, query, weight, 1e-5, 1e-6)
         tol = 1e-5 if x.dtype == torch.float32 else 3e-2  # normwise; see the module doc on bf16
         if h.dtype != h0.dtype or p.dtype != p0.dtype or h.shape != h0.shape:
