@@ -96,3 +96,5 @@ def test_cuda_kernel_matches_reference(tokens, dim, bank_rows, dtype):
     assert ((h.float().cpu() - h0.float()).abs().max() / h0.float().abs().max()).item() <= tol
     h2, _ = attn_res_norm_triton(*cuda, 1e-5, 1e-5)
     assert torch.equal(h, h2)  # the op's CUDA kernel is the Triton kernel
+    h3, p3, h32 = torch.ops.k3.attn_res_norm_f32(*cuda, 1e-5, 1e-5, True)  # with PDL where available
+    assert torch.equal(h3, h) and torch.equal(p3, p) and torch.equal(h32, h.float())
