@@ -209,6 +209,16 @@ if triton is not None:
         tl.store(win_ptr + chans * (WIDTH - 1) + WIDTH - 2, x.to(pool_dtype), mask=mask & (WIDTH > 1))
 
     @triton.jit
+    def _norm_gate(gate_row_ptr, gate_head, wgb_ptr, normw_ptr, head, ov, mv, V: tl.constexpr, G_RANK: tl.constexpr,
+                   BV: tl.constexpr, BR: tl.constexpr):
+        """norm_weight * sigmoid(gate) for columns `ov` of head `head` (G_RANK > 0: g_b_proj's GEMV here)."""
+        if G_RANK > 0:
+            gate = _low_rank_rows(gate_row_ptr, wgb_ptr, head * V + ov, mv, G_RANK, BV, BR)
+        else:
+            gate = tl.load(gate_row_ptr + head * gate_head + ov, mask=mv, other=0.0).to(tl.float32)
+        return tl.load(normw_ptr + ov, mask=mv, other=0.0).to(tl.float32) * tl.sigmoid(gate)
+
+    @triton.jit
     def _fused_kda_decode_kernel(
         xq_ptr, xk_ptr, xv_ptr, xq_row, xk_row, xv_row,
         wq_ptr, wk_ptr, wv_ptr,
@@ -301,13 +311,9 @@ if triton is not None:
             if V_SPLIT == 1:
                 tl.store(out_row + ov, o, mask=mv)
             else:
-                if G_RANK > 0:
-                    gate = _low_rank_rows(gate_ptr + req * gate_row, wgb_ptr, head * V + ov, mv, G_RANK, BV, BR)
-                else:
-                    gate = tl.load(gate_ptr + req * gate_row + head * gate_head + ov, mask=mv,
-                                   other=0.0).to(tl.float32)
-                normw = tl.load(normw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
-                tl.store(part_ptr + bh * V + ov, of * normw * tl.sigmoid(gate), mask=mv)
+                gain = _norm_gate(gate_ptr + req * gate_row, gate_head, wgb_ptr, normw_ptr, head, ov, mv, V, G_RANK, BV,
+                                  BR)
+                tl.store(part_ptr + bh * V + ov, of * gain, mask=mv)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
 
@@ -318,14 +324,10 @@ if triton is not None:
             for v0 in range(0, V, BV):
                 ov = v0 + tl.arange(0, BV)
                 mv = ov < V
-                if G_RANK > 0:
-                    gate = _low_rank_rows(gate_ptr + req * gate_row, wgb_ptr, head * V + ov, mv, G_RANK, BV, BR)
-                else:
-                    gate = tl.load(gate_ptr + req * gate_row + head * gate_head + ov, mask=mv,
-                                   other=0.0).to(tl.float32)
-                normw = tl.load(normw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
+                gain = _norm_gate(gate_ptr + req * gate_row, gate_head, wgb_ptr, normw_ptr, head, ov, mv, V, G_RANK, BV,
+                                  BR)
                 o = tl.load(out_row + ov, mask=mv, other=0.0).to(tl.float32)
-                y = o * inv_rms * normw * tl.sigmoid(gate)
+                y = o * inv_rms * gain
                 tl.debug_barrier()
                 tl.store(out_row + ov, y.to(out_dtype), mask=mv)
         else:
@@ -362,7 +364,8 @@ def default_v_split(batch: int, heads: int, value_dim: int) -> int:
     at least MIN_V_PER_PROGRAM columns. From static shapes only (CUDA-graph replays see one grid)."""
     rows = max(batch * heads, 1)
     split = 1
-    while rows * split < TARGET_PROGRAMS and value_dim % (2 * split) == 0 and value_dim // (2 * split) >= MIN_V_PER_PROGRAM:
+    while (rows * split < TARGET_PROGRAMS and value_dim % (2 * split) == 0
+           and value_dim // (2 * split) >= MIN_V_PER_PROGRAM):
         split *= 2
     return split
 
