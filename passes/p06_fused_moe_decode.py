@@ -52,6 +52,7 @@ class FusedMoEDecodeConfig(PassConfig):
     crossover_batch: int | None = None
     fuse_shared: bool = True  # fold the shared expert's down-projection (+ its GLU) and the add into the op
     fuse_latent: bool = True  # fold the latent MoE's RMSNorm and up-projection (K3) into the op
+    use_pdl: bool = False  # launch the GEMV kernels with programmatic dependent launch (sm90+, Triton >= 3.4)
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
 
@@ -241,7 +242,8 @@ def fused_moe_decode(gm: GraphModule, config: FusedMoEDecodeConfig) -> int:
             val_of(z).dtype, weights[4], shared_up is not None, (weights[5], weights[6], eps))
         with gm.graph.inserting_before(out):
             fused = gm.graph.call_function(FUSED, (z, ids, wts, w13, w2, s13, s2, shared_in, shared_up, shared_w2,
-                                                   act, beta, linear_beta, crossover, up_w, norm_w, eps))
+                                                   act, beta, linear_beta, crossover, up_w, norm_w, eps,
+                                                   bool(config.use_pdl)))
         set_meta_val(fused, fake_mode)
         replace_uses(out, fused, fake_mode)
         erase_if_dead(gm, [out, moe] + dead)

@@ -50,6 +50,8 @@ import torch.nn.functional as F
 from k3compile.model_def.ops import mxfp4
 from k3compile.model_def.ops.moe_math import glu_act, moe_experts_gather, moe_experts_grouped, moe_experts_loop
 
+from .kda_decode import pdl_available  # the one PDL capability check (Triton >= 3.4, sm90+, not interpreted)
+
 try:
     import triton
     import triton.language as tl
@@ -191,38 +193,35 @@ if triton is not None:
         return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _row_block_dot(w_ptr, s_ptr, rows, row_mask, v_ptr, K, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-        """Σ_k W[row, k] v[k] for a block of rows (fp32). W dense [*, K] at w_ptr, or MXFP4: codes
-        [*, K/2] at w_ptr and E8M0 scales [*, K/32] at s_ptr. v: K contiguous values."""
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    def _tile_dot(w_ptr, s_ptr, rows, row_mask, v_ptr, k0, K, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+        """Σ_{k in [k0, k0 + BLOCK_K)} W[row, k] v[k] for a block of rows (fp32): one tile, no loop, so a
+        kernel can put every tile of its work (several experts' rows) in one flat loop. W dense [*, K] at
+        w_ptr, or MXFP4: codes [*, K/2] at w_ptr and E8M0 scales [*, K/32] at s_ptr. v: K contiguous values."""
         if MXFP4:
-            j = tl.arange(0, BLOCK_K // 2)
-            grp = tl.arange(0, BLOCK_K // 32)
-            for k0 in range(0, K, BLOCK_K):
-                b = k0 // 2 + j
-                bmask = b < K // 2
-                byte = tl.load(w_ptr + rows[:, None] * (K // 2) + b[None, :], mask=row_mask[:, None] & bmask[None, :],
-                               other=0).to(tl.int32)
-                v_even = tl.load(v_ptr + 2 * b, mask=bmask, other=0.0).to(tl.float32)
-                v_odd = tl.load(v_ptr + 2 * b + 1, mask=bmask, other=0.0).to(tl.float32)
-                part = _e2m1(byte & 15) * v_even[None, :] + _e2m1(byte >> 4) * v_odd[None, :]
-                # one scale per 16 bytes (32 inputs): sum each group first, scale once per group
-                part = tl.sum(tl.reshape(part, [BLOCK_N, BLOCK_K // 32, 16]), axis=2)
-                g = k0 // 32 + grp
-                sc = tl.load(s_ptr + rows[:, None] * (K // 32) + g[None, :],
-                             mask=row_mask[:, None] & (g[None, :] < K // 32), other=127)
-                acc += tl.sum(part * tl.exp2(sc.to(tl.float32) - 127.0), axis=1)
+            # [rows, groups of 32 inputs, 16 code bytes]: the bytes of one group are contiguous (one 16-byte
+            # load per thread), its scale is one byte broadcast over them
+            G: tl.constexpr = BLOCK_K // 32
+            grp = tl.arange(0, G)
+            j = tl.arange(0, 16)
+            b = (k0 // 2 + grp[:, None] * 16 + j[None, :])  # [G, 16] byte index in the row
+            bmask = b < K // 2
+            byte = tl.load(w_ptr + rows[:, None, None] * (K // 2) + b[None, :, :],
+                           mask=row_mask[:, None, None] & bmask[None, :, :], other=0).to(tl.int32)
+            v_even = tl.load(v_ptr + 2 * b, mask=bmask, other=0.0).to(tl.float32)
+            v_odd = tl.load(v_ptr + 2 * b + 1, mask=bmask, other=0.0).to(tl.float32)
+            part = tl.sum(_e2m1(byte & 15) * v_even[None, :, :] + _e2m1(byte >> 4) * v_odd[None, :, :], axis=2)
+            g = k0 // 32 + grp
+            sc = tl.load(s_ptr + rows[:, None] * (K // 32) + g[None, :],
+                         mask=row_mask[:, None] & (g[None, :] < K // 32), other=127)
+            return tl.sum(part * tl.exp2(sc.to(tl.float32) - 127.0), axis=1)
         else:
-            kk = tl.arange(0, BLOCK_K)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + kk
-                kmask = k < K
-                w = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=row_mask[:, None] & kmask[None, :],
-                            other=0.0).to(tl.float32)
-                v = tl.load(v_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-                acc += tl.sum(w * v[None, :], axis=1)
-        return acc
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            w = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=row_mask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            return tl.sum(w * v[None, :], axis=1)
 
     @triton.jit
     def _shared_block(in_row, up_row, w_ptr, cols, cmask, IS, beta, linear_beta, ACT: tl.constexpr,
@@ -234,22 +233,24 @@ if triton is not None:
         for k0 in range(0, IS, BLOCK_K):
             k = k0 + kk
             kmask = k < IS
+            w = tl.load(w_ptr + cols[:, None] * IS + k[None, :], mask=cmask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
             a = tl.load(in_row + k, mask=kmask, other=0.0).to(tl.float32)
             if GLU:
                 up = tl.load(up_row + k, mask=kmask, other=0.0).to(tl.float32)
                 a = _glu(a, up, beta, linear_beta, ACT)
-            w = tl.load(w_ptr + cols[:, None] * IS + k[None, :], mask=cmask[:, None] & kmask[None, :],
-                        other=0.0).to(tl.float32)
             acc += tl.sum(w * a[None, :], axis=1)
         return acc
 
     @triton.jit
     def _expert_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, x_row_stride, D, I, beta, linear_beta,
                           TOP_K: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
         pair = tl.program_id(0).to(tl.int64)  # token * TOP_K + slot
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < I
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # the ids (routing) and x come from earlier kernels
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         token = pair // TOP_K
         if MXFP4:
@@ -258,8 +259,14 @@ if triton is not None:
             w_base = w13_ptr + expert * (2 * I) * D
         s_base = s13_ptr + expert * (2 * I) * (D // 32)
         x_row = x_ptr + token * x_row_stride
-        g = _row_block_dot(w_base, s_base, cols, cmask, x_row, D, MXFP4, BLOCK_N, BLOCK_K)
-        u = _row_block_dot(w_base, s_base, cols + I, cmask, x_row, D, MXFP4, BLOCK_N, BLOCK_K)
+        g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # gate and up rows in the same iteration: two independent tiles in flight, not two K loops in a row
+        for k0 in range(0, D, BLOCK_K):
+            g += _tile_dot(w_base, s_base, cols, cmask, x_row, k0, D, MXFP4, BLOCK_N, BLOCK_K)
+            u += _tile_dot(w_base, s_base, cols + I, cmask, x_row, k0, D, MXFP4, BLOCK_N, BLOCK_K)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.store(h_ptr + pair * I + cols, _glu(g, u, beta, linear_beta, ACT), mask=cmask)
 
     @triton.jit
@@ -267,37 +274,47 @@ if triton is not None:
                             I, DO, IS, sin_row_stride, sup_row_stride, out_row_stride, beta, linear_beta,
                             TOP_K: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
                             SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < DO
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # h (kernel A), the routing and the shared expert's input
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j in range(TOP_K):
-            pair = token * TOP_K + j
+        # one flat loop over the token's k experts x their K tiles (not a loop per expert): the compiler can
+        # keep loads of the next tile in flight across expert boundaries
+        tiles = tl.cdiv(I, BLOCK_K)
+        for t in range(0, TOP_K * tiles):
+            slot = t // tiles
+            k0 = (t - slot * tiles) * BLOCK_K
+            pair = token * TOP_K + slot
             expert = tl.load(ids_ptr + pair).to(tl.int64)
             weight = tl.load(wts_ptr + pair).to(tl.float32)
             if MXFP4:
                 w_base = w2_ptr + expert * DO * (I // 2)
             else:
                 w_base = w2_ptr + expert * DO * I
-            part = _row_block_dot(w_base, s2_ptr + expert * DO * (I // 32), cols, cmask, h_ptr + pair * I, I,
-                                  MXFP4, BLOCK_N, BLOCK_K)
-            acc += weight * part
+            acc += weight * _tile_dot(w_base, s2_ptr + expert * DO * (I // 32), cols, cmask, h_ptr + pair * I, k0,
+                                      I, MXFP4, BLOCK_N, BLOCK_K)
         if SHARED:
             acc += _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
                                  cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_K)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
     @triton.jit
     def _latent_out_kernel(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr, L, DOUT, IS,
                            sin_row_stride, sup_row_stride, out_row_stride, eps, beta, linear_beta,
                            ACT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < DOUT
         kk = tl.arange(0, BLOCK_K)
         u_row = u_ptr + token * L
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # u from kernel B
         rstd = 1.0
         if NORM:  # every program recomputes the row's statistics: u is one short fp32 row
             sq = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -318,24 +335,56 @@ if triton is not None:
         if SHARED:
             acc += _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
                                  cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_K)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-def _block_n(rows: int, programs_per_row: int, target: int = 264) -> int:
-    """Columns per program: the widest power of two in 8..64 that still gives >= `target` programs
-    (2 per SM on an H200), so batch 1 fills the GPU."""
+# Tile rule for the GEMV kernels (a GEMV at batch 1-64 is bound by how many bytes each SM keeps in flight):
+# enough programs to put >= 2 on each of an H200's 132 SMs, and per loop iteration a tile of about
+# TILE_ELEMS weights per program (32 KiB of bf16), so ~64 KiB are in flight per SM without relying on the
+# compiler's software pipelining. Kernel A loads two tiles (gate and up rows) per iteration, so each is
+# half as big. TUNED overrides the rule for a (kernel, tokens, rows, K, MXFP4) it lists, from a bench.
+TARGET_PROGRAMS = 264
+TILE_ELEMS = 16384
+TUNED: dict[tuple, tuple[int, int, int]] = {}
+
+
+def gemv_config(kernel: str, programs_per_block: int, rows: int, k: int, quantized: bool,
+                tile_elems: int = TILE_ELEMS) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for kernel "up" / "down" / "latent": `rows` output rows split into
+    blocks of BLOCK_N, each block run by `programs_per_block` programs (tokens, or token x expert pairs),
+    over a K that is `k` long (per expert for "down")."""
+    tuned = TUNED.get((kernel, programs_per_block, rows, k, quantized))
+    if tuned is not None:
+        return tuned
+    block_n = 8
     for bn in (64, 32, 16):
-        if programs_per_row * triton.cdiv(rows, bn) >= target:
-            return bn
-    return 8
+        if programs_per_block * triton.cdiv(rows, bn) >= TARGET_PROGRAMS:
+            block_n = bn
+            break
+    per_tile = tile_elems // (2 if kernel == "up" else 1)
+    block_k = max(32, min(per_tile // block_n, triton.next_power_of_2(k)))
+    # a tile that does not divide K wastes a masked tail each row (2304 = 9 x 256: 256, not 512)
+    while block_k > 128 and k % block_k and k > block_k:
+        block_k //= 2
+    warps = 8 if block_n * block_k * (2 if kernel == "up" else 1) >= 16384 else 4
+    return block_n, block_k, warps
+
+
+def _pow2(name: str, value: int, least: int) -> None:
+    if value < least or value & (value - 1):
+        raise ValueError(f"fused_moe_decode: {name} must be a power of two >= {least}, got {value}")
 
 
 def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scale=None, shared_in=None,
                      shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
                      latent_norm_w=None, latent_eps=1e-5, block_k: int | None = None,
-                     block_n: int | None = None) -> torch.Tensor:
-    """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n
-    (columns per program, a power of two) defaults to a choice that fills an H200 at batch 1."""
+                     block_n: int | None = None, num_warps: int | None = None,
+                     use_pdl: bool = False) -> torch.Tensor:
+    """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n / block_k
+    / num_warps override gemv_config's choice for every kernel (tests, tile sweeps). use_pdl: launch with
+    programmatic dependent launch where available (sm90+, Triton >= 3.4; ignored elsewhere)."""
     if triton is None:
         raise RuntimeError("fused_moe_decode: triton is not installed")
     num_experts, inter, width, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
@@ -343,17 +392,20 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
                                                       latent_norm_w)
     n, k = topk_ids.shape
     quantized = w13_scale is not None
-    if block_k is None:
-        # H200 tile sweep at the 48B shape (bf16): 256 fastest at batch 1 (52 vs 73 us per layer with 128),
-        # 128 at batch 8; MXFP4 rows are half as many bytes per input, so twice the inputs per load
-        block_k = (256 if n * k <= 16 else 128) * (2 if quantized else 1)
-    if block_k < 32 or block_k & (block_k - 1):
-        raise ValueError(f"fused_moe_decode: block_k must be a power of two >= 32, got {block_k}")
-    if block_n is not None and (block_n < 1 or block_n & (block_n - 1)):
-        raise ValueError(f"fused_moe_decode: block_n must be a power of two, got {block_n}")
+    if block_k is not None:
+        _pow2("block_k", block_k, 32)
+    if block_n is not None:
+        _pow2("block_n", block_n, 1)
     out = torch.empty(n, out_width, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
+    pdl = bool(use_pdl) and pdl_available()
+    launch = {"launch_pdl": True} if pdl else {}
+
+    def config(kernel, programs, rows, kk):
+        bn, bk, warps = gemv_config(kernel, programs, rows, kk, quantized)
+        return block_n or bn, block_k or bk, num_warps or warps
+
     x = x if x.stride(1) == 1 else x.contiguous()
     ids, wts = topk_ids.contiguous(), topk_weights.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
@@ -361,10 +413,10 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     s2 = w2_scale.contiguous() if quantized else w2
     h = torch.empty(n * k, inter, dtype=torch.float32, device=x.device)
     act_id = ACTS[act]
-    bn = block_n or _block_n(inter, n * k)
+    bn, bk, warps = config("up", n * k, inter, width)
     _expert_up_kernel[(n * k, triton.cdiv(inter, bn))](
         x, ids, w13, s13, h, x.stride(0), width, inter, float(beta), float(linear_beta),
-        TOP_K=k, ACT=act_id, MXFP4=quantized, BLOCK_N=bn, BLOCK_K=block_k, num_warps=4)
+        TOP_K=k, ACT=act_id, MXFP4=quantized, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, **launch)
     shared = shared_w2 is not None
     sin = shared_in if shared else h
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
@@ -375,21 +427,21 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     routed_width = w2.shape[1]
     # latent: B leaves u in fp32 for C; the shared expert joins in C, on the output side of the up-projection
     u = torch.empty(n, routed_width, dtype=torch.float32, device=x.device) if latent else out
-    bn = block_n or _block_n(routed_width, n)
+    bn, bk, warps = config("down", n, routed_width, inter)
     _expert_down_kernel[(n, triton.cdiv(routed_width, bn))](
         h, ids, wts, w2, s2, sin, sup, sw2, u, inter, routed_width, sw2.shape[-1] if shared else 0,
         sin.stride(0), sup.stride(0), u.stride(0), float(beta), float(linear_beta),
         TOP_K=k, ACT=act_id, MXFP4=quantized, SHARED=shared and not latent, SHARED_GLU=shared_up is not None,
-        BLOCK_N=bn, BLOCK_K=block_k, num_warps=4)
+        BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, **launch)
     if latent:
         upw = latent_up_w.contiguous()
         nw = latent_norm_w.contiguous() if latent_norm_w is not None else upw
-        bn = block_n or _block_n(out_width, n)
+        bn, bk, warps = config("latent", n, out_width, routed_width)
         _latent_out_kernel[(n, triton.cdiv(out_width, bn))](
             u, nw, upw, sin, sup, sw2, out, routed_width, out_width, sw2.shape[-1] if shared else 0,
             sin.stride(0), sup.stride(0), out.stride(0), float(latent_eps), float(beta), float(linear_beta),
             ACT=act_id, NORM=latent_norm_w is not None, SHARED=shared, SHARED_GLU=shared_up is not None,
-            BLOCK_N=bn, BLOCK_K=block_k, num_warps=4)
+            BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, **launch)
     return out
 
 
@@ -401,7 +453,8 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      shared_in: torch.Tensor | None, shared_up: torch.Tensor | None,
                      shared_w2: torch.Tensor | None, act: str, beta: float, linear_beta: float,
                      crossover: int, latent_up_w: torch.Tensor | None = None,
-                     latent_norm_w: torch.Tensor | None = None, latent_eps: float = 1e-5) -> torch.Tensor:
+                     latent_norm_w: torch.Tensor | None = None, latent_eps: float = 1e-5,
+                     use_pdl: bool = False) -> torch.Tensor:
     """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc."""
     return fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps)
@@ -410,19 +463,19 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 @fused_moe_decode.register_kernel("cuda")
 def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
-                           latent_eps=1e-5):
+                           latent_eps=1e-5, use_pdl=False):
     args = (x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
             linear_beta, latent_up_w, latent_norm_w, latent_eps)
     if triton is None or x.shape[0] >= crossover:
         return fused_moe_grouped(*args)
     with torch.cuda.device(x.device):  # Triton launches on the current device
-        return fused_moe_triton(*args)
+        return fused_moe_triton(*args, use_pdl=use_pdl)
 
 
 @fused_moe_decode.register_fake
 def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
-                           latent_eps=1e-5):
+                           latent_eps=1e-5, use_pdl=False):
     _, _, _, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                     shared_w2, act, latent_up_w, latent_norm_w)
     return x.new_empty(x.shape[0], out_width)
