@@ -184,51 +184,53 @@ if triton is not None:
             return beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
 
     @triton.jit
-    def _e2m1(code):
-        # 4-bit code (int32) -> fp32 by building the float's bits (integer ops only): bit 3 sign, bits
-        # 2..1 exponent e (bias 1), bit 0 mantissa m. e >= 1: 2^(e-1) (1 + m/2) = fp32 exponent e + 126,
-        # mantissa m << 22; code 1 (subnormal 0.5) = fp32 exponent 126; code 0 = 0
-        mag = code & 7
-        bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 126 << 23, 0))
-        return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    def _e2m1_x2p14(code):
+        # 4-bit E2M1 code (int32: bit 3 sign, bits 2..1 exponent e with bias 1, bit 0 mantissa m) -> its value
+        # times 2^-14, in 4 integer ops: the code's low 3 bits placed at fp16 bits 11..9 make fp16 exponent e
+        # and top mantissa bit m, i.e. 2^(e-15) (1 + m/2) for e >= 1 and m 2^-15 (subnormal) for e = 0,
+        # which is the E2M1 value 2^(e-1) (1 + m/2) | m/2 times 2^-14 in both cases. The caller folds the
+        # 2^14 into the block scale.
+        bits = ((code & 7) << 9) | ((code & 8) << 12)
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _tile_dot(w_ptr, s_ptr, rows, row_mask, v_ptr, k0, K, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-        """Σ_{k in [k0, k0 + BLOCK_K)} W[row, k] v[k] for a block of rows (fp32): one tile, no loop, so a
-        kernel can put every tile of its work (several experts' rows) in one flat loop. W dense [*, K] at
-        w_ptr, or MXFP4: codes [*, K/2] at w_ptr and E8M0 scales [*, K/32] at s_ptr. v: K contiguous values."""
-        if MXFP4:
-            # [rows, groups of 32 inputs, 16 code bytes]: the bytes of one group are contiguous (one 16-byte
-            # load per thread), its scale is one byte broadcast over them
-            G: tl.constexpr = BLOCK_K // 32
-            grp = tl.arange(0, G)
-            j = tl.arange(0, 16)
-            b = (k0 // 2 + grp[:, None] * 16 + j[None, :])  # [G, 16] byte index in the row
-            bmask = b < K // 2
-            byte = tl.load(w_ptr + rows[:, None, None] * (K // 2) + b[None, :, :],
-                           mask=row_mask[:, None, None] & bmask[None, :, :], other=0).to(tl.int32)
-            v_even = tl.load(v_ptr + 2 * b, mask=bmask, other=0.0).to(tl.float32)
-            v_odd = tl.load(v_ptr + 2 * b + 1, mask=bmask, other=0.0).to(tl.float32)
-            part = tl.sum(_e2m1(byte & 15) * v_even[None, :, :] + _e2m1(byte >> 4) * v_odd[None, :, :], axis=2)
-            g = k0 // 32 + grp
-            sc = tl.load(s_ptr + rows[:, None] * (K // 32) + g[None, :],
-                         mask=row_mask[:, None] & (g[None, :] < K // 32), other=127)
-            return tl.sum(part * tl.exp2(sc.to(tl.float32) - 127.0), axis=1)
+    def _mxfp4_tile(w_ptr, s_ptr, rows, row_mask, v_ptr, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    V_SPLIT: tl.constexpr):
+        """[BLOCK_N, BLOCK_K // 32]: for each row and 32-input scale group of the tile at k0, Σ W[row, k] v[k]
+        with W in MXFP4 (codes [*, K/2] at w_ptr, E8M0 scales [*, K/32] at s_ptr); v: K values, in order, or
+        (V_SPLIT, how kernel A stores h for kernel B) each group of 32 as its 16 even then its 16 odd inputs,
+        so both halves are contiguous loads.
+        A group's 16 code bytes are one 16-byte load and sum inside one thread; the caller accumulates the
+        [rows, groups] tile over its loop and reduces it once at the end."""
+        G: tl.constexpr = BLOCK_K // 32
+        grp = tl.arange(0, G)
+        j = tl.arange(0, 16)
+        b = (k0 // 2 + grp[:, None] * 16 + j[None, :])[None, :, :]  # [1, G, 16] byte index in the row
+        tmask = row_mask[:, None, None] & (b < K // 2)
+        byte = tl.load(w_ptr + rows[:, None, None] * (K // 2) + b, mask=tmask, other=0).to(tl.int32)
+        # the inputs through pointer tiles shaped like the codes' (same register layout: no shuffle through
+        # shared memory); even inputs meet the low nibbles, odd the high ones
+        lanes = 0 * rows[:, None, None]
+        if V_SPLIT:
+            even = (k0 + grp[:, None] * 32 + j[None, :])[None, :, :]  # group start + j: contiguous in j
+            v_even = tl.load(v_ptr + even + lanes, mask=tmask, other=0.0).to(tl.float32)
+            v_odd = tl.load(v_ptr + even + 16 + lanes, mask=tmask, other=0.0).to(tl.float32)
         else:
-            k = k0 + tl.arange(0, BLOCK_K)
-            kmask = k < K
-            w = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=row_mask[:, None] & kmask[None, :],
-                        other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-            return tl.sum(w * v[None, :], axis=1)
+            v_even = tl.load(v_ptr + 2 * b + lanes, mask=tmask, other=0.0).to(tl.float32)
+            v_odd = tl.load(v_ptr + 2 * b + 1 + lanes, mask=tmask, other=0.0).to(tl.float32)
+        part = tl.sum(_e2m1_x2p14(byte & 15) * v_even + _e2m1_x2p14(byte >> 4) * v_odd, axis=2)
+        g = k0 // 32 + grp
+        sc = tl.load(s_ptr + rows[:, None] * (K // 32) + g[None, :], mask=row_mask[:, None] & (g[None, :] < K // 32),
+                     other=127)
+        return part * tl.exp2(sc.to(tl.float32) - (127.0 - 14.0))
 
     @triton.jit
     def _shared_block(in_row, up_row, w_ptr, cols, cmask, IS, beta, linear_beta, ACT: tl.constexpr,
                       GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """The shared expert's down-projection for a block of output columns: W[cols] · act(in, up)
-        (GLU) or W[cols] · in (already activated)."""
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        (GLU) or W[cols] · in (already activated). Products accumulate in a [BLOCK_N, BLOCK_K] tile, reduced
+        once after the loop (a reduction per iteration costs shuffles and a barrier on every tile)."""
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         kk = tl.arange(0, BLOCK_K)
         for k0 in range(0, IS, BLOCK_K):
             k = k0 + kk
@@ -239,8 +241,8 @@ if triton is not None:
             if GLU:
                 up = tl.load(up_row + k, mask=kmask, other=0.0).to(tl.float32)
                 a = _glu(a, up, beta, linear_beta, ACT)
-            acc += tl.sum(w * a[None, :], axis=1)
-        return acc
+            acc += w * a[None, :]
+        return tl.sum(acc, axis=1)
 
     @triton.jit
     def _expert_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, x_row_stride, D, I, beta, linear_beta,
@@ -253,49 +255,93 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()  # the ids (routing) and x come from earlier kernels
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         token = pair // TOP_K
+        x_row = x_ptr + token * x_row_stride
         if MXFP4:
             w_base = w13_ptr + expert * (2 * I) * (D // 2)
+            s_base = s13_ptr + expert * (2 * I) * (D // 32)
+            g2 = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+            u2 = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+            # gate and up rows in the same iteration: two independent tiles in flight, not two K loops in a row
+            for k0 in range(0, D, BLOCK_K):
+                g2 += _mxfp4_tile(w_base, s_base, cols, cmask, x_row, k0, D, BLOCK_N, BLOCK_K, False)
+                u2 += _mxfp4_tile(w_base, s_base, cols + I, cmask, x_row, k0, D, BLOCK_N, BLOCK_K, False)
+            g = tl.sum(g2, axis=1)
+            u = tl.sum(u2, axis=1)
         else:
-            w_base = w13_ptr + expert * (2 * I) * D
-        s_base = s13_ptr + expert * (2 * I) * (D // 32)
-        x_row = x_ptr + token * x_row_stride
-        g = tl.zeros([BLOCK_N], dtype=tl.float32)
-        u = tl.zeros([BLOCK_N], dtype=tl.float32)
-        # gate and up rows in the same iteration: two independent tiles in flight, not two K loops in a row
-        for k0 in range(0, D, BLOCK_K):
-            g += _tile_dot(w_base, s_base, cols, cmask, x_row, k0, D, MXFP4, BLOCK_N, BLOCK_K)
-            u += _tile_dot(w_base, s_base, cols + I, cmask, x_row, k0, D, MXFP4, BLOCK_N, BLOCK_K)
+            # one [gate/up, BLOCK_N, BLOCK_K] tile per iteration, products summed in place; reduced after the loop
+            half = tl.arange(0, 2)
+            rows = w13_ptr + expert * (2 * I) * D + (half[:, None] * I + cols[None, :])[:, :, None] * D
+            rmask = (half[:, None] < 2) & cmask[None, :]
+            kk = tl.arange(0, BLOCK_K)
+            acc = tl.zeros([2, BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, D, BLOCK_K):
+                k = k0 + kk
+                kmask = k < D
+                tmask = rmask[:, :, None] & kmask[None, None, :]
+                w = tl.load(rows + k[None, None, :], mask=tmask, other=0.0)
+                # x through a pointer tile shaped like the weights' (same register layout, no shuffle through
+                # shared memory and no barrier per iteration); the copies come from L1
+                v = tl.load(x_row + k[None, None, :] + 0 * rmask[:, :, None], mask=tmask, other=0.0)
+                acc += w.to(tl.float32) * v.to(tl.float32)
+            both = tl.sum(acc, axis=2)
+            g = tl.sum(tl.where(half[:, None] == 0, both, 0.0), axis=0)
+            u = tl.sum(tl.where(half[:, None] == 1, both, 0.0), axis=0)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        tl.store(h_ptr + pair * I + cols, _glu(g, u, beta, linear_beta, ACT), mask=cmask)
+        h_cols = cols
+        if MXFP4:  # kernel B's MXFP4 tiles read each group of 32 as its even inputs, then its odd ones
+            within = cols % 32
+            h_cols = cols - within + (within % 2) * 16 + within // 2
+        tl.store(h_ptr + pair * I + h_cols, _glu(g, u, beta, linear_beta, ACT), mask=cmask)
 
     @triton.jit
     def _expert_down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr,
                             I, DO, IS, sin_row_stride, sup_row_stride, out_row_stride, beta, linear_beta,
-                            TOP_K: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
-                            SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                            TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
+                            SHARED: tl.constexpr, SHARED_GLU: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr, USE_PDL: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < DO
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # h (kernel A), the routing and the shared expert's input
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        # one flat loop over the token's k experts x their K tiles (not a loop per expert): the compiler can
-        # keep loads of the next tile in flight across expert boundaries
-        tiles = tl.cdiv(I, BLOCK_K)
-        for t in range(0, TOP_K * tiles):
-            slot = t // tiles
-            k0 = (t - slot * tiles) * BLOCK_K
+        if MXFP4:
+            acc2 = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+            # one flat loop over the token's k experts x their K tiles (not a loop per expert)
+            tiles = tl.cdiv(I, BLOCK_K)
+            for t in range(0, TOP_K * tiles):
+                slot = t // tiles
+                k0 = (t - slot * tiles) * BLOCK_K
+                pair = token * TOP_K + slot
+                expert = tl.load(ids_ptr + pair).to(tl.int64)
+                weight = tl.load(wts_ptr + pair).to(tl.float32)
+                acc2 += weight * _mxfp4_tile(w2_ptr + expert * DO * (I // 2), s2_ptr + expert * DO * (I // 32), cols,
+                                             cmask, h_ptr + pair * I, k0, I, BLOCK_N, BLOCK_K, True)
+            acc = tl.sum(acc2, axis=1)
+        else:
+            # all k experts in one [expert, BLOCK_N, BLOCK_K] tile per iteration: the ids are read once, the loop
+            # has no dependent loads and no reductions (done once at the end), so a tile's loads all issue at once
+            slot = tl.arange(0, TOP_K_PAD)
+            smask = slot < TOP_K
             pair = token * TOP_K + slot
-            expert = tl.load(ids_ptr + pair).to(tl.int64)
-            weight = tl.load(wts_ptr + pair).to(tl.float32)
-            if MXFP4:
-                w_base = w2_ptr + expert * DO * (I // 2)
-            else:
-                w_base = w2_ptr + expert * DO * I
-            acc += weight * _tile_dot(w_base, s2_ptr + expert * DO * (I // 32), cols, cmask, h_ptr + pair * I, k0,
-                                      I, MXFP4, BLOCK_N, BLOCK_K)
+            expert = tl.load(ids_ptr + pair, mask=smask, other=0).to(tl.int64)
+            weight = tl.load(wts_ptr + pair, mask=smask, other=0.0).to(tl.float32)
+            rows = w2_ptr + (expert[:, None] * DO + cols[None, :])[:, :, None] * I
+            rmask = smask[:, None] & cmask[None, :]
+            h_rows = h_ptr + pair[:, None] * I
+            kk = tl.arange(0, BLOCK_K)
+            acc3 = tl.zeros([TOP_K_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                k = k0 + kk
+                kmask = k < I
+                w = tl.load(rows + k[None, None, :], mask=rmask[:, :, None] & kmask[None, None, :], other=0.0)
+                # h read through a pointer tile shaped like the weights' (same register layout: no shuffle
+                # through shared memory); each thread's copies come from L1
+                a = tl.load(h_rows[:, :, None] + k[None, None, :] + 0 * cols[None, :, None],
+                            mask=rmask[:, :, None] & kmask[None, None, :], other=0.0)
+                acc3 += w.to(tl.float32) * a
+            acc3 = acc3 * weight[:, None, None]
+            acc = tl.sum(tl.sum(acc3, axis=2), axis=0)
         if SHARED:
             acc += _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
                                  cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_K)
@@ -307,7 +353,8 @@ if triton is not None:
     def _latent_out_kernel(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr, L, DOUT, IS,
                            sin_row_stride, sup_row_stride, out_row_stride, eps, beta, linear_beta,
                            ACT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
+                           USE_PDL: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < DOUT
@@ -322,7 +369,7 @@ if triton is not None:
                 v = tl.load(u_row + k0 + kk, mask=k0 + kk < L, other=0.0)
                 sq += v * v
             rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / L + eps)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, L, BLOCK_K):
             k = k0 + kk
             kmask = k < L
@@ -331,45 +378,50 @@ if triton is not None:
                 v = v * tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
             w = tl.load(upw_ptr + cols[:, None] * L + k[None, :], mask=cmask[:, None] & kmask[None, :],
                         other=0.0).to(tl.float32)
-            acc += tl.sum(w * v[None, :], axis=1)
+            acc2 += w * v[None, :]
+        acc = tl.sum(acc2, axis=1)
         if SHARED:
             acc += _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
-                                 cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_K)
+                                 cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-# Tile rule for the GEMV kernels (a GEMV at batch 1-64 is bound by how many bytes each SM keeps in flight):
-# enough programs to put >= 2 on each of an H200's 132 SMs, and per loop iteration a tile of about
-# TILE_ELEMS weights per program (32 KiB of bf16), so ~64 KiB are in flight per SM without relying on the
-# compiler's software pipelining. Kernel A loads two tiles (gate and up rows) per iteration, so each is
-# half as big. TUNED overrides the rule for a (kernel, tokens, rows, K, MXFP4) it lists, from a bench.
+# Tile rule for the GEMV kernels. A GEMV at batch 1-64 is bound by the bytes each SM keeps in flight, and
+# none of these loops is software-pipelined (their loads feed no dot), so: enough programs for >= 2 on each
+# of an H200's 132 SMs (all resident at once: 4 warps, ~100 registers), and per iteration one tile of
+# TILE_ELEMS weights per program (16 KiB of bf16; its fp32 products, summed in place, are 64 registers a
+# thread), issued together because nothing in the loop depends on a load of the same iteration. A program's
+# tile is rows_per_step x BLOCK_K: kernel A reads the gate and up rows (2 BLOCK_N), kernel B (bf16) all k
+# experts' rows at once (k BLOCK_N). TUNED overrides the rule for a key it lists (from bench_moe_kernels.py).
 TARGET_PROGRAMS = 264
-TILE_ELEMS = 16384
+TILE_ELEMS = 8192
+MIN_BLOCK_K = 64
 TUNED: dict[tuple, tuple[int, int, int]] = {}
 
 
 def gemv_config(kernel: str, programs_per_block: int, rows: int, k: int, quantized: bool,
-                tile_elems: int = TILE_ELEMS) -> tuple[int, int, int]:
+                top_k: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for kernel "up" / "down" / "latent": `rows` output rows split into
     blocks of BLOCK_N, each block run by `programs_per_block` programs (tokens, or token x expert pairs),
-    over a K that is `k` long (per expert for "down")."""
+    over a K that is `k` long (per expert for "down", whose bf16 tile spans all top_k experts)."""
     tuned = TUNED.get((kernel, programs_per_block, rows, k, quantized))
     if tuned is not None:
         return tuned
-    block_n = 8
-    for bn in (64, 32, 16):
-        if programs_per_block * triton.cdiv(rows, bn) >= TARGET_PROGRAMS:
-            block_n = bn
-            break
-    per_tile = tile_elems // (2 if kernel == "up" else 1)
-    block_k = max(32, min(per_tile // block_n, triton.next_power_of_2(k)))
-    # a tile that does not divide K wastes a masked tail each row (2304 = 9 x 256: 256, not 512)
-    while block_k > 128 and k % block_k and k > block_k:
+    per_row = {"up": 2, "down": 1 if quantized else triton.next_power_of_2(top_k)}.get(kernel, 1)
+    fits = [bn for bn in (64, 32, 16, 8, 4) if bn * per_row * MIN_BLOCK_K <= TILE_ELEMS] or [4]
+    block_n = next((bn for bn in fits if programs_per_block * triton.cdiv(rows, bn) >= TARGET_PROGRAMS), fits[-1])
+    block_k = max(32, min(TILE_ELEMS // (block_n * per_row), triton.next_power_of_2(k)))
+    # a tile that does not divide K wastes a masked tail on every row (2304 = 9 x 256: 256, not 512)
+    while block_k > MIN_BLOCK_K and k % block_k and k > block_k:
         block_k //= 2
-    warps = 8 if block_n * block_k * (2 if kernel == "up" else 1) >= 16384 else 4
-    return block_n, block_k, warps
+    return block_n, block_k, 4
+
+
+def shared_block_k(block_n: int, width: int) -> int:
+    """K tile of the shared expert's GEMV (and kernel C's) for a program of block_n rows: TILE_ELEMS a tile."""
+    return max(32, min(TILE_ELEMS // block_n, triton.next_power_of_2(width)))
 
 
 def _pow2(name: str, value: int, least: int) -> None:
@@ -403,7 +455,7 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     launch = {"launch_pdl": True} if pdl else {}
 
     def config(kernel, programs, rows, kk):
-        bn, bk, warps = gemv_config(kernel, programs, rows, kk, quantized)
+        bn, bk, warps = gemv_config(kernel, programs, rows, kk, quantized, k)
         return block_n or bn, block_k or bk, num_warps or warps
 
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -423,25 +475,28 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     sup = shared_up if shared_up is not None else sin
     sup = sup if sup.stride(-1) == 1 else sup.contiguous()
     sw2 = shared_w2.contiguous() if shared else h
+    shared_width = sw2.shape[-1] if shared else 0
     latent = latent_up_w is not None
     routed_width = w2.shape[1]
     # latent: B leaves u in fp32 for C; the shared expert joins in C, on the output side of the up-projection
     u = torch.empty(n, routed_width, dtype=torch.float32, device=x.device) if latent else out
     bn, bk, warps = config("down", n, routed_width, inter)
     _expert_down_kernel[(n, triton.cdiv(routed_width, bn))](
-        h, ids, wts, w2, s2, sin, sup, sw2, u, inter, routed_width, sw2.shape[-1] if shared else 0,
+        h, ids, wts, w2, s2, sin, sup, sw2, u, inter, routed_width, shared_width,
         sin.stride(0), sup.stride(0), u.stride(0), float(beta), float(linear_beta),
-        TOP_K=k, ACT=act_id, MXFP4=quantized, SHARED=shared and not latent, SHARED_GLU=shared_up is not None,
-        BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, **launch)
+        TOP_K=k, TOP_K_PAD=triton.next_power_of_2(k), ACT=act_id, MXFP4=quantized, SHARED=shared and not latent,
+        SHARED_GLU=shared_up is not None, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_KS=block_k or shared_block_k(bn, max(shared_width, 1)), USE_PDL=pdl, num_warps=warps, **launch)
     if latent:
         upw = latent_up_w.contiguous()
         nw = latent_norm_w.contiguous() if latent_norm_w is not None else upw
-        bn, bk, warps = config("latent", n, out_width, routed_width)
+        bn, _, warps = config("latent", n, out_width, routed_width)
         _latent_out_kernel[(n, triton.cdiv(out_width, bn))](
-            u, nw, upw, sin, sup, sw2, out, routed_width, out_width, sw2.shape[-1] if shared else 0,
+            u, nw, upw, sin, sup, sw2, out, routed_width, out_width, shared_width,
             sin.stride(0), sup.stride(0), out.stride(0), float(latent_eps), float(beta), float(linear_beta),
             ACT=act_id, NORM=latent_norm_w is not None, SHARED=shared, SHARED_GLU=shared_up is not None,
-            BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, **launch)
+            BLOCK_N=bn, BLOCK_K=block_k or shared_block_k(bn, routed_width),
+            BLOCK_KS=block_k or shared_block_k(bn, max(shared_width, 1)), USE_PDL=pdl, num_warps=warps, **launch)
     return out
 
 

@@ -99,7 +99,7 @@ def main() -> int:
         ref = moe_decode.fused_moe_reference(**{key: v.float() if isinstance(v, torch.Tensor) and v.dtype == dtype
                                                 and dtype != torch.float32 else v for key, v in kw.items()})
         ref = ref.to(dtype)
-        for block_k, block_n in ((32, 16), (64, 32)):
+        for block_k, block_n in ((32, 16), (64, 32), (None, None)):  # None: the op's own tile rule
             got = moe_decode.fused_moe_triton(**kw, block_k=block_k, block_n=block_n)
             if got.dtype != ref.dtype or got.shape != ref.shape:
                 failures.append(f"{name}: got {got.dtype} {list(got.shape)}, want {ref.dtype} {list(ref.shape)}")

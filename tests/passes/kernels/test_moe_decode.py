@@ -189,3 +189,24 @@ def test_cuda_crossover_measurement_returns_a_tried_batch():
                                                       batches=(1, 64, 256))
     assert crossover in (1, 64, 256, moe_decode.NO_CROSSOVER)
     assert all(t["fused_us"] > 0 and t["grouped_us"] > 0 for t in timings.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1, 8])
+def test_cuda_pdl_and_other_tiles_at_the_48b_shape(n):
+    """The GEMV kernels launched with PDL, and with tiles other than the rule's (what a TUNED entry or the
+    bench's sweep sets), still match the reference; bf16 and MXFP4 experts."""
+    p = _cuda_problem(n, 100 + n, **_shape_48b())
+    (w13p, w13s), (w2p, w2s) = mxfp4.quantize(p["w13"]), mxfp4.quantize(p["w2"])
+    for quant in (False, True):
+        q = dict(p, w13=w13p, w2=w2p) if quant else p
+        scales = (w13s, w2s) if quant else (None, None)
+        f32 = {key: (v.float() if v.dtype == torch.bfloat16 else v) for key, v in q.items()}
+        ref = fused_moe_reference(*_op_args(f32, "silu", 0, *scales)[:13])
+        got = FUSED(*_op_args(q, "silu", 1 << 30, *scales), None, None, 1e-5, True)  # use_pdl
+        assert _rel(got, ref) < 1e-2, ("pdl", quant, _rel(got, ref))
+        for block_n, block_k, warps in ((32, 128, 8), (4, 512, 4)):
+            got = moe_decode.fused_moe_triton(*_op_args(q, "silu", 0, *scales)[:13], block_k=block_k,
+                                              block_n=block_n, num_warps=warps, use_pdl=True)
+            assert _rel(got, ref) < 1e-2, (block_n, block_k, warps, quant, _rel(got, ref))
