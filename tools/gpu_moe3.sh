@@ -8,7 +8,7 @@
 #   run: bash tools/gpu_moe3.sh
 source tools/gpu_setup.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 -x \
+timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 -x \
   tests/passes/kernels/test_moe_decode.py tests/passes/kernels/test_routing.py \
   tests/passes/test_p04_fused_routing.py tests/passes/test_p06_fused_moe_decode.py 2>&1 | tee $R/gpu_tests.log | tail -12
-timeout 150 python3 tools/bench_moe_kernels.py $R 2>&1 | grep -v -i warn | tee $R/bench.log | grep -v '^{' | tail -70
+timeout 140 python3 tools/bench_moe_kernels.py $R 2>&1 | grep -v -i warn | tee $R/bench.log | grep -v '^{' | tail -70
