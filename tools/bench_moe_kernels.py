@@ -130,10 +130,10 @@ def bench_arms(spec, bandwidth, gen, rows):
 
 # (BLOCK_N, BLOCK_K, num_warps) tried per (kernel, MXFP4); the rule's choice at the 48B shape is the first of each
 # (bf16 down: its tile spans all 8 experts, so BLOCK_N x BLOCK_K is an eighth of the up kernel's)
-SWEEP = {("down", False): [(8, 128, 4), (8, 256, 8), (16, 64, 4), (4, 256, 4), (16, 128, 8)],
-         ("up", False): [(16, 256, 4), (16, 256, 8), (32, 256, 8), (32, 128, 4), (8, 256, 4)],
-         ("down", True): [(8, 1024, 4), (8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 1024, 8)],
-         ("up", True): [(16, 256, 4), (16, 512, 8), (32, 256, 8), (8, 512, 4)]}
+SWEEP = {("down", False): [(4, 256, 4), (8, 128, 4), (8, 256, 8), (16, 64, 4), (4, 512, 8)],
+         ("up", False): [(8, 512, 4), (16, 256, 4), (8, 256, 4), (4, 1024, 4), (16, 512, 8)],
+         ("down", True): [(4, 1024, 4), (8, 1024, 4), (8, 512, 4), (4, 512, 4), (16, 512, 8)],
+         ("up", True): [(8, 512, 4), (16, 256, 4), (8, 256, 4), (4, 1024, 4)]}
 
 
 def tile_sweep(spec, bandwidth, gen) -> list[dict]:

@@ -389,13 +389,14 @@ if triton is not None:
 
 
 # Tile rule for the GEMV kernels. A GEMV at batch 1-64 is bound by the bytes each SM keeps in flight, and
-# none of these loops is software-pipelined (their loads feed no dot), so: enough programs for >= 2 on each
-# of an H200's 132 SMs (all resident at once: 4 warps, ~100 registers), and per iteration one tile of
+# none of these loops is software-pipelined (their loads feed no dot), so: many short programs (>= 4 per
+# SM of an H200's 132: a program takes ~150-170 registers a thread, so 2-3 fit on an SM, and a grid just
+# above that count would run a long second round with little in flight), and per iteration one tile of
 # TILE_ELEMS weights per program (16 KiB of bf16; its fp32 products, summed in place, are 64 registers a
 # thread), issued together because nothing in the loop depends on a load of the same iteration. A program's
 # tile is rows_per_step x BLOCK_K: kernel A reads the gate and up rows (2 BLOCK_N), kernel B (bf16) all k
 # experts' rows at once (k BLOCK_N). TUNED overrides the rule for a key it lists (from bench_moe_kernels.py).
-TARGET_PROGRAMS = 264
+TARGET_PROGRAMS = 528
 TILE_ELEMS = 8192
 MIN_BLOCK_K = 64
 TUNED: dict[tuple, tuple[int, int, int]] = {}
@@ -413,8 +414,9 @@ def gemv_config(kernel: str, programs_per_block: int, rows: int, k: int, quantiz
     fits = [bn for bn in (64, 32, 16, 8, 4) if bn * per_row * MIN_BLOCK_K <= TILE_ELEMS] or [4]
     block_n = next((bn for bn in fits if programs_per_block * triton.cdiv(rows, bn) >= TARGET_PROGRAMS), fits[-1])
     block_k = max(32, min(TILE_ELEMS // (block_n * per_row), triton.next_power_of_2(k)))
-    # a tile that does not divide K wastes a masked tail on every row (2304 = 9 x 256: 256, not 512)
-    while block_k > MIN_BLOCK_K and k % block_k and k > block_k:
+    # a tile that does not divide K loads a masked tail on every row: allow up to 1/8 of the iterations'
+    # lanes masked (2304: 512 -> 5 tiles, 10% masked; 1024 -> 3 tiles, 25%: too many)
+    while block_k > MIN_BLOCK_K and (-k % block_k) * 8 > triton.cdiv(k, block_k) * block_k:
         block_k //= 2
     return block_n, block_k, 4
 
