@@ -65,10 +65,15 @@ SOFTPLUS_THRESHOLD = 20.0  # torch's softplus(beta=1, threshold=20), as kda_gate
 # the kernel: inside it every (request, head) program re-reads its weight rows, which pays at small
 # batch (two launches saved) and costs L2 traffic at large batch.
 LOW_RANK_IN_KERNEL_MAX_BATCH = 16
-# Below ~2 programs per SM of an H200 a head's V columns are split over several programs (one per
+# At small batch a head's V columns are split over several programs (one per
 # [K, V / split] slice of the state), down to MIN_V_PER_PROGRAM columns each: at batch 1 one program
 # per (request, head) leaves 100 of 132 SMs idle and the kernel latency-bound.
-TARGET_PROGRAMS = 256
+# Measured on the H200 (tools/bench_kda_decode.py, session 4): split 4 was fastest wherever
+# batch x heads <= 128 (48B bs1: 19.2 -> 11.3 us; k3-mini-6b bs1: 16.3 -> 9.3, bs8: 18.5 -> 13.7); 8 parts
+# lost to 4 everywhere (the cross-part norm costs more than the extra programs give); above 128 rows
+# (48B bs8, bs64) one program per (request, head) won.
+MAX_ROWS_TO_SPLIT = 128
+MAX_V_SPLIT = 4
 MIN_V_PER_PROGRAM = 16
 
 # --------------------------------------------------------------------------- argument checks
@@ -360,12 +365,12 @@ def _row_major_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def default_v_split(batch: int, heads: int, value_dim: int) -> int:
-    """Parts each head's V columns are split into: enough programs to fill ~TARGET_PROGRAMS, parts of
-    at least MIN_V_PER_PROGRAM columns. From static shapes only (CUDA-graph replays see one grid)."""
-    rows = max(batch * heads, 1)
+    """Parts each head's V columns are split into: up to MAX_V_SPLIT while batch x heads <= MAX_ROWS_TO_SPLIT,
+    parts of at least MIN_V_PER_PROGRAM columns. From static shapes only (CUDA-graph replays see one grid)."""
+    if batch * heads > MAX_ROWS_TO_SPLIT:
+        return 1
     split = 1
-    while (rows * split < TARGET_PROGRAMS and value_dim % (2 * split) == 0
-           and value_dim // (2 * split) >= MIN_V_PER_PROGRAM):
+    while split < MAX_V_SPLIT and value_dim % (2 * split) == 0 and value_dim // (2 * split) >= MIN_V_PER_PROGRAM:
         split *= 2
     return split
 
