@@ -104,14 +104,18 @@ def check_commit(window: DraftWindow, slots, accept_lens) -> None:
 
 
 def roll_conv(cache: CacheTensors, window: DraftWindow, slots: list[int], accept_lens: list[int]) -> None:
-    """Move each request's conv windows (all KDA layers, q/k/v) forward by its accepted positions."""
+    """Move each request's conv windows (all KDA layers, q/k/v) forward by its accepted positions: one
+    gather over [committed window ; stored inputs] and one scatter, for the whole batch."""
     w = cache.conv.shape[-1]
-    for i, (slot, n) in enumerate(zip(slots, accept_lens)):
-        if n == 0 or w == 0:
-            continue
-        old = cache.conv[slot]  # [n_kda, 3C, W-1]
-        full = torch.cat([old, window.x[i, :, :n].transpose(1, 2).to(old.dtype)], -1)
-        cache.conv[slot] = full[..., -w:]
+    b = len(slots)
+    if w == 0 or b == 0:
+        return
+    dev = cache.conv.device
+    st = torch.as_tensor(slots, device=dev)
+    n = torch.as_tensor(accept_lens, device=dev)
+    full = torch.cat([cache.conv[st], window.x[:b].transpose(2, 3).to(cache.conv.dtype)], -1)  # [B, n_kda, 3C, W-1+L]
+    idx = (n.view(-1, 1) + torch.arange(w, device=dev)).view(b, 1, 1, w).expand(*full.shape[:3], w)
+    cache.conv[st] = full.gather(-1, idx)
 
 
 def commit_reference(cache: CacheTensors, window: DraftWindow, slots: list[int], accept_lens: list[int]) -> None:
