@@ -53,6 +53,18 @@ for name, kw in CASES:
     ok, err = case(dtype=kw.pop("dtype", torch.float32), seed=len(failures), **kw)
     if not ok:
         failures.append(f"{name}: rel err {err:.2e}")
+
+# P5 decode vs verify inputs (kda_verify_inputs.py) + fold, as the GPU test runs it
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+from tests.runtime.spec.test_fold_gpu import decode_vs_fold  # noqa: E402
+
+P5_CASES = [(16, torch.float32, -5.0), (16, torch.float32, None), (64, torch.bfloat16, -5.0)]
+for hd, dt, lb in P5_CASES:
+    a, b = decode_vs_fold(hd, dt, lb, dev="cpu")
+    err = ((a.ssm - b.ssm).abs().max() / a.ssm.abs().max()).item()
+    if not (err < 2e-6 and torch.equal(a.conv, b.conv)):
+        failures.append(f"P5 decode vs fold K={hd} {dt} lower_bound={lb}: rel err {err:.2e}")
+CASES += P5_CASES
 for line in failures:
     print("FAIL", line)
 print(f"{len(CASES) - len(failures)}/{len(CASES)} cases match")
