@@ -35,6 +35,7 @@ import torch
 
 from k3compile.model_def.batch import ForwardBatch, step_args
 from k3compile.model_def.cache import CacheTensors
+from k3compile.model_def.draft_window import VERIFY_MODES
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_MAX_CONTEXT = 4096
@@ -84,6 +85,7 @@ class Executor:
                  buckets=DECODE_BUCKETS, max_context: int = DEFAULT_MAX_CONTEXT, pad_to_buckets: bool | None = None,
                  compile_decode: str | None = None):
         self.cache = cache
+        self._provider = provider
         self.device = torch.device(device) if device is not None else cache.kv.device
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
@@ -195,6 +197,18 @@ class Executor:
         else:
             out = self._decode(*self._static_args(bs))
         return out[:b]
+
+
+    @torch.no_grad()
+    def run_verify(self, batch: ForwardBatch, window) -> torch.Tensor:
+        """A verify step (speculative decoding): anchor + drafts per request, logits for every token.
+        Runs eagerly through the provider's verify step; `window` (model_def.draft_window.DraftWindow)
+        receives what the commit needs."""
+        if batch.mode not in VERIFY_MODES:
+            raise ValueError(f"run_verify takes a verify batch, got mode {batch.mode!r}")
+        if not _has_mode(self._provider, batch.mode):
+            raise ValueError(f"this step provider has no {batch.mode!r} step (an engine built without verify graphs)")
+        return step_function(self._provider, batch.mode)(*step_args(batch, self.cache), *window.tensors())
 
 
 def _pools_alias(cache: CacheTensors) -> bool:

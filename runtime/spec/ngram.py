@@ -71,8 +71,8 @@ class NgramProposer:
             return
         n0, drafts = last
         new = token_ids[n0:]
-        for j, d in enumerate(drafts):
-            if j >= len(new) - 1:  # the last committed token is the target's own (bonus / correction)
+        for j, d in enumerate(drafts):  # greedy: draft j is accepted iff it equals the j-th committed token
+            if j >= len(new):
                 break
             self._cal.tried[j] += 1
             if new[j] != d:
