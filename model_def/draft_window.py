@@ -30,6 +30,19 @@ from .ops import kda_math
 
 WINDOW_MODES = {"verify": "replay", "verify_snapshot": "snapshot"}  # step mode -> window kind
 VERIFY_MODES = tuple(WINDOW_MODES)
+# the verify steps' inputs after the STEP_INPUTS (what DraftWindow.tensors() returns, in order)
+WINDOW_INPUTS = {"verify": ("win_x", "win_k", "win_v", "win_g", "win_beta"), "verify_snapshot": ("win_x", "win_states")}
+
+
+def step_input_names(mode: str) -> tuple[str, ...]:
+    """The tensor inputs of a `mode` step, in order (a captured graph's placeholders)."""
+    from .batch import MODES, STEP_INPUTS
+
+    if mode in MODES:
+        return STEP_INPUTS
+    if mode in WINDOW_INPUTS:
+        return STEP_INPUTS + WINDOW_INPUTS[mode]
+    raise ValueError(f"unknown step mode {mode!r}; expected one of {MODES + VERIFY_MODES}")
 
 
 @dataclass(frozen=True)

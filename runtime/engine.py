@@ -51,7 +51,7 @@ from k3compile.runtime.cache.recompute_cost import RecomputeCost
 from k3compile.runtime.cache.request_table import RequestTable
 from k3compile.runtime.cache.state_slots import MAX_TRANSIENT_SLOTS
 from k3compile.model_def.dtypes import DTYPE_NAMES, DTYPES
-from k3compile.runtime.executor import provider_device
+from k3compile.runtime.executor import next_bucket, provider_device
 from k3compile.runtime.memory.pools import DEFAULT_STATE_FRACTION, SplitPools
 from k3compile.runtime.memory.sizing import check_fraction, pool_budget
 from k3compile.runtime.memory.unified import UnifiedArena
@@ -227,7 +227,11 @@ class LLMEngine:
         self.spec = None
         if proposer is not None or args.speculative is not None:
             from k3compile.runtime.spec.setup import make_spec_decoder
-            self.spec = make_spec_decoder(args, self.provider, spec, max_running, device, proposer)
+            ex = self.runner.executor
+            self.spec = make_spec_decoder(args, self.provider, spec, max_running, device, proposer,
+                                          window_rows=next_bucket(max_running, ex.buckets) or max_running,
+                                          padded=ex.pad_to_buckets)
+            ex.prepare_verify(self.spec.window, self.spec.gamma + 1)
         self._requests: dict[str, Request] = {}  # added and not yet reported finished
         self._outbox: dict[str, Request] = {}  # requests with something to report at the next step
         self._inflight: ScheduledBatch | None = None

@@ -199,16 +199,89 @@ class Executor:
         return out[:b]
 
 
+    # ---- verify steps (speculative decoding) ----
+    def prepare_verify(self, window, max_len: int) -> None:
+        """Use `window` (model_def.draft_window.DraftWindow) for every verify step from now on; with
+        padding on, verify batches are padded to (batch bucket, tokens per request) buckets -- one
+        CUDA graph each when graphs are on, captured here, largest first, sharing one memory pool."""
+        mode = window.spec.step_mode
+        if not _has_mode(self._provider, mode):
+            raise ValueError(f"this step provider has no {mode!r} step (build the engine with --verify-graphs)")
+        self._window, self._verify_fn = window, step_function(self._provider, mode)
+        self._verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._verify_inputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # a graph's static batch inputs
+        self.verify_buckets = tuple(b for b in self.buckets if b <= window.rows)
+        self.max_verify_len = min(max_len, window.spec.length)
+        if not self.cuda_graphs:
+            return
+        pool = None
+        for bs in sorted(self.verify_buckets, reverse=True):
+            for n in range(self.max_verify_len, 0, -1):
+                args = self._verify_static_args(bs, n)  # padding rows only
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side), torch.no_grad():
+                    for _ in range(WARMUP_RUNS):
+                        self._verify_fn(*args)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+                    out = self._verify_fn(*args)
+                pool = graph.pool()
+                self._verify_graphs[(bs, n)] = (graph, out)
+                self._verify_inputs[(bs, n)] = args[:7]
+        torch.cuda.synchronize(self.device)
+
+    def _verify_static_args(self, bs: int, n: int, batch: ForwardBatch | None = None) -> tuple:
+        """Inputs of a (bs requests x n tokens) verify step: `batch`'s requests in the first rows, each
+        padded to n tokens; padding tokens and rows are the decode padding (token 0, slot 0, KV writes to
+        the sink page 0), so they compute garbage into the sinks and into window positions nobody folds."""
+        dev, i64, i32 = self.device, torch.int64, torch.int32
+        ids = torch.zeros(bs * n, dtype=i64, device=dev)
+        loc = torch.zeros(bs * n, dtype=i64, device=dev)
+        seq = torch.full((bs,), n, dtype=i32, device=dev)
+        table = torch.zeros(bs, self.max_pages, dtype=i32, device=dev)
+        slots = torch.zeros(bs, dtype=i64, device=dev)
+        if batch is not None:
+            b, lens = batch.batch_size, batch.extend_lens_cpu
+            dst = torch.tensor([i * n + j for i, e in enumerate(lens) for j in range(e)], device=dev)
+            ids[dst] = batch.input_ids
+            loc[dst] = batch.out_cache_loc
+            seq[:b] = torch.tensor([p + n for p in batch.prefix_lens_cpu], dtype=i32, device=dev)
+            w = min(batch.page_table.shape[1], self.max_pages)
+            table[:b, :w] = batch.page_table[:, :w]
+            slots[:b] = batch.state_slots
+        cu = torch.arange(0, bs * n + 1, n, dtype=i32, device=dev)
+        rows = torch.arange(bs * n, dtype=i64, device=dev)
+        c = self.cache
+        return (ids, cu, seq, table, slots, loc, rows, c.ssm, c.conv, c.kv, *self._window.tensors())
+
     @torch.no_grad()
-    def run_verify(self, batch: ForwardBatch, window) -> torch.Tensor:
-        """A verify step (speculative decoding): anchor + drafts per request, logits for every token.
-        Runs eagerly through the provider's verify step; `window` (model_def.draft_window.DraftWindow)
-        receives what the commit needs."""
-        if batch.mode not in VERIFY_MODES:
-            raise ValueError(f"run_verify takes a verify batch, got mode {batch.mode!r}")
-        if not _has_mode(self._provider, batch.mode):
-            raise ValueError(f"this step provider has no {batch.mode!r} step (an engine built without verify graphs)")
-        return step_function(self._provider, batch.mode)(*step_args(batch, self.cache), *window.tensors())
+    def run_verify(self, batch: ForwardBatch) -> torch.Tensor:
+        """A verify step (speculative decoding): anchor + drafts per request, logits for every token in
+        the batch's order. The draft window set by `prepare_verify` receives what the commit needs."""
+        if getattr(self, "_window", None) is None:
+            raise ValueError("run_verify needs prepare_verify(window) first")
+        if batch.mode != self._window.spec.step_mode:
+            raise ValueError(f"run_verify takes {self._window.spec.step_mode!r} batches, got {batch.mode!r}")
+        if batch.seq_lens_cpu and max(batch.seq_lens_cpu) > self.max_context:
+            raise ValueError(f"a request's context ({max(batch.seq_lens_cpu)} tokens) exceeds this executor's "
+                             f"max_context ({self.max_context})")
+        b, n = batch.batch_size, max(batch.extend_lens_cpu)
+        bs = next_bucket(b, self.verify_buckets) if self.pad_to_buckets else None
+        if bs is None or n > self.max_verify_len:
+            return self._verify_fn(*step_args(batch, self.cache), *self._window.tensors())
+        args = self._verify_static_args(bs, n, batch)
+        if (bs, n) in self._verify_graphs:
+            graph, out = self._verify_graphs[(bs, n)]
+            for dst, src in zip(self._verify_inputs[(bs, n)], args[:7]):
+                dst.copy_(src)
+            graph.replay()
+        else:
+            out = self._verify_fn(*args)
+        real = torch.tensor([i * n + j for i, e in enumerate(batch.extend_lens_cpu) for j in range(e)],
+                            device=out.device)
+        return out[real]
 
 
 def _pools_alias(cache: CacheTensors) -> bool:

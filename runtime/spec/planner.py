@@ -14,6 +14,9 @@ drafts beyond it pay for it. Early exit: when the whole block costs no more than
 the step without drafts (small batches sit on the staircase's first shelf), everything is kept.
 "all": every draft is verified (the verify-all baseline). Either way verification of what is kept is
 unchanged, so output stays lossless.
+
+`padded`: verify steps run padded to (batch, tokens per request) buckets (CUDA graphs), so a step
+costs T(B, B * (longest kept + 1)) whatever the others keep; otherwise (varlen) T(B, total tokens).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ class Planner:
     mode: str = "all"
     profile: CostProfile | None = None
     flat_tolerance: float = 0.02  # early exit: full block within 2% of the no-draft step
+    padded: bool = False
 
     def __post_init__(self):
         if self.mode not in PLANS:
@@ -53,21 +57,25 @@ class Planner:
             raise ValueError(f"planner: {b} requests but {len(limits)} limits")
         limits = [max(0, min(gamma, int(x))) for x in limits]
         surv = confidence.float().clamp(0, 1).cumprod(-1)
-        cost = (lambda n: self.profile.step_time(b, n)) if self.profile is not None else None  # noqa: E731
-        full = sum(limits)
+
+        def cost(drafts: int, longest: int) -> float | None:
+            if self.profile is None:
+                return None
+            return self.profile.step_time(b, b * (longest + 1) if self.padded else b + drafts)
+
+        full, longest = sum(limits), max(limits, default=0)
+        exp_all = b + sum(float(surv[i, :limits[i]].sum()) for i in range(b))
         if self.mode == "all" or full == 0:
-            exp = b + sum(float(surv[i, :limits[i]].sum()) for i in range(b))
-            return Plan(limits, exp, cost(b + full) if cost else None)
-        if cost(b + full) <= cost(b) * (1 + self.flat_tolerance):
-            exp = b + sum(float(surv[i, :limits[i]].sum()) for i in range(b))
-            return Plan(limits, exp, cost(b + full), early_exit=True)
+            return Plan(limits, exp_all, cost(full, longest))
+        if cost(full, longest) <= cost(0, 0) * (1 + self.flat_tolerance):
+            return Plan(limits, exp_all, cost(full, longest), early_exit=True)
         # greedy order by survival; ties by position so a request's drafts stay in order
         cand = sorted(((float(surv[i, j]), j, i) for i in range(b) for j in range(limits[i])),
                       key=lambda x: (-x[0], x[1]))
-        best_k, best_rate, e = 0, b / cost(b), float(b)
-        for k, (s, _, _) in enumerate(cand, start=1):
-            e += s
-            rate = e / cost(b + k)
+        best_k, best_rate, e, top = 0, b / cost(0, 0), float(b), 0
+        for k, (s, j, _) in enumerate(cand, start=1):
+            e, top = e + s, max(top, j + 1)
+            rate = e / cost(k, top)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         keep = [0] * b
@@ -75,4 +83,4 @@ class Planner:
         for s, _, i in cand[:best_k]:
             keep[i] += 1
             exp += s
-        return Plan(keep, exp, cost(b + best_k))
+        return Plan(keep, exp, cost(best_k, max(keep)))

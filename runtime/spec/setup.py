@@ -24,7 +24,10 @@ def make_proposer(name: str, draft: str | None, gamma: int, target, device: str)
     raise ValueError(f"unknown speculative method {name!r}; expected one of {', '.join(PROPOSERS)}")
 
 
-def make_spec_decoder(args, target, cache_spec, max_running: int, device: str, proposer=None) -> SpecDecoder:
+def make_spec_decoder(args, target, cache_spec, max_running: int, device: str, proposer=None,
+                      window_rows: int | None = None, padded: bool = False) -> SpecDecoder:
+    """`window_rows`: draft-window rows (>= the largest verify batch, padding included); `padded`: verify
+    steps run padded to buckets (CUDA graphs), so a step costs what its longest request costs."""
     if args.spec_window not in WINDOW_KINDS:
         raise ValueError(f"spec_window must be one of {WINDOW_KINDS}, got {args.spec_window!r}")
     if args.num_speculative_tokens < 1:
@@ -32,5 +35,5 @@ def make_spec_decoder(args, target, cache_spec, max_running: int, device: str, p
     if proposer is None:
         proposer = make_proposer(args.speculative, args.draft, args.num_speculative_tokens, target, device)
     profile = CostProfile.load(args.spec_profile) if args.spec_profile else None
-    planner = Planner(args.spec_plan, profile)
-    return SpecDecoder(proposer, planner, args.spec_window, cache_spec, max_running, device)
+    planner = Planner(args.spec_plan, profile, padded=padded)
+    return SpecDecoder(proposer, planner, args.spec_window, cache_spec, window_rows or max_running, device)

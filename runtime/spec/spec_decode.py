@@ -108,7 +108,7 @@ class SpecDecoder:
             slots.append(int(batch.forward.state_slots[i]))
         fb = ForwardBatch.build(self.window.spec.step_mode, ids, [r.start for r in rows], tables, slots, page_size,
                                 device=batch.forward.input_ids.device, logits="all")
-        logits = executor.run_verify(fb, self.window)
+        logits = executor.run_verify(fb)
         starts = fb.cu_seqlens[:-1].long()
         sampled, errors = sample(batch, logits[starts])
         extra, accept = {}, []

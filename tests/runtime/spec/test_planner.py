@@ -72,3 +72,13 @@ def test_profile_interpolates_and_round_trips(tmp_path):
     assert CostProfile.load(str(path)).step_ms == p.step_ms
     with pytest.raises(ValueError, match="step_ms"):
         CostProfile("d", "m", [1], [1, 2], [[1.0]])
+
+
+def test_padded_steps_cost_the_longest_request():
+    # padded (CUDA graphs): one confident request cannot make the whole batch pay for 4 more tokens each
+    conf = torch.tensor([[0.9] * 4] + [[0.05] * 4] * 7)
+    varlen = Planner("trim", LINEAR).plan(conf, [4] * 8)
+    padded = Planner("trim", LINEAR, padded=True).plan(conf, [4] * 8)
+    assert varlen.keep[0] == 4
+    assert padded.step_ms == pytest.approx(LINEAR.step_time(8, 8 * (max(padded.keep) + 1)))
+    assert padded.expected_tokens / padded.step_ms >= 8 / LINEAR.step_time(8, 8)

@@ -33,7 +33,8 @@ def _engine(model, proposer, **kw):
 CONFIGS = [
     dict(page_size=16, chunk_size=32),
     dict(page_size=1, chunk_size=16, overlap=True),
-    dict(page_size=16, chunk_size=32, overlap=True, enable_unified_memory=True),
+    # verify batches padded to (batch, tokens) buckets with sink rows: the CUDA-graph path, without capture
+    dict(page_size=16, chunk_size=32, overlap=True, enable_unified_memory=True, pad_decode_batches=True),
     dict(page_size=4, chunk_size=16, spec_window="snapshot"),
 ]
 
