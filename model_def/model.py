@@ -103,8 +103,8 @@ class K3ForCausalLM(nn.Module):
     def step(self, batch: ForwardBatch, cache: CacheTensors, window: DraftWindow | None = None) -> torch.Tensor:
         """Run one prefill / decode / verify step; returns logits [M, V] for `batch.logits_indices` (fp32).
 
-        Verify ("verify": ReplaySSM, "verify_snapshot": the baseline) runs each request's anchor + drafts
-        like a prefill chunk (MLA appends KV), but leaves the KDA state slots and conv windows as they
+        Verify ("verify": ReplaySSM, "verify_snapshot": the baseline) runs n tokens per request (anchor +
+        drafts; the same n for all) as n decode queries each (MLA appends KV as prefill does), but leaves the KDA state slots and conv windows as they
         are and fills `window` (row i = request i); `draft_window.commit_reference` or the runtime's
         fold then keeps the accepted prefix."""
         if batch.mode not in ("prefill", "decode") + VERIFY_MODES:
@@ -113,6 +113,9 @@ class K3ForCausalLM(nn.Module):
         if batch.mode in VERIFY_MODES:
             if window is None or WINDOW_MODES[batch.mode] != window.spec.kind:
                 raise ValueError(f"a {batch.mode!r} step needs a {WINDOW_MODES[batch.mode]!r} draft window")
+            if len(set(batch.extend_lens_cpu)) > 1:
+                raise ValueError(f"a verify step takes the same number of tokens for every request, got "
+                                 f"{batch.extend_lens_cpu} (the executor pads shorter ones)")
             if batch.batch_size > window.rows or max(batch.extend_lens_cpu or [0]) > window.spec.length:
                 raise ValueError(f"verify batch ({batch.batch_size} requests, up to {max(batch.extend_lens_cpu)} "
                                  f"tokens each) exceeds the draft window ({window.rows} x {window.spec.length})")

@@ -268,9 +268,12 @@ class Executor:
             raise ValueError(f"a request's context ({max(batch.seq_lens_cpu)} tokens) exceeds this executor's "
                              f"max_context ({self.max_context})")
         b, n = batch.batch_size, max(batch.extend_lens_cpu)
-        bs = next_bucket(b, self.verify_buckets) if self.pad_to_buckets else None
-        if bs is None or n > self.max_verify_len:
-            return self._verify_fn(*step_args(batch, self.cache), *self._window.tensors())
+        if n > self.max_verify_len:
+            raise ValueError(f"verify batch of {n} tokens per request, the draft window holds {self.max_verify_len}")
+        # every request is padded to n tokens; with padding on, the batch to its bucket too
+        bs = (next_bucket(b, self.verify_buckets) if self.pad_to_buckets else None) or b
+        if bs > self._window.rows:
+            raise ValueError(f"verify batch of {bs} requests, the draft window has {self._window.rows} rows")
         args = self._verify_static_args(bs, n, batch)
         if (bs, n) in self._verify_graphs:
             graph, out = self._verify_graphs[(bs, n)]

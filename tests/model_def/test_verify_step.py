@@ -65,17 +65,16 @@ def test_commit_is_bit_identical_to_decoding(dtype, kind):
     # verify all L positions (pools untouched), then commit
     window = DraftWindow.allocate(DraftWindowSpec(spec, L, kind), b)
     before = (ver.ssm.clone(), ver.conv.clone())
-    cu = torch.arange(0, b * L + 1, L, dtype=torch.int32)
     flat = lambda t: t.flatten(0, 1)  # noqa: E731
     outs = []
     for layer in range(N_KDA):
-        torch.ops.k3.short_conv_verify(flat(x), w, ver.conv, layer, 0, slots, cu, window.x)
+        torch.ops.k3.short_conv_verify(flat(x), w, ver.conv, layer, 0, slots, window.x)
         if kind == "replay":
-            o = torch.ops.k3.kda_verify(flat(q), flat(k), flat(v), flat(g), flat(beta), ver.ssm, layer, slots, cu,
+            o = torch.ops.k3.kda_verify(flat(q), flat(k), flat(v), flat(g), flat(beta), ver.ssm, layer, slots,
                                         window.k, window.v, window.g, window.beta)
         else:
             o = torch.ops.k3.kda_verify_snapshot(flat(q), flat(k), flat(v), flat(g), flat(beta), ver.ssm, layer,
-                                                 slots, cu, window.states)
+                                                 slots, window.states)
         outs.append(o)
     assert torch.equal(ver.ssm, before[0]) and torch.equal(ver.conv, before[1]), "verify wrote the pools"
     commit_reference(ver, window, slots.tolist(), accept)
@@ -91,8 +90,8 @@ def test_verify_outputs_equal_decode_outputs():
     want = torch.stack([torch.ops.k3.kda_decode(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], dec.ssm, 0, slots)[0]
                         for t in range(L)])
     window = DraftWindow.allocate(DraftWindowSpec(spec, L), 1)
-    got = torch.ops.k3.kda_verify(q[0], k[0], v[0], g[0], beta[0], ver.ssm, 0, slots,
-                                  torch.tensor([0, L], dtype=torch.int32), window.k, window.v, window.g, window.beta)
+    got = torch.ops.k3.kda_verify(q[0], k[0], v[0], g[0], beta[0], ver.ssm, 0, slots, window.k, window.v, window.g,
+                                  window.beta)
     assert torch.equal(got, want)
 
 

@@ -21,7 +21,7 @@ def test_verify_graph_round_trip_matches_the_model():
     pre = ForwardBatch.build("prefill", [[3, 4, 5, 6, 7], [8, 9]], [0, 0], [[1, 2], [3, 4]], [1, 2], 4)
     for c in caches:
         model.step(pre, c)
-    vb = ForwardBatch.build("verify", [[1, 2, 3], [4, 5]], [5, 2], [[1, 2], [3, 4]], [1, 2], 4, logits="all")
+    vb = ForwardBatch.build("verify", [[1, 2, 3], [4, 5, 6]], [5, 2], [[1, 2], [3, 4]], [1, 2], 4, logits="all")
     wins = [DraftWindow.allocate(DraftWindowSpec(spec, 3), 2) for _ in range(2)]
     want = model.step(vb, caches[0], wins[0])
     with torch.no_grad():
