@@ -86,8 +86,12 @@ def _prompts(b: int, n: int, vocab: int, seed: int) -> list[list[int]]:
 def run_arm(provider, args, prompts, params, arm: str, proposer, memory_bytes):
     from k3compile.runtime.engine import EngineArgs, LLMEngine
 
-    kw = dict(model=None, memory_bytes=memory_bytes, max_running=max(len(prompts), 1), enable_prefix_cache=False,
-              chunk_size=256, max_batch_tokens=max(2048, args.prompt_len * len(prompts)))
+    from k3compile.runtime.executor import DECODE_BUCKETS, next_bucket
+
+    b = max(len(prompts), 1)
+    # one graph bucket (the batch's): every step of the run pads to it, so capture stays short
+    kw = dict(model=None, memory_bytes=memory_bytes, max_running=b, enable_prefix_cache=False, chunk_size=256,
+              max_batch_tokens=max(2048, args.prompt_len * b), cuda_graph_buckets=(next_bucket(b, DECODE_BUCKETS) or b,))
     if arm != "none":
         kw.update(num_speculative_tokens=args.gamma, spec_window=args.window, spec_plan=arm,
                   spec_profile=args.profile if arm == "trim" else None)
