@@ -158,18 +158,22 @@ class Executor:
             if bs in self._graphs:
                 continue
             args = self._static_args(bs)  # padding rows only: warm-up and capture touch the sinks alone
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), torch.no_grad():
-                for _ in range(WARMUP_RUNS):
-                    self._decode(*args)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), torch.no_grad():
-                out = self._decode(*args)
-            pool = graph.pool()
-            self._graphs[bs] = (graph, out)
+            self._graphs[bs] = self._capture_one(self._decode, args, pool)
+            pool = self._graphs[bs][0].pool()
         torch.cuda.synchronize(self.device)
+
+    def _capture_one(self, fn, args, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm `fn(*args)` up on a side stream, then capture it into a graph sharing `pool`."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(WARMUP_RUNS):
+                fn(*args)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+            out = fn(*args)
+        return graph, out
 
     # ---- running ----
     @torch.no_grad()
@@ -218,18 +222,9 @@ class Executor:
         for bs in sorted(self.verify_buckets, reverse=True):
             for n in range(self.max_verify_len, 0, -1):
                 args = self._verify_static_args(bs, n)  # padding rows only
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side), torch.no_grad():
-                    for _ in range(WARMUP_RUNS):
-                        self._verify_fn(*args)
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool), torch.no_grad():
-                    out = self._verify_fn(*args)
-                pool = graph.pool()
-                self._verify_graphs[(bs, n)] = (graph, out)
+                self._verify_graphs[(bs, n)] = self._capture_one(self._verify_fn, args, pool)
                 self._verify_inputs[(bs, n)] = args[:7]
+                pool = self._verify_graphs[(bs, n)][0].pool()
         torch.cuda.synchronize(self.device)
 
     def _verify_static_args(self, bs: int, n: int, batch: ForwardBatch | None = None) -> tuple:
