@@ -20,7 +20,7 @@ def make_proposer(name: str, draft: str | None, gamma: int, target, device: str)
             from . import dspark_proposer
         except ImportError as e:
             raise ValueError(f"--speculative dspark: the DSpark proposer is not available here ({e})") from e
-        return dspark_proposer.load_proposer(draft, target, gamma=gamma, device=device)
+        return dspark_proposer.DSparkProposer.from_checkpoint(draft, target, gamma=gamma)
     raise ValueError(f"unknown speculative method {name!r}; expected one of {', '.join(PROPOSERS)}")
 
 
