@@ -6,7 +6,8 @@ fold (runtime/spec/fold_kernel.py) later replays the accepted prefix. For that s
 bit-identical to what P5's fused decode kernel (kda_decode.py) writes, the stored inputs must be the
 values P5 computes in its registers -- Triton's sigmoid/exp differ from torch's in the last bits. This
 kernel computes them with P5's own code: its `_short_conv_step` jit helper (on a scratch copy of the
-committed conv windows, so the pool is not written) and P5's gate and beta expressions.
+committed conv windows, so the pool is not written) and P5's gate and beta expressions, in P5's
+column blocks for a decode step of the same batch (`decode_batch`).
 
 One program per (request, head); positions in order. Inputs are P5's (the op's inputs after the
 projections, one [B, L, ...] block per request), with f already up-projected (no low-rank absorb).
@@ -22,7 +23,7 @@ from .kda_decode import triton
 if triton is not None:
     import triton.language as tl
 
-    from .kda_decode import _short_conv_step
+    from .kda_decode import V_BLOCK, _short_conv_read, _short_conv_write, default_v_split
 
     @triton.jit
     def _verify_inputs_kernel(xk_ptr, xv_ptr, wk_ptr, wv_ptr, f_ptr, dt_ptr, alog_ptr, b_ptr,
@@ -44,7 +45,10 @@ if triton is not None:
         out_dtype = wink_ptr.dtype.element_ty
         for t in range(0, L):
             tok = req * L + t  # inputs are [B, L, ...] row-major: token rows of C (or H) values
-            k = _short_conv_step(xk_ptr + tok * C, wk_ptr, conv_base + C * (WIDTH - 1), ch, mk, WIDTH, WPAD)
+            k_win = conv_base + C * (WIDTH - 1)
+            k, k_hist, k_x = _short_conv_read(xk_ptr + tok * C, wk_ptr, k_win, ch, mk, WIDTH, WPAD)
+            tl.debug_barrier()
+            _short_conv_write(k_win, ch, mk, k_hist, k_x, WIDTH, WPAD)
             f_raw = tl.load(f_ptr + tok * C + ch, mask=mk, other=0.0).to(tl.float32)
             fx = f_raw + dt
             if SOFTPLUS_GATE:
@@ -59,13 +63,16 @@ if triton is not None:
             for v0 in range(0, V, BV):
                 ov = v0 + tl.arange(0, BV)
                 mv = ov < V
-                v = _short_conv_step(xv_ptr + tok * C, wv_ptr, conv_base + 2 * C * (WIDTH - 1), head * V + ov, mv,
-                                     WIDTH, WPAD)
+                v_win = conv_base + 2 * C * (WIDTH - 1)
+                v, v_hist, v_x = _short_conv_read(xv_ptr + tok * C, wv_ptr, v_win, head * V + ov, mv, WIDTH, WPAD)
+                tl.debug_barrier()
+                _short_conv_write(v_win, head * V + ov, mv, v_hist, v_x, WIDTH, WPAD)
                 tl.store(winv_ptr + base + ov, v.to(out_dtype), mask=mv)
 
 
 def kda_verify_inputs_triton(x_k, x_v, k_conv_weight, v_conv_weight, f, dt_bias, a_log, beta_logits, conv_pool,
-                             layer: int, slots, win_k, win_v, win_g, win_beta, lower_bound) -> None:
+                             layer: int, slots, win_k, win_v, win_g, win_beta, lower_bound,
+                             decode_batch: int | None = None) -> None:
     """x_k, x_v, f [B, L, H*K]; beta_logits [B, L, H]; writes win_* [B, n_kda, L, H, ...] at `layer` (rows 0..B-1).
     The pool's committed conv windows are read (a scratch copy advances), never written."""
     if triton is None:
@@ -78,7 +85,7 @@ def kda_verify_inputs_triton(x_k, x_v, k_conv_weight, v_conv_weight, f, dt_bias,
     x_k, x_v, f, beta_logits = (t.contiguous() for t in (x_k, x_v, f, beta_logits))
     wk, wv, wg, wb = (t[:, layer] for t in (win_k, win_v, win_g, win_beta))
     bk = triton.next_power_of_2(kd)
-    bv = min(triton.next_power_of_2(kd), 32)
+    bv = min(triton.next_power_of_2(kd // default_v_split(decode_batch or b, h, kd)), V_BLOCK)
     _verify_inputs_kernel[(b * h,)](
         x_k, x_v, k_conv_weight.contiguous(), v_conv_weight.contiguous(), f, dt_bias.contiguous(), a_log.contiguous(),
         beta_logits, scratch, scratch.stride(0),

@@ -11,9 +11,12 @@ for the same inputs:
     per [BK, BV=32] column block of the state:  s = s * decay[:, None];
     kv    = sum(s * k[:, None], axis=0);  s += k[:, None] * ((v - kv) * beta)[None, :]
 
-P5 walks the state in the same [K, 32] column blocks with the same num_warps rule; here the block
-stays in registers across the accepted positions (loading and storing fp32 is exact) and is stored
-once. The conv windows roll back separately (`draft_window.roll_conv`).
+P5 walks the state in [K, BV] column blocks, BV = min(V / split, 32) with the V split it picks from the
+decode batch's size (`p5_block`, mirrored from passes/kernels/kda_decode.py and tested against it), and
+the block's shape and num_warps fix the reductions' order: so the fold uses the blocks P5 would use
+for a decode step of the same batch. Here a block stays in registers across the accepted positions
+(loading and storing fp32 is exact) and is stored once. The conv windows roll back separately
+(`draft_window.roll_conv`).
 
 CPU tensors work under TRITON_INTERPRET=1 (set before import); `fold_reference` is the pure-torch
 definition (model_def.draft_window.commit_reference), which the tests compare with.
@@ -33,7 +36,22 @@ try:
 except ImportError:  # CPU-only install: commit runs the reference
     triton = None
 
-V_BLOCK = 32  # P5's column block (passes/kernels/kda_decode.py V_BLOCK): same blocks, same reductions
+# P5's launch heuristics (passes/kernels/kda_decode.py: V_BLOCK, TARGET_PROGRAMS, MIN_V_PER_PROGRAM,
+# default_v_split, the num_warps rule); tests/runtime/spec/test_fold_kernel.py checks they agree
+V_BLOCK = 32
+TARGET_PROGRAMS = 256
+MIN_V_PER_PROGRAM = 16
+
+
+def p5_block(batch: int, heads: int, head_k: int, head_v: int) -> tuple[int, int]:
+    """(BV, num_warps) of P5's decode kernel for a decode step of `batch` requests."""
+    rows, split = max(batch * heads, 1), 1
+    while (rows * split < TARGET_PROGRAMS and head_v % (2 * split) == 0
+           and head_v // (2 * split) >= MIN_V_PER_PROGRAM):
+        split *= 2
+    bk = triton.next_power_of_2(head_k)
+    bv = min(triton.next_power_of_2(head_v // split), V_BLOCK)
+    return bv, 4 if bk * bv >= 64 * 32 else 1
 
 
 def fold_reference(cache, window: DraftWindow, slots: list[int], accept_lens: list[int]) -> None:
@@ -87,8 +105,10 @@ def kernel_supports(window: DraftWindow) -> bool:
             and triton.next_power_of_2(c.kda_head_k) * triton.next_power_of_2(c.kda_head_v) <= 128 * 128)
 
 
-def fold_triton(cache, window: DraftWindow, slots: torch.Tensor, accept_lens: torch.Tensor) -> None:
-    """Fold on the device: `slots`, `accept_lens` int tensors [B] on the pools' device (no host sync)."""
+def fold_triton(cache, window: DraftWindow, slots: torch.Tensor, accept_lens: torch.Tensor,
+                decode_batch: int | None = None) -> None:
+    """Fold on the device: `slots`, `accept_lens` int tensors [B] on the pools' device (no host sync).
+    `decode_batch`: the batch whose decode step the state must equal (default B): it picks P5's blocks."""
     if triton is None:
         raise RuntimeError("fold kernel: triton is not installed")
     if window.spec.kind != "replay":
@@ -106,8 +126,7 @@ def fold_triton(cache, window: DraftWindow, slots: torch.Tensor, accept_lens: to
     if b == 0:
         return
     bk = triton.next_power_of_2(kd)
-    bv = min(triton.next_power_of_2(vd), V_BLOCK)
-    num_warps = 4 if bk * bv >= 64 * 32 else 1  # P5's rule: the same layout gives the same reductions
+    bv, num_warps = p5_block(decode_batch or b, h, kd, vd)  # P5's blocks: the same layout, the same reductions
     ks, bs = window.k.stride(), window.beta.stride()
     _fold_kernel[(b * n_layers * h,)](
         ssm, ssm.stride(0), ssm.stride(1),
@@ -117,16 +136,17 @@ def fold_triton(cache, window: DraftWindow, slots: torch.Tensor, accept_lens: to
         N_LAYERS=n_layers, H=h, K=kd, V=vd, BK=bk, BV=bv, L2EPS=L2_EPS, num_warps=num_warps)
 
 
-def commit(cache, window: DraftWindow, slots: list[int], accept_lens: list[int], use_kernel: bool | None = None) -> None:
+def commit(cache, window: DraftWindow, slots: list[int], accept_lens: list[int], use_kernel: bool | None = None,
+           decode_batch: int | None = None) -> None:
     """Keep each request's accepted prefix: fold (replay) or select (snapshot), then roll the conv windows.
-    `use_kernel` None: the Triton fold on CUDA, the torch reference elsewhere."""
+    `use_kernel` None: the Triton fold on CUDA, the torch reference elsewhere; `decode_batch`: see fold_triton."""
     check_commit(window, slots, accept_lens)
     dev = cache.ssm.device
     if use_kernel is None:
         use_kernel = dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     if window.spec.kind == "replay" and use_kernel and kernel_supports(window):
         fold_triton(cache, window, torch.as_tensor(slots, dtype=torch.int64, device=dev),
-                    torch.as_tensor(accept_lens, dtype=torch.int32, device=dev))
+                    torch.as_tensor(accept_lens, dtype=torch.int32, device=dev), decode_batch)
         roll_conv(cache, window, slots, accept_lens)
         return
     commit_reference(cache, window, slots, accept_lens)

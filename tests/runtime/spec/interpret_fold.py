@@ -58,7 +58,7 @@ for name, kw in CASES:
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 from tests.runtime.spec.test_fold_gpu import decode_vs_fold  # noqa: E402
 
-P5_CASES = [(16, torch.float32, -5.0), (16, torch.float32, None), (64, torch.bfloat16, -5.0)]
+P5_CASES = [(16, torch.float32, -5.0), (16, torch.float32, None)]
 for hd, dt, lb in P5_CASES:
     a, b = decode_vs_fold(hd, dt, lb, dev="cpu")
     err = ((a.ssm - b.ssm).abs().max() / a.ssm.abs().max()).item()

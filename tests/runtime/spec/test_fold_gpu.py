@@ -13,9 +13,11 @@ from k3compile.model_def.draft_window import DraftWindow, DraftWindowSpec
 pytestmark = pytest.mark.gpu
 
 
-def decode_vs_fold(head_dim, dtype, lower_bound, dev="cuda"):
-    """(pools after P5 decode, pools after verify inputs + commit); also run on CPU by interpret_fold.py."""
-    from k3compile.passes.kernels.kda_decode import fused_kda_decode_triton
+def decode_vs_fold(head_dim, dtype, lower_bound, dev="cuda", batch=4):
+    """(pools after P5 decode, pools after verify inputs + commit); also run on CPU by interpret_fold.py.
+    P5 decodes with the V split it picks for the whole batch (each step decodes the requests that
+    accepted that far, as one batch of `batch` would); the fold and the inputs use that batch's blocks."""
+    from k3compile.passes.kernels.kda_decode import default_v_split, fused_kda_decode_triton
     from k3compile.passes.kernels.kda_verify_inputs import kda_verify_inputs_triton
     from k3compile.runtime.spec.fold_kernel import commit
 
@@ -23,12 +25,14 @@ def decode_vs_fold(head_dim, dtype, lower_bound, dev="cuda"):
     c = h * head_dim
     spec = CacheSpec(n_kda=n_kda, kda_heads=h, kda_head_k=head_dim, kda_head_v=head_dim, conv_channels=3 * c,
                      conv_window=width - 1, n_mla=1, kv_width=8, dtype=dtype)
-    slots = [5, 1, 3, 2]
-    accept = [1, 6, 3, 4]
+    slots = [5, 1, 3, 2] + list(range(6, batch + 2))
+    accept = ([1, 6, 3, 4] + [1 + i % L for i in range(batch)])[:batch]
+    slots = slots[:batch]
     b = len(slots)
+    split = default_v_split(b, h, head_dim)
     gen = torch.Generator(device=dev).manual_seed(0)  # noqa
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
-    pools = [CacheTensors.allocate(spec, 7, 1, 4, device=dev) for _ in range(2)]
+    pools = [CacheTensors.allocate(spec, b + 3, 1, 4, device=dev) for _ in range(2)]
     ssm0, conv0 = r(*pools[0].ssm.shape) * 0.3, r(*pools[0].conv.shape).to(dtype)
     for p in pools:
         p.ssm.copy_(ssm0)
@@ -46,21 +50,23 @@ def decode_vs_fold(head_dim, dtype, lower_bound, dev="cuda"):
             pick = lambda x: x[rows, t].contiguous()  # noqa: E731
             fused_kda_decode_triton(pick(w["xq"]), pick(w["xk"]), pick(w["xv"]), w["wq"], w["wk"], w["wv"],
                                     pick(w["f"]), w["dt"], w["alog"], pick(w["bl"]), pick(w["gate"]), w["normw"],
-                                    pools[0].conv, pools[0].ssm, li, st[rows], lower_bound, 1e-5)
+                                    pools[0].conv, pools[0].ssm, li, st[rows], lower_bound, 1e-5, v_split=split)
     window = DraftWindow.allocate(DraftWindowSpec(spec, L), b, device=dev)
     for li, w in enumerate(layers):  # B: window inputs, then one commit
         kda_verify_inputs_triton(w["xk"], w["xv"], w["wk"], w["wv"], w["f"], w["dt"], w["alog"], w["bl"],
-                                 pools[1].conv, li, st, window.k, window.v, window.g, window.beta, lower_bound)
+                                 pools[1].conv, li, st, window.k, window.v, window.g, window.beta, lower_bound,
+                                 decode_batch=b)
         window.x[:, li] = torch.cat([w["xq"], w["xk"], w["xv"]], -1)
     assert torch.equal(pools[1].ssm, ssm0) and torch.equal(pools[1].conv, conv0), "verify wrote the pools"
-    commit(pools[1], window, slots, accept, use_kernel=True)
+    commit(pools[1], window, slots, accept, use_kernel=True, decode_batch=b)
     return pools
 
 
-@pytest.mark.parametrize("head_dim,dtype,lower_bound", [(128, torch.bfloat16, -5.0), (128, torch.bfloat16, None),
-                                                        (16, torch.float32, -5.0), (64, torch.bfloat16, -5.0)])
-def test_fold_is_bit_identical_to_p5_decode(head_dim, dtype, lower_bound):
-    pools = decode_vs_fold(head_dim, dtype, lower_bound)
+@pytest.mark.parametrize("head_dim,dtype,lower_bound,batch", [
+    (128, torch.bfloat16, -5.0, 4), (128, torch.bfloat16, None, 4), (16, torch.float32, -5.0, 4),
+    (64, torch.bfloat16, -5.0, 4), (128, torch.bfloat16, -5.0, 160)])  # 160 x 2 heads: no V split (32-wide blocks)
+def test_fold_is_bit_identical_to_p5_decode(head_dim, dtype, lower_bound, batch):
+    pools = decode_vs_fold(head_dim, dtype, lower_bound, batch=batch)
     torch.cuda.synchronize()
     diff = (pools[1].ssm - pools[0].ssm).abs().max().item()
     assert torch.equal(pools[1].ssm, pools[0].ssm), f"states differ (max abs diff {diff:.3e})"

@@ -31,3 +31,15 @@ def test_commit_refuses_bad_accept_lengths():
         fold_kernel.commit(cache, w, [1, 2], [1])
     with pytest.raises(ValueError, match="rows"):
         fold_kernel.commit(cache, w, [0, 1, 2], [1, 1, 1])
+
+
+def test_fold_blocks_mirror_p5_launch_heuristics():
+    from k3compile.passes.kernels import kda_decode as p5
+
+    assert (fold_kernel.V_BLOCK, fold_kernel.TARGET_PROGRAMS, fold_kernel.MIN_V_PER_PROGRAM) == (
+        p5.V_BLOCK, p5.TARGET_PROGRAMS, p5.MIN_V_PER_PROGRAM)
+    for batch in (1, 3, 8, 64, 256):
+        for heads, dim in ((2, 16), (4, 64), (12, 128), (32, 128)):
+            split = p5.default_v_split(batch, heads, dim)
+            bv = min(1 << (dim // split - 1).bit_length(), p5.V_BLOCK)
+            assert fold_kernel.p5_block(batch, heads, dim, dim) == (bv, 4 if dim * bv >= 64 * 32 else 1)
