@@ -25,6 +25,7 @@ import torch
 
 from k3compile.model_def.batch import ForwardBatch
 from k3compile.model_def.draft_window import DraftWindow, DraftWindowSpec
+from k3compile.runtime.executor import next_bucket
 from k3compile.runtime.memory.base import OutOfMemoryError
 from k3compile.runtime.sampling import SAMPLING_EPS
 
@@ -127,7 +128,9 @@ class SpecDecoder:
             accept.append(1 + len(got))
             if got:
                 extra[i] = got
-        commit(executor.cache, self.window, slots, accept)
+        # the decode step this replaces would have run at the batch's graph bucket: its kernel blocks
+        decode_batch = (next_bucket(len(rows), executor.buckets) if executor.pad_to_buckets else None) or len(rows)
+        commit(executor.cache, self.window, slots, accept, decode_batch=decode_batch)
         self._note(rows, spec_rows, keep, accept)
         return SpecResult(sampled, errors, extra)
 
