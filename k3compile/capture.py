@@ -1,4 +1,4 @@
-"""Capture a model_def step (decode / prefill chunk) as a torch.fx GraphModule.
+"""Capture a model_def step (decode / prefill chunk / verify) as a torch.fx GraphModule.
 
 Why make_fx and not torch.export: the steps mutate the KV / state pools in place through `k3::`
 custom ops. torch.export functionalizes those mutations into `auto_functionalized` nodes plus
@@ -19,6 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 # The step contract (modes, inputs, step_args) lives in model_def; re-exported for the passes and benches.
 from k3compile.model_def.batch import MODES, STEP_INPUTS, ForwardBatch, step_args  # noqa: F401
 from k3compile.model_def.cache import CacheTensors
+from k3compile.model_def.draft_window import VERIFY_MODES, WINDOW_MODES, DraftWindow, DraftWindowSpec, step_input_names
 
 # node.meta key naming the pass that created a node (the pass manager sets it; engines store it so
 # reports can attribute kernels); here, below both passes and the engine format, so both can read it
@@ -29,11 +30,13 @@ def example_batch(mode: str, cache: CacheTensors, device) -> ForwardBatch:
     """A small batch whose sizes are all >= 2 and distinct, so symbolic tracing does not specialize them."""
     n_req, page = 3, cache.page_size
     new = [1, 1, 1] if mode == "decode" else [2, 5, 3]
+    if mode in VERIFY_MODES:
+        new = [4, 4, 4]  # gamma + 1 = 4 per request, as an executor bucket pads them
     prefix = [3, 0, 6]
     max_pages = 4
     table = [[1 + r * max_pages + j for j in range(max_pages)] for r in range(n_req)]
     return ForwardBatch.build(mode, [[1] * n for n in new], prefix, table, [1, 2, 3], page, device=device,
-                              max_pages=max_pages)
+                              max_pages=max_pages, logits="all" if mode in VERIFY_MODES else "last")
 
 
 def _param_attr_name(name: str) -> str:
@@ -43,12 +46,14 @@ def _param_attr_name(name: str) -> str:
 @torch.no_grad()
 def capture_step(model: torch.nn.Module, mode: str, page_size: int = 4) -> torch.fx.GraphModule:
     """Trace `model.step_tensors(mode, ...)` to an ATen-level GraphModule with symbolic sizes."""
-    if mode not in MODES:
-        raise ValueError(f"unknown step mode {mode!r}; expected one of {MODES}")
+    if mode not in MODES + VERIFY_MODES:
+        raise ValueError(f"unknown step mode {mode!r}; expected one of {MODES + VERIFY_MODES}")
     device = model.lm_head.weight.device
     spec = model.cache_spec()
     cache = CacheTensors.allocate(spec, 4, 16, page_size, device)
     args = step_args(example_batch(mode, cache, device), cache)
+    if mode in VERIFY_MODES:  # the draft window's rows and positions are symbolic too (5 x 6: distinct sizes)
+        args += DraftWindow.allocate(DraftWindowSpec(spec, 6, WINDOW_MODES[mode]), 5, device).tensors()
 
     def step(*a):
         return model.step_tensors(mode, *a)
@@ -58,16 +63,16 @@ def capture_step(model: torch.nn.Module, mode: str, page_size: int = 4) -> torch
     # the number of MLA layers, say) share one symbol, and passes would treat them as the same size.
     with fx_config.patch(use_duck_shape=False):
         gm = make_fx(step, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*args)
-    _name_inputs(gm)
+    _name_inputs(gm, step_input_names(mode))
     _name_params(gm, model)
-    gm.meta["k3"] = {"mode": mode, "inputs": list(STEP_INPUTS)}
+    gm.meta["k3"] = {"mode": mode, "inputs": list(step_input_names(mode))}
     gm.recompile()
     return gm
 
 
-def _name_inputs(gm: torch.fx.GraphModule) -> None:
+def _name_inputs(gm: torch.fx.GraphModule, names) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, name in zip(placeholders, STEP_INPUTS):
+    for node, name in zip(placeholders, names):
         node.name = node.target = name
 
 

@@ -17,7 +17,8 @@ from k3compile.runtime.sampling import SamplingParams
 @torch.no_grad()
 def generate_ids(model, prompt_ids: list[int], params: SamplingParams, page_size: int = 16,
                  chunk_size: int = 256, eos_token_id: int | None = None, on_token=None,
-                 cuda_graphs: bool | None = None) -> list[int]:
+                 cuda_graphs: bool | None = None, speculation: dict | None = None) -> list[int]:
+    """`speculation`: speculative-decoding EngineArgs fields (speculative=..., draft=..., ...), or None."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     cfg = model.config
@@ -33,7 +34,8 @@ def generate_ids(model, prompt_ids: list[int], params: SamplingParams, page_size
     slot_bytes, page_bytes = 3 * spec.slot_bytes, (-(-total // page_size) + 2) * spec.page_bytes(page_size)
     args = EngineArgs(model=None, page_size=page_size, chunk_size=chunk_size, enable_prefix_cache=False,
                       memory_bytes=slot_bytes + page_bytes, state_fraction=slot_bytes / (slot_bytes + page_bytes),
-                      track_interval=page_size, max_context=total, cuda_graphs=cuda_graphs, cuda_graph_buckets=(1,))
+                      track_interval=page_size, max_context=total, cuda_graphs=cuda_graphs, cuda_graph_buckets=(1,),
+                      **(speculation or {}))
     engine = LLMEngine(args, model=model, eos_token_id=None)
     engine.add_request("generate", list(prompt_ids), params)
     out: list[int] = []

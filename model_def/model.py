@@ -16,6 +16,7 @@ from torch import nn
 from .batch import ForwardBatch
 from .cache import CacheSpec, CacheTensors
 from .config import ModelConfig
+from .draft_window import VERIFY_MODES, WINDOW_MODES, DraftWindow
 from .layers.attn_res import attn_res_read
 from .layers.common import RMSNorm, StepInputs
 from .layers.kda import KDAMixer
@@ -99,18 +100,35 @@ class K3ForCausalLM(nn.Module):
     def cache_spec(self, dtype: torch.dtype | None = None, tp_size: int = 1) -> CacheSpec:
         return CacheSpec.from_config(self.config, dtype or self.lm_head.weight.dtype, tp_size)
 
-    def step(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
-        """Run one prefill / decode step; returns logits [M, V] for `batch.logits_indices` (fp32)."""
-        if batch.mode not in ("prefill", "decode"):
+    def step(self, batch: ForwardBatch, cache: CacheTensors, window: DraftWindow | None = None) -> torch.Tensor:
+        """Run one prefill / decode / verify step; returns logits [M, V] for `batch.logits_indices` (fp32).
+
+        Verify ("verify": ReplaySSM, "verify_snapshot": the baseline) runs n tokens per request (anchor +
+        drafts; the same n for all) as n decode queries each (MLA appends KV as prefill does), but leaves the KDA state slots and conv windows as they
+        are and fills `window` (row i = request i); `draft_window.commit_reference` or the runtime's
+        fold then keeps the accepted prefix."""
+        if batch.mode not in ("prefill", "decode") + VERIFY_MODES:
             raise ValueError(f"unsupported step mode {batch.mode!r}")
+        extra = ()
+        if batch.mode in VERIFY_MODES:
+            if window is None or WINDOW_MODES[batch.mode] != window.spec.kind:
+                raise ValueError(f"a {batch.mode!r} step needs a {WINDOW_MODES[batch.mode]!r} draft window")
+            if len(set(batch.extend_lens_cpu)) > 1:
+                raise ValueError(f"a verify step takes the same number of tokens for every request, got "
+                                 f"{batch.extend_lens_cpu} (the executor pads shorter ones)")
+            if batch.batch_size > window.rows or max(batch.extend_lens_cpu or [0]) > window.spec.length:
+                raise ValueError(f"verify batch ({batch.batch_size} requests, up to {max(batch.extend_lens_cpu)} "
+                                 f"tokens each) exceeds the draft window ({window.rows} x {window.spec.length})")
+            extra = window.tensors()
         return self.step_tensors(batch.mode, batch.input_ids, batch.cu_seqlens, batch.seq_lens, batch.page_table,
                                  batch.state_slots, batch.out_cache_loc, batch.logits_indices, cache.ssm,
-                                 cache.conv, cache.kv)
+                                 cache.conv, cache.kv, *extra)
 
     def step_tensors(self, mode, input_ids, cu_seqlens, seq_lens, page_table, state_slots, out_cache_loc,
-                     logits_indices, ssm, conv, kv) -> torch.Tensor:
-        """The step as a function of tensors only: this is what the compiler captures."""
-        s = StepInputs(mode, cu_seqlens, seq_lens, page_table, state_slots, out_cache_loc, ssm, conv, kv)
+                     logits_indices, ssm, conv, kv, *window) -> torch.Tensor:
+        """The step as a function of tensors only: this is what the compiler captures. `window`: the
+        draft window's tensors in verify modes."""
+        s = StepInputs(mode, cu_seqlens, seq_lens, page_table, state_slots, out_cache_loc, ssm, conv, kv, window)
         h = self.model(input_ids, s)
         return self.lm_head(h[logits_indices]).float()
 

@@ -51,7 +51,7 @@ from k3compile.runtime.cache.recompute_cost import RecomputeCost
 from k3compile.runtime.cache.request_table import RequestTable
 from k3compile.runtime.cache.state_slots import MAX_TRANSIENT_SLOTS
 from k3compile.model_def.dtypes import DTYPE_NAMES, DTYPES
-from k3compile.runtime.executor import provider_device
+from k3compile.runtime.executor import next_bucket, provider_device
 from k3compile.runtime.memory.pools import DEFAULT_STATE_FRACTION, SplitPools
 from k3compile.runtime.memory.sizing import check_fraction, pool_budget
 from k3compile.runtime.memory.unified import UnifiedArena
@@ -99,6 +99,13 @@ class EngineArgs:
     cuda_graph_buckets: tuple[int, ...] | None = None  # decode batch sizes with a graph; None: the engine's, else the executor's
     decode_reserve_ratio: float | None = None  # admission keeps pages for this share of remaining output; None: 0.7
     pad_decode_batches: bool | None = None  # pad decode batches to the buckets without graphs (CPU tests of the path)
+    # speculative decoding (runtime/spec/): None | "ngram" | "dspark" (needs `draft`); or pass a proposer
+    speculative: str | None = None
+    draft: str | None = None  # the DSpark drafter's checkpoint directory
+    num_speculative_tokens: int = 4  # gamma: drafts per request per step
+    spec_window: str = "replay"  # "replay" (ReplaySSM fold) | "snapshot" (a state per draft position)
+    spec_plan: str = "all"  # "all" (verify every draft) | "trim" (the planner, needs spec_profile)
+    spec_profile: str | None = None  # cost profile JSON (k3compile profile verify)
 
 
 @dataclass
@@ -159,10 +166,11 @@ def _check_args(args: EngineArgs, have_model: bool) -> None:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, model=None, eos_token_id: int | None = None):
+    def __init__(self, args: EngineArgs, model=None, eos_token_id: int | None = None, proposer=None):
         """`model`: an already loaded model or compiled Engine to use instead of loading one (args.model
         and args.engine_dir then only name where the tokenizer is; both None: token ids only).
-        `eos_token_id`: overrides the tokenizer's."""
+        `eos_token_id`: overrides the tokenizer's. `proposer`: a speculative-decoding proposer
+        (runtime/spec/proposer.py) to use instead of the one `args.speculative` names."""
         # cheap checks before loading anything; again once the engine filled in its settings
         _check_args(replace(args, page_size=DEFAULT_PAGE_SIZE) if args.page_size is None else args, model is not None)
         opened = None
@@ -212,10 +220,18 @@ class LLMEngine:
             page_size=args.page_size, chunk_size=args.chunk_size, max_batch_tokens=args.max_batch_tokens,
             max_running=max_running, track_interval=args.track_interval, checkpoint_interval=interval,
             decode_reserve_ratio=DEFAULT_RESERVE_RATIO if args.decode_reserve_ratio is None else args.decode_reserve_ratio,
-            device=device))
+            device=device, decode_snapshots=proposer is None and args.speculative is None))
         self.runner = ModelRunner(self.provider, self.memory, self.max_context, overlap=args.overlap,
                                   cuda_graphs=args.cuda_graphs, buckets=args.cuda_graph_buckets,
                                   pad_to_buckets=args.pad_decode_batches)
+        self.spec = None
+        if proposer is not None or args.speculative is not None:
+            from k3compile.runtime.spec.setup import make_spec_decoder
+            ex = self.runner.executor
+            self.spec = make_spec_decoder(args, self.provider, spec, max_running, device, proposer,
+                                          window_rows=next_bucket(max_running, ex.buckets) or max_running,
+                                          padded=ex.pad_to_buckets)
+            ex.prepare_verify(self.spec.window, self.spec.gamma + 1)
         self._requests: dict[str, Request] = {}  # added and not yet reported finished
         self._outbox: dict[str, Request] = {}  # requests with something to report at the next step
         self._inflight: ScheduledBatch | None = None
@@ -351,7 +367,10 @@ class LLMEngine:
         if not self.args.overlap:
             batch = self.scheduler.schedule()
             if batch is not None:
-                self._finish(batch, lambda: self.runner.run(batch))
+                if self._speculates(batch):
+                    self._finish_spec(batch)
+                else:
+                    self._finish(batch, lambda: self.runner.run(batch))
             return self._collect()
         # Overlap: plan batch N+1 while batch N runs, then finish N, then launch N+1.
         nxt = self.scheduler.schedule()
@@ -361,6 +380,9 @@ class LLMEngine:
         if nxt is not None:
             if all(row.req.finished for row in nxt.rows):  # everyone in it finished meanwhile
                 self.scheduler.process(nxt, [None] * len(nxt.rows))
+            elif self._speculates(nxt):  # drafts need the committed tokens: runs once the one in flight is done
+                self._fill_placeholders(nxt)
+                self._finish_spec(nxt)
             else:
                 self._fill_placeholders(nxt)
                 self.runner.launch(nxt)
@@ -381,6 +403,27 @@ class LLMEngine:
         for i, err in errors.items():
             req = batch.rows[i].req
             log.warning("request %s failed: %s", req.rid, err)
+            self.scheduler.fail(req, err)
+            self._outbox[req.rid] = req
+
+    def _speculates(self, batch: ScheduledBatch) -> bool:
+        return self.spec is not None and batch.mode == "decode"
+
+    def _finish_spec(self, batch: ScheduledBatch) -> None:
+        """A decode batch as one speculative step (runtime/spec/spec_decode.py): draft, verify, accept,
+        commit; then the scheduler applies the sampled token and the accepted ones after it."""
+        try:
+            res = self.spec.run(batch, self.runner.executor, self.scheduler.table, self.args.page_size,
+                                self.max_context, self.runner.sample)
+        except Exception as e:
+            log.exception("a speculative step over %d request(s) failed", len(batch.rows))
+            self._note(self.scheduler.fail_batch(batch, f"the speculative decode step failed: {e!r}"))
+            return
+        touched = self.scheduler.process(batch, res.sampled) + self.scheduler.extend(batch, res.extra)
+        self._note(touched)
+        self.spec.observe({id(r): r for r in touched}.values())
+        for i, err in res.errors.items():
+            req = batch.rows[i].req
             self.scheduler.fail(req, err)
             self._outbox[req.rid] = req
 

@@ -35,6 +35,7 @@ import torch
 
 from k3compile.model_def.batch import ForwardBatch, step_args
 from k3compile.model_def.cache import CacheTensors
+from k3compile.model_def.draft_window import VERIFY_MODES
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_MAX_CONTEXT = 4096
@@ -84,6 +85,7 @@ class Executor:
                  buckets=DECODE_BUCKETS, max_context: int = DEFAULT_MAX_CONTEXT, pad_to_buckets: bool | None = None,
                  compile_decode: str | None = None):
         self.cache = cache
+        self._provider = provider
         self.device = torch.device(device) if device is not None else cache.kv.device
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
@@ -156,18 +158,22 @@ class Executor:
             if bs in self._graphs:
                 continue
             args = self._static_args(bs)  # padding rows only: warm-up and capture touch the sinks alone
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), torch.no_grad():
-                for _ in range(WARMUP_RUNS):
-                    self._decode(*args)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), torch.no_grad():
-                out = self._decode(*args)
-            pool = graph.pool()
-            self._graphs[bs] = (graph, out)
+            self._graphs[bs] = self._capture_one(self._decode, args, pool)
+            pool = self._graphs[bs][0].pool()
         torch.cuda.synchronize(self.device)
+
+    def _capture_one(self, fn, args, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm `fn(*args)` up on a side stream, then capture it into a graph sharing `pool`."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(WARMUP_RUNS):
+                fn(*args)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+            out = fn(*args)
+        return graph, out
 
     # ---- running ----
     @torch.no_grad()
@@ -195,6 +201,85 @@ class Executor:
         else:
             out = self._decode(*self._static_args(bs))
         return out[:b]
+
+
+    # ---- verify steps (speculative decoding) ----
+    def prepare_verify(self, window, max_len: int) -> None:
+        """Use `window` (model_def.draft_window.DraftWindow) for every verify step from now on; with
+        padding on, verify batches are padded to (batch bucket, tokens per request) buckets -- one
+        CUDA graph each when graphs are on, captured here, largest first, sharing one memory pool."""
+        mode = window.spec.step_mode
+        if not _has_mode(self._provider, mode):
+            raise ValueError(f"this step provider has no {mode!r} step (build the engine with --verify-graphs)")
+        self._window, self._verify_fn = window, step_function(self._provider, mode)
+        self._verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._verify_inputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # a graph's static batch inputs
+        self.verify_buckets = tuple(b for b in self.buckets if b <= window.rows)
+        self.max_verify_len = min(max_len, window.spec.length)
+        if not self.cuda_graphs:
+            return
+        pool = None
+        for bs in sorted(self.verify_buckets, reverse=True):
+            for n in range(self.max_verify_len, 0, -1):
+                args = self._verify_static_args(bs, n)  # padding rows only
+                self._verify_graphs[(bs, n)] = self._capture_one(self._verify_fn, args, pool)
+                self._verify_inputs[(bs, n)] = args[:7]
+                pool = self._verify_graphs[(bs, n)][0].pool()
+        torch.cuda.synchronize(self.device)
+
+    def _verify_static_args(self, bs: int, n: int, batch: ForwardBatch | None = None) -> tuple:
+        """Inputs of a (bs requests x n tokens) verify step: `batch`'s requests in the first rows, each
+        padded to n tokens; padding tokens and rows are the decode padding (token 0, slot 0, KV writes to
+        the sink page 0), so they compute garbage into the sinks and into window positions nobody folds."""
+        dev, i64, i32 = self.device, torch.int64, torch.int32
+        ids = torch.zeros(bs * n, dtype=i64, device=dev)
+        loc = torch.zeros(bs * n, dtype=i64, device=dev)
+        seq = torch.full((bs,), n, dtype=i32, device=dev)
+        table = torch.zeros(bs, self.max_pages, dtype=i32, device=dev)
+        slots = torch.zeros(bs, dtype=i64, device=dev)
+        if batch is not None:
+            b, lens = batch.batch_size, batch.extend_lens_cpu
+            dst = torch.tensor([i * n + j for i, e in enumerate(lens) for j in range(e)], device=dev)
+            ids[dst] = batch.input_ids
+            loc[dst] = batch.out_cache_loc
+            seq[:b] = torch.tensor([p + n for p in batch.prefix_lens_cpu], dtype=i32, device=dev)
+            w = min(batch.page_table.shape[1], self.max_pages)
+            table[:b, :w] = batch.page_table[:, :w]
+            slots[:b] = batch.state_slots
+        cu = torch.arange(0, bs * n + 1, n, dtype=i32, device=dev)
+        rows = torch.arange(bs * n, dtype=i64, device=dev)
+        c = self.cache
+        return (ids, cu, seq, table, slots, loc, rows, c.ssm, c.conv, c.kv, *self._window.tensors())
+
+    @torch.no_grad()
+    def run_verify(self, batch: ForwardBatch) -> torch.Tensor:
+        """A verify step (speculative decoding): anchor + drafts per request, logits for every token in
+        the batch's order. The draft window set by `prepare_verify` receives what the commit needs."""
+        if getattr(self, "_window", None) is None:
+            raise ValueError("run_verify needs prepare_verify(window) first")
+        if batch.mode != self._window.spec.step_mode:
+            raise ValueError(f"run_verify takes {self._window.spec.step_mode!r} batches, got {batch.mode!r}")
+        if batch.seq_lens_cpu and max(batch.seq_lens_cpu) > self.max_context:
+            raise ValueError(f"a request's context ({max(batch.seq_lens_cpu)} tokens) exceeds this executor's "
+                             f"max_context ({self.max_context})")
+        b, n = batch.batch_size, max(batch.extend_lens_cpu)
+        if n > self.max_verify_len:
+            raise ValueError(f"verify batch of {n} tokens per request, the draft window holds {self.max_verify_len}")
+        # every request is padded to n tokens; with padding on, the batch to its bucket too
+        bs = (next_bucket(b, self.verify_buckets) if self.pad_to_buckets else None) or b
+        if bs > self._window.rows:
+            raise ValueError(f"verify batch of {bs} requests, the draft window has {self._window.rows} rows")
+        args = self._verify_static_args(bs, n, batch)
+        if (bs, n) in self._verify_graphs:
+            graph, out = self._verify_graphs[(bs, n)]
+            for dst, src in zip(self._verify_inputs[(bs, n)], args[:7]):
+                dst.copy_(src)
+            graph.replay()
+        else:
+            out = self._verify_fn(*args)
+        real = torch.tensor([i * n + j for i, e in enumerate(batch.extend_lens_cpu) for j in range(e)],
+                            device=out.device)
+        return out[real]
 
 
 def _pools_alias(cache: CacheTensors) -> bool:

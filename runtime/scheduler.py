@@ -88,6 +88,9 @@ class SchedulerConfig:
     # new_token_ratio, held constant): without it a burst of admissions fills the memory with prompts
     # and the first decode steps retract. 0 admits on prompt pages alone.
     decode_reserve_ratio: float = DEFAULT_RESERVE_RATIO
+    # Snapshots at decode track points. Off with speculative decoding: a verify step moves a request by
+    # several positions, so a copy after it would not hold the state at the track point.
+    decode_snapshots: bool = True
 
 
 @dataclass
@@ -259,7 +262,8 @@ class Scheduler:
         pos = req.num_scheduled
         if not self._ensure_pages(req, pos + 1, retract=True):
             return None
-        snap = pos + 1 if self.policy.enabled and (pos + 1) % self.cfg.track_interval == 0 else None
+        snap = pos + 1 if self.policy.enabled and self.cfg.decode_snapshots and \
+            (pos + 1) % self.cfg.track_interval == 0 else None
         return Row(req, pos, pos + 1, samples=True, snapshot=self._alloc_snapshot(req, snap))
 
     def _schedulable(self, req: Request) -> bool:
@@ -477,6 +481,24 @@ class Scheduler:
                     touched.extend(self._fork(req, sampled.forks.get(i, [])))
         for row in batch.rows:
             self._settle(row.req)
+        return touched
+
+    def extend(self, batch: ScheduledBatch, extra: dict[int, list[int]]) -> list[Request]:
+        """Speculative decoding, after `process`: row i's request also committed the tokens `extra[i]`
+        (accepted drafts, then the target's own), each one more computed position. Stop conditions cut
+        as in decode: tokens after the one that finishes a request are dropped."""
+        touched = []
+        for i, toks in extra.items():
+            req = batch.rows[i].req
+            for tok in toks:
+                if req.finished or req.status is not Status.RUNNING or req.void:
+                    break
+                req.append_token(tok, None)
+                req.num_computed += 1
+                req.num_scheduled += 1
+                self.generated_tokens += 1
+            touched.append(req)
+            self._settle(req)
         return touched
 
     def _fork(self, leader: Request, samples: list) -> list[Request]:

@@ -11,6 +11,7 @@ BENCHES = {
     "cache-pressure": "k3compile.bench.cache_pressure",
     "compaction": "k3compile.bench.compaction",
     "memory": "k3compile.bench.memory",
+    "spec": "k3compile.bench.spec",
 }
 
 

@@ -13,6 +13,8 @@ def register(sub) -> None:
     p.add_argument("--page-size", type=int, default=16, help="KV page size the runtime will use with this engine")
     add_pipeline_args(p)
     p.add_argument("--verify", action="store_true", help="check every pass's output against its input graph")
+    p.add_argument("--verify-graphs", action="store_true",
+                   help="also build the speculative-decoding verify step (needed by serve --speculative on an engine)")
     p.add_argument("--dump-graphs", action="store_true", help="write the graph after each pass under DIR/dumps/")
     p.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
     p.set_defaults(func=run)
@@ -42,6 +44,7 @@ def run(args) -> int:
         raise ValueError(f"--page-size must be >= 1, got {args.page_size}")
     opts = BuildOptions(model=args.model, dtype=DTYPES[args.dtype], device=args.device, topology=args.topology,
                         page_size=args.page_size, seed=args.seed, pipeline=pipeline_from_args(args),
-                        verify=args.verify, dump_graphs=args.dump_graphs, overwrite=args.overwrite)
+                        verify=args.verify, verify_graphs=args.verify_graphs, dump_graphs=args.dump_graphs,
+                        overwrite=args.overwrite)
     build_engine(opts, args.output)
     return 0

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from .spec_flags import add_spec_flags, spec_kwargs
+
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt (prefill + decode)")
@@ -21,6 +23,7 @@ def register(sub) -> None:
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk size")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's tokenizer code")
     p.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
+    add_spec_flags(p)
     p.set_defaults(func=run)
     return p
 
@@ -38,6 +41,7 @@ def run(args) -> int:
                                 max_new_tokens=args.max_new_tokens, seed=args.seed)
     except ValueError as e:
         raise ConfigError(str(e).replace("max_new_tokens", "--max-new-tokens")) from None
+    spec = spec_kwargs(args)
     page_size = 16
     if args.engine is not None:
         from k3compile.engine import open_engine
@@ -56,7 +60,7 @@ def run(args) -> int:
     prompt = tok.encode(args.prompt)
     try:
         ids = generate_ids(model, prompt, params, page_size=page_size, chunk_size=args.chunk_size,
-                           eos_token_id=tok.eos_token_id)
+                           eos_token_id=tok.eos_token_id, speculation=spec)
     except ValueError as e:   # the prompt does not fit the context, ...
         raise ConfigError(str(e)) from None
     sys.stdout.write(args.prompt + tok.decode(ids) + "\n")

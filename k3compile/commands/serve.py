@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+from .spec_flags import add_spec_flags, spec_kwargs
+
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
@@ -46,6 +48,7 @@ def register(sub) -> None:
     p.add_argument("--disable-prefix-cache", action="store_true", help="no radix cache / KDA checkpoints")
     p.add_argument("--overlap", action="store_true", help="prepare batch N+1 while batch N runs")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_spec_flags(p)
     p.set_defaults(func=run)
     return p
 
@@ -79,7 +82,7 @@ def engine_args(args):
                   enable_prefix_cache=not args.disable_prefix_cache, overlap=args.overlap,
                   max_context=args.max_context, mem_fraction_static=args.mem_fraction_static,
                   dtype=args.dtype)   # dtype None: fp32 for a model, the engine's own for an engine
-    return EngineArgs(**kwargs)
+    return EngineArgs(**kwargs, **spec_kwargs(args))
 
 
 def served_name(args) -> str:

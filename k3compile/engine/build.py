@@ -34,6 +34,7 @@ class BuildOptions:
     seed: int = 0  # preset weight seed
     pipeline: object | None = None  # a passes.pipeline.PipelineConfig; None runs no passes
     verify: bool = False
+    verify_graphs: bool = False  # also capture the speculative-decoding verify step (ReplaySSM window)
     dump_graphs: bool = False
     overwrite: bool = False
 
@@ -78,7 +79,7 @@ def compile_graphs(model, pipeline=None, modes=MODES, verify: bool = False, dump
         if pipeline is not None:
             log(f"running passes on the {mode} graph" + (" (verifying each)" if verify else ""))
         inputs = None
-        if verify and pipeline is not None:
+        if verify and pipeline is not None and mode in MODES:  # verify steps: passes run, unchecked
             from k3compile.passes.verify import step_inputs
             inputs = step_inputs(model, mode)
         report = run_pipeline(gm, pipeline, mode, inputs, verify, dump)
@@ -108,7 +109,8 @@ def build_engine(opts: BuildOptions, out_dir: str, log=None) -> Engine:
         log(f"loading {opts.model} ({DTYPE_NAMES[opts.dtype]}, {opts.device})")
         model = load_model(opts.model, dtype=opts.dtype, device=opts.device, seed=opts.seed, progress=False)
         dump_root = os.path.join(stage.dir, fmt.DUMPS_DIR) if opts.dump_graphs else None
-        graphs, reports = compile_graphs(model, opts.pipeline, MODES, opts.verify, dump_root, log)
+        modes = MODES + (("verify",) if opts.verify_graphs else ())
+        graphs, reports = compile_graphs(model, opts.pipeline, modes, opts.verify, dump_root, log)
         for rec in (r for rep in reports.values() for r in rep.get("passes", [])):
             if rec.get("dump"):  # paths inside the engine, not the staging directory
                 rec["dump"] = os.path.relpath(rec["dump"], stage.dir).replace(os.sep, "/")

@@ -16,9 +16,10 @@ import os
 import torch
 import torch.fx
 
-from k3compile.model_def.batch import STEP_INPUTS, ForwardBatch, step_args
+from k3compile.model_def.batch import ForwardBatch, step_args
 from k3compile.model_def.cache import CacheSpec, CacheTensors
 from k3compile.model_def.config import ConfigError, ModelConfig
+from k3compile.model_def.draft_window import step_input_names
 from k3compile.model_def.dtypes import DTYPE_NAMES, DTYPES  # noqa: F401  (DTYPE_NAMES re-exported for build, emit, bench)
 
 from . import format as fmt
@@ -54,8 +55,9 @@ class Engine:
     def step_tensors(self, mode: str, *args: torch.Tensor) -> torch.Tensor:
         if mode not in self.graphs:
             raise ValueError(f"unsupported step mode {mode!r}; this engine has {sorted(self.graphs)}")
-        if len(args) != len(STEP_INPUTS):
-            raise TypeError(f"a step takes {len(STEP_INPUTS)} tensors ({', '.join(STEP_INPUTS)}), got {len(args)}")
+        names = step_input_names(mode)
+        if len(args) != len(names):
+            raise TypeError(f"a {mode} step takes {len(names)} tensors ({', '.join(names)}), got {len(args)}")
         return self.graphs[mode](*args)
 
     def step(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
@@ -103,7 +105,8 @@ class Engine:
             if isinstance(d, dict) and d.get("mode") != mode:
                 raise fmt.EngineError(f"{path}/{rel}: holds a {d.get('mode')!r} graph, expected {mode!r}")
             try:
-                graphs[mode] = graph_from_dict(d, weights, STEP_INPUTS, device, source=f"{path}/{rel}")
+                graphs[mode] = graph_from_dict(d, weights, step_input_names(mode), device,
+                                               source=f"{path}/{rel}")
             except GraphFormatError as e:
                 raise fmt.EngineError(str(e)) from None
         return cls(config, graphs, DTYPES[m["dtype"]], page_size=int(m["page_size"]),

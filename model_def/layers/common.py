@@ -42,7 +42,7 @@ def linear(d_in: int, d_out: int) -> nn.Linear:
 @dataclass
 class StepInputs:
     """The tensors of one step that layers read (unpacked from ForwardBatch + CacheTensors)."""
-    mode: str  # "prefill" | "decode"
+    mode: str  # "prefill" | "decode" | "verify" | "verify_snapshot"
     cu_seqlens: torch.Tensor
     seq_lens: torch.Tensor
     page_table: torch.Tensor
@@ -51,3 +51,4 @@ class StepInputs:
     ssm: torch.Tensor
     conv: torch.Tensor
     kv: torch.Tensor
+    window: tuple = ()  # verify modes: the draft window's tensors (draft_window.DraftWindow.tensors())

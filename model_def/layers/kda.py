@@ -45,6 +45,8 @@ class KDAMixer(nn.Module):
         w = conv.weight.squeeze(1)
         if s.mode == "decode":
             return torch.ops.k3.short_conv_decode(x, w, s.conv, self.pool_index, off, s.state_slots)
+        if s.window:  # verify: conv from the committed window, inputs kept for the rollback
+            return torch.ops.k3.short_conv_verify(x, w, s.conv, self.pool_index, off, s.state_slots, s.window[0])
         return torch.ops.k3.short_conv_prefill(x, w, s.conv, self.pool_index, off, s.state_slots, s.cu_seqlens,
                                                s.seq_lens)
 
@@ -57,6 +59,11 @@ class KDAMixer(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).float())
         if s.mode == "decode":
             o = torch.ops.k3.kda_decode(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots)
+        elif s.mode == "verify":  # ReplaySSM: the state is read, the raw inputs are kept
+            o = torch.ops.k3.kda_verify(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots, *s.window[1:5])
+        elif s.mode == "verify_snapshot":
+            o = torch.ops.k3.kda_verify_snapshot(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots,
+                                                 s.window[1])
         else:
             o = torch.ops.k3.kda_prefill(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots, s.cu_seqlens,
                                          s.seq_lens)

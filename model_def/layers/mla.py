@@ -2,7 +2,8 @@
 
 Prefill expands the cached latents through kv_b_proj; decode absorbs kv_b_proj into the query and
 the output (q_lat = [W_UK^T q_nope ; q_rope], o = W_UV · attn(q_lat, rows)) so only the 576-wide
-rows are read per token.
+rows are read per token. Verify (speculative decoding) is decode for n queries per request, each
+over its own prefix.
 """
 from __future__ import annotations
 
@@ -43,12 +44,20 @@ class MLAMixer(nn.Module):
         ckv = self.kv_a_proj_with_mqa(x)
         rows = torch.cat([self.kv_a_layernorm(ckv[:, : self.kv_lora_rank]), ckv[:, self.kv_lora_rank:]], -1)
         torch.ops.k3.kv_write(rows, s.kv, self.pool_index, s.out_cache_loc)
-        if s.mode == "decode":
+        if s.mode == "decode" or s.window:
             w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))  # [H, nope+v, r]
             w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
             q_nope = torch.einsum("bhd,hdr->bhr", q[..., : self.nope], w_uk)
             q_lat = torch.cat([q_nope, q[..., self.nope:]], -1)
-            o_lat = torch.ops.k3.mla_decode(q_lat, s.kv, self.pool_index, s.page_table, s.seq_lens, self.scale,
+            table, lens = s.page_table, s.seq_lens
+            if s.window:
+                # verify: n tokens per request, each a decode query over its own prefix (token j of a
+                # request sees seq_len - n + j + 1 rows): no host sync, so it can sit in a CUDA graph
+                b = s.state_slots.shape[0]
+                n = x.shape[0] // b
+                table = table.repeat_interleave(n, 0)
+                lens = (lens.view(b, 1) - n + 1 + torch.arange(n, device=lens.device, dtype=lens.dtype)).flatten()
+            o_lat = torch.ops.k3.mla_decode(q_lat, s.kv, self.pool_index, table, lens, self.scale,
                                             self.kv_lora_rank)
             o = torch.einsum("bhr,hdr->bhd", o_lat, w_uv)
         else:

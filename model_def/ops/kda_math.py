@@ -47,6 +47,25 @@ def kda_recurrent(q, k, v, g, beta, state: torch.Tensor, scale: float | None = N
     return out, s
 
 
+def kda_decode_step(s: torch.Tensor, k_normed: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor) -> torch.Tensor:
+    """One recurrent step for a batch of states s [B, H, K, V] fp32; k_normed [B, H, K] fp32 (L2-normalized),
+    v [B, H, V], g [B, H, K] log-decay, beta [B, H]. Returns the new states.
+
+    The one definition of the step: the decode op, the verify op and the ReplaySSM fold all call it, so
+    a state folded from stored inputs is bit-identical to the one decode writes from the same inputs.
+    """
+    s = s * g.float().exp().unsqueeze(-1)
+    kv_mem = (s * k_normed.unsqueeze(-1)).sum(-2)  # S^T k: [B, H, V]
+    delta = (v.float() - kv_mem) * beta.float().unsqueeze(-1)
+    return s + k_normed.unsqueeze(-1) * delta.unsqueeze(-2)
+
+
+def kda_read(s: torch.Tensor, q_scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """o = S^T q for a batch: s [B, H, K, V], q_scaled [B, H, K] fp32 -> [B, H, V] in `dtype`."""
+    return (s * q_scaled.unsqueeze(-1)).sum(-2).to(dtype)
+
+
 def kda_chunked(q, k, v, g, beta, state: torch.Tensor, chunk_size: int = 64, scale: float | None = None):
     """Chunkwise-parallel KDA (WY / UT transform, spec §1.3); equal to `kda_recurrent` up to fp32 rounding.
 

@@ -92,12 +92,9 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                ssm_pool: torch.Tensor, layer: int, slots: torch.Tensor) -> torch.Tensor:
     """One recurrent step for B requests, vectorized over the batch (q, k [B, H, K]; v [B, H, V])."""
     qf, kf = kda_math.l2norm(q.float()) * q.shape[-1] ** -0.5, kda_math.l2norm(k.float())
-    s = ssm_pool[slots, layer] * g.float().exp().unsqueeze(-1)  # [B, H, K, V]
-    kv_mem = (s * kf.unsqueeze(-1)).sum(-2)
-    delta = (v.float() - kv_mem) * beta.float().unsqueeze(-1)
-    s = s + kf.unsqueeze(-1) * delta.unsqueeze(-2)
+    s = kda_math.kda_decode_step(ssm_pool[slots, layer], kf, v, g, beta)
     ssm_pool[slots, layer] = s
-    return (s * qf.unsqueeze(-1)).sum(-2).to(v.dtype)
+    return kda_math.kda_read(s, qf, v.dtype)
 
 
 @kda_decode.register_fake
@@ -184,3 +181,4 @@ def _(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, act
 
 
 from . import cuda_backend  # noqa: E402,F401  (registers CUDA overrides)
+from . import verify  # noqa: E402,F401  (registers the verify-step ops)

@@ -1,0 +1,65 @@
+"""CONTROLLED-ACCEPTANCE proposer, for benchmarks only: not a drafter.
+
+It knows each prompt's greedy continuation in advance (recorded from a plain, non-speculative greedy
+run of the same target) and drafts the target's own next token with probability `p`, otherwise a
+wrong one (that token + 1 mod vocab). Acceptance is therefore controlled: the chance the k-th draft
+survives is p^k, which is what its confidence reports. It lets the runtime's speculation machinery
+(verify, fold, planner) be measured at a chosen acceptance on a target whose weights are random, where
+no trained drafter exists (issue 13: "a drafter with controlled acceptance, clearly labelled").
+A history that left the recording (or a prompt it was not given) gets wrong drafts, confidence 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .proposer import DraftBlock, DraftRequest
+
+LABEL = "controlled-acceptance oracle (not a drafter)"
+
+
+@dataclass
+class ControlledAcceptanceProposer:
+    references: dict[tuple[int, ...], list[int]]  # prompt -> its greedy continuation from a plain run
+    p: float
+    vocab_size: int
+    gamma: int = 4
+    seed: int = 0
+    feature_layers: tuple[int, ...] = ()
+    _gen: torch.Generator = field(init=False)
+
+    def __post_init__(self):
+        if not 0.0 <= self.p <= 1.0:
+            raise ValueError(f"controlled acceptance p must be in [0, 1], got {self.p}")
+        self._gen = torch.Generator().manual_seed(self.seed)
+        self._full = {prompt: list(prompt) + list(cont) for prompt, cont in self.references.items()}
+
+    def _truth(self, ids: list[int]) -> list[int] | None:
+        for prompt, full in self._full.items():
+            if len(ids) >= len(prompt) and full[: len(ids)] == ids:
+                return full[len(ids): len(ids) + self.gamma]
+        return None
+
+    def propose(self, requests: Sequence[DraftRequest]) -> DraftBlock:
+        b = len(requests)
+        tokens = torch.zeros(b, self.gamma, dtype=torch.int64)
+        conf = torch.zeros(b, self.gamma, dtype=torch.float32)
+        hit = torch.rand(b, self.gamma, generator=self._gen) < self.p
+        for i, r in enumerate(requests):
+            truth = self._truth(r.token_ids)
+            if truth is None:
+                tokens[i] = (r.token_ids[-1] + 1) % self.vocab_size
+                continue
+            truth = truth + [truth[-1] if truth else r.token_ids[-1]] * (self.gamma - len(truth))
+            for j, t in enumerate(truth):
+                tokens[i, j] = t if hit[i, j] else (t + 1) % self.vocab_size
+            conf[i] = self.p  # conditional: each position, given the earlier ones, survives with p
+        return DraftBlock(tokens, None, conf)
+
+    def observe(self, rid: str, token_ids: list[int], features: torch.Tensor | None) -> None:
+        pass
+
+    def release(self, rid: str) -> None:
+        pass

@@ -1,0 +1,166 @@
+"""One speculative decode step over a scheduled decode batch (issue 13, item 7).
+
+    spec = SpecDecoder(proposer, planner, window_kind, cache, cache_spec, max_rows)
+    result = spec.run(batch, executor, table, sample)   # draft -> plan -> verify -> accept -> commit
+
+The scheduler built `batch` as a plain decode step (each row's input is its last committed token, the
+anchor). Here every row that can speculate (greedy, no penalties, bias, guide or logprobs: what the
+accepted drafts' argmax would not reproduce) gets gamma drafts from the proposer; the planner keeps a
+prefix of each; the target verifies anchor + kept drafts in one verify step (MLA appends KV, KDA
+writes the draft window, not the state); the anchor's logits are sampled by the engine's own sampler
+(so every request, speculating or not, gets exactly the token decode would give it); drafts are
+accepted while they equal the target's greedy token; the commit folds (ReplaySSM) or selects
+(snapshot) each request's accepted prefix into its state slot and rolls its conv windows.
+
+Greedy output is therefore the non-speculative output token for token (up to the verify step's
+floating-point rounding, which differs from decode's the way any batch shape does). Rows that cannot
+speculate verify their anchor alone: a decode step. Requests at temperature > 0 do not speculate yet
+(rejection sampling arrives with the DSpark drafter's acceptance module).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from k3compile.model_def.batch import ForwardBatch
+from k3compile.model_def.draft_window import DraftWindow, DraftWindowSpec
+from k3compile.runtime.executor import next_bucket
+from k3compile.runtime.memory.base import OutOfMemoryError
+from k3compile.runtime.sampling import SAMPLING_EPS
+
+from .fold_kernel import commit
+from .planner import Planner
+from .proposer import DraftRequest
+
+
+def can_speculate(req) -> bool:
+    p = req.params
+    return (p.temperature < SAMPLING_EPS and not p.penalized and not p.logit_bias and p.guide is None
+            and p.logprobs is None and not req.followers)
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0
+    rows: int = 0  # request-steps that speculated
+    drafted: int = 0  # drafts proposed for them
+    verified: int = 0  # drafts kept by the planner and verified
+    accepted: int = 0  # drafts accepted
+    committed: int = 0  # tokens committed by speculating rows (accepted + the target's own)
+    history: list = field(default_factory=list)  # (batch, verify tokens, accepted) per step, for benches
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens a speculating request commits per step (accepted drafts + 1)."""
+        return self.committed / self.rows if self.rows else 0.0
+
+
+@dataclass
+class SpecResult:
+    sampled: object  # BatchSample of the anchors (the engine's sampler)
+    errors: dict[int, str]
+    extra: dict[int, list[int]]  # row -> accepted tokens after the sampled one
+
+
+class SpecDecoder:
+    def __init__(self, proposer, planner: Planner, window_kind: str, cache_spec, max_rows: int, device="cpu"):
+        self.proposer, self.planner = proposer, planner
+        self.gamma = int(proposer.gamma)
+        if proposer.feature_layers:
+            raise ValueError(f"proposer {type(proposer).__name__} needs target features of layers "
+                             f"{proposer.feature_layers}; the verify step does not emit features yet")
+        self.window = DraftWindow.allocate(DraftWindowSpec(cache_spec, self.gamma + 1, window_kind), max_rows, device)
+        self.stats = SpecStats()
+
+    @property
+    def window_bytes(self) -> int:
+        return self.window.spec.bytes_per_request() * self.window.rows
+
+    def run(self, batch, executor, table, page_size: int, max_context: int, sample) -> SpecResult:
+        rows = batch.rows
+        if len(rows) > self.window.rows:
+            raise ValueError(f"{len(rows)} requests in a speculative step, the draft window has {self.window.rows} rows")
+        live = [not r.req.finished and r.req.handle is not None and not r.req.void for r in rows]
+        spec_rows = [i for i, r in enumerate(rows) if live[i] and can_speculate(r.req)]
+        keep = [0] * len(rows)
+        drafts = None
+        if spec_rows:
+            block = self.proposer.propose([DraftRequest(rows[i].req.rid, rows[i].req.all_ids[: rows[i].start + 1],
+                                                        rows[i].req.params.temperature) for i in spec_rows])
+            drafts = block.tokens.tolist()
+            limits = []
+            for i in spec_rows:
+                r = rows[i]
+                left = r.req.params.max_new_tokens - len(r.req.output_ids) - 1  # tokens after the sampled one
+                limits.append(max(0, min(self.gamma, left, max_context - r.start - 1)))
+            plan = self.planner.plan(block.confidence, limits)
+            for j, i in enumerate(spec_rows):
+                keep[i] = self._pages_for(table, rows[i], plan.keep[j])
+        # the verify step: anchor + kept drafts per row
+        ids, tables, slots = [], [], []
+        spec_index = {i: j for j, i in enumerate(spec_rows)}
+        for i, r in enumerate(rows):
+            anchor = r.req.token_at(r.start) if r.start < r.req.num_tokens else 0
+            ids.append([anchor] + (drafts[spec_index[i]][: keep[i]] if keep[i] else []))
+            h = r.req.handle
+            tables.append(table.page_table(h)[: -(-(r.start + 1 + keep[i]) // page_size)] if h is not None
+                          else batch.forward.page_table[i].tolist())
+            slots.append(int(batch.forward.state_slots[i]))
+        fb = ForwardBatch.build(self.window.spec.step_mode, ids, [r.start for r in rows], tables, slots, page_size,
+                                device=batch.forward.input_ids.device, logits="all")
+        logits = executor.run_verify(fb)
+        starts = fb.cu_seqlens[:-1].long()
+        sampled, errors = sample(batch, logits[starts])
+        extra, accept = {}, []
+        for i, r in enumerate(rows):
+            tok = sampled.tokens[i]
+            if not live[i] or tok is None or i in errors:
+                accept.append(1 if live[i] else 0)
+                continue
+            got = []
+            if keep[i]:
+                d = drafts[spec_index[i]][: keep[i]]
+                best = logits[int(starts[i]) + 1: int(starts[i]) + 1 + keep[i]].argmax(-1).tolist()
+                while len(got) < keep[i] and d[len(got)] == tok:
+                    tok = best[len(got)]
+                    got.append(tok)
+            accept.append(1 + len(got))
+            if got:
+                extra[i] = got
+        # the decode step this replaces would have run at the batch's graph bucket: its kernel blocks
+        decode_batch = (next_bucket(len(rows), executor.buckets) if executor.pad_to_buckets else None) or len(rows)
+        commit(executor.cache, self.window, slots, accept, decode_batch=decode_batch)
+        self._note(rows, spec_rows, keep, accept)
+        return SpecResult(sampled, errors, extra)
+
+    @staticmethod
+    def _pages_for(table, row, n: int) -> int:
+        """Pages for the anchor + n drafts; fewer drafts (down to none) when memory is short."""
+        while n > 0:
+            try:
+                table.ensure_pages(row.req.handle, row.start + 1 + n)
+                return n
+            except OutOfMemoryError:
+                n //= 2
+        return 0
+
+    def _note(self, rows, spec_rows, keep, accept) -> None:
+        s = self.stats
+        s.steps += 1
+        s.rows += len(spec_rows)
+        s.drafted += self.gamma * len(spec_rows)
+        s.verified += sum(keep)
+        acc = sum(accept[i] - 1 for i in spec_rows)
+        s.accepted += acc
+        s.committed += sum(accept[i] for i in spec_rows)
+        s.history.append((len(rows), len(rows) + sum(keep), acc))
+
+    def observe(self, reqs) -> None:
+        """After the scheduler applied a step: tell the proposer what each request committed; release
+        finished ones."""
+        for req in reqs:
+            if req.finished:
+                self.proposer.release(req.rid)
+            else:
+                self.proposer.observe(req.rid, req.all_ids, None)

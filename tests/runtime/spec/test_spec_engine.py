@@ -1,0 +1,98 @@
+"""Speculative decoding in the engine: greedy output is the non-speculative output token for token
+(up to fp32 near-ties: the verify step's GEMM shapes differ from decode's), with prefix-cache hits +
+KDA restore, overlap on, page_size 1 and 16, unified memory, both draft-window kinds; max_tokens and
+stop tokens cut exactly where decoding cuts; streaming hands out every committed token once."""
+import random
+
+import pytest
+
+from k3compile.runtime.engine import EngineArgs, LLMEngine
+from k3compile.runtime.sampling import SamplingParams
+from k3compile.runtime.spec.controlled import ControlledAcceptanceProposer
+from k3compile.runtime.spec.ngram import NgramProposer
+from tests.runtime.engine_helpers import assert_greedy_equal_up_to_ties, check_idle, reference_generate, tokens
+
+TIE = 1e-4  # fp32: verify and decode logits differ by rounding only
+NEW = 14
+
+
+@pytest.fixture(scope="module")
+def workload(model):
+    rng = random.Random(3)
+    system = tokens(rng, 40)
+    prompts = [system + tokens(rng, 5), tokens(rng, 3), system + tokens(rng, 12), tokens(rng, 21)]
+    refs = [reference_generate(model, p, NEW) for p in prompts]
+    return prompts, refs
+
+
+def _engine(model, proposer, **kw):
+    kw.setdefault("memory_bytes", 1 << 22)
+    return LLMEngine(EngineArgs(**kw), model=model, proposer=proposer)
+
+
+CONFIGS = [
+    dict(page_size=16, chunk_size=32),
+    dict(page_size=1, chunk_size=16, overlap=True),
+    # verify batches padded to (batch, tokens) buckets with sink rows: the CUDA-graph path, without capture
+    dict(page_size=16, chunk_size=32, overlap=True, enable_unified_memory=True, pad_decode_batches=True),
+    dict(page_size=4, chunk_size=16, spec_window="snapshot"),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_greedy_output_equals_decoding(model, workload, cfg):
+    prompts, refs = workload
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    oracle = ControlledAcceptanceProposer({tuple(p): r for p, r in zip(prompts, refs)}, p=0.8,
+                                          vocab_size=model.config.vocab_size, gamma=3)
+    engine = _engine(model, oracle, **cfg)
+    got = engine.generate(prompts, params)  # concurrent
+    got_seq = [engine.generate([p], params)[0] for p in prompts[:1] + prompts[2:3]]  # cache hits on `system`
+    assert_greedy_equal_up_to_ties(model, prompts, got, refs, TIE)
+    assert_greedy_equal_up_to_ties(model, [prompts[0], prompts[2]], got_seq, [refs[0], refs[2]], TIE)
+    s = engine.spec.stats
+    assert s.accepted > 0 and s.accept_length > 1.5, s  # speculation really happened
+    assert engine.scheduler.cache_hit_tokens > 0
+    check_idle(engine)
+
+
+def test_ngram_proposer_in_the_engine(model, workload):
+    prompts, refs = workload
+    engine = _engine(model, NgramProposer(gamma=4), page_size=16, chunk_size=32)
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert_greedy_equal_up_to_ties(model, prompts, got, refs, TIE)
+    check_idle(engine)
+
+
+def test_max_tokens_and_stop_tokens_cut_exactly(model, workload):
+    prompts, refs = workload
+    oracle = ControlledAcceptanceProposer({tuple(p): r for p, r in zip(prompts, refs)}, p=1.0,
+                                          vocab_size=model.config.vocab_size, gamma=4)
+    engine = _engine(model, oracle, page_size=16, chunk_size=32)
+    for n in (1, 2, 5):  # all drafts right: a verify would overshoot max_new_tokens if not cut
+        assert engine.generate([prompts[0]], SamplingParams(max_new_tokens=n, ignore_eos=True))[0] == refs[0][:n]
+    stop = refs[1][6]
+    cut = refs[1][: refs[1].index(stop) + 1]
+    out = engine.generate([prompts[1]], SamplingParams(max_new_tokens=NEW, ignore_eos=True, stop_token_ids=(stop,)))
+    assert out[0] == cut
+    check_idle(engine)
+
+
+def test_streaming_emits_each_committed_token_once(model, workload):
+    prompts, refs = workload
+    oracle = ControlledAcceptanceProposer({tuple(prompts[3]): refs[3]}, p=1.0, vocab_size=model.config.vocab_size,
+                                          gamma=4)
+    engine = _engine(model, oracle, page_size=16, chunk_size=32)
+    engine.add_request("r", prompts[3], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    chunks = []
+    while engine.has_unfinished():
+        chunks += [o.new_token_ids for o in engine.step() if o.rid == "r"]
+    assert [t for c in chunks for t in c] == refs[3]
+    assert max(len(c) for c in chunks) > 1  # several tokens committed by one step arrive together
+
+
+def test_sampled_requests_do_not_speculate_and_still_run(model, workload):
+    prompts, _ = workload
+    engine = _engine(model, NgramProposer(gamma=3), page_size=16, chunk_size=32)
+    out = engine.generate(prompts[:2], SamplingParams(max_new_tokens=6, temperature=0.8, seed=1, ignore_eos=True))
+    assert [len(o) for o in out] == [6, 6] and engine.spec.stats.rows == 0
