@@ -33,5 +33,9 @@ else
     timeout 30 python3 tools/bench_pdl_chain.py --batch 1 8 --replays 30 --out $OUT/kda3_pdl_chain.json
   } 2>&1 | grep -v -i warn > $OUT/kda3_bench.md
   cat $OUT/kda3_bench.md
+  [ "${SUITE:-0}" = 1 ] && { T1=$SECONDS; timeout ${SUITE_LIMIT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider \
+    -o faulthandler_timeout=120 --durations=25 -rs --junitxml=$OUT/gpu_tests.xml tests > $OUT/gpu_tests.log 2>&1
+    echo "gpu tests: exit $?, $((SECONDS - T1)) s wall" | tee -a $OUT/gpu_tests.log
+    grep -E "passed|failed" $OUT/gpu_tests.log | tail -2; grep -E "^FAILED|^ERROR" $OUT/gpu_tests.log | head -20; }
 fi
 echo "all done ($((SECONDS - T0)) s)"
