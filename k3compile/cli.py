@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Order is the order shown in --help.
-COMMANDS = ["info", "build", "generate", "serve", "bench", "report"]
+COMMANDS = ["info", "build", "generate", "serve", "bench", "report", "train", "train_draft"]
 
 
 def _no_default(action) -> bool:
