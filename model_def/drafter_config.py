@@ -7,11 +7,10 @@ only valid next to a target with the same vocabulary, width and layer count (che
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 
-from .config import ConfigError
+from .config import ConfigError, read_config_json
 
 MODEL_TYPE = "k3_dspark_drafter"
 
@@ -88,12 +87,5 @@ class DrafterConfig:
 
 
 def load_drafter_config(path: str) -> DrafterConfig:
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise ConfigError(f"{path}: not a drafter checkpoint directory (no config.json)")
-    try:
-        with open(cfg_path) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
-    return DrafterConfig.from_dict(raw, name=os.path.basename(os.path.normpath(path)))
+    return DrafterConfig.from_dict(read_config_json(path, "drafter checkpoint"),
+                                   name=os.path.basename(os.path.normpath(path)))

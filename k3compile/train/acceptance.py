@@ -117,10 +117,11 @@ def speculative_greedy(model, proposer: DSparkProposer, prompts: list[list[int]]
 
 
 def measure_acceptance(target_path: str, drafter_path: str, gammas=(4, 6, 8), n_prompts: int = 8,
-                       new_tokens: int = 64, prompt_len: int = 64, seed: int = 0, device: str = "cpu") -> dict:
+                       new_tokens: int = 64, prompt_len: int = 64, seed: int = 0, device: str = "cpu",
+                       corpus_bytes: int = 4 << 20) -> dict:
     model = load_model(target_path, dtype=torch.float32, device=device, progress=False)
     gen = torch.Generator().manual_seed(seed + 2)
-    prompts = Corpus().batch("val", n_prompts, prompt_len, gen).tolist()
+    prompts = Corpus(corpus_bytes).batch("val", n_prompts, prompt_len, gen).tolist()
     start = time.time()
     plain = greedy_decode(model, prompts, new_tokens)
     result = {"prompts": n_prompts, "prompt_len": prompt_len, "new_tokens": new_tokens, "by_gamma": {}}

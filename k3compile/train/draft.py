@@ -22,16 +22,12 @@ from k3compile.model_def.loader import load_model
 from .corpus import Corpus
 from .curves import Curves
 from .dspark_loss import LossWeights, dspark_loss
-from .schedule import make_optimizer, step_optimizer
+from .schedule import TrainingRun, make_optimizer, step_optimizer
 
 
-@dataclass
-class DraftRun:
+@dataclass(kw_only=True)
+class DraftRun(TrainingRun):
     target: str
-    out: str
-    steps: int = 200
-    batch_size: int = 8
-    seq_len: int = 128
     anchors: int = 16
     block_size: int = 8
     layers: int = 2
@@ -40,13 +36,6 @@ class DraftRun:
     markov_rank: int = 32
     target_layer_ids: tuple[int, ...] | None = None  # default: 3 layers spread over the target
     mask_token_id: int | None = None  # default: the last vocabulary id (unused by the byte tokenizer)
-    lr: float = 3e-3
-    warmup: int = 20
-    seed: int = 0
-    eval_every: int = 50
-    eval_batches: int = 2
-    corpus_bytes: int = 4 << 20
-    device: str = "cpu"
     weights: LossWeights = field(default_factory=LossWeights)
 
 

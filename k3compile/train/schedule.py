@@ -1,9 +1,26 @@
-"""The optimizer both trainers use: AdamW, linear warmup then cosine decay to 10%, gradient clipping."""
+"""Run settings and the optimizer both trainers use: AdamW, linear warmup then cosine decay to 10%, gradient clipping."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(kw_only=True)
+class TrainingRun:
+    """What both trainers share: optimization, data and evaluation settings (seeded)."""
+    out: str
+    steps: int = 200
+    batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 3e-3
+    warmup: int = 20
+    seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 2
+    corpus_bytes: int = 4 << 20
+    device: str = "cpu"
 
 
 def make_optimizer(params, lr: float, steps: int, warmup: int, weight_decay: float = 0.01):

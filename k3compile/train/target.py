@@ -14,23 +14,12 @@ from k3compile.model_def.loader import load_model
 
 from .corpus import Corpus
 from .curves import Curves
-from .schedule import make_optimizer, step_optimizer
+from .schedule import TrainingRun, make_optimizer, step_optimizer
 
 
-@dataclass
-class TargetRun:
-    out: str
+@dataclass(kw_only=True)
+class TargetRun(TrainingRun):
     model: str = "k3-tiny"
-    steps: int = 200
-    batch_size: int = 8
-    seq_len: int = 128
-    lr: float = 3e-3
-    warmup: int = 20
-    seed: int = 0
-    eval_every: int = 50
-    eval_batches: int = 2
-    corpus_bytes: int = 4 << 20
-    device: str = "cpu"
 
 
 def lm_loss(model, ids: torch.Tensor) -> torch.Tensor:
