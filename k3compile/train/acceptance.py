@@ -30,25 +30,29 @@ class EagerTarget:
 
     def __init__(self, model, n: int, max_len: int):
         self.model, self.n = model, n
+        self.device = model.lm_head.weight.device
         self.pages = -(-max_len // PAGE)
-        self.cache = CacheTensors.allocate(model.cache_spec(), 2 * n + 1, n * self.pages + 1, PAGE)
+        self.cache = CacheTensors.allocate(model.cache_spec(), 2 * n + 1, n * self.pages + 1, PAGE, device=self.device)
         self.lens = [0] * n
 
     def run(self, reqs: list[int], tokens: list[list[int]], feature_layers=(), logits="last"):
         rows = [list(range(1 + r * self.pages, 1 + (r + 1) * self.pages)) for r in reqs]
         mode = "decode" if all(len(t) == 1 for t in tokens) and logits == "last" else "prefill"
         batch = ForwardBatch.build(mode, tokens, [self.lens[r] for r in reqs], rows, [1 + r for r in reqs], PAGE,
-                                   logits=logits, max_pages=self.pages)
+                                   device=self.device, logits=logits, max_pages=self.pages)
         out = self.model.step(batch, self.cache, feature_layers=feature_layers)
         for r, t in zip(reqs, tokens):
             self.lens[r] += len(t)
         return out
 
+    def _slots(self, reqs, base):
+        return torch.tensor([base + r for r in reqs], device=self.device)
+
     def snapshot(self, reqs):
-        self.cache.copy_slot(torch.tensor([1 + r for r in reqs]), torch.tensor([1 + self.n + r for r in reqs]))
+        self.cache.copy_slot(self._slots(reqs, 1), self._slots(reqs, 1 + self.n))
 
     def restore(self, reqs, lens):
-        self.cache.copy_slot(torch.tensor([1 + self.n + r for r in reqs]), torch.tensor([1 + r for r in reqs]))
+        self.cache.copy_slot(self._slots(reqs, 1 + self.n), self._slots(reqs, 1))
         for r, n in zip(reqs, lens):
             self.lens[r] = n
 
