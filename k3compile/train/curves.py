@@ -33,8 +33,12 @@ class Curves:
         except ImportError:
             return None
         keys = [k for k in self.data["train"][0] if k != "step"] if self.data["train"] else []
-        fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4 * max(1, len(keys)), 3.2), squeeze=False)
-        for ax, key in zip(axes[0], keys):
+        cols = min(4, max(1, len(keys)))
+        rows = -(-max(1, len(keys)) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
+        for ax in axes.flat[len(keys):]:
+            ax.axis("off")
+        for ax, key in zip(axes.flat, keys):
             for split, style in (("train", "-"), ("val", "o-")):
                 pts = [(r["step"], r[key]) for r in self.data[split] if key in r]
                 if pts:
