@@ -99,3 +99,22 @@ def test_feature_definition(model):
 def test_feature_layers_out_of_range(model):
     with pytest.raises(ValueError, match="out of range"):
         model.train_forward(ids(1, 4), (model.config.num_hidden_layers,))
+
+
+@pytest.mark.gpu
+def test_train_forward_and_gradients_on_cuda_match_cpu():
+    cpu = k3compile.load_model("k3-tiny", seed=3).requires_grad_(True)
+    gpu = k3compile.load_model("k3-tiny", seed=3)
+    gpu.load_state_dict(cpu.state_dict())
+    gpu = gpu.cuda().requires_grad_(True)
+    x = ids(2, 40)
+    losses = []
+    for m, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        logits = m.train_forward(x[:, :-1].to(dev))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten().to(dev))
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1].cpu(), losses[0], atol=1e-4, rtol=1e-4)
+    for (n, a), (_, b) in zip(cpu.named_parameters(), gpu.named_parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad.cpu(), a.grad, atol=1e-4, rtol=1e-3, msg=n)
