@@ -438,13 +438,17 @@ def _with_linear_attn_config(d: dict) -> dict:
     return d
 
 
-def load_hf_config(path: str) -> ModelConfig:
+def read_config_json(path: str, what: str = "checkpoint") -> dict:
+    """The parsed config.json of a checkpoint directory, or a ConfigError naming what is wrong."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise ConfigError(f"{path}: not a checkpoint directory (no config.json)")
+        raise ConfigError(f"{path}: not a {what} directory (no config.json)")
     try:
         with open(cfg_path) as f:
-            raw = json.load(f)
+            return json.load(f)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
-    return config_from_hf_dict(raw, name=os.path.basename(os.path.normpath(path)))
+
+
+def load_hf_config(path: str) -> ModelConfig:
+    return config_from_hf_dict(read_config_json(path), name=os.path.basename(os.path.normpath(path)))

@@ -62,21 +62,33 @@ class K3Model(nn.Module):
             self.output_attn_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
             self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, s: StepInputs) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, s: StepInputs, feature_layers: tuple[int, ...] = ()):
+        """Final hidden [N, D]; with `feature_layers`, also their features [N, len * D] (see `FEATURES`)."""
+        bad = [i for i in feature_layers if not 0 <= i < len(self.layers)]
+        if bad:
+            raise ValueError(f"feature_layers {bad} out of range: the model has {len(self.layers)} layers")
         x = self.embed_tokens(input_ids)
+        feats: dict[int, torch.Tensor] = {}
         if self.cfg.attn_res_block_size is None:
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 x = x + layer.self_attn(layer.input_layernorm(x), s)
                 x = x + layer.ffn(layer.post_attention_layernorm(x))
-            return self.norm(x)
-        return self._forward_attn_res(x, s)
+                feats[i] = x
+            h = self.norm(x)
+        else:
+            h = self._forward_attn_res(x, s, feats)
+        if not feature_layers:
+            return h
+        return h, torch.cat([feats[i] for i in feature_layers], -1)
 
-    def _forward_attn_res(self, emb: torch.Tensor, s: StepInputs) -> torch.Tensor:
+    def _forward_attn_res(self, emb: torch.Tensor, s: StepInputs, feats: dict) -> torch.Tensor:
         eps, block = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
         bank: list[torch.Tensor] = []
         p = emb
         for i, layer in enumerate(self.layers):
             a = attn_res_read(bank + [p], layer.self_attention_res_proj.weight, layer.self_attention_res_norm.weight, eps)
+            if i > 0:
+                feats[i - 1] = a  # what layer i reads is the feature of layer i - 1 (FEATURES)
             if i % block == 0:  # block boundary: the finished partial sum becomes a bank row
                 bank.append(p)
                 p = torch.zeros_like(p)
@@ -84,6 +96,7 @@ class K3Model(nn.Module):
             a = attn_res_read(bank + [p], layer.mlp_res_proj.weight, layer.mlp_res_norm.weight, eps)
             p = p + layer.ffn(layer.post_attention_layernorm(a))
         out = attn_res_read(bank + [p], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight, eps)
+        feats[len(self.layers) - 1] = out
         return self.norm(out)
 
 
@@ -100,13 +113,15 @@ class K3ForCausalLM(nn.Module):
     def cache_spec(self, dtype: torch.dtype | None = None, tp_size: int = 1) -> CacheSpec:
         return CacheSpec.from_config(self.config, dtype or self.lm_head.weight.dtype, tp_size)
 
-    def step(self, batch: ForwardBatch, cache: CacheTensors, window: DraftWindow | None = None) -> torch.Tensor:
+    def step(self, batch: ForwardBatch, cache: CacheTensors, window: DraftWindow | None = None,
+             feature_layers: tuple[int, ...] = ()):
         """Run one prefill / decode / verify step; returns logits [M, V] for `batch.logits_indices` (fp32).
 
         Verify ("verify": ReplaySSM, "verify_snapshot": the baseline) runs n tokens per request (anchor +
         drafts; the same n for all) as n decode queries each (MLA appends KV as prefill does), but leaves the KDA state slots and conv windows as they
         are and fills `window` (row i = request i); `draft_window.commit_reference` or the runtime's
-        fold then keeps the accepted prefix."""
+        fold then keeps the accepted prefix. With `feature_layers`, returns (logits, features [N, len * D])
+        for every packed token."""
         if batch.mode not in ("prefill", "decode") + VERIFY_MODES:
             raise ValueError(f"unsupported step mode {batch.mode!r}")
         extra = ()
@@ -122,15 +137,27 @@ class K3ForCausalLM(nn.Module):
             extra = window.tensors()
         return self.step_tensors(batch.mode, batch.input_ids, batch.cu_seqlens, batch.seq_lens, batch.page_table,
                                  batch.state_slots, batch.out_cache_loc, batch.logits_indices, cache.ssm,
-                                 cache.conv, cache.kv, *extra)
+                                 cache.conv, cache.kv, *extra, feature_layers=feature_layers)
 
     def step_tensors(self, mode, input_ids, cu_seqlens, seq_lens, page_table, state_slots, out_cache_loc,
-                     logits_indices, ssm, conv, kv, *window) -> torch.Tensor:
+                     logits_indices, ssm, conv, kv, *window, feature_layers: tuple[int, ...] = ()):
         """The step as a function of tensors only: this is what the compiler captures. `window`: the
         draft window's tensors in verify modes."""
         s = StepInputs(mode, cu_seqlens, seq_lens, page_table, state_slots, out_cache_loc, ssm, conv, kv, window)
-        h = self.model(input_ids, s)
-        return self.lm_head(h[logits_indices]).float()
+        if not feature_layers:
+            return self.lm_head(self.model(input_ids, s)[logits_indices]).float()
+        h, feats = self.model(input_ids, s, feature_layers)
+        return self.lm_head(h[logits_indices]).float(), feats
+
+    def train_forward(self, input_ids: torch.Tensor, feature_layers: tuple[int, ...] = ()):
+        """Differentiable full-sequence forward for training: input_ids [B, T] -> logits [B, T, V] (fp32),
+        each sequence from an empty state, no cache. With `feature_layers`: (logits, features [B, T, F])."""
+        b, t = input_ids.shape
+        cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=input_ids.device)
+        out = self.model(input_ids.reshape(-1), StepInputs("train", cu), feature_layers)
+        h, feats = out if feature_layers else (out, None)
+        logits = self.lm_head(h).float().view(b, t, -1)
+        return logits if feats is None else (logits, feats.view(b, t, -1))
 
     def prefill(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         return self._step_as("prefill", batch, cache)

@@ -65,7 +65,7 @@ def register(sub) -> None:
                         f"{DEFAULT_GATE_STEPS}, 3 with --quick)")
     p.add_argument("--quick", action="store_true",
                    help="GPU-budget protocol: the timing flags left at their defaults become 40 steps, 20 warm-up, "
-                        "5 reps, --max-rep-seconds 0.5, 3 gate steps (the markdown says it is below BENCHMARKS.md)")
+                        "5 reps, --max-rep-seconds 0.5, 3 gate steps (the markdown says it is below docs/BENCHMARKS.md)")
     p.add_argument("--keep-traces", choices=["final", "all"], default="final",
                    help="profiler traces to keep: the last rung's and engine-before's (default) or every arm's")
     p.add_argument("--out", default="traces/ladder", help="output folder for JSON, markdown, plot and traces")

@@ -41,14 +41,34 @@ def linear(d_in: int, d_out: int) -> nn.Linear:
 
 @dataclass
 class StepInputs:
-    """The tensors of one step that layers read (unpacked from ForwardBatch + CacheTensors)."""
-    mode: str  # "prefill" | "decode" | "verify" | "verify_snapshot"
+    """The tensors of one step that layers read (unpacked from ForwardBatch + CacheTensors).
+
+    mode "train" is the differentiable forward for training: whole sequences cut by `cu_seqlens`, each
+    from an empty state, no pools (the other fields are None) and only autograd-friendly torch math."""
+    mode: str  # "prefill" | "decode" | "verify" | "verify_snapshot" | "train"
     cu_seqlens: torch.Tensor
-    seq_lens: torch.Tensor
-    page_table: torch.Tensor
-    state_slots: torch.Tensor
-    out_cache_loc: torch.Tensor
-    ssm: torch.Tensor
-    conv: torch.Tensor
-    kv: torch.Tensor
+    seq_lens: torch.Tensor | None = None
+    page_table: torch.Tensor | None = None
+    state_slots: torch.Tensor | None = None
+    out_cache_loc: torch.Tensor | None = None
+    ssm: torch.Tensor | None = None
+    conv: torch.Tensor | None = None
+    kv: torch.Tensor | None = None
     window: tuple = ()  # verify modes: the draft window's tensors (draft_window.DraftWindow.tensors())
+
+    def spans(self) -> list[tuple[int, int]]:
+        """(start, end) of each sequence along the packed token axis."""
+        cu = self.cu_seqlens.tolist()
+        return list(zip(cu[:-1], cu[1:]))
+
+
+def per_sequence(fn, spans: list[tuple[int, int]], *xs: torch.Tensor) -> torch.Tensor:
+    """Apply a per-sequence fn (token axis first, independent along axis 1: channels or heads) to
+    packed inputs. Equal-length sequences are stacked along axis 1 so fn runs once for the batch."""
+    lengths = {e - s for s, e in spans}
+    if len(lengths) == 1:
+        n, t = len(spans), lengths.pop()
+        folded = [x.unflatten(0, (n, t)).transpose(0, 1).flatten(1, 2) for x in xs]  # [T, n*C, ...]
+        out = fn(*folded)
+        return out.unflatten(1, (n, -1)).transpose(0, 1).flatten(0, 1)
+    return torch.cat([fn(*(x[s:e] for x in xs)) for s, e in spans])

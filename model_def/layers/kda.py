@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from ..ops import library as k3ops  # noqa: F401  (registers torch.ops.k3.*)
+from ..ops import kda_math
 from ..ops.kda_math import kda_gate
-from .common import GatedRMSNorm, StepInputs, linear
+from .common import GatedRMSNorm, StepInputs, linear, per_sequence
 
 
 class KDAMixer(nn.Module):
@@ -43,6 +44,8 @@ class KDAMixer(nn.Module):
     def _conv(self, x, conv: nn.Conv1d, stream: int, s: StepInputs):
         off = stream * self.num_heads * self.head_dim
         w = conv.weight.squeeze(1)
+        if s.mode == "train":
+            return per_sequence(lambda xs: _fresh_short_conv(xs, w), s.spans(), x)
         if s.mode == "decode":
             return torch.ops.k3.short_conv_decode(x, w, s.conv, self.pool_index, off, s.state_slots)
         if s.window:  # verify: conv from the committed window, inputs kept for the rollback
@@ -57,7 +60,9 @@ class KDAMixer(nn.Module):
         v = self._conv(self.v_proj(x), self.v_conv1d, 2, s).unflatten(-1, heads)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, self.head_dim, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
-        if s.mode == "decode":
+        if s.mode == "train":
+            o = per_sequence(_fresh_kda, s.spans(), q, k, v, g, beta).to(v.dtype)
+        elif s.mode == "decode":
             o = torch.ops.k3.kda_decode(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots)
         elif s.mode == "verify":  # ReplaySSM: the state is read, the raw inputs are kept
             o = torch.ops.k3.kda_verify(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots, *s.window[1:5])
@@ -80,3 +85,21 @@ class KDAMixer(nn.Module):
         dt = torch.empty(self.dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
         dt = dt.clamp_min(1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+
+# chunk length of the training forward: the chunked form's intra-chunk tensors grow with C^2 * K, and
+# at training shapes (many short sequences stacked along heads) small chunks are fastest on CPU
+TRAIN_CHUNK = 16
+
+
+def _fresh_short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Short conv of one sequence (or of sequences stacked along channels) from a zero window."""
+    w = weight.repeat(x.shape[1] // weight.shape[0], 1)
+    return kda_math.short_conv(x, w, x.new_zeros(w.shape[0], w.shape[1] - 1))[0]
+
+
+def _fresh_kda(q, k, v, g, beta) -> torch.Tensor:
+    """Chunked KDA of one sequence (or sequences stacked along heads) from a zero state (fp32 out)."""
+    h, dk, dv = q.shape[1], q.shape[2], v.shape[2]
+    zero = torch.zeros(h, dk, dv, dtype=torch.float32, device=q.device)
+    return kda_math.kda_chunked(q, k, v, g, beta, zero, TRAIN_CHUNK)[0]

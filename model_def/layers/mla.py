@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..ops import library as k3ops  # noqa: F401
+from ..ops.attention_math import mla_expanded
 from .common import RMSNorm, StepInputs, linear
 
 
@@ -43,6 +44,10 @@ class MLAMixer(nn.Module):
         q = self.query(x)
         ckv = self.kv_a_proj_with_mqa(x)
         rows = torch.cat([self.kv_a_layernorm(ckv[:, : self.kv_lora_rank]), ckv[:, self.kv_lora_rank:]], -1)
+        if s.mode == "train":  # each sequence attends over its own rows; no pool
+            o = torch.cat([mla_expanded(q[a:b], rows[a:b], self.kv_b_proj.weight, self.kv_lora_rank, self.nope,
+                                        self.scale, 0) for a, b in s.spans()])
+            return self._output(o, x)
         torch.ops.k3.kv_write(rows, s.kv, self.pool_index, s.out_cache_loc)
         if s.mode == "decode" or s.window:
             w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))  # [H, nope+v, r]
@@ -63,6 +68,9 @@ class MLAMixer(nn.Module):
         else:
             o = torch.ops.k3.mla_prefill(q, s.kv, self.pool_index, self.kv_b_proj.weight, s.page_table, s.cu_seqlens,
                                          s.seq_lens, self.scale, self.kv_lora_rank, self.nope)
+        return self._output(o, x)
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         o = o.flatten(-2)
         if hasattr(self, "g_proj"):
             o = o * torch.sigmoid(self.g_proj(x))

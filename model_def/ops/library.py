@@ -165,6 +165,26 @@ def _(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta):
     return x.new_empty(x.shape[0], w2.shape[1])
 
 
+def _moe_experts_setup(ctx, inputs, output):
+    x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta = inputs
+    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2)
+    ctx.act = (act, beta, linear_beta)
+
+
+def _moe_experts_backward(ctx, grad):
+    """Training only (`k3compile train`): recompute the reference under autograd and pull the gradient
+    through it, so the op stays one node for capture and still trains."""
+    x, topk_ids, topk_weights, w13, w2 = ctx.saved_tensors
+    leaves = [t.detach().requires_grad_(True) for t in (x, topk_weights, w13, w2)]
+    with torch.enable_grad():
+        out = moe_math.moe_experts_loop(leaves[0], topk_ids, leaves[1], leaves[2], leaves[3], *ctx.act)
+        gx, gw, g13, g2 = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    return gx, None, gw, g13, g2, None, None, None
+
+
+moe_experts.register_autograd(_moe_experts_backward, setup_context=_moe_experts_setup)
+
+
 @custom_op("k3::moe_experts_mxfp4", mutates_args=())
 def moe_experts_mxfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13_packed: torch.Tensor,
                       w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, act: str, beta: float,

@@ -36,17 +36,18 @@ try:
 except ImportError:  # CPU-only install: commit runs the reference
     triton = None
 
-# P5's launch heuristics (passes/kernels/kda_decode.py: V_BLOCK, TARGET_PROGRAMS, MIN_V_PER_PROGRAM,
-# default_v_split, the num_warps rule); tests/runtime/spec/test_fold_kernel.py checks they agree
+# P5's launch heuristics (passes/kernels/kda_decode.py: V_BLOCK, MAX_ROWS_TO_SPLIT, MAX_V_SPLIT,
+# MIN_V_PER_PROGRAM, default_v_split, the num_warps rule); tests/runtime/spec/test_fold_kernel.py checks they agree
 V_BLOCK = 32
-TARGET_PROGRAMS = 256
+MAX_ROWS_TO_SPLIT = 128
+MAX_V_SPLIT = 4
 MIN_V_PER_PROGRAM = 16
 
 
 def p5_block(batch: int, heads: int, head_k: int, head_v: int) -> tuple[int, int]:
     """(BV, num_warps) of P5's decode kernel for a decode step of `batch` requests."""
-    rows, split = max(batch * heads, 1), 1
-    while (rows * split < TARGET_PROGRAMS and head_v % (2 * split) == 0
+    split = 1
+    while (batch * heads <= MAX_ROWS_TO_SPLIT and split < MAX_V_SPLIT and head_v % (2 * split) == 0
            and head_v // (2 * split) >= MIN_V_PER_PROGRAM):
         split *= 2
     bk = triton.next_power_of_2(head_k)

@@ -1,0 +1,1 @@
+"""Training the small target and its DSpark drafter (issue 13): corpus, loops, losses, curves, acceptance."""
