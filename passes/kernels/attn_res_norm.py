@@ -279,7 +279,7 @@ def attn_res_norm_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, 
                              f"(or a row is not 16-byte aligned)")
         pad = triton.next_power_of_2(len(bank))
         if num_warps is None:  # ~64 fp32 tile elements per thread (8 warps at k3-mini's 8 x 2048)
-            num_warps = max(1, min(16, pad * block // 2048))
+            num_warps = max(4, min(16, pad * block // 2048))
         _attn_res_norm_tile_kernel[(n,)](
             *args, NUM_BANK=len(bank), BLOCK_D=block, BANK_PAD=pad, USE_PDL=pdl, WRITE_H32=with_fp32,
             HAS_DELTA=has_delta, num_warps=num_warps, **extra)
