@@ -5,7 +5,7 @@ default where the bank fits), µs per call, CUDA-graph replays; the tile also at
 Shapes: k3-mini-6b (D 2048, bank 1 / 4 / 8 rows, with a delta and without: the block-boundary
 form), Kimi-Linear-48B (D 2304, empty bank: both arms are the same kernel, a control), K3 (D 7168,
 bank 3) at batch 1/8/64. Each figure: 20 calls captured in one CUDA graph, replayed 10 times,
-median of 5 timings; each arm's relative error vs the CPU reference. Prints a markdown table and
+median of 5 timings (bench_p07_p15.timed); each arm's relative error vs the CPU reference. Prints a markdown table and
 writes JSON rows to --out.
 """
 import argparse
@@ -13,31 +13,8 @@ import json
 
 import torch
 
+from bench_p07_p15 import CALLS, timed  # tools/ is sys.path[0] when run as a script
 from k3compile.passes.kernels import attn_res_norm as arn
-
-CALLS, REPS = 20, 5
-
-
-def timed(fn) -> float:
-    fn()  # compile / warm up outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        for _ in range(CALLS):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / (10 * CALLS))
-    return sorted(times)[len(times) // 2]
 
 
 def rel_err(a, b) -> float:

@@ -119,6 +119,28 @@ if triton is not None:
             return b7
 
     @triton.jit
+    def _residual_add(x_ptr, delta_ptr, p_ptr, base, m, HAS_DELTA: tl.constexpr):
+        """p = x + delta rounded to x's dtype (x alone without delta), stored; returns p."""
+        x = tl.load(x_ptr + base, mask=m, other=0.0)
+        if HAS_DELTA:
+            dl = tl.load(delta_ptr + base, mask=m, other=0.0)
+            p = (x.to(tl.float32) + dl.to(tl.float32)).to(x.dtype)  # the residual add, rounded like torch
+        else:
+            p = x
+        tl.store(p_ptr + base, p, mask=m)
+        return p
+
+    @triton.jit
+    def _norm_store(mix, p, w, D, norm_eps, h_ptr, h32_ptr, base, m, WRITE_H32: tl.constexpr):
+        """h = w * RMSNorm(mix) with torch's roundings to p's dtype; stores h (and its fp32 copy)."""
+        inv = tl.rsqrt(tl.sum(mix * mix, axis=0) / D + norm_eps)
+        normed = (mix * inv).to(p.dtype).to(tl.float32)
+        h = (w * normed).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + base, h, mask=m)
+        if WRITE_H32:  # h's fp32 copy for a consumer that casts it (the router's fp32 GEMM)
+            tl.store(h32_ptr + base, h.to(tl.float32), mask=m)
+
+    @triton.jit
     def _bank_tile_ptrs(ridx, NUM_BANK: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7):
         """[rows, 1] pointers: row j of the tile points at bank row j (rows past NUM_BANK: b0, masked)."""
         ptrs = tl.where(ridx == 0, b0, b0)
@@ -148,13 +170,7 @@ if triton is not None:
         rows = tl.multiple_of(_bank_tile_ptrs(ridx[:, None], NUM_BANK, b0, b1, b2, b3, b4, b5, b6, b7), [16, 1])
         live = ridx < NUM_BANK
         r = tl.load(rows + base[None, :], mask=live[:, None] & m[None, :], other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + base, mask=m, other=0.0)
-        if HAS_DELTA:
-            dl = tl.load(delta_ptr + base, mask=m, other=0.0)
-            p = (x.to(tl.float32) + dl.to(tl.float32)).to(x.dtype)  # the residual add, rounded like torch
-        else:
-            p = x
-        tl.store(p_ptr + base, p, mask=m)
+        p = _residual_add(x_ptr, delta_ptr, p_ptr, base, m, HAS_DELTA)
         pf = p.to(tl.float32)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()  # inputs read
@@ -166,13 +182,8 @@ if triton is not None:
         e_p = tl.exp(logit_p - top)
         den = tl.sum(e_r, axis=0) + e_p
         acc = tl.sum(r * (e_r / den)[:, None], axis=0) + pf * (e_p / den)
-        mix = acc.to(x.dtype).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(mix * mix, axis=0) / D + norm_eps)
-        normed = (mix * inv).to(x.dtype).to(tl.float32)
-        h = (w * normed).to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + base, h, mask=m)
-        if WRITE_H32:
-            tl.store(h32_ptr + base, h.to(tl.float32), mask=m)
+        mix = acc.to(p.dtype).to(tl.float32)
+        _norm_store(mix, p, w, D, norm_eps, h_ptr, h32_ptr, base, m, WRITE_H32)
 
     @triton.jit
     def _attn_res_norm_kernel(
@@ -193,13 +204,7 @@ if triton is not None:
             q = tl.load(query_ptr + cols, mask=m, other=0.0).to(tl.float32)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # x, delta and the bank rows come from earlier kernels
-        x = tl.load(x_ptr + base, mask=m, other=0.0)
-        if HAS_DELTA:
-            dl = tl.load(delta_ptr + base, mask=m, other=0.0)
-            p = (x.to(tl.float32) + dl.to(tl.float32)).to(x.dtype)  # the residual add, rounded like torch
-        else:
-            p = x
-        tl.store(p_ptr + base, p, mask=m)
+        p = _residual_add(x_ptr, delta_ptr, p_ptr, base, m, HAS_DELTA)
         pf = p.to(tl.float32)
         if NUM_BANK > 0:
             idx = tl.arange(0, ROWS_PAD)
@@ -216,17 +221,12 @@ if triton is not None:
             for j in tl.static_range(NUM_BANK):
                 r = tl.load(_bank_row(j, b0, b1, b2, b3, b4, b5, b6, b7) + base, mask=m, other=0.0).to(tl.float32)
                 acc += r * tl.sum(tl.where(idx == j, pi, 0.0), axis=0)
-            mix = acc.to(x.dtype).to(tl.float32)
+            mix = acc.to(p.dtype).to(tl.float32)
         else:
             mix = pf
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()  # inputs read
-        inv = tl.rsqrt(tl.sum(mix * mix, axis=0) / D + norm_eps)
-        normed = (mix * inv).to(x.dtype).to(tl.float32)
-        h = (w * normed).to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + base, h, mask=m)
-        if WRITE_H32:  # h's fp32 copy for a consumer that casts it (the router's fp32 GEMM)
-            tl.store(h32_ptr + base, h.to(tl.float32), mask=m)
+        _norm_store(mix, p, w, D, norm_eps, h_ptr, h32_ptr, base, m, WRITE_H32)
 
 
 def kernel_supports(dim: int, num_bank: int) -> bool:
