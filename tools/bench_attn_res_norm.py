@@ -53,14 +53,14 @@ def main() -> None:
                     for nw in (4, 8, 16)}
                 row["one_pass_pdl_us"] = timed(lambda: arn.attn_res_norm_triton(*cu, 1e-5, 1e-5, pdl=True))
             rows.append(row)
+            with open(args.out, "w") as f:  # after every row: a timeout still leaves the rows done
+                json.dump(dict(calls_per_graph=CALLS, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
             sweep = row.get("warps_sweep_us", {})
             best = min(sweep, key=sweep.get) if sweep else None
             print(f"| {label} | {d} | {nb} | {with_delta} | {batch} | {row['streaming_us']:.2f} | "
                   f"{row.get('one_pass_us', float('nan')):.2f} | "
                   f"{'-' if best is None else f'{best} warps: {sweep[best]:.2f}'} | "
                   f"{row['streaming_err']:.1e} / {row.get('one_pass_err', float('nan')):.1e} |", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(calls_per_graph=CALLS, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

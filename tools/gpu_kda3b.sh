@@ -10,6 +10,6 @@ source tools/gpu_setup.sh
 timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
   tests/passes/kernels/test_attn_res_norm.py > $OUT/kda3b_tests.txt 2>&1
 tail -5 $OUT/kda3b_tests.txt
-timeout 50 python3 tools/bench_attn_res_norm.py --batch 1 8 64 --out $OUT/kda3b_attn_res_norm.json 2>&1 \
+timeout 55 python3 tools/bench_attn_res_norm.py --batch 1 8 64 --out $OUT/kda3b_attn_res_norm.json 2>&1 \
   | grep -v -i warn > $OUT/kda3b_bench.md
 cat $OUT/kda3b_bench.md
