@@ -16,14 +16,18 @@ The replacement is `h, p' = k3.attn_res_norm(bank, x, delta, query, weight, res_
 users of p take p', users of h take h; `sym_size(S, k)` becomes `sym_size(x, k - 1)`. Where h (not
 fp32 itself) is also cast to fp32 (`_to_copy(h, dtype=fp32)`: the MoE router's GEMM input), the node is
 `k3.attn_res_norm_f32` instead, whose third output, h's fp32 copy written by the same kernel, replaces
-those casts (one copy kernel fewer per MoE layer; `fp32_copy=False` keeps them). `query`
+those casts (one copy kernel fewer per MoE layer; `fp32_copy=False` keeps them). Where the residual
+add's left side is `zeros_like(...)` read by nothing else (K3 at a block boundary: the finished partial
+sum went to the bank and the new one starts from zeros), the node takes `x = delta, delta = None`
+(0 + d is d, the kernel copies it into p) and the fill kernel is gone (`fold_zeros=False` keeps it). `query`
 (γ ⊙ w, a product of two weights) is folded into one fp32 buffer at build time when it is made of
 constants; otherwise its node is passed as is.
 
 Counts (per captured step, decode and prefill alike since the read is token-local): K3-style
 configs (attn_res_block_size set) 2 per layer, minus layer 0's attention-side read (the bank is
 empty and no residual add precedes it), plus the final read = 2L. Plain residual: the same 2L
-(every pre-norm but layer 0's input norm follows a residual add). A chain whose intermediates are
+(every pre-norm but layer 0's input norm follows a residual add). Of the K3 ones, ceil(L / block) (the
+attention-side read after each block boundary, layer 0's included) take the zeros_like fold. A chain whose intermediates are
 read elsewhere, or that differs in any way from the form above, is left alone.
 """
 from __future__ import annotations
@@ -50,6 +54,7 @@ class AttnResNormConfig(PassConfig):
     fold_query: bool = True  # compute γ ⊙ w once at build time when both are weights
     pdl: bool = True  # programmatic dependent launch of the kernel (where kernels/pdl.py allows)
     fp32_copy: bool = True  # h's fp32 casts (the router GEMM's input) written by the kernel, not a copy kernel
+    fold_zeros: bool = True  # add(zeros_like(..), d) at block boundaries: p = d in the kernel, no fill kernel
 
 
 def _match_read(mix: Node):
@@ -176,9 +181,12 @@ def attn_res_norm(gm: GraphModule, config: AttnResNormConfig) -> int:
         casts = [u for u in m["out"].users if is_cast(u, torch.float32)] if config.fp32_copy else []
         if val_of(m["out"]) is None or val_of(m["out"]).dtype == torch.float32:
             casts = []
+        x, delta, zeros = m["x"], m["delta"], None
+        if config.fold_zeros and is_call(x, aten.zeros_like.default) and set(x.users) == {m["p"]}:
+            x, delta, zeros = m["delta"], None, m["x"]  # p = 0 + d = d
         with g.inserting_before(anchor):
             fused = g.call_function(FUSED_F32 if casts else FUSED, (
-                list(m["bank"]), m["x"], m["delta"], query, m["weight"], m["res_eps"], m["norm_eps"],
+                list(m["bank"]), x, delta, query, m["weight"], m["res_eps"], m["norm_eps"],
                 bool(config.pdl)))
             h = g.call_function(operator.getitem, (fused, 0))
             p = g.call_function(operator.getitem, (fused, 1))
@@ -196,11 +204,13 @@ def attn_res_norm(gm: GraphModule, config: AttnResNormConfig) -> int:
                 dim = u.args[1] if u.args[1] >= 0 else u.args[1] + 3
                 if dim < 1:
                     raise RuntimeError("p07: sym_size over the stacked rows' axis cannot be rewired")
-                u.args = (m["x"], dim - 1)  # the stack's row dims are x's dims
+                u.args = (x, dim - 1)  # the stack's row dims are x's dims
         others = [u for u in m["p"].users if u not in m["nodes"]]
         for u in others:
             u.replace_input_with(m["p"], p)
         erase_subgraph(gm, m["nodes"] | {m["p"]})
+        if zeros is not None:
+            erase_if_dead(gm, [zeros])
         dropped_weights += _erase_dead_query(gm, m["query"], query)
         matches += 1
     drop_unused_constants(gm, dropped_weights)  # the folded γ and w are not engine weights any more

@@ -1,6 +1,7 @@
 """Run the attn_res_norm Triton kernel under TRITON_INTERPRET=1 on CPU and compare with the reference.
 
-Started in a subprocess by test_attn_res_norm.py (TRITON_INTERPRET is read when the kernel is
+Both kernels (the one-pass bank tile and the streaming one) on every case they take. Started in a
+subprocess by test_attn_res_norm.py (TRITON_INTERPRET is read when the kernel is
 decorated). Prints one line per failing case and exits 1 if any failed. The interpreter rounds
 fp32 -> bf16 by truncation (the GPU rounds to nearest even), so bf16 cases get the bf16
 normwise tolerance widened to 3e-2 (a few truncated ulps; the GPU test holds bf16 to 1e-2).
@@ -33,15 +34,27 @@ def cases():
     yield ("bf16 x, fp32 weight", [randn(2, 64).bfloat16()], randn(2, 64).bfloat16(), randn(2, 64).bfloat16(),
            randn(64), randn(64))
     yield "no tokens", [randn(0, 64)], randn(0, 64), randn(0, 64), randn(64), randn(64)
+    # a bank row 2 bytes past 16-byte alignment: the one-pass kernel does not take it (streaming only)
+    odd = torch.randn(3 * 64 + 1, generator=gen).bfloat16()[1:].view(3, 64)
+    assert not arn.one_pass_applies([odd], odd)
+    yield "misaligned bank row", [odd], randn(3, 64).bfloat16(), randn(3, 64).bfloat16(), randn(64), randn(64).bfloat16()
+    # delta None (a block boundary: p restarts from zeros, so p = x)
+    for bank in (0, 2):
+        yield (f"no delta bank={bank}", [randn(3, 96).bfloat16() for _ in range(bank)], randn(3, 96).bfloat16(), None,
+               randn(96) if bank else None, randn(96).bfloat16())
 
 
 def main() -> int:
     assert type(arn._attn_res_norm_kernel).__name__ == "InterpretedFunction", "interpreter not active"
     failures, n = [], 0
-    for name, bank, x, delta, query, weight in cases():
+    for (name, bank, x, delta, query, weight), one_pass in ((c, o) for c in cases() for o in (False, None)):
+        if one_pass is None and not arn.one_pass_applies(bank, x):
+            continue  # the streaming kernel is the only one there (and was just run)
+        name = f"{name} {'one-pass' if one_pass is None else 'streaming'}"
         n += 1
         with_fp32 = x.dtype == torch.bfloat16  # k3::attn_res_norm_f32's extra output: h's fp32 copy
-        h, p, *h32 = arn.attn_res_norm_triton(bank, x, delta, query, weight, 1e-5, 1e-6, with_fp32=with_fp32)
+        h, p, *h32 = arn.attn_res_norm_triton(bank, x, delta, query, weight, 1e-5, 1e-6, with_fp32=with_fp32,
+                                              one_pass=one_pass)
         if with_fp32 and not (h32[0].dtype == torch.float32 and torch.equal(h32[0], h.float())):
             failures.append(f"{name}: the fp32 copy is not h.float()")
         h0, p0 = arn.attn_res_norm_reference(bank, x, delta, query, weight, 1e-5, 1e-6)

@@ -65,6 +65,8 @@ def test_op_passes_opcheck_and_stays_one_node():
             torch.randn(16, generator=gen), 1e-5, 1e-6)
     torch.library.opcheck(FUSED, args)
     torch.library.opcheck(FUSED, ([],) + args[1:3] + (None,) + args[4:])
+    torch.library.opcheck(FUSED, (bank, args[1], None) + args[3:])  # delta None: p = x
+    assert torch.equal(FUSED(bank, args[1], None, *args[3:])[1], args[1])
     gm = make_fx(lambda *a: FUSED(*a), tracing_mode="symbolic")(bank, *args[1:5], 1e-5, 1e-6)
     calls = [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
     assert calls == [FUSED]
@@ -98,3 +100,34 @@ def test_cuda_kernel_matches_reference(tokens, dim, bank_rows, dtype):
     assert torch.equal(h, h2)  # the op's CUDA kernel is the Triton kernel
     h3, p3, h32 = torch.ops.k3.attn_res_norm_f32(*cuda, 1e-5, 1e-5, True)  # with PDL where available
     assert torch.equal(h3, h) and torch.equal(p3, p) and torch.equal(h32, h.float())
+    # the streaming kernel (the only one before the bank tile) computes the same, to fp32 summation order
+    h4, p4 = attn_res_norm_triton(*cuda, 1e-5, 1e-5, one_pass=False)
+    assert torch.equal(p4, p)
+    assert ((h4.float() - h.float()).abs().max() / h.float().abs().max()).item() <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("bank_rows", [1, 4, 8])
+def test_cuda_one_pass_kernel_at_k3_mini_6b(tokens, bank_rows):
+    """k3-mini-6b's reads (dim 2048, up to 8 bank rows) take the one-pass kernel; with and without delta,
+    with PDL, with the fp32 copy, inside a CUDA graph."""
+    from k3compile.passes.kernels.attn_res_norm import one_pass_applies
+    dim, gen = 2048, torch.Generator().manual_seed(tokens * 10 + bank_rows)
+    bank = [(torch.randn(tokens, dim, generator=gen) * (j + 1)).bfloat16().cuda() for j in range(bank_rows)]
+    x, delta = (torch.randn(tokens, dim, generator=gen).bfloat16().cuda() for _ in range(2))
+    query, weight = 0.05 * torch.randn(dim, generator=gen).cuda(), torch.randn(dim, generator=gen).bfloat16().cuda()
+    assert one_pass_applies(bank, x)
+    for d in (delta, None):
+        h0, p0 = attn_res_norm_reference([b.cpu() for b in bank], x.cpu(), None if d is None else d.cpu(),
+                                         query.cpu(), weight.cpu(), 1e-5, 1e-5)
+        h, p, h32 = attn_res_norm_triton(bank, x, d, query, weight, 1e-5, 1e-5, pdl=True, with_fp32=True)
+        assert torch.equal(p.cpu(), p0) and torch.equal(h32, h.float())
+        assert ((h.float().cpu() - h0.float()).abs().max() / h0.float().abs().max()).item() <= 1e-2
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            hg, pg = FUSED(bank, x, d, query, weight, 1e-5, 1e-5, True)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(hg, h) and torch.equal(pg, p)
