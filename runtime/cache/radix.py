@@ -161,16 +161,27 @@ def _check_cap(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
+def _resolve_total_cap(value: "int | float | None", memory: KVStateMemory) -> int | None:
+    """The global cap as a count: an int is a count; a float in (0, 1) is that share of the state
+    slots the (empty) memory holds, at least 1."""
+    if isinstance(value, float):
+        if not 0.0 < value < 1.0:
+            raise ValueError(f"max_checkpoints as a share of the state slots must be in (0, 1), got {value!r}")
+        return max(1, int(value * (memory.num_free_slots() + memory.num_used_slots())))
+    _check_cap("max_checkpoints", value)
+    return value
+
+
 class HybridRadixCache:
     def __init__(self, memory: KVStateMemory, checkpoint_interval: int, max_checkpoints_per_path: int | None = None,
-                 max_checkpoints: int | None = None, eviction: str = "lru", recompute_cost: RecomputeCost | None = None,
+                 max_checkpoints: int | float | None = None, eviction: str = "lru", recompute_cost: RecomputeCost | None = None,
                  value_weight: float = 1.0):
         p = memory.page_size
         if not isinstance(checkpoint_interval, int) or checkpoint_interval < 1 or checkpoint_interval % p:
             raise ValueError(f"checkpoint_interval must be a positive multiple of the page size {p}, "
                              f"got {checkpoint_interval!r}")
         _check_cap("max_checkpoints_per_path", max_checkpoints_per_path)
-        _check_cap("max_checkpoints", max_checkpoints)
+        max_checkpoints = _resolve_total_cap(max_checkpoints, memory)
         if eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}")
         if eviction == "value" and recompute_cost is None:
@@ -492,26 +503,16 @@ class HybridRadixCache:
         return freed
 
     def evict_checkpoints(self, num_checkpoints: int) -> int:
-        """State pressure: free LRU unpinned checkpoints. Returns slots freed."""
+        """State pressure: free unpinned checkpoints, never a fork's while anything else can go
+        (`_checkpoint_victim`). Returns slots freed."""
         self._check_count(num_checkpoints)
-        if self.eviction == "value":
-            freed = 0
-            while freed < num_checkpoints:
-                victim = self._checkpoint_victim()
-                if victim is None:
-                    break
-                self._evict_checkpoint(victim)
-                freed += 1
-            self._flush()
-            return freed
-        heap = [(nd.ckpt_access, nd.id, nd) for nd in self._slot_owner.values()]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_checkpoints and heap:
-            _, _, nd = heapq.heappop(heap)
-            if nd.alive and nd.checkpoint is not None and self._checkpoint_evictable(nd):
-                self._evict_checkpoint(nd)
-                freed += 1
+        while freed < num_checkpoints:
+            victim = self._checkpoint_victim()
+            if victim is None:
+                break
+            self._evict_checkpoint(victim)
+            freed += 1
         self._flush()
         return freed
 
@@ -530,10 +531,12 @@ class HybridRadixCache:
         candidates = [nd for nd in self._slot_owner.values() if self._checkpoint_evictable(nd)]
         if not candidates:
             return None
+        candidates = [nd for nd in candidates if not self._is_fork(nd)]  # shared by live paths: leaves go first
+        if not candidates:
+            return None
         if self.eviction == "lru":
             return min(candidates, key=lambda nd: (nd.ckpt_access, nd.id))
-        plain = [nd for nd in candidates if not self._is_fork(nd)]
-        return self._lowest_utility(plain or candidates, "ckpt_access")
+        return self._lowest_utility(candidates, "ckpt_access")
 
     def checkpoint_efficiency(self, nd: TreeNode) -> float:
         """Prefill FLOPs a hit at `nd` saves over the nearest checkpointed ancestor, per byte that

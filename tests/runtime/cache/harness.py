@@ -140,6 +140,9 @@ class TrackingMemory:
     def num_free_pages(self) -> int:
         return self.inner.num_free_pages()
 
+    def num_used_slots(self) -> int:
+        return self.inner.num_used_slots()
+
     def add_relocation_listener(self, fn) -> None:
         self._listeners.append(fn)
 

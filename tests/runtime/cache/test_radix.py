@@ -284,7 +284,7 @@ def test_lru_touch_refreshes_only_the_consumed_node():
     mem, cache = setup()
     donate_sequence(cache, mem, A[:4])  # X
     donate_sequence(cache, mem, A[:8])  # Y, below X
-    w, _ = donate_sequence(cache, mem, B[:4] + (70, 71, 72, 73))  # W, another branch, after X and Y
+    w, _ = donate_sequence(cache, mem, (200, 201, 202, 203, 70, 71, 72, 73))  # W, another path, after X and Y
     assert cache.match(A[:9]).cached_len == 8  # consumes Y only
     x = cache.match(A[:4], touch=False).node
     assert cache.evict_checkpoints(1) == 1  # refreshing the whole path would have evicted W instead
@@ -405,3 +405,38 @@ def test_stats_count_hits_and_checkpoint_bytes():
     assert (s.checkpoints_evicted, s.nodes_evicted, s.pages_evicted, s.peak_checkpoint_bytes) == \
         (1, 1, 8, SPEC.slot_bytes)
     assert s.as_dict()["hit_rate"] == s.hit_rate
+
+
+@pytest.mark.parametrize("eviction", ["lru", "value"])
+def test_state_pressure_never_takes_a_fork_before_its_leaves(eviction):
+    """A checkpoint at a node two live paths continue from goes only after the leaves below it,
+    whatever its recency; with only forks left (their leaves locked), nothing is freed."""
+    from k3compile.runtime.cache.recompute_cost import RecomputeCost
+
+    mem = make_memory(1, num_slots=16, num_pages=128)
+    cache = HybridRadixCache(mem, 4, eviction=eviction, recompute_cost=RecomputeCost(1.0, 0.1))
+    donate_sequence(cache, mem, A[:8])  # the stem: the oldest checkpoint
+    donate_sequence(cache, mem, A[:12])
+    donate_sequence(cache, mem, A[:8] + (50, 51, 52, 53))  # a second path below the stem: a fork at 8
+    fork = cache.match(A[:8], touch=False).node
+    assert len(fork.children) == 2 and fork.checkpoint is not None
+    locks = [cache.lock(cache.match(s, touch=False).node) for s in (A[:12], A[:8] + (50, 51, 52, 53))]
+    assert cache.evict_checkpoints(1) == 0 and fork.checkpoint is not None  # leaves in use, the fork stays
+    for lk in locks:
+        cache.unlock(lk)
+    assert cache.evict_checkpoints(1) == 1 and fork.checkpoint is not None  # a leaf went, not the fork
+    assert len(fork.children) == 1  # no longer shared: an ordinary checkpoint, recency decides from here
+    assert cache.evict_checkpoints(2) == 2 and cache.num_checkpoints() == 0
+    owned(cache, mem)
+
+
+def test_global_cap_as_a_share_of_the_state_slots():
+    mem = make_memory(1, num_slots=16, num_pages=128)
+    cache = HybridRadixCache(mem, 4, max_checkpoints=0.25)  # 16 slots (padding slot aside) -> 3 or 4
+    cap = cache.max_checkpoints
+    assert cap == int(0.25 * (mem.num_free_slots() + mem.num_used_slots()))
+    for k in range(cap + 2):
+        donate_sequence(cache, mem, (300 + k, 1, 2, 3))
+    assert cache.num_checkpoints() == cap
+    with pytest.raises(ValueError, match="share of the state slots"):
+        HybridRadixCache(mem, 4, max_checkpoints=1.5)

@@ -1,0 +1,226 @@
+"""Replaying a request trace (bench/cache_traces.py) through LLMEngine in simulated time, the
+KV-only bound on the same requests, and the stand-in forward for long sweeps. Shared by
+`bench cache` and `bench cache-pressure`.
+
+Simulated time: every engine step costs `step_ms + token_ms * tokens computed in it` (a relative
+cost model, not a measurement); an idle engine jumps to the next arrival. A child request arrives
+`think` seconds after its parent finished, with the parent's prompt + answer + its own tokens.
+
+Forward `model` runs the model (greedy). Forward `cost` keeps everything else of the engine path --
+the scheduler's admission, chunking, snapshots, retractions; the radix cache; the request table;
+the memory pools and their state copies -- and replaces only the model's forward and sampling by
+`StandInRunner`: the snapshot copies still run, and the next token is a fixed function of the
+tokens so far. Cache decisions depend on token ids, positions and memory, never on the values a
+forward writes, so hits, bytes and evictions are those of a model whose greedy answers are these
+tokens; it is ~100x cheaper on CPU, which is what makes traces of hundreds of requests affordable.
+"""
+from __future__ import annotations
+
+import heapq
+import statistics
+
+FORWARDS = ("model", "cost")
+
+
+def stand_in_token(tokens: list[int], vocab: int = 256) -> int:
+    """The stand-in model's greedy next token: a fixed mix of the context's length and last tokens
+    (the same context gives the same token under every policy, like a real greedy model)."""
+    h = len(tokens) * 0x9E3779B1
+    for t in tokens[-4:]:
+        h = ((h ^ t) * 0x01000193) & 0xFFFFFFFF
+    return h % vocab
+
+
+class StandInRunner:
+    """Drop-in for ModelRunner on the non-overlap path: runs the batch's snapshot copies (the real
+    state moves), no forward; samples `stand_in_token` for every row that samples."""
+
+    _worker = None  # no overlap thread (LLMEngine.__del__ looks for one)
+
+    def __init__(self, memory):
+        self.memory = memory
+
+    def run(self, batch):
+        for working, snap in batch.snapshot_copies:
+            self.memory.copy_slot(working, snap)
+        return None
+
+    @staticmethod
+    def sample(batch, logits):
+        from k3compile.runtime.batch_sampling import BatchSample
+
+        tokens = [stand_in_token(r.req.all_ids) if r.samples and not r.req.finished and r.req.params.max_new_tokens > 0
+                  else None for r in batch.rows]
+        return BatchSample(tokens, [None] * len(tokens)), {}
+
+    def close(self) -> None:
+        pass
+
+
+BYTE_RATIOS = ("tiny", "k3", "k3-mini")
+
+
+def byte_ratio_spec(base, ratio: str, page_size: int):
+    """`base` (a CacheSpec) with its KDA heads scaled so one state slot weighs as many KV pages as
+    in `ratio`'s real model: "k3" (K3 at TP 8: a slot ~ 127 pages of 16 tokens), "k3-mini"
+    (k3-mini-6b on one GPU: ~155 pages), "tiny" (base as it is: ~4 pages). What a checkpoint costs
+    in KV is what the eviction trades, so the replay keeps the real model's ratio at a small size."""
+    from dataclasses import replace
+
+    if ratio not in BYTE_RATIOS:
+        raise ValueError(f"byte ratio must be one of {', '.join(BYTE_RATIOS)}, got {ratio!r}")
+    if ratio == "tiny":
+        return base
+    from k3compile.runtime.memory.capacity_sim import k3_spec
+
+    real = k3_spec(8, "k3") if ratio == "k3" else k3_spec(1, "k3-mini-6b")
+    target = real.slot_bytes / real.page_bytes(page_size) * base.page_bytes(page_size)
+    per_head = base.n_kda * base.kda_head_k * base.kda_head_v * base.state_dtype.itemsize
+    return replace(base, kda_heads=max(1, round((target - base.conv_bytes_per_slot) / per_head)))
+
+
+class StandInModel:
+    """What the engine needs of a model when `StandInRunner` replaces the forward: a config, a
+    device and the cache's byte sizes. Its step is never called."""
+
+    device = "cpu"
+
+    def __init__(self, preset: str = "k3-tiny", ratio: str = "tiny", page_size: int = 16):
+        import torch
+
+        from k3compile.model_def.cache import CacheSpec
+        from k3compile.model_def.config import get_preset
+
+        self.config = get_preset(preset)
+        self._spec = byte_ratio_spec(CacheSpec.from_config(self.config, dtype=torch.float32), ratio, page_size)
+
+    def cache_spec(self, dtype=None, tp_size: int = 1):
+        return self._spec
+
+    def step_tensors(self, mode, *args):
+        raise RuntimeError("the stand-in model has no forward: replace the engine's runner (use_forward 'cost')")
+
+
+def use_forward(engine, forward: str):
+    if forward not in FORWARDS:
+        raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
+    if forward == "cost":
+        if engine.args.overlap:
+            raise ValueError("the cost-model forward replays the non-overlap engine loop only")
+        engine.runner.close()
+        engine.runner = StandInRunner(engine.memory)
+    return engine
+
+
+def replay(engine, roots, step_ms: float, token_ms: float) -> dict:
+    """Drive the engine through the trace in simulated time."""
+    from k3compile.runtime.sampling import SamplingParams
+
+    pending, order = [], 0
+    for r in roots:
+        heapq.heappush(pending, (r.arrival, order, r.req, []))
+        order += 1
+    live, events, outputs, cached, tags = {}, [], {}, {}, {}
+    arrival, arrival_step, first_time, first_step = {}, {}, {}, {}
+    ckpt_bytes, now, step = [], 0.0, 0
+    m = engine.metrics()
+    done = m["prefill_tokens"] + m["generated_tokens"]
+    while pending or engine.has_unfinished():
+        if not engine.has_unfinished() and pending[0][0] > now:
+            now = pending[0][0]  # idle: jump to the next arrival
+        while pending and pending[0][0] <= now:
+            t, _, req, ctx = heapq.heappop(pending)
+            prompt = ctx + req.user
+            engine.add_request(req.tid, prompt, SamplingParams(max_new_tokens=req.max_new_tokens, ignore_eos=True))
+            live[req.tid] = (req, prompt, [])
+            arrival[req.tid], arrival_step[req.tid], tags[req.tid] = t, step, req.tags
+            events.append(("submit", req.tid, prompt))
+        outs = engine.step()
+        m = engine.metrics()
+        work = m["prefill_tokens"] + m["generated_tokens"]
+        now += (step_ms + token_ms * (work - done)) / 1000.0
+        done = work
+        step += 1
+        ckpt_bytes.append(m["checkpoint_bytes"])
+        for o in outs:
+            req, prompt, out = live[o.rid]
+            if o.new_token_ids and o.rid not in first_time:
+                first_time[o.rid], first_step[o.rid] = now, step - arrival_step[o.rid]  # steps it waited
+            out.extend(o.new_token_ids)
+            if o.finished:
+                del live[o.rid]
+                outputs[o.rid], cached[o.rid] = out, o.cached_tokens
+                events.append(("finish", o.rid, prompt + out))
+                for child in req.children:
+                    heapq.heappush(pending, (now + child.think, order, child, prompt + out))
+                    order += 1
+    ttft = sorted(first_time[r] - arrival[r] for r in first_time)
+    return {"events": events, "outputs": outputs, "cached": cached, "tags": tags, "ttft": ttft,
+            "ttft_steps": list(first_step.values()), "checkpoint_bytes": ckpt_bytes, "steps": step, "sim_seconds": now}
+
+
+def summarize_replay(engine, r: dict, page_size: int) -> dict:
+    """One row of a cache benchmark: hits vs the KV-only bound, checkpoint bytes, TTFT, repeats/stems hit."""
+    m, st = engine.metrics(), engine.cache.stats()
+    bound = kv_only_bound(r["events"], page_size)
+    tagged = lambda tag: [rid for rid, t in r["tags"].items() if tag in t]  # noqa: E731
+    hits = lambda rids: sum(1 for rid in rids if r["cached"].get(rid, 0) > 0)  # noqa: E731
+    ttft = r["ttft"]
+    return {
+        "policy": engine.policy.name, "requests": len(r["outputs"]),
+        "slots_total": m["slots_total"], "pages_total": m["pages_total"], "max_running": m["max_running"],
+        "slot_bytes": engine.memory.spec.slot_bytes,
+        "prompt_tokens": m["prompt_tokens"], "hit_tokens": m["cache_hit_tokens"], "hit_rate": m["cache_hit_rate"],
+        "kv_only_bound": bound["hit_rate"],
+        "fraction_of_bound": m["cache_hit_rate"] / bound["hit_rate"] if bound["hit_rate"] else 0.0,
+        "prefill_tokens_computed": m["prefill_tokens"], "retractions": m["retractions"],
+        "checkpoint_bytes_mean": sum(r["checkpoint_bytes"]) / max(1, len(r["checkpoint_bytes"])),
+        "checkpoint_bytes_peak": st.peak_checkpoint_bytes, "checkpoints_stored": st.checkpoints_stored,
+        "checkpoints_evicted": st.checkpoints_evicted, "checkpoints_rejected": st.checkpoints_rejected,
+        "pages_evicted": st.pages_evicted,
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else 0.0,
+        "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))] if ttft else 0.0,
+        "ttft_mean_steps": statistics.fmean(r["ttft_steps"]) if r["ttft_steps"] else 0.0,
+        "repeats": len(tagged("repeat")), "repeats_hit": hits(tagged("repeat")),
+        "stems": len(tagged("stem")), "stems_hit": hits(tagged("stem")),
+        "engine_steps": r["steps"], "sim_seconds": r["sim_seconds"],
+        "_outputs": r["outputs"],
+    }
+
+
+class PageTrie:
+    """Page-aligned token prefixes seen so far (a radix cache's KV, with unlimited memory)."""
+
+    def __init__(self, page_size: int):
+        self.page_size, self.root = page_size, {}
+
+    def insert(self, tokens: list[int]) -> None:
+        node, p = self.root, self.page_size
+        for i in range(0, len(tokens) - len(tokens) % p, p):
+            node = node.setdefault(tuple(tokens[i:i + p]), {})
+
+    def match(self, tokens: list[int]) -> int:
+        node, p, n = self.root, self.page_size, 0
+        for i in range(0, len(tokens) - len(tokens) % p, p):
+            node = node.get(tuple(tokens[i:i + p]))
+            if node is None:
+                break
+            n += p
+        return n
+
+
+def kv_only_bound(events: list[tuple], page_size: int) -> dict:
+    """What a pure-attention radix cache (KV per page, no state, unlimited memory) could hit on the
+    same requests: replay ("submit", tid, prompt) / ("finish", tid, prompt + output) events in
+    order. A request's hit is the longest page-aligned prefix of its prompt less the last token
+    that an earlier prompt (as if its prefill were instant: optimistic, so an upper bound) or an
+    earlier finished prompt + output had."""
+    trie, hit, total = PageTrie(page_size), 0, 0
+    for kind, _, seq in events:
+        if kind == "submit":
+            hit += trie.match(seq[:-1])
+            total += len(seq)
+            trie.insert(seq)
+        else:
+            trie.insert(seq[:-1])  # the last generated token was never fed back: it has no KV
+    return {"hit_tokens": hit, "prompt_tokens": total, "hit_rate": hit / total if total else 0.0}
