@@ -184,7 +184,7 @@ def summarize_replay(engine, r: dict, page_size: int) -> dict:
         "repeats": len(tagged("repeat")), "repeats_hit": hits(tagged("repeat")),
         "stems": len(tagged("stem")), "stems_hit": hits(tagged("stem")),
         "engine_steps": r["steps"], "sim_seconds": r["sim_seconds"],
-        "_outputs": r["outputs"],
+        "_outputs": r["outputs"], "_cached": r["cached"],
     }
 
 

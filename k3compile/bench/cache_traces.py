@@ -14,8 +14,10 @@ tokens as its prompt. Four kinds of traffic, mixed by weight and interleaved in 
 
 Token ids are random bytes; answers come from the model (greedy, ignore_eos), so the token trace
 is the same under every cache policy. Tags on requests: `repeat` (an exact repeat of an earlier
-prompt) and `stem` (a root whose prompt starts with a shared prefix an earlier root had), for
-"repeats and shared stems always hit".
+prompt) and `stem` (a root whose prompt starts with a shared prefix two earlier roots had), for
+"repeats and shared stems always hit". A stem counts from its third root on: a hybrid cache learns
+that a prefix is shared only when a second request diverges from it (that one plants the branch
+point; the first stored its state past the stem), so the second root cannot hit the stem.
 """
 from __future__ import annotations
 
@@ -104,7 +106,7 @@ def make_trace(spec: TraceSpec) -> list[Root]:
     systems = [toks(rint(spec.system_len)) for _ in range(spec.systems)]
     tool_prefix = toks(spec.tool_prefix_len)
     kinds, weights = zip(*spec.mix)
-    stems_seen: set[str] = set()
+    stems_seen: dict[str, int] = {}  # roots seen per shared prefix
     oneoffs: list[list[int]] = []
     roots, t = [], 0.0
     rate = spec.roots / spec.duration if spec.duration > 0 else 0.0
@@ -132,9 +134,9 @@ def make_trace(spec: TraceSpec) -> list[Root]:
                 oneoffs.append(req.user)
             stem = None
         if stem is not None:
-            if stem in stems_seen:
+            if stems_seen.get(stem, 0) >= 2:
                 req.tags += ("stem",)
-            stems_seen.add(stem)
+            stems_seen[stem] = stems_seen.get(stem, 0) + 1
         roots.append(Root(t, kind, req))
         t += rng.expovariate(rate) if rate > 0 else 0.0
     return roots

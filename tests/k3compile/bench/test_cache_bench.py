@@ -1,25 +1,13 @@
-"""k3compile bench cache: the workload generator, the KV-only bound, policy parsing, and a small end-to-end
-run through the real engine (files written, identical outputs across policies, the bound bounds)."""
+"""k3compile bench cache: policy parsing, the KV-only bound, the stand-in forward, and a small
+end-to-end run through the real model (files written, identical outputs across policies, the bound
+bounds)."""
 import json
 
 import pytest
 
 from k3compile.bench.cache import parse_policy, split_policies
-from k3compile.bench.cache_workload import WorkloadSpec, count_requests, kv_only_bound, make_workload
+from k3compile.bench.cache_replay import byte_ratio_spec, kv_only_bound, stand_in_token
 from k3compile.cli import main
-
-
-def test_workload_is_deterministic_and_forks():
-    spec = WorkloadSpec(sessions=6, systems=2, system_len=50, turns=3, fork_prob=1.0, branches=2, seed=3)
-    a, b = make_workload(spec), make_workload(spec)
-    assert [s.first.user for s in a] == [s.first.user for s in b]
-    assert count_requests(a) == 6 * (1 + 2 + 4)  # every turn forks in two
-    first = a[0].first
-    x, y = first.children  # branches share their lead-in, then differ
-    assert x.user[:24] == y.user[:24] and x.user != y.user
-    assert a[0].system == a[2].system != a[1].system
-    with pytest.raises(ValueError, match="user_len"):
-        make_workload(WorkloadSpec(user_len=(5, 2)))
 
 
 def test_kv_only_bound_counts_page_aligned_prefixes():
@@ -37,6 +25,8 @@ def test_policy_parsing():
     p = parse_policy("sparse:per_path=3,handover=0")
     assert p.max_checkpoints_per_path == 3 and not p.donate_handover and p.branch_points
     assert parse_policy("every_chunk:per_path=0").max_checkpoints_per_path is None
+    assert parse_policy("valued:total=0.25,weight=2").max_checkpoints == 0.25
+    assert parse_policy("valued:total=8").max_checkpoints == 8
     assert split_policies("none,end,sparse:per_path=2,handover=0;every_chunk") == [
         "none", "end", "sparse:per_path=2,handover=0", "every_chunk"]
     with pytest.raises(ValueError, match="keys"):
@@ -45,21 +35,41 @@ def test_policy_parsing():
         parse_policy("lru")
 
 
+def test_stand_in_token_depends_on_the_context_only():
+    a = [5, 6, 7, 8, 9]
+    assert stand_in_token(a) == stand_in_token(list(a))
+    assert {stand_in_token(a + [t]) for t in range(8)} != {stand_in_token(a)}
+    assert all(0 <= stand_in_token(list(range(n))) < 256 for n in range(1, 40))
+
+
+def test_byte_ratio_spec_matches_the_real_models():
+    from k3compile.model_def.cache import CacheSpec
+    from k3compile.model_def.config import get_preset
+    from k3compile.runtime.memory.capacity_sim import k3_spec
+
+    import torch
+
+    base = CacheSpec.from_config(get_preset("k3-tiny"), dtype=torch.float32)
+    assert byte_ratio_spec(base, "tiny", 16) == base
+    for name, real in (("k3", k3_spec(8, "k3")), ("k3-mini", k3_spec(1, "k3-mini-6b"))):
+        spec = byte_ratio_spec(base, name, 16)
+        want, got = real.slot_bytes / real.page_bytes(16), spec.slot_bytes / spec.page_bytes(16)
+        assert abs(got - want) / want < 0.02 and spec.page_bytes(16) == base.page_bytes(16)
+    with pytest.raises(ValueError, match="byte ratio"):
+        byte_ratio_spec(base, "k4", 16)
+
+
 def test_bench_cache_end_to_end(tmp_path):
-    rc = main(["bench", "cache", "--sessions", "3", "--systems", "1", "--system-len", "40", "--turns", "2",
-               "--user-len", "4,12", "--answer-len", "3,6", "--fork-prob", "1", "--branches", "2", "--stagger", "2",
-               "--chunk-size", "16", "--track-interval", "16", "--policies", "none,end,every_chunk,sparse",
+    rc = main(["bench", "cache", "--roots", "1", "--duration", "5", "--policies", "none,end,sparse",
                "--out", str(tmp_path)])
     assert rc == 0
-    doc = json.loads((tmp_path / "cache_k3-tiny.json").read_text())
-    md = (tmp_path / "cache_k3-tiny.md").read_text()
-    rows = {r["policy"]: r for r in doc["policies"]}
-    assert set(rows) == {"none", "end", "every_chunk", "sparse"} and "| sparse |" in md
+    doc = json.loads((tmp_path / "cache_pressure.json").read_text())
+    md = (tmp_path / "cache_pressure.md").read_text()
+    rows = {r["policy"]: r for r in doc["rows"]}
+    assert set(rows) == {"none", "end", "sparse"} and "| sparse |" in md and "forward `model`" in md
     assert all(r["outputs_match"] for r in rows.values())
     assert rows["none"]["hit_rate"] == 0 and rows["none"]["checkpoint_bytes_peak"] == 0
-    bound = doc["kv_only_bound"]["hit_rate"]
-    assert 0 < rows["sparse"]["hit_rate"] <= bound and rows["every_chunk"]["hit_rate"] <= bound
-    assert rows["every_chunk"]["checkpoints_stored"] > rows["sparse"]["checkpoints_stored"]
-    for r in rows.values():  # saved tokens are what the cache hit (nothing was retracted)
-        assert r["prefill_tokens_saved"] == r["hit_tokens"] and r["retractions"] == 0
-    assert "sparse" in doc["aims"] and doc["environment"]["torch"]
+    for r in rows.values():
+        assert r["hit_rate"] <= r["kv_only_bound"]
+        assert r["prefill_tokens_saved"] == r["hit_tokens"] and r["retractions"] == 0  # nothing retracted
+    assert doc["environment"]["torch"]

@@ -7,7 +7,8 @@ import pytest
 import k3compile
 from k3compile.bench.cache import parse_policy
 from k3compile.bench.cache_pressure import _relate, goals, register, render_markdown, run_one
-from k3compile.bench.cache_traces import PRESETS, TraceSpec, count, make_trace
+from k3compile.bench.cache_replay import StandInModel
+from k3compile.bench.cache_traces import PRESETS, Req, Root, TraceSpec, count, make_trace
 
 
 def walk(roots):
@@ -48,14 +49,19 @@ def test_trace_spec_rejects_bad_input():
         make_trace(TraceSpec(agent_steps=(3, 1)))
 
 
-def test_tiny_replay_hits_and_keeps_outputs():
-    model = k3compile.load_model("k3-tiny")
+def pressure_args(*extra):
+    parser = argparse.ArgumentParser().add_subparsers()
+    return register(parser).parse_args(list(extra))
+
+
+@pytest.mark.parametrize("forward", ["cost", "model"])
+def test_tiny_replay_hits_and_keeps_outputs(forward):
+    model = k3compile.load_model("k3-tiny") if forward == "model" else StandInModel()
     spec = TraceSpec(mix=(("agent", 1.0), ("oneoff", 1.0)), roots=3, duration=10.0, tool_prefix_len=64,
                      task_len=(8, 16), agent_steps=(2, 3), tool_result=(4, 8), agent_answer=(2, 4),
                      oneoff_len=(20, 40), oneoff_answer=(2, 4), seed=5)
     roots = make_trace(spec)
-    parser = argparse.ArgumentParser().add_subparsers()
-    args = register(parser).parse_args(["--page-size", "16", "--chunk-size", "64", "--track-interval", "64"])
+    args = pressure_args("--forward", forward, "--chunk-size", "64", "--track-interval", "64")
     group = []
     for name in ("none", "valued"):
         res = run_one(args, model, parse_policy(name), roots, 8 << 20)
@@ -68,7 +74,40 @@ def test_tiny_replay_hits_and_keeps_outputs():
     assert valued["prefill_tokens_saved"] == valued["hit_tokens"] > 0  # no retraction at this budget
     assert valued["ttft_mean_s"] > 0 and valued["ttft_mean_steps"] >= 1
     md = render_markdown({"args": vars(args) | {"roots": 3, "duration": 10.0}, "rows": rows, "goals": goals(rows)})
-    assert "| agent | 5 | 8192 KiB | valued |" in md
+    assert "| agent | 5 | 8192 KiB" in md and "| valued |" in md
+
+
+STEM = list(range(1, 65))  # 64 tokens: four pages
+
+
+def constructed_trace():
+    """Three agent roots over one 64-token stem, one after the other; a 100-token one-off and its
+    exact repeat; a tree-of-thought fork whose three branches share a 30-token lead-in."""
+    a = [Root(10.0 * k, "agent", Req(f"a{k}", STEM + [100 + 10 * k + j for j in range(20)], 4)) for k in range(3)]
+    p = [200 + (j % 50) for j in range(100)]
+    one = [Root(40.0, "oneoff", Req("p", p, 4)), Root(50.0, "oneoff", Req("p.repeat", list(p), 4, tags=("repeat",)))]
+    lead = [300 + j for j in range(30)]
+    problem = Req("t", [370 + j for j in range(90)], 6)
+    problem.children = [Req(f"t.{b}", lead + [460 + 15 * b + j for j in range(10)], 4, think=0.5 * b) for b in range(3)]
+    return a + one + [Root(60.0, "tot", problem)]
+
+
+@pytest.mark.parametrize("policy", ["sparse", "valued"])
+def test_repeats_and_shared_stems_hit_exactly(policy):
+    """At the engine's default chunk (256) and page size 16, generous memory: the second root on a
+    stem plants the branch point at 64 (it cannot hit: the first stored its state past the stem),
+    the third restores there; the repeat restores at the prompt tail (99 -> 96 tokens); the first
+    branch restores the problem's tail state, the second plants the branch point at the lead-in's
+    end, and the third restores there."""
+    args = pressure_args()
+    res = run_one(args, StandInModel(), parse_policy(policy), constructed_trace(), 64 << 20)
+    cached = res["_cached"]
+    assert [cached[f"a{k}"] for k in range(3)] == [0, 0, 64]
+    assert cached["p"] == 0 and cached["p.repeat"] == 96
+    # t: 90-token prompt, tail state at 80; a branch is t's 96 tokens + 30 lead-in + 10 of its own, so
+    # the branches part after 126 tokens: the branch point is at 112
+    assert cached["t"] == 0 and cached["t.0"] == 80 and cached["t.1"] == 80 and cached["t.2"] == 112
+    assert res["repeats_hit"] == res["repeats"] == 1
 
 
 def test_goals_compare_with_end_and_every_chunk():
