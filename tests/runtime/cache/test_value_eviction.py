@@ -18,9 +18,9 @@ SEQS = st.builds(lambda stem, cut, tail: STEMS[stem][:cut] + tuple(tail), st.int
 COSTS = st.builds(RecomputeCost, st.floats(0.1, 10.0), st.floats(0.0, 1.0))
 
 
-def build(seqs, cost, weight, page_size, locks):
+def build(seqs, cost, weight, page_size, locks, eviction="value"):
     mem = make_memory(page_size, num_slots=64, num_pages=512)
-    cache = HybridRadixCache(mem, 2 * page_size, eviction="value", recompute_cost=cost, value_weight=weight)
+    cache = HybridRadixCache(mem, 2 * page_size, eviction=eviction, recompute_cost=cost, value_weight=weight)
     g = cache.checkpoint_interval
     for seq in seqs:
         n = len(seq) // g * g
@@ -58,9 +58,12 @@ def utilities(cache, candidates, clock):
 @settings(max_examples=120, deadline=None)
 @given(seqs=st.lists(SEQS, min_size=1, max_size=14), cost=COSTS, weight=st.sampled_from([0.0, 0.5, 1.0, 4.0]),
        page_size=st.sampled_from([1, 2]), locks=st.lists(st.tuples(st.integers(0, 100), st.booleans()), max_size=3),
-       touches=st.lists(SEQS, max_size=6))
-def test_checkpoint_eviction_order(seqs, cost, weight, page_size, locks, touches):
-    mem, cache, held = build(seqs, cost, weight, page_size, locks)
+       touches=st.lists(SEQS, max_size=6), eviction=st.sampled_from(["lru", "value"]))
+def test_checkpoint_eviction_order(seqs, cost, weight, page_size, locks, touches, eviction):
+    """Both policies: never a pinned checkpoint, never a fork's (two live paths continue from it:
+    its leaves go first, which makes it an ordinary checkpoint), and among the rest the lowest
+    utility ("value") or the least recently used ("lru"); it gives up only when nothing else is left."""
+    mem, cache, held = build(seqs, cost, weight, page_size, locks, eviction)
     for t in touches:  # hits refresh recency
         cache.match(t)
     while True:
@@ -69,19 +72,23 @@ def test_checkpoint_eviction_order(seqs, cost, weight, page_size, locks, touches
         forks = {nd.id for nd in candidates if len(nd.children) >= 2}
         pinned = {nd.id for nd in cache.nodes() if nd.checkpoint is not None and nd.ckpt_lock}
         plain = [nd for nd in candidates if nd.id not in forks]
-        util = utilities(cache, plain or candidates, "ckpt_access") if candidates else {}
+        if eviction == "value":
+            util = utilities(cache, plain, "ckpt_access") if plain else {}
+        else:
+            util = {nd.id: (nd.ckpt_access, nd.id) for nd in plain}
         before = {nd.id: nd for nd in cache.nodes() if nd.checkpoint is not None}
         if cache.evict_checkpoints(1) == 0:
-            assert not candidates  # it only gives up when nothing is evictable
+            assert not plain  # it only gives up when nothing but forks is evictable
             break
         after = {nd.id for nd in cache.nodes() if nd.checkpoint is not None}
         gone = [before[i] for i in before if i not in after]
         assert len(gone) == 1
         victim = gone[0]
-        assert victim.id not in pinned
-        if plain:  # a shared branch point outlives every other candidate
-            assert victim.id not in forks
-        assert util[victim.id] <= min(util.values()) + 1e-12
+        assert victim.id not in pinned and victim.id not in forks  # a shared branch point outlives its leaves
+        if eviction == "value":
+            assert util[victim.id] <= min(util.values()) + 1e-12
+        else:
+            assert util[victim.id] == min(util.values())
         check_cache(cache)
     for lk in held:
         cache.unlock(lk)
@@ -118,3 +125,21 @@ def test_recompute_cost_is_additive_and_monotone(cost, a, b, c):
     a, b, c = sorted((a, b, c))
     assert abs(cost.prefill(a, c) - (cost.prefill(a, b) + cost.prefill(b, c))) <= 1e-9 * max(1.0, cost.prefill(a, c))
     assert cost.prefill(a, c) >= cost.prefill(b, c) >= 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(seqs=st.lists(SEQS, min_size=1, max_size=14), share=st.sampled_from([0.05, 0.1, 0.25, 0.5]),
+       eviction=st.sampled_from(["lru", "value"]))
+def test_share_cap_holds_after_every_insert(seqs, share, eviction):
+    """A global cap given as a share of the state slots is a count fixed at construction, and no
+    insert leaves more checkpoints than it."""
+    mem = make_memory(1, num_slots=40, num_pages=512)
+    cache = HybridRadixCache(mem, 2, max_checkpoints=share, eviction=eviction, recompute_cost=RecomputeCost(1.0, 0.1))
+    assert cache.max_checkpoints == max(1, int(share * (mem.num_free_slots() + mem.num_used_slots())))
+    for seq in seqs:
+        n = len(seq) // 2 * 2
+        if n:
+            res, pages = donate_sequence(cache, mem, seq[:n])
+            mem.free_pages(pages[res.length:])
+        assert cache.num_checkpoints() <= cache.max_checkpoints
+        check_cache(cache)
