@@ -161,9 +161,10 @@ def run(args) -> int:
     if not args.skip_allocator:
         from k3compile.runtime.memory.capacity_sim import k3_spec, run_capacity_benchmark
         print("[memory] allocator-only runs at K3 sizes (TP 8)", flush=True)
-        doc["allocator"] = run_capacity_benchmark()
+        doc["allocator"] = run_capacity_benchmark(seed=args.seed)
         print("[memory] allocator-only runs at k3-mini-6b sizes (one GPU)", flush=True)
-        doc["allocator_mini"] = run_capacity_benchmark(spec=k3_spec(1, "k3-mini-6b"), budget_bytes=MINI_BUDGET)
+        doc["allocator_mini"] = run_capacity_benchmark(spec=k3_spec(1, "k3-mini-6b"), budget_bytes=MINI_BUDGET,
+                                                       seed=args.seed)
         doc["allocator_mini"]["model"] = "k3-mini-6b at TP 1"
     print(_write(base, doc))
     print(f"wrote {base}.json and {base}.md")
