@@ -6,7 +6,8 @@ decode. A policy says which of those snapshots are donated to the tree:
 
 * `none`: no prefix cache at all.
 * `end`: only the newest snapshot when a request finishes (or is retracted).
-* `every_chunk`: every prefill chunk end and every decode track point (dense; the most memory).
+* `every_chunk`: every prefill chunk end and every decode track point (dense at a small chunk size;
+  at the engine's default of 256 about as sparse as `end`).
 * `sparse`: Marconi-style admission -- the state at the branch point a request's match reported
   (so the next request forking there restores directly), the state at the end of the request
   (multi-turn reuse) and at the prompt's tail, the last checkpoint boundary before the prompt's
@@ -16,22 +17,24 @@ decode. A policy says which of those snapshots are donated to the tree:
   what stays; memory pressure evicts least recently used first.
 * `valued` (ours): the same admission, and under memory pressure Marconi's FLOP-aware eviction
   (runtime/cache/radix.py, "value"): the checkpoint with the lowest recency + weight x recompute
-  FLOPs saved per byte goes first, and a branch point that live paths still share is kept until
-  the leaves below it are gone.
+  FLOPs saved per byte goes first. In both `sparse` and `valued` a branch point that two or more
+  live paths continue from is never evicted before the leaves below it.
 
-Issue 15 changed two things measured on the old trace below: the prompt-end donation now sits at
-the prompt's tail (the old one, at the prompt's end, never served a repeat when the length was a
-multiple of the grid, nor ever at page size 1), which replaces the handover donation in `sparse`;
-and branch points no longer count against the per-path cap. The figures below predate both.
+Tuning (issue 15, `k3compile bench cache-pressure --seeds 0`, 226-383 requests per trace, engine
+default chunk 256, budgets 2048 and 1024 KiB; traces/cache_pressure/tune_seed0/; the reported
+seeds are 1-3): a per-path cap of 1 instead of 2 holds ~35% fewer checkpoint bytes on the agent
+trace at the same hit rate, but costs the tree-of-thought trace 9 points of the KV-only bound (a
+branch that arrives after its first sibling finished finds the parent's state superseded by the
+sibling's), so 2 stays. `value_weight` 4 instead of 1 loses 1-3 points on both; 1 stays. A global
+cap of 10% of the state slots (`max_checkpoints=0.1`) lost most hits on the agent trace (the
+stem's branch point goes once its leaves are evicted under KV pressure); no global cap by default.
 
-Tuning (`k3compile bench cache`, k3-tiny, CPU; numbers in traces/cache_k3-tiny.md and
-traces/cache_variants/): the prompt-end donation matters -- it puts a shared system prompt's KV
-into the tree before the first session finishes, so the next session gets a branch point instead
-of a miss (without it: 88.6% of the KV-only bound instead of 94.2% on a 3-turn trace). Per-path caps
-2, 3, 4 and none gave the same hit rate; 2 holds the least. Donating every prefill chunk as well
-(`sparse:chunks=1`) helps when many sessions start while their shared prompt is still being
-prefilled (busy trace: 92.5% -> 95.2% of the bound) but costs hits on the default trace (96.5% ->
-94.6%: under the cap, progress checkpoints push out branch points), so it is off by default.
+Why `sparse` holds about as many checkpoint bytes as `every_chunk` at the default chunk of 256:
+there `every_chunk` is itself sparse (one state per 256 new tokens: 162 stored vs `end`'s 151 on
+the seed-0 agent trace, `sparse` 474), while `sparse` needs at least the newest state of every live
+session, and under memory pressure every policy fills the state slots it is not using for running
+requests. The old "<= 25% of every_chunk's bytes" was measured at a chunk of 16, where
+`every_chunk` is dense.
 """
 from __future__ import annotations
 

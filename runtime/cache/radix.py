@@ -49,20 +49,21 @@ Caps and eviction
   recently used unpinned progress checkpoints above it (they become tombstones); if those are
   pinned, the new one is rejected. (Counting branch points made a forking request's own later
   checkpoints push out -- or block -- the shared-stem state it had just planted: issue 15.)
-* Global cap `max_checkpoints`: a new checkpoint beyond it evicts the LRU evictable checkpoint
-  (anywhere but the leaf the insert extends or splits); if none is evictable it is rejected.
+* Global cap `max_checkpoints` (a count, or a float in (0, 1): that share of the state slots the
+  empty memory holds): a new checkpoint beyond it evicts the next victim (below) anywhere but
+  the leaf the insert extends or splits; if none is evictable it is rejected.
 * `evict_checkpoints(n)` (state pressure): unpinned checkpoints; an internal node becomes a
-  tombstone, a leaf is deleted. `evict_pages(n)` (KV pressure): unlocked leaves, with their
-  checkpoints. Which ones, by `eviction`:
+  tombstone, a leaf is deleted. A fork's checkpoint (a node with two or more children: live paths
+  still share it) is never a victim, under either policy: the leaves below go first, and a fork
+  left with one child is an ordinary checkpoint again. `evict_pages(n)` (KV pressure): unlocked
+  leaves, with their checkpoints. Which ones, by `eviction`:
   - "lru": least recently used first (SGLang's MambaRadixCache).
   - "value" (Marconi's FLOP-aware eviction): candidates are scored
         utility = recency + value_weight * efficiency
     both min-max normalised over the candidates, where efficiency = the prefill FLOPs a hit here
     saves over restoring from the nearest checkpointed ancestor (RecomputeCost), divided by the
     bytes evicting it frees (the state slot, plus the leaf's own KV pages when the node goes with
-    it); the lowest utility goes first. A branch point (a checkpoint at a node with two or more
-    children: live paths still share it) is never chosen while any other candidate exists, so it
-    outlives the leaves below it.
+    it); the lowest utility goes first.
 
 LRU touch policy: a hit refreshes only the node whose checkpoint was consumed, not the whole
 matched path (SGLang PR #31643 measured multi-turn hit rate 0.61 -> 0.83 with this over refreshing
