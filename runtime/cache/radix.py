@@ -44,8 +44,9 @@ Locks (SGLang's full_lock_ref / mamba_lock_ref)
 Caps and eviction
 * Per-path cap: at most `max_checkpoints_per_path` *progress* checkpoints on any root-to-leaf path.
   Branch points do not count and are never its victims: a checkpoint at a node with two or more
-  children, or one planted by splitting an existing edge (a request diverging from, or ending
-  inside, a path the tree holds). A new checkpoint that would exceed the cap evicts the least
+  children, one planted by splitting an existing edge (a request diverging from, or ending
+  inside, a path the tree holds), or a fork that has since lost a path (eviction must not push a
+  path over the cap by turning its branch point into a progress checkpoint). A new checkpoint that would exceed the cap evicts the least
   recently used unpinned progress checkpoints above it (they become tombstones); if those are
   pinned, the new one is rejected. (Counting branch points made a forking request's own later
   checkpoints push out -- or block -- the shared-stem state it had just planted: issue 15.)
@@ -106,7 +107,7 @@ class TreeNode:
         self.last_access = 0  # orders leaf eviction (KV pressure)
         self.ckpt_access = 0  # orders checkpoint eviction (state pressure, caps)
         self.alive = True
-        self.planted = False  # its checkpoint was planted by splitting an edge: a branch point for the cap
+        self.planted = False  # a branch point for the cap without being a fork: planted by splitting an edge, or a fork that lost a path
 
     @property
     def is_leaf(self) -> bool:
@@ -630,6 +631,8 @@ class HybridRadixCache:
         while True:
             assert nd.is_leaf and not nd.kv_lock and not nd.ckpt_lock, f"deleting a node in use: {nd!r}"
             parent = nd.parent
+            if len(parent.children) >= 2 and parent.checkpoint is not None:
+                parent.planted = True  # stays a branch point for the per-path cap when its fork goes
             del parent.children[nd.key[: self.page_size]]
             for pg in nd.pages:
                 del self._page_loc[pg]
