@@ -58,9 +58,10 @@ from k3compile.runtime.memory.unified import UnifiedArena
 from k3compile.runtime.sampling import SamplingParams
 
 from .cache_policy import CachePolicy, get_policy
-from .batch_sampling import prepare_masks
+from .batch_sampling import needs_host, prepare_masks
 from .inflight_memory import InFlightMemory
-from .model_runner import ModelRunner
+from .model_runner import InFlight, ModelRunner
+from .sampler import to_device
 from .request import Request
 from .scheduler import DEFAULT_RESERVE_RATIO, ScheduledBatch, Scheduler, SchedulerConfig
 
@@ -80,14 +81,15 @@ class EngineArgs:
     seed: int = 0
     page_size: int | None = None  # None: the engine's (engine.json), else DEFAULT_PAGE_SIZE
     chunk_size: int = 256
-    max_batch_tokens: int = 2048
+    max_batch_tokens: int = 2048  # token budget of one step (vLLM's --max-num-batched-tokens)
+    mixed_batches: bool = True  # decode tokens ride in prefill batches (scheduler.SchedulerConfig.mixed)
     max_running: int | None = None
     memory_bytes: int | None = None  # None: sized from the device (mem_fraction_static)
     mem_fraction_static: float | None = None  # None: sizing.DEFAULT_MEM_FRACTION_STATIC
     state_fraction: float | None = None  # split pools only; None: DEFAULT_STATE_FRACTION
     enable_unified_memory: bool = False
     enable_prefix_cache: bool = True
-    overlap: bool = False
+    overlap: bool | None = None  # None: on for CUDA devices (the launch is asynchronous there)
     track_interval: int = 256
     max_context: int | None = None
     # cache policy knobs (runtime/cache_policy.py)
@@ -189,6 +191,8 @@ class LLMEngine:
             eos_token_id = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer else self.config.eos_token_id
         self.eos_token_id = eos_token_id
         device = str(provider_device(self.provider))
+        if args.overlap is None:
+            args = self.args = replace(args, overlap=device.startswith("cuda"))
 
         spec = self.provider.cache_spec()
         self.budget = pool_budget(device, args.mem_fraction_static, args.memory_bytes)
@@ -220,7 +224,8 @@ class LLMEngine:
             page_size=args.page_size, chunk_size=args.chunk_size, max_batch_tokens=args.max_batch_tokens,
             max_running=max_running, track_interval=args.track_interval, checkpoint_interval=interval,
             decode_reserve_ratio=DEFAULT_RESERVE_RATIO if args.decode_reserve_ratio is None else args.decode_reserve_ratio,
-            device=device, decode_snapshots=proposer is None and args.speculative is None))
+            device=device, decode_snapshots=proposer is None and args.speculative is None,
+            mixed=args.mixed_batches))
         self.runner = ModelRunner(self.provider, self.memory, self.max_context, overlap=args.overlap,
                                   cuda_graphs=args.cuda_graphs, buckets=args.cuda_graph_buckets,
                                   pad_to_buckets=args.pad_decode_batches)
@@ -234,7 +239,7 @@ class LLMEngine:
             ex.prepare_verify(self.spec.window, self.spec.gamma + 1)
         self._requests: dict[str, Request] = {}  # added and not yet reported finished
         self._outbox: dict[str, Request] = {}  # requests with something to report at the next step
-        self._inflight: ScheduledBatch | None = None
+        self._inflight: InFlight | None = None
         self._gen_ids = itertools.count()
 
     # ------------------------------------------------------------------ construction helpers
@@ -370,35 +375,42 @@ class LLMEngine:
                 if self._speculates(batch):
                     self._finish_spec(batch)
                 else:
-                    self._finish(batch, lambda: self.runner.run(batch))
+                    self._fill_placeholders(batch)
+                    self._finish(self.runner.run(batch))
             return self._collect()
-        # Overlap: plan batch N+1 while batch N runs, then finish N, then launch N+1.
+        # Overlap: plan batch N+1 while batch N runs, launch N+1 behind N (its placeholders read N's
+        # sampled ids on the device), and only then wait for N's ids and apply them.
         nxt = self.scheduler.schedule()
-        if self._inflight is not None:
-            done, self._inflight = self._inflight, None
-            self._finish(done, self.runner.wait)
+        prev, self._inflight = self._inflight, None
+        if nxt is not None and prev is not None and (needs_host(nxt) or self._speculates(nxt)):
+            # N+1's sampling reads what N changes (outputs, matcher state), or it speculates (its
+            # drafts need N's tokens): N first
+            self._finish(prev)
+            prev = None
+        if nxt is not None and all(row.req.finished for row in nxt.rows):  # everyone in it finished meanwhile
+            self.scheduler.process(nxt, [None] * len(nxt.rows))
+            nxt = None
         if nxt is not None:
-            if all(row.req.finished for row in nxt.rows):  # everyone in it finished meanwhile
-                self.scheduler.process(nxt, [None] * len(nxt.rows))
-            elif self._speculates(nxt):  # drafts need the committed tokens: runs once the one in flight is done
+            if self._speculates(nxt):  # drafts need the committed tokens: runs once the one in flight is done
                 self._fill_placeholders(nxt)
                 self._finish_spec(nxt)
             else:
-                self._fill_placeholders(nxt)
-                self.runner.launch(nxt)
-                self._inflight = nxt
-                prepare_masks(nxt)  # structured-output masks while the forward runs
+                sources = self._fill_placeholders(nxt, prev)
+                prepare_masks(nxt)
+                self._inflight = self.runner.launch(nxt, prev, sources)
+        if prev is not None:
+            self._finish(prev)
         return self._collect()
 
-    def _finish(self, batch: ScheduledBatch, forward) -> None:
-        """Run (or wait for) a batch's forward, sample, apply. A failure fails the request that caused it."""
+    def _finish(self, job: InFlight) -> None:
+        """Wait for a batch's sampled ids and apply them. A failure fails the request that caused it."""
+        batch = job.batch
         try:
-            logits = forward()
+            sampled, errors = job.result()
         except Exception as e:
-            log.exception("a %s step over %d request(s) failed", batch.mode, len(batch.rows))
+            log.error("a %s step over %d request(s) failed", batch.mode, len(batch.rows), exc_info=e)
             self._note(self.scheduler.fail_batch(batch, f"the {batch.mode} step failed: {e!r}"))
             return
-        sampled, errors = self.runner.sample(batch, logits)
         self._note(self.scheduler.process(batch, sampled))
         for i, err in errors.items():
             req = batch.rows[i].req
@@ -428,16 +440,25 @@ class LLMEngine:
             self._outbox[req.rid] = req
 
     @staticmethod
-    def _fill_placeholders(batch: ScheduledBatch) -> None:
+    def _fill_placeholders(batch: ScheduledBatch, prev: InFlight | None = None) -> dict[int, int]:
+        """Fill the input ids whose token is on the host now; return {input index: row of `prev`}
+        for those `prev` samples (the runner reads them from the device)."""
         if not batch.placeholders:
-            return
-        idx, toks = [], []
+            return {}
+        rows_of_prev = {} if prev is None else {id(r.req): i for i, r in enumerate(prev.batch.rows) if r.samples}
+        idx, toks, sources = [], [], {}
         for i, row in batch.placeholders:
             req = row.req
-            idx.append(i)
-            toks.append(req.token_at(row.start) if row.start < req.num_tokens else 0)  # 0: a zombie row
-        ids = batch.forward.input_ids
-        ids[torch.tensor(idx, device=ids.device)] = torch.tensor(toks, dtype=ids.dtype, device=ids.device)
+            if row.start < req.num_tokens:
+                idx.append(i)
+                toks.append(req.token_at(row.start))
+            elif id(req) in rows_of_prev:
+                sources[i] = rows_of_prev[id(req)]
+            # else a zombie row: its token stays 0
+        if idx:
+            ids = batch.forward.input_ids
+            ids.index_copy_(0, to_device(idx, torch.int64, ids.device), to_device(toks, ids.dtype, ids.device))
+        return sources
 
     def _note(self, reqs: list[Request]) -> None:
         for r in reqs:

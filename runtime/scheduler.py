@@ -4,10 +4,13 @@
     ... run batch.forward, then copy each (working -> snapshot) slot pair in batch.snapshot_copies
     scheduler.process(batch, tokens)      # sampled tokens in; finishes, donations, releases, retractions
 
-Batches. Prefill first: every running request still in prefill gets its next chunk, then waiting
-requests are admitted (FCFS) while the token budget (`max_batch_tokens`), the running limit and
-memory allow. Without prefill work, one decode step for every running request. A request appears
-at most once per batch.
+Batches. With prefill work, a "prefill" batch: first one decode token for every decoding request
+(`mixed`, the default; each takes one token of the budget), then every running request still in
+prefill gets its next chunk, then waiting requests are admitted (FCFS) while the token budget
+(`max_batch_tokens`), the running limit and memory allow. The decode rows of a mixed batch run
+through the prefill step as one-token extends (Row.decode marks them). Without prefill work, a
+"decode" batch with one decode step for every running request (the CUDA-graph path). A request
+appears at most once per batch.
 
 Chunks end at absolute multiples of `chunk_size`, at the prompt's end, and -- so the cache can
 take a state there -- at the branch point the admission match reported and (policy
@@ -91,6 +94,10 @@ class SchedulerConfig:
     # Snapshots at decode track points. Off with speculative decoding: a verify step moves a request by
     # several positions, so a copy after it would not hold the state at the track point.
     decode_snapshots: bool = True
+    # A batch with prefill work also carries one decode token for every decoding request (within the
+    # token budget, decode first), so running streams keep producing tokens while prompts prefill
+    # (SGLang's mixed chunk, vLLM's chunked prefill). Off: a batch is all-prefill or all-decode.
+    mixed: bool = True
 
 
 @dataclass
@@ -100,11 +107,12 @@ class Row:
     end: int
     samples: bool  # its logits give the request's next token
     snapshot: int | None = None  # position whose state is copied into a snapshot slot after the forward
+    decode: bool = False  # one decode token (in a decode batch, or riding in a prefill batch)
 
 
 @dataclass
 class ScheduledBatch:
-    mode: str  # "prefill" | "decode"
+    mode: str  # "prefill" (prefill chunks, possibly with decode rows) | "decode"
     rows: list[Row]
     forward: ForwardBatch
     snapshot_copies: list[tuple[int, int]]  # (working slot, snapshot slot), run right after the forward
@@ -113,6 +121,20 @@ class ScheduledBatch:
     # rows [a, b) of the step's logits belong to row i; b - 1 is its last position. b - a > 1 only for
     # a prefill row that scores its prompt (prompt logprobs): one logits row per position.
     logit_spans: list[tuple[int, int]] = field(default_factory=list)
+
+
+_BATCH_TENSORS = ("input_ids", "positions", "cu_seqlens", "seq_lens", "page_table", "state_slots",
+                  "out_cache_loc", "logits_indices")
+
+
+def _upload(fb: ForwardBatch, device: torch.device) -> None:
+    """Move a host-built batch to the device through pinned memory, asynchronously: a plain copy
+    would synchronize the stream, i.e. wait for the batch in flight (see the module docstring)."""
+    if device.type == "cpu":
+        return
+    for name in _BATCH_TENSORS:
+        t = getattr(fb, name)
+        setattr(fb, name, (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True))
 
 
 class Scheduler:
@@ -224,6 +246,10 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         rows, budget = [], self.cfg.max_batch_tokens
+        if self.cfg.mixed and self._has_prefill_work():
+            rows = self._decode_rows(budget)
+            budget -= len(rows)
+        n_decode = len(rows)
         for req in list(self.running):
             if budget > 0 and req.in_prefill and self._schedulable(req) and not req.isolate:
                 row = self._prefill_row(req, budget)
@@ -243,16 +269,28 @@ class Scheduler:
                 budget -= row.end - row.start
             if req.isolate:
                 break
-        return self._build("prefill", rows) if rows else None
+        if len(rows) == n_decode:  # no prefill row after all: the decode rows make a decode batch
+            return self._build("decode", rows) if rows else None
+        return self._build("prefill", rows)
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
+    def _has_prefill_work(self) -> bool:
+        return any(r.in_prefill and self._schedulable(r) and not r.isolate for r in self.running) or (
+            bool(self.waiting) and len(self.running) < self.cfg.max_running)
+
+    def _decode_rows(self, limit: int | None = None) -> list[Row]:
         rows = []
         for req in list(self.running):
+            if limit is not None and len(rows) >= limit:
+                break
             if not self._schedulable(req) or req.in_prefill or req.isolate:
                 continue
             row = self._decode_row(req)
             if row is not None:
                 rows.append(row)
+        return rows
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        rows = self._decode_rows()
         return self._build("decode", rows) if rows else None
 
     def _decode_row(self, req: Request) -> Row | None:
@@ -264,7 +302,7 @@ class Scheduler:
             return None
         snap = pos + 1 if self.policy.enabled and self.cfg.decode_snapshots and \
             (pos + 1) % self.cfg.track_interval == 0 else None
-        return Row(req, pos, pos + 1, samples=True, snapshot=self._alloc_snapshot(req, snap))
+        return Row(req, pos, pos + 1, samples=True, snapshot=self._alloc_snapshot(req, snap), decode=True)
 
     def _schedulable(self, req: Request) -> bool:
         return req.status is Status.RUNNING and not req.retract_pending
@@ -418,21 +456,21 @@ class Scheduler:
                 snap_slot = h.slots.snapshot_slot(row.snapshot)
                 copies.append((h.slots.working, snap_slot))
                 pins_s.append(snap_slot)
-            n_logits = row.end - row.start if mode == "prefill" and self._scores_prompt(row) else 1
+            n_logits = row.end - row.start if not row.decode and self._scores_prompt(row) else 1
             scoring |= n_logits > 1
             spans.append((offset - n_logits, offset))
             req.num_scheduled = row.end
             req.inflight += 1
         self.memory.pin(pins_s, pins_p)
-        fb = ForwardBatch.build(mode, ids, [r.start for r in rows], tables, slots, p, device=self.cfg.device)
+        fb = ForwardBatch.build(mode, ids, [r.start for r in rows], tables, slots, p)  # on the host first
         if scoring:
-            fb.logits_indices = torch.tensor([i for a, b in spans for i in range(a, b)], dtype=torch.int64,
-                                             device=fb.input_ids.device)
+            fb.logits_indices = torch.tensor([i for a, b in spans for i in range(a, b)], dtype=torch.int64)
             k = 0
             for j, (a, b) in enumerate(spans):
                 spans[j], k = (k, k + b - a), k + b - a
         else:
             spans = [(j, j + 1) for j in range(len(rows))]
+        _upload(fb, torch.device(self.cfg.device))
         return ScheduledBatch(mode, rows, fb, copies, placeholders, (pins_s, pins_p), spans)
 
     @staticmethod
@@ -456,15 +494,15 @@ class Scheduler:
             if req.finished or req.status is not Status.RUNNING or req.void:
                 continue  # a zombie row (finished or aborted while this batch was built), or void
             req.num_computed = row.end
-            if batch.mode == "prefill":
+            if not row.decode:
                 self.prefill_tokens += row.end - row.start
             if row.snapshot is not None:
                 req.handle.slots.drop_before(row.snapshot)  # superseded by the newer complete state
                 req.latest_snapshot = row.snapshot
-                if (batch.mode == "prefill" and pol.donate_chunks) or (batch.mode == "decode" and pol.donate_decode) \
+                if (not row.decode and pol.donate_chunks) or (row.decode and pol.donate_decode) \
                         or row.snapshot in (req.branch_point, self._tail_point(req)):
                     self._donate_latest(req)
-            if batch.mode == "prefill" and row.end == req.prefill_target and pol.donate_handover:
+            if not row.decode and row.end == req.prefill_target and pol.donate_handover:
                 self._donate_latest(req)
             if i in sampled.prompt_logprobs:
                 first, entries = sampled.prompt_logprobs[i]
