@@ -241,6 +241,7 @@ class LLMEngine:
         self._outbox: dict[str, Request] = {}  # requests with something to report at the next step
         self._inflight: InFlight | None = None
         self._gen_ids = itertools.count()
+        self._warm: dict | None = None  # what warmup() did, once it ran
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
@@ -505,6 +506,47 @@ class LLMEngine:
         if errors:
             raise RuntimeError("; ".join(errors))
         return [out[rid] for rid in rids]
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self) -> dict:
+        """Do before serving what the first requests would otherwise do lazily: compile the prefill
+        step's kernels (Triton JIT and autotuning) for a full chunk and for a mixed batch of short
+        prompts, and run decode steps at batch sizes up to the largest bucket the running limit
+        allows (the decode CUDA graphs themselves are captured when the runner is built). Requests
+        of random tokens that generate a few tokens each; their counters are reset afterwards.
+        Returns {"seconds", "requests", "decode_batch"}."""
+        import random
+        import time
+
+        if self._warm is not None:
+            return self._warm
+        if self.has_unfinished():
+            raise RuntimeError("warm up before adding requests")
+        t0 = time.perf_counter()
+        rng = random.Random(0)
+        vocab = self.config.vocab_size
+        cuda = self.provider_device_type() == "cuda"
+        # on a CPU nothing compiles: one short request checks the path end to end and costs little
+        chunk = min(self.args.chunk_size if cuda else 8, self.max_context - 4)
+        buckets = self.runner.executor.buckets
+        width = max([b for b in buckets if b <= self.scheduler.cfg.max_running] or [1]) if cuda else 0
+        params = SamplingParams(max_new_tokens=3 if cuda else 2, ignore_eos=True)
+        self.generate([[rng.randrange(vocab) for _ in range(chunk)]], params)   # one full chunk
+        if width:   # short prompts (mixed rows), then decode batches of `width`
+            self.generate([[rng.randrange(vocab) for _ in range(1 + i % 7)] for i in range(width)], params)
+        s = self.scheduler
+        s.generated_tokens = s.prefill_tokens = s.prompt_tokens = s.cache_hit_tokens = 0
+        if self.cache.num_checkpoints():   # leave the cache as empty as it was
+            self.cache.evict_checkpoints(self.cache.num_checkpoints())
+        if self.cache.evictable_pages():
+            self.cache.evict_pages(self.cache.evictable_pages())
+        if cuda:
+            torch.cuda.synchronize()
+        self._warm = {"seconds": time.perf_counter() - t0, "requests": 1 + bool(width) * width, "decode_batch": width}
+        return self._warm
+
+    def provider_device_type(self) -> str:
+        return self.runner.executor.device.type
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:

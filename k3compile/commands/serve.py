@@ -5,6 +5,8 @@ checkpoint directory; a directory holding engine.json is an engine built by `k3c
 (opened with its own dtype, page size, decode buckets and tokenizer). Positional or `--model`, as
 vLLM takes it. Memory for KV + KDA state is sized from the device unless `--memory-bytes` says
 (`--mem-fraction-static`, vLLM's `--gpu-memory-utilization` names the same); the sizes are logged.
+The engine warms up before /health says OK (kernels compiled, decode graphs run); the time it took
+is logged ("warm-up took ...").
 """
 from __future__ import annotations
 
@@ -26,8 +28,13 @@ def register(sub) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the preset name or the directory's name)")
     p.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: the engine's, else 16)")
-    p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk size (tokens)")
-    p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget of one scheduler step")
+    p.add_argument("--chunk-size", "--chunked-prefill-size", dest="chunk_size", type=int, default=256,
+                   help="prefill chunk size in tokens (SGLang's --chunked-prefill-size)")
+    p.add_argument("--max-batch-tokens", "--max-num-batched-tokens", dest="max_batch_tokens", type=int, default=2048,
+                   help="token budget of one scheduler step, prefill chunks and decode tokens together "
+                   "(vLLM's --max-num-batched-tokens)")
+    p.add_argument("--no-mixed-batches", dest="mixed_batches", action="store_false",
+                   help="keep prefill and decode in separate batches (default: decode tokens ride in prefill batches)")
     p.add_argument("--max-running", type=int, default=None,
                    help="most requests running at once (default: derived from the state pool)")
     p.add_argument("--max-context", type=int, default=None, help="cap on prompt + output tokens per request")
@@ -46,7 +53,11 @@ def register(sub) -> None:
     p.add_argument("--mamba-full-memory-ratio", type=float, default=None,
                    help="split pools only: state : KV memory ratio, as in SGLang (default 0.9, i.e. 47%% to state)")
     p.add_argument("--disable-prefix-cache", action="store_true", help="no radix cache / KDA checkpoints")
-    p.add_argument("--overlap", action="store_true", help="prepare batch N+1 while batch N runs")
+    p.add_argument("--overlap", dest="overlap", action="store_true", default=True,
+                   help="prepare and launch batch N+1 while batch N runs (the default)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false", help="run batches one after the other")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the start-up warm-up (kernels then compile at the first requests)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_spec_flags(p)
     p.set_defaults(func=run)
@@ -80,6 +91,7 @@ def engine_args(args):
                   state_fraction=None if args.mamba_full_memory_ratio is None
                   else state_fraction_from_ratio(args.mamba_full_memory_ratio),
                   enable_prefix_cache=not args.disable_prefix_cache, overlap=args.overlap,
+                  mixed_batches=getattr(args, "mixed_batches", True),
                   max_context=args.max_context, mem_fraction_static=args.mem_fraction_static,
                   dtype=args.dtype)   # dtype None: fp32 for a model, the engine's own for an engine
     return EngineArgs(**kwargs, **spec_kwargs(args))
@@ -92,6 +104,17 @@ def served_name(args) -> str:
     if os.path.isdir(source):
         return os.path.basename(os.path.normpath(os.path.abspath(source)))
     return source
+
+
+def _log_to_stderr(name: str) -> None:
+    import logging
+
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("k3compile serve: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def run(args) -> int:
@@ -114,7 +137,9 @@ def run(args) -> int:
     except ValueError as e:   # bad flag combinations the engine rejects: one line, like other input errors
         raise ConfigError(str(e)) from None
     name = served_name(args)
-    app = build_app(AsyncEngine(engine), name, api_key=args.api_key)
+    _log_to_stderr("k3compile.server")   # the warm-up time and engine failures
+    front = AsyncEngine(engine, warmup=getattr(args, "warmup", True))
+    app = build_app(front, name, api_key=args.api_key)
     auth = "API key required" if args.api_key else "no API key"
     print(f"k3compile serve: {engine.memory_summary()}", flush=True)
     print(f"k3compile serve: '{name}' on http://{args.host}:{args.port}/v1 ({auth})", flush=True)

@@ -82,8 +82,13 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine):
+    def __init__(self, engine, warmup: bool = True):
+        """`warmup`: the engine thread first runs `engine.warmup()` (kernels compiled, graphs warm);
+        until it finishes `health()` says "warming up" and requests wait in the queue."""
         self.engine = engine
+        self._warmup = warmup and hasattr(engine, "warmup")
+        self._warming = self._warmup
+        self.warmup_report: dict | None = None
         # read once here: after start() only the engine thread touches the engine
         self.tokenizer = engine.tokenizer
         self.config = engine.config
@@ -156,6 +161,8 @@ class AsyncEngine:
             return f"engine is broken: {self._broken}"
         if self._thread is None or not self._thread.is_alive():
             return "engine thread is not running"
+        if self._warming:
+            return "warming up (compiling kernels, warming CUDA graphs)"
         return None
 
     def _observe(self, stream: RequestStream, out) -> None:   # on the loop
@@ -208,7 +215,20 @@ class AsyncEngine:
 
     # ---- engine thread -----------------------------------------------------------------------
 
+    def _warm(self) -> None:
+        t0 = time.monotonic()
+        try:
+            self.warmup_report = self.engine.warmup()
+            log.info("warm-up took %.2f s (%s)", time.monotonic() - t0, self.warmup_report)
+        except Exception as e:   # serving cold is still serving: the first requests pay instead
+            log.exception("warm-up failed after %.2f s; serving without it", time.monotonic() - t0)
+            self.warmup_report = {"seconds": time.monotonic() - t0, "error": repr(e)}
+        finally:
+            self._warming = False
+
     def _run(self) -> None:
+        if self._warmup:
+            self._warm()
         in_flight: set[str] = set()
         rate: deque[tuple[float, int]] = deque()   # (time, tokens) per step, for tokens/s
         while True:

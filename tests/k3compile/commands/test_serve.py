@@ -33,6 +33,12 @@ def test_flags_map_to_engine_args(tmp_path):
         ("k3-tiny", None, 4, 32, 8, "bf16")
     assert (e.enable_prefix_cache, e.overlap, e.enable_unified_memory, e.memory_bytes) == (False, True, True, 1000000)
     assert serve.served_name(a) == "k3-tiny"
+    d = serve.engine_args(parse("k3-tiny"))
+    assert (d.overlap, d.mixed_batches) == (True, True)   # the served defaults
+    a = parse("k3-tiny", "--no-overlap", "--no-mixed-batches", "--max-num-batched-tokens", "512",
+              "--chunked-prefill-size", "64", "--no-warmup")
+    e = serve.engine_args(a)
+    assert (e.overlap, e.mixed_batches, e.max_batch_tokens, e.chunk_size, a.warmup) == (False, False, 512, 64, False)
 
     engine_dir = tmp_path / "mini"
     engine_dir.mkdir()
