@@ -22,4 +22,4 @@ def _packages():
 
 
 PACKAGES = _packages()
-setup(packages=sorted(PACKAGES), package_dir=PACKAGES)
+setup(packages=sorted(PACKAGES), package_dir=PACKAGES, package_data={"k3compile.bench": ["data/*.json"]})

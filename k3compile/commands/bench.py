@@ -12,6 +12,7 @@ BENCHES = {
     "compaction": "k3compile.bench.compaction",
     "memory": "k3compile.bench.memory",
     "spec": "k3compile.bench.spec",
+    "serve": "k3compile.bench.serve",
 }
 
 

@@ -1,0 +1,264 @@
+"""k3compile bench serve: an open-loop load generator against any OpenAI-compatible endpoint.
+
+    k3compile bench serve --base-url http://127.0.0.1:30000 --model NAME \
+        --dataset fixed --input-len 128 --output-len 128 --max-concurrency 1,8,64 --num-prompts 64 \
+        --request-rate inf --engine-step ENGINE_DIR --out traces/serve
+
+Each run of the sweep (every --request-rate x --max-concurrency pair) sends --num-prompts streamed
+completions: arrivals are a Poisson process at the request rate (inf: all at once), at most
+--max-concurrency in flight. Per request it records the time to first token (TTFT), the gaps
+between streamed chunks (ITL; one chunk per token on servers that stream every token; unlike vLLM's
+bench, chunks whose text is empty count too, as they carry tokens whose text is held back), TPOT
+((E2E - TTFT) / (output tokens - 1)) and end-to-end latency (E2E). The summary has the shape of
+`vllm bench serve` / `sglang.bench_serving` (request/output/total token throughput, mean / median
+/ std / pXX of ttft, tpot, itl, e2el in ms), so results compare.
+
+`--engine-step SOURCE` also measures the engine's own decode step in this process, at batch sizes
+equal to the concurrencies, on the same lengths (serve_engine_step.py), and adds the goal ratio
+served ITL p50 / engine step per concurrency. Results: OUT/serve_<label>.json and .png.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int
+    output_tokens: int = 0
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    e2e: float | None = None
+    start: float = 0.0
+    error: str | None = None
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="open-loop load generator against an OpenAI endpoint (TTFT, ITL, E2E)")
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root (…/v1/completions is added)")
+    p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--dataset", default="sharegpt-synth", choices=["sharegpt-synth", "fixed"])
+    p.add_argument("--input-len", type=int, default=128, help="fixed dataset: prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="fixed dataset: output tokens")
+    p.add_argument("--prompt-kind", default="ids", choices=["ids", "words"],
+                   help="ids: random token ids (exact lengths); words: text for text-only endpoints")
+    p.add_argument("--id-range", default="10,250", help="token ids of id prompts: LOW,HIGH (HIGH excluded)")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per run of the sweep")
+    p.add_argument("--request-rate", default="inf", help="comma-separated requests/s (Poisson), inf = all at once")
+    p.add_argument("--max-concurrency", default="64", help="comma-separated limits of requests in flight")
+    p.add_argument("--percentiles", default="50,90,99")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--warmup-requests", type=int, default=1, help="requests sent (and not counted) before the sweep")
+    p.add_argument("--engine-step", default=None, metavar="ENGINE_DIR|MODEL",
+                   help="also time the engine's own decode step at the concurrencies (same lengths)")
+    p.add_argument("--engine-device", default=None, help="device for --engine-step (default: cuda if available)")
+    p.add_argument("--engine-memory-bytes", type=int, default=None, help="pools for --engine-step")
+    p.add_argument("--label", default=None, help="file name label (default: the model name)")
+    p.add_argument("--out", default="traces", help="output folder for JSON and PNG")
+    p.set_defaults(func=run)
+    return p
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what}: expected comma-separated numbers, got {text!r}") from None
+    if not vals or any(v <= 0 or math.isnan(v) for v in vals):
+        raise ValueError(f"{what}: expected positive numbers, got {text!r}")
+    return vals
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+async def _one(client, url: str, headers: dict, payload: dict, prompt_len: int, timeout: float) -> RequestResult:
+    res = RequestResult(False, prompt_len)
+    t0 = time.perf_counter()
+    res.start = t0
+    last, chunks, usage = None, 0, None
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers, timeout=timeout) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):
+                    res.error = str(obj["error"])[:200]
+                    return res
+                if obj.get("usage"):
+                    usage = obj["usage"]
+                choices = obj.get("choices") or []
+                if not choices:
+                    continue   # a usage-only chunk carries no token to time
+                # a chunk with empty text still brought tokens (a multi-byte character held back)
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft = now - t0
+                else:
+                    res.itl.append(now - last)
+                last = now
+                chunks += 1
+    except Exception as e:   # a dropped connection or timeout fails this request only
+        res.error = repr(e)[:200]
+        return res
+    res.e2e = time.perf_counter() - t0
+    res.output_tokens = usage["completion_tokens"] if usage and usage.get("completion_tokens") else chunks
+    res.ok = res.ttft is not None
+    if not res.ok:
+        res.error = "no token streamed"
+    return res
+
+
+async def _run_load(base_url, model, api_key, reqs, rate, concurrency, seed, timeout) -> tuple[list, float]:
+    import httpx
+
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    sem = asyncio.Semaphore(concurrency)
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=max(concurrency, 1) + 4, max_keepalive_connections=max(concurrency, 1) + 4)
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        async def send(req):
+            payload = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
+                       "stream": True, "ignore_eos": True,
+                       "stream_options": {"include_usage": True}}
+            async with sem:
+                return await _one(client, url, headers, payload, req.prompt_len, timeout)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for req in reqs:   # open loop: arrivals do not wait for completions
+            tasks.append(asyncio.ensure_future(send(req)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------- summary
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(results: list[RequestResult], duration: float, percentiles: list[float]) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    doc = {"completed": len(ok), "failed": len(results) - len(ok), "duration": duration,
+           "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+           "request_throughput": len(ok) / duration if duration else 0.0,
+           "output_throughput": out_tokens / duration if duration else 0.0,
+           "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
+           "errors": sorted({r.error for r in results if r.error})[:5]}
+    series = {"ttft": [r.ttft for r in ok], "e2el": [r.e2e for r in ok],
+              "itl": [g for r in ok for g in r.itl],
+              "tpot": [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]}
+    for name, vals in series.items():
+        ms = [v * 1000.0 for v in vals]
+        doc[f"mean_{name}_ms"] = statistics.fmean(ms) if ms else float("nan")
+        doc[f"median_{name}_ms"] = statistics.median(ms) if ms else float("nan")
+        doc[f"std_{name}_ms"] = statistics.pstdev(ms) if len(ms) > 1 else 0.0
+        for q in percentiles:
+            doc[f"p{q:g}_{name}_ms"] = _pct(ms, q)
+    return doc
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+def _first_model(base_url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def bench(args) -> dict:
+    """Run the sweep (and the engine step if asked); returns the result document."""
+    from .serve_dataset import make_requests
+
+    rates = _floats(args.request_rate, "--request-rate")
+    concs = [int(c) for c in _floats(args.max_concurrency, "--max-concurrency")]
+    pcts = _floats(args.percentiles, "--percentiles")
+    lo, hi = (int(x) for x in args.id_range.split(","))
+    model = args.model or _first_model(args.base_url, args.api_key)
+    reqs = make_requests(args.dataset, args.num_prompts, args.seed, args.input_len, args.output_len,
+                         args.prompt_kind, (lo, hi))
+    doc = {"bench": "serve", "base_url": args.base_url, "model": model, "dataset": args.dataset,
+           "num_prompts": args.num_prompts, "prompt_kind": args.prompt_kind,
+           "input_len": args.input_len if args.dataset == "fixed" else None,
+           "output_len": args.output_len if args.dataset == "fixed" else None,
+           "percentiles": pcts, "runs": []}
+    if args.warmup_requests:
+        warm = make_requests(args.dataset, args.warmup_requests, args.seed + 99, args.input_len, args.output_len,
+                             args.prompt_kind, (lo, hi))
+        res, _ = asyncio.run(_run_load(args.base_url, model, args.api_key, warm, math.inf, len(warm), args.seed,
+                                       args.timeout))
+        doc["warmup"] = [{"ttft_ms": r.ttft * 1000 if r.ttft else None, "error": r.error} for r in res]
+    for rate in rates:
+        for conc in concs:
+            _log(f"rate {rate:g} req/s, concurrency {conc}: {len(reqs)} requests")
+            results, duration = asyncio.run(_run_load(args.base_url, model, args.api_key, reqs, rate, conc,
+                                                      args.seed, args.timeout))
+            run = {"request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": conc,
+                   **summarize(results, duration, pcts)}
+            _log(f"  {run['completed']} ok, {run['failed']} failed; output {run['output_throughput']:.1f} tok/s, "
+                 f"TTFT p50 {run['median_ttft_ms']:.1f} ms p99 {run.get('p99_ttft_ms', float('nan')):.1f} ms, "
+                 f"ITL p50 {run['median_itl_ms']:.2f} ms")
+            doc["runs"].append(run)
+    if args.engine_step:
+        from .serve_engine_step import engine_steps
+
+        in_len = args.input_len if args.dataset == "fixed" else int(statistics.median(r.prompt_len for r in reqs))
+        out_len = args.output_len if args.dataset == "fixed" else int(statistics.median(r.output_len for r in reqs))
+        doc["engine_step"] = engine_steps(args.engine_step, sorted(set(concs)), in_len, out_len,
+                                          device=args.engine_device, memory_bytes=args.engine_memory_bytes, log=_log)
+        for run in doc["runs"]:
+            step = doc["engine_step"]["batches"].get(str(min(run["max_concurrency"], args.num_prompts)))
+            if step and step.get("device_step_ms"):
+                run["engine_step_ms"] = step["device_step_ms"]
+                run["itl_p50_over_engine_step"] = run["median_itl_ms"] / step["device_step_ms"]
+    return doc
+
+
+def _log(msg: str) -> None:
+    print(f"bench serve: {msg}", file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    from .results import write_json
+    from .serve_plot import plot
+
+    doc = bench(args)
+    os.makedirs(args.out, exist_ok=True)
+    label = args.label or doc["model"].replace("/", "_")
+    path = os.path.join(args.out, f"serve_{label}.json")
+    write_json(path, doc)
+    png = plot(doc, os.path.join(args.out, f"serve_{label}.png"))
+    _log(f"wrote {path}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))
+    return 0 if all(r["failed"] == 0 for r in doc["runs"]) else 1

@@ -1,0 +1,47 @@
+"""`bench serve` against our own server (k3-tiny on CPU, in-process): every request completes, the
+timings are consistent with each other and with the token counts, the summary has vLLM's keys, the
+engine-step mode gives the goal ratio, and the shipped length set regenerates from its seed."""
+import argparse
+
+import pytest
+
+from k3compile.bench import serve as bench_serve
+from k3compile.bench.serve_dataset import load_shipped, make_requests, synthesize
+from tests.runtime.server.conftest import start_server
+
+
+def test_shipped_set_is_what_the_seeded_generator_makes():
+    assert load_shipped() == synthesize()
+    reqs = make_requests("sharegpt-synth", 5, seed=1)
+    assert [len(r.prompt) for r in reqs] == [r.prompt_len for r in reqs]
+    fixed = make_requests("fixed", 3, seed=0, input_len=7, output_len=2, prompt_kind="words")
+    assert all(len(r.prompt.split()) == 7 and r.output_len == 2 for r in fixed)
+    with pytest.raises(ValueError, match="unknown dataset"):
+        make_requests("sharegpt", 1, 0)
+
+
+def test_bench_serve_against_our_server(tmp_path):
+    server = start_server(api_key=None, memory_bytes=16 << 20)
+    try:
+        args = argparse.Namespace(
+            base_url=server.base_url, model=None, api_key=None, dataset="fixed", input_len=12, output_len=4,
+            prompt_kind="ids", id_range="10,250", num_prompts=3, request_rate="inf,50", max_concurrency="1,3",
+            percentiles="50,99", seed=0, timeout=300.0, warmup_requests=1, engine_step="k3-tiny",
+            engine_device="cpu", engine_memory_bytes=16 << 20, label="tiny", out=str(tmp_path))
+        assert bench_serve.run(args) == 0
+    finally:
+        server.stop()
+    import json
+    doc = json.loads((tmp_path / "serve_tiny.json").read_text())
+    assert doc["model"] == "k3-tiny" and len(doc["runs"]) == 4
+    for run in doc["runs"]:
+        assert run["completed"] == 3 and run["failed"] == 0
+        assert run["total_output_tokens"] == 12 and run["total_input_tokens"] == 36
+        for key in ("request_throughput", "output_throughput", "total_token_throughput", "median_ttft_ms",
+                    "p99_ttft_ms", "mean_tpot_ms", "median_itl_ms", "p99_e2el_ms"):
+            assert run[key] > 0, key
+        assert run["p99_ttft_ms"] <= run["p99_e2el_ms"] and run["median_ttft_ms"] <= run["median_e2el_ms"]
+        assert run["engine_step_ms"] > 0 and run["itl_p50_over_engine_step"] > 0
+    steps = doc["engine_step"]["batches"]
+    assert set(steps) == {"1", "3"} and all(s["decode_steps"] >= 1 for s in steps.values())
+    assert (tmp_path / "serve_tiny.png").stat().st_size > 1000
