@@ -82,75 +82,79 @@ def _floats(text: str, what: str) -> list[float]:
 
 # ---------------------------------------------------------------------------------------------- requests
 
-async def _one(client, url: str, headers: dict, payload: dict, prompt_len: int, timeout: float) -> RequestResult:
+async def _one(url: str, headers: dict, payload: dict, prompt_len: int, timeout: float) -> RequestResult:
     res = RequestResult(False, prompt_len)
+    try:
+        await asyncio.wait_for(_stream(res, url, headers, payload), timeout)
+    except Exception as e:   # a dropped connection or timeout fails this request only
+        res.error = res.error or repr(e)[:200]
+    return res
+
+
+async def _stream(res: RequestResult, url: str, headers: dict, payload: dict) -> None:
+    from .sse_client import post_lines
+
     t0 = time.perf_counter()
     res.start = t0
-    last, chunks, usage = None, 0, None
-    try:
-        async with client.stream("POST", url, json=payload, headers=headers, timeout=timeout) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if obj.get("error"):
-                    res.error = str(obj["error"])[:200]
-                    return res
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                choices = obj.get("choices") or []
-                if not choices:
-                    continue   # a usage-only chunk carries no token to time
-                # a chunk with empty text still brought tokens (a multi-byte character held back)
-                now = time.perf_counter()
-                if last is None:
-                    res.ttft = now - t0
-                else:
-                    res.itl.append(now - last)
-                last = now
-                chunks += 1
-    except Exception as e:   # a dropped connection or timeout fails this request only
-        res.error = repr(e)[:200]
-        return res
+    last, chunks, usage, status, body = None, 0, None, None, []
+    async for st, line in post_lines(url, payload, headers):
+        if st is not None:
+            status = st
+            continue
+        if status != 200:
+            body.append(line)
+            continue
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        obj = json.loads(data)
+        if obj.get("error"):
+            res.error = str(obj["error"])[:200]
+            return
+        if obj.get("usage"):
+            usage = obj["usage"]
+        if not obj.get("choices"):
+            continue   # a usage-only chunk carries no token to time
+        # a chunk with empty text still brought tokens (a multi-byte character held back)
+        now = time.perf_counter()
+        if last is None:
+            res.ttft = now - t0
+        else:
+            res.itl.append(now - last)
+        last = now
+        chunks += 1
+    if status != 200:
+        res.error = f"HTTP {status}: {' '.join(body)[:200]}"
+        return
     res.e2e = time.perf_counter() - t0
     res.output_tokens = usage["completion_tokens"] if usage and usage.get("completion_tokens") else chunks
     res.ok = res.ttft is not None
     if not res.ok:
         res.error = "no token streamed"
-    return res
 
 
 async def _run_load(base_url, model, api_key, reqs, rate, concurrency, seed, timeout) -> tuple[list, float]:
-    import httpx
-
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=max(concurrency, 1) + 4, max_keepalive_connections=max(concurrency, 1) + 4)
 
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        async def send(req):
-            payload = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
-                       "stream": True, "ignore_eos": True,
-                       "stream_options": {"include_usage": True}}
-            async with sem:
-                return await _one(client, url, headers, payload, req.prompt_len, timeout)
+    async def send(req):
+        payload = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
+                   "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        async with sem:
+            return await _one(url, headers, payload, req.prompt_len, timeout)
 
-        t0 = time.perf_counter()
-        tasks = []
-        for req in reqs:   # open loop: arrivals do not wait for completions
-            tasks.append(asyncio.ensure_future(send(req)))
-            if math.isfinite(rate):
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tasks = []
+    for req in reqs:   # open loop: arrivals do not wait for completions
+        tasks.append(asyncio.ensure_future(send(req)))
+        if math.isfinite(rate):
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -190,12 +194,12 @@ def summarize(results: list[RequestResult], duration: float, percentiles: list[f
 # ---------------------------------------------------------------------------------------------- driver
 
 def _first_model(base_url: str, api_key: str | None) -> str:
-    import httpx
+    import urllib.request
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    req = urllib.request.Request(base_url.rstrip("/") + "/v1/models",
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.load(r)["data"][0]["id"]
 
 
 def bench(args) -> dict:

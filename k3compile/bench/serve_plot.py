@@ -37,3 +37,12 @@ def plot(doc: dict, path: str) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":   # python -m k3compile.bench.serve_plot RESULT.json: the PNG next to it
+    import json
+    import sys
+
+    for name in sys.argv[1:]:
+        with open(name) as f:
+            print(plot(json.load(f), name.rsplit(".", 1)[0] + ".png") or "matplotlib is not installed")
