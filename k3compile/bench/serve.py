@@ -54,6 +54,9 @@ def register(sub) -> None:
                    help="ids: random token ids (exact lengths); words: text for text-only endpoints")
     p.add_argument("--id-range", default="10,250", help="token ids of id prompts: LOW,HIGH (HIGH excluded)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per run of the sweep")
+    p.add_argument("--prompts-per-concurrency", type=int, default=None, metavar="K",
+                   help="instead: each run sends max(--num-prompts, K x its concurrency) requests "
+                   "(K=1, --num-prompts 4: 4 at concurrency 1, 64 at 64: one wave of simultaneous prompts)")
     p.add_argument("--request-rate", default="inf", help="comma-separated requests/s (Poisson), inf = all at once")
     p.add_argument("--max-concurrency", default="64", help="comma-separated limits of requests in flight")
     p.add_argument("--percentiles", default="50,90,99")
@@ -211,8 +214,13 @@ def bench(args) -> dict:
     pcts = _floats(args.percentiles, "--percentiles")
     lo, hi = (int(x) for x in args.id_range.split(","))
     model = args.model or _first_model(args.base_url, args.api_key)
-    reqs = make_requests(args.dataset, args.num_prompts, args.seed, args.input_len, args.output_len,
-                         args.prompt_kind, (lo, hi))
+    k = getattr(args, "prompts_per_concurrency", None)
+
+    def requests_for(conc: int):
+        n = args.num_prompts if not k else max(args.num_prompts, k * conc)
+        return make_requests(args.dataset, n, args.seed, args.input_len, args.output_len, args.prompt_kind, (lo, hi))
+
+    reqs = requests_for(max(concs))
     doc = {"bench": "serve", "base_url": args.base_url, "model": model, "dataset": args.dataset,
            "num_prompts": args.num_prompts, "prompt_kind": args.prompt_kind,
            "input_len": args.input_len if args.dataset == "fixed" else None,
@@ -226,10 +234,12 @@ def bench(args) -> dict:
         doc["warmup"] = [{"ttft_ms": r.ttft * 1000 if r.ttft else None, "error": r.error} for r in res]
     for rate in rates:
         for conc in concs:
-            _log(f"rate {rate:g} req/s, concurrency {conc}: {len(reqs)} requests")
-            results, duration = asyncio.run(_run_load(args.base_url, model, args.api_key, reqs, rate, conc,
+            run_reqs = requests_for(conc)
+            _log(f"rate {rate:g} req/s, concurrency {conc}: {len(run_reqs)} requests")
+            results, duration = asyncio.run(_run_load(args.base_url, model, args.api_key, run_reqs, rate, conc,
                                                       args.seed, args.timeout))
             run = {"request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": conc,
+                   "num_prompts": len(run_reqs),
                    **summarize(results, duration, pcts)}
             _log(f"  {run['completed']} ok, {run['failed']} failed; output {run['output_throughput']:.1f} tok/s, "
                  f"TTFT p50 {run['median_ttft_ms']:.1f} ms p99 {run.get('p99_ttft_ms', float('nan')):.1f} ms, "
@@ -243,10 +253,14 @@ def bench(args) -> dict:
         doc["engine_step"] = engine_steps(args.engine_step, sorted(set(concs)), in_len, out_len,
                                           device=args.engine_device, memory_bytes=args.engine_memory_bytes, log=_log)
         for run in doc["runs"]:
-            step = doc["engine_step"]["batches"].get(str(min(run["max_concurrency"], args.num_prompts)))
+            step = doc["engine_step"]["batches"].get(str(min(run["max_concurrency"], run["num_prompts"])))
             if step and step.get("device_step_ms"):
                 run["engine_step_ms"] = step["device_step_ms"]
                 run["itl_p50_over_engine_step"] = run["median_itl_ms"] / step["device_step_ms"]
+        single = doc["engine_step"]["batches"].get("1", {}).get("prefill_ms")
+        if single:   # the goal: TTFT p99 of simultaneous prompts within 4x one prompt's prefill
+            for run in doc["runs"]:
+                run["ttft_p99_over_single_prefill"] = run.get("p99_ttft_ms", float("nan")) / single
     return doc
 
 

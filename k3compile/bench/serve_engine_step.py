@@ -7,7 +7,8 @@ on CUDA with events around it (the device time of the step: the decode graph rep
 copies), on a CPU with the wall clock. Per B it reports the median over the decode steps that held
 all B requests (`device_step_ms`, what `bench decode` calls the step), and the median wall time of
 those `engine.step()` calls (`loop_step_ms`: scheduling, launch, sampling, applying the results,
-i.e. the offline engine loop without HTTP).
+i.e. the offline engine loop without HTTP), and `prefill_ms`, the time of all prefill forwards of
+the B prompts (at B = 1: one prompt's prefill, the yardstick of the TTFT goal).
 """
 from __future__ import annotations
 
@@ -67,10 +68,13 @@ def engine_steps(source: str, batches: list[int], in_len: int, out_len: int, dev
                     walls.append(wall)
             if cuda:
                 torch.cuda.synchronize()
-                dev = [s.elapsed_time(e) for m, n, s, e in marks if m == "decode" and n == b]
+                ms = [(m, n, s.elapsed_time(e)) for m, n, s, e in marks]
             else:
-                dev = [sec * 1000.0 for m, n, sec in marks if m == "decode" and n == b]
+                ms = [(m, n, sec * 1000.0) for m, n, sec in marks]
+            dev = [t for m, n, t in ms if m == "decode" and n == b]
+            pre = [t for m, n, t in ms if m == "prefill"]
             entry = {"device_step_ms": statistics.median(dev) if dev else None,
+                     "prefill_ms": sum(pre),   # every prefill forward of the B prompts (b = 1: one prompt's prefill)
                      "loop_step_ms": statistics.median(walls) * 1000.0 if walls else None,
                      "decode_steps": len(dev)}
             doc["batches"][str(b)] = entry

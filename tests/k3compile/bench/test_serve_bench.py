@@ -25,7 +25,7 @@ def test_bench_serve_against_our_server(tmp_path):
     try:
         args = argparse.Namespace(
             base_url=server.base_url, model=None, api_key=None, dataset="fixed", input_len=12, output_len=4,
-            prompt_kind="ids", id_range="10,250", num_prompts=3, request_rate="inf,50", max_concurrency="1,3",
+            prompt_kind="ids", id_range="10,250", num_prompts=2, prompts_per_concurrency=1, request_rate="inf,50", max_concurrency="1,3",
             percentiles="50,99", seed=0, timeout=300.0, warmup_requests=1, engine_step="k3-tiny",
             engine_device="cpu", engine_memory_bytes=16 << 20, label="tiny", out=str(tmp_path))
         assert bench_serve.run(args) == 0
@@ -35,13 +35,15 @@ def test_bench_serve_against_our_server(tmp_path):
     doc = json.loads((tmp_path / "serve_tiny.json").read_text())
     assert doc["model"] == "k3-tiny" and len(doc["runs"]) == 4
     for run in doc["runs"]:
-        assert run["completed"] == 3 and run["failed"] == 0
-        assert run["total_output_tokens"] == 12 and run["total_input_tokens"] == 36
+        n = max(2, run["max_concurrency"])
+        assert run["num_prompts"] == run["completed"] == n and run["failed"] == 0
+        assert run["total_output_tokens"] == 4 * n and run["total_input_tokens"] == 12 * n
         for key in ("request_throughput", "output_throughput", "total_token_throughput", "median_ttft_ms",
                     "p99_ttft_ms", "mean_tpot_ms", "median_itl_ms", "p99_e2el_ms"):
             assert run[key] > 0, key
         assert run["p99_ttft_ms"] <= run["p99_e2el_ms"] and run["median_ttft_ms"] <= run["median_e2el_ms"]
         assert run["engine_step_ms"] > 0 and run["itl_p50_over_engine_step"] > 0
+        assert run["ttft_p99_over_single_prefill"] > 0
     steps = doc["engine_step"]["batches"]
     assert set(steps) == {"1", "3"} and all(s["decode_steps"] >= 1 for s in steps.values())
     assert (tmp_path / "serve_tiny.png").stat().st_size > 1000
