@@ -216,9 +216,12 @@ def bench(args) -> dict:
     model = args.model or _first_model(args.base_url, args.api_key)
     k = getattr(args, "prompts_per_concurrency", None)
 
-    def requests_for(conc: int):
+    def requests_for(conc: int, run: int = 0):
+        """Fresh prompts for every run (seeded by its index): a prompt repeated from an earlier run
+        would be a prefix-cache hit and flatter the TTFT."""
         n = args.num_prompts if not k else max(args.num_prompts, k * conc)
-        return make_requests(args.dataset, n, args.seed, args.input_len, args.output_len, args.prompt_kind, (lo, hi))
+        return make_requests(args.dataset, n, args.seed + 1000 * run, args.input_len, args.output_len,
+                             args.prompt_kind, (lo, hi))
 
     reqs = requests_for(max(concs))
     doc = {"bench": "serve", "base_url": args.base_url, "model": model, "dataset": args.dataset,
@@ -234,7 +237,7 @@ def bench(args) -> dict:
         doc["warmup"] = [{"ttft_ms": r.ttft * 1000 if r.ttft else None, "error": r.error} for r in res]
     for rate in rates:
         for conc in concs:
-            run_reqs = requests_for(conc)
+            run_reqs = requests_for(conc, len(doc["runs"]) + 1)
             _log(f"rate {rate:g} req/s, concurrency {conc}: {len(run_reqs)} requests")
             results, duration = asyncio.run(_run_load(args.base_url, model, args.api_key, run_reqs, rate, conc,
                                                       args.seed, args.timeout))

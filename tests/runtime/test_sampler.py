@@ -124,3 +124,32 @@ def test_cuda_batch_matches_cpu():
     assert tc == tg and tc[3] in (0, 2, 4, 6)
     for a, b in zip(lc, lg):
         assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sampling_and_batch_upload_never_wait_for_the_device():
+    """What overlap relies on: launching a sampling pass (greedy, temperature, top-k/top-p, logprobs) and
+    uploading a scheduled batch queue work without a single stream synchronization (CUDA's sync debug mode
+    raises on any); the ids then arrive through the event, equal to the CPU's for the greedy rows."""
+    from k3compile.model_def.batch import ForwardBatch
+    from k3compile.runtime.sampler import sample_rows_async
+    from k3compile.runtime.scheduler import _upload
+
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(6, V, generator=g) * 2).cuda()
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.2, top_k=4),
+              SamplingParams(logprobs=3), SamplingParams(temperature=0.5, logprobs=2), SamplingParams()]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        draw = sample_rows_async(logits, params, [None] * len(params))
+        fb = ForwardBatch.build("prefill", [[1, 2, 3], [4]], [0, 5], [[1], [2]], [1, 2], 16)
+        _upload(fb, torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    tokens, lps, bad = draw.result()
+    cpu, _ = sample_rows(logits.cpu(), params, [None] * len(params))
+    assert [tokens[i] for i in (0, 3, 5)] == [cpu[i] for i in (0, 3, 5)] and not any(bad)
+    assert lps[3].token == tokens[3] and len(lps[3].top) == 3 and lps[4] is not None and lps[0] is None
+    assert fb.input_ids.is_cuda and fb.input_ids.tolist() == [1, 2, 3, 4]
