@@ -55,6 +55,12 @@ def needs_host(batch) -> bool:
     return any(r.req.guide is not None or r.req.params.penalized for r in batch.rows)
 
 
+def forks_after(batch) -> bool:
+    """Whether processing `batch` forks n > 1 followers from a leader's working state: the next
+    batch (which advances that state) must then wait until they are forked."""
+    return any(r.req.followers and r.end == r.req.prefill_target for r in batch.rows)
+
+
 class PendingSample:
     """A batch's sampling pass in flight on the device. `token_index[i]`: where batch row i's token
     is in `tokens` (the device tensor the next batch's placeholders read). `result()` waits for the

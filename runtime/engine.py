@@ -58,7 +58,7 @@ from k3compile.runtime.memory.unified import UnifiedArena
 from k3compile.runtime.sampling import SamplingParams
 
 from .cache_policy import CachePolicy, get_policy
-from .batch_sampling import needs_host, prepare_masks
+from .batch_sampling import forks_after, needs_host, prepare_masks
 from .inflight_memory import InFlightMemory
 from .model_runner import InFlight, ModelRunner
 from .sampler import to_device
@@ -383,9 +383,10 @@ class LLMEngine:
         # sampled ids on the device), and only then wait for N's ids and apply them.
         nxt = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
-        if nxt is not None and prev is not None and (needs_host(nxt) or self._speculates(nxt)):
-            # N+1's sampling reads what N changes (outputs, matcher state), or it speculates (its
-            # drafts need N's tokens): N first
+        if nxt is not None and prev is not None and (
+                needs_host(nxt) or forks_after(prev.batch) or self._speculates(nxt)):
+            # N+1's sampling reads what N changes (outputs, matcher state), N forks followers from a
+            # working state that N+1 would advance, or N+1 speculates (its drafts need N's tokens): N first
             self._finish(prev)
             prev = None
         if nxt is not None and all(row.req.finished for row in nxt.rows):  # everyone in it finished meanwhile

@@ -126,3 +126,21 @@ def test_running_streams_keep_producing_while_a_long_prompt_prefills(model, over
     while engine.has_unfinished():
         engine.step()
     engine.close()
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_greedy_forks_agree_with_overlap(model, mixed):
+    """n > 1 forks the leader's working state when its first token is processed; with overlap the
+    leader's next batch must not advance that state first (all greedy samples equal the leader's)."""
+    engine = make_engine(model, overlap=True, mixed_batches=mixed, chunk_size=16)
+    engine.add_request("other", tokens(random.Random(8), 20), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step()
+    engine.add_request("lead", tokens(random.Random(9), 30), SamplingParams(max_new_tokens=6, ignore_eos=True),
+                       fork_rids=("f1", "f2"))
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.rid, []).extend(o.new_token_ids)
+    assert out["f1"] == out["f2"] == out["lead"] and len(out["lead"]) == 6
+    check_idle(engine)
+    engine.close()
