@@ -1,6 +1,6 @@
 """The fused MoE decode kernels as they were before issue 9's rework (commit d232049), frozen for
 tools/bench_moe_kernels.py so one GPU call times old and new kernels side by side. Not used by the
-compiler; delete once the new kernels' figures are recorded."""
+compiler; kept as the "before" arm of the bench."""
 from __future__ import annotations
 
 import torch

@@ -38,6 +38,11 @@ Triton kernels, neither with atomics:
     program per (token, column block of D): the RMSNorm statistics of u's row, the up-projection's
     GEMV on the normalized row, the shared expert's GEMV; one store.
 
+A and B each come in two designs, picked per batch by `kernel_designs` from measured H200 times (the
+table above ROWS_DOWN_FROM_BATCH): "tiles" (the kernels described here) and, for dense weights, "rows"
+(`_expert_up_rows_kernel` / `_expert_down_rows_kernel`: a row block per program reduced every K step, the
+design before issue 9, faster for the bf16 up-projection at every batch and the down-projection from batch 8).
+
 MXFP4 weights are decoded in registers (E2M1 code -> value, times 2^(scale - 127)); the fp32
 accumulation is the same as for bf16 weights. Under TRITON_INTERPRET=1 (set before import) the
 kernels run on CPU tensors (`fused_moe_triton`), which is how they are tested without a GPU.
@@ -349,6 +354,66 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
+    # The "rows" design (the kernels as they were before issue 9's rework, bf16/fp32 weights only): a block of
+    # rows per program, reduced every K iteration, the gate's K loop then the up's. Measured faster than the
+    # tile design above for the up-projection at every batch and for the down-projection from batch 8 on
+    # (see DESIGNS below); kept beside it and chosen by kernel_designs().
+    @triton.jit
+    def _rows_dot(w_ptr, rows, row_mask, v_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Σ_k W[row, k] v[k] for a block of dense rows of W [*, K] (fp32); v: K contiguous values."""
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        kk = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            kmask = k < K
+            w = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=row_mask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            acc += tl.sum(w * v[None, :], axis=1)
+        return acc
+
+    @triton.jit
+    def _expert_up_rows_kernel(x_ptr, ids_ptr, w13_ptr, h_ptr, x_row_stride, D, I, beta, linear_beta,
+                               TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+        pair = tl.program_id(0).to(tl.int64)  # token * TOP_K + slot
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < I
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # the ids (routing) and x come from earlier kernels
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        x_row = x_ptr + (pair // TOP_K) * x_row_stride
+        w_base = w13_ptr + expert * (2 * I) * D
+        g = _rows_dot(w_base, cols, cmask, x_row, D, BLOCK_N, BLOCK_K)
+        u = _rows_dot(w_base, cols + I, cmask, x_row, D, BLOCK_N, BLOCK_K)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.store(h_ptr + pair * I + cols, _glu(g, u, beta, linear_beta, ACT), mask=cmask)
+
+    @triton.jit
+    def _expert_down_rows_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr,
+                                 I, DO, IS, sin_row_stride, sup_row_stride, out_row_stride, beta, linear_beta,
+                                 TOP_K: tl.constexpr, ACT: tl.constexpr, SHARED: tl.constexpr,
+                                 SHARED_GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 USE_PDL: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < DO
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # h (kernel A), the routing and the shared expert's input
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in range(TOP_K):
+            pair = token * TOP_K + j
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            weight = tl.load(wts_ptr + pair).to(tl.float32)
+            acc += weight * _rows_dot(w2_ptr + expert * DO * I, cols, cmask, h_ptr + pair * I, I, BLOCK_N, BLOCK_K)
+        if SHARED:
+            acc += _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
+                                 cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_K)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
     @triton.jit
     def _latent_out_kernel(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr, L, DOUT, IS,
                            sin_row_stride, sup_row_stride, out_row_stride, eps, beta, linear_beta,
@@ -399,7 +464,43 @@ if triton is not None:
 TARGET_PROGRAMS = 528
 TILE_ELEMS = 8192
 MIN_BLOCK_K = 64
-TUNED: dict[tuple, tuple[int, int, int]] = {}
+# H200 tile sweep of tools/bench_moe_kernels.py (issue 9, 48B layer: E=256, top-8, D=2304, I=1024), kernel µs
+# rule -> best: bf16 down batch 1 [4,256,4] 24.9 -> [8,128,4] 24.3; MXFP4 down batch 1 [4,1024,4] 16.4 ->
+# [4,512,4] 15.2; MXFP4 up batch 1 [8,512,4] 28.3 -> [16,256,4] 26.2. Key: gemv_config's arguments.
+TUNED: dict[tuple, tuple[int, int, int]] = {
+    ("down", 1, 2304, 1024, False): (8, 128, 4),
+    ("down", 1, 2304, 1024, True): (4, 512, 4),
+    ("up", 8, 1024, 2304, True): (16, 256, 4),
+}
+
+# Which design runs each kernel: "tiles" (the kernels above with a [rows, K] tile summed in place; MXFP4 and,
+# at small batches, the bf16 down-projection) or "rows" (_expert_*_rows_kernel, a per-iteration reduction;
+# dense weights only). From static shapes only (CUDA-graph safe, no runtime autotuning). Kernel µs measured
+# on an H200 by tools/bench_moe_kernels.py (rows / tiles, bf16):
+#   up,   48B:     batch 1 23.8 / 34.9 (best swept tile 28.9), batch 8 127 / 281 (152), batch 64 744 / 1816
+#   up,   k3-mini: batch 1 5.8 / 8.3, batch 8 26 / 59                         -> rows at every batch
+#   down, 48B:     batch 1 32.2 / 24.9 (24.3 with the TUNED tile), batch 8 84 / 137 (109), batch 64 524 / 750
+#   down, k3-mini: batch 1 9.0 / 5.5, batch 8 22.8 / 20.9, batch 64 75.7 / 126.9
+#                                                                              -> tiles below batch 8, rows from 8
+# (k3-mini batch 8 loses ~2 µs to the one-threshold rule.) MXFP4: tiles won every measured case (48B batch 1
+# up 28.3 vs 30.0, down 16.0 vs 23.1; batch 8 up 164 vs 198, down 101 vs 143).
+ROWS_DOWN_FROM_BATCH = 8
+DESIGNS = ("rows", "tiles")
+
+
+def kernel_designs(tokens: int, quantized: bool) -> tuple[str, str]:
+    """(up design, down design) for a batch of `tokens` (see the table above)."""
+    if quantized:
+        return "tiles", "tiles"
+    return "rows", ("rows" if tokens >= ROWS_DOWN_FROM_BATCH else "tiles")
+
+
+def rows_config(programs_per_block: int, rows: int, pairs: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of a "rows" kernel, the pre-rework rule: the widest BLOCK_N in 64..8 that
+    still gives >= 264 programs (2 per H200 SM); BLOCK_K 256 for <= 16 (token, expert) pairs, else 128 (its
+    H200 sweep at the 48B shape)."""
+    block_n = next((bn for bn in (64, 32, 16) if programs_per_block * triton.cdiv(rows, bn) >= 264), 8)
+    return block_n, 256 if pairs <= 16 else 128, 4
 
 
 def gemv_config(kernel: str, programs_per_block: int, rows: int, k: int, quantized: bool,
@@ -435,10 +536,11 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
                      shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
                      latent_norm_w=None, latent_eps=1e-5, block_k: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
-                     use_pdl: bool = False) -> torch.Tensor:
+                     use_pdl: bool = False, designs: tuple[str, str] | None = None) -> torch.Tensor:
     """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n / block_k
-    / num_warps override gemv_config's choice for every kernel (tests, tile sweeps). use_pdl: launch with
-    programmatic dependent launch where available (sm90+, Triton >= 3.4; ignored elsewhere)."""
+    / num_warps override the tile rule's choice for every kernel (tests, tile sweeps). use_pdl: launch with
+    programmatic dependent launch where available (sm90+, Triton >= 3.4; ignored elsewhere). designs: (up,
+    down), each "rows" or "tiles", overrides kernel_designs() (tests, benches; "rows" needs dense weights)."""
     if triton is None:
         raise RuntimeError("fused_moe_decode: triton is not installed")
     num_experts, inter, width, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
@@ -450,14 +552,23 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
         _pow2("block_k", block_k, 32)
     if block_n is not None:
         _pow2("block_n", block_n, 1)
+    up_design, down_design = designs or kernel_designs(n, quantized)
+    for design in (up_design, down_design):
+        if design not in DESIGNS:
+            raise ValueError(f"fused_moe_decode: unknown kernel design {design!r} (known: {', '.join(DESIGNS)})")
+        if design == "rows" and quantized:
+            raise ValueError("fused_moe_decode: the \"rows\" kernel design takes dense weights, not MXFP4")
     out = torch.empty(n, out_width, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
     pdl = bool(use_pdl) and pdl_available()
     launch = {"launch_pdl": True} if pdl else {}
 
-    def config(kernel, programs, rows, kk):
-        bn, bk, warps = gemv_config(kernel, programs, rows, kk, quantized, k)
+    def config(kernel, programs, rows, kk, design="tiles"):
+        if design == "rows":
+            bn, bk, warps = rows_config(programs, rows, n * k)
+        else:
+            bn, bk, warps = gemv_config(kernel, programs, rows, kk, quantized, k)
         return block_n or bn, block_k or bk, num_warps or warps
 
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -467,10 +578,15 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     s2 = w2_scale.contiguous() if quantized else w2
     h = torch.empty(n * k, inter, dtype=torch.float32, device=x.device)
     act_id = ACTS[act]
-    bn, bk, warps = config("up", n * k, inter, width)
-    _expert_up_kernel[(n * k, triton.cdiv(inter, bn))](
-        x, ids, w13, s13, h, x.stride(0), width, inter, float(beta), float(linear_beta),
-        TOP_K=k, ACT=act_id, MXFP4=quantized, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, **launch)
+    bn, bk, warps = config("up", n * k, inter, width, up_design)
+    if up_design == "rows":
+        _expert_up_rows_kernel[(n * k, triton.cdiv(inter, bn))](
+            x, ids, w13, h, x.stride(0), width, inter, float(beta), float(linear_beta),
+            TOP_K=k, ACT=act_id, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, **launch)
+    else:
+        _expert_up_kernel[(n * k, triton.cdiv(inter, bn))](
+            x, ids, w13, s13, h, x.stride(0), width, inter, float(beta), float(linear_beta),
+            TOP_K=k, ACT=act_id, MXFP4=quantized, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, **launch)
     shared = shared_w2 is not None
     sin = shared_in if shared else h
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
@@ -482,13 +598,20 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     routed_width = w2.shape[1]
     # latent: B leaves u in fp32 for C; the shared expert joins in C, on the output side of the up-projection
     u = torch.empty(n, routed_width, dtype=torch.float32, device=x.device) if latent else out
-    bn, bk, warps = config("down", n, routed_width, inter)
-    _expert_down_kernel[(n, triton.cdiv(routed_width, bn))](
-        h, ids, wts, w2, s2, sin, sup, sw2, u, inter, routed_width, shared_width,
-        sin.stride(0), sup.stride(0), u.stride(0), float(beta), float(linear_beta),
-        TOP_K=k, TOP_K_PAD=triton.next_power_of_2(k), ACT=act_id, MXFP4=quantized, SHARED=shared and not latent,
-        SHARED_GLU=shared_up is not None, BLOCK_N=bn, BLOCK_K=bk,
-        BLOCK_KS=block_k or shared_block_k(bn, max(shared_width, 1)), USE_PDL=pdl, num_warps=warps, **launch)
+    bn, bk, warps = config("down", n, routed_width, inter, down_design)
+    if down_design == "rows":
+        _expert_down_rows_kernel[(n, triton.cdiv(routed_width, bn))](
+            h, ids, wts, w2, sin, sup, sw2, u, inter, routed_width, shared_width,
+            sin.stride(0), sup.stride(0), u.stride(0), float(beta), float(linear_beta),
+            TOP_K=k, ACT=act_id, SHARED=shared and not latent, SHARED_GLU=shared_up is not None,
+            BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, **launch)
+    else:
+        _expert_down_kernel[(n, triton.cdiv(routed_width, bn))](
+            h, ids, wts, w2, s2, sin, sup, sw2, u, inter, routed_width, shared_width,
+            sin.stride(0), sup.stride(0), u.stride(0), float(beta), float(linear_beta),
+            TOP_K=k, TOP_K_PAD=triton.next_power_of_2(k), ACT=act_id, MXFP4=quantized,
+            SHARED=shared and not latent, SHARED_GLU=shared_up is not None, BLOCK_N=bn, BLOCK_K=bk,
+            BLOCK_KS=block_k or shared_block_k(bn, max(shared_width, 1)), USE_PDL=pdl, num_warps=warps, **launch)
     if latent:
         upw = latent_up_w.contiguous()
         nw = latent_norm_w.contiguous() if latent_norm_w is not None else upw

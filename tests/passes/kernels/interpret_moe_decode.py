@@ -99,14 +99,19 @@ def main() -> int:
         ref = moe_decode.fused_moe_reference(**{key: v.float() if isinstance(v, torch.Tensor) and v.dtype == dtype
                                                 and dtype != torch.float32 else v for key, v in kw.items()})
         ref = ref.to(dtype)
+        # designs None: kernel_designs' choice for this batch; dense weights also run every (up, down) pair of
+        # designs, at the smallest tile (several K steps and masked rows: the cheapest run that covers them)
+        pairs = [] if "w13_scale" in kw else [(up, down) for up in moe_decode.DESIGNS for down in moe_decode.DESIGNS]
         for block_k, block_n in ((32, 16), (64, 32), (None, None)):  # None: the op's own tile rule
-            got = moe_decode.fused_moe_triton(**kw, block_k=block_k, block_n=block_n)
-            if got.dtype != ref.dtype or got.shape != ref.shape:
-                failures.append(f"{name}: got {got.dtype} {list(got.shape)}, want {ref.dtype} {list(ref.shape)}")
-                continue
-            err = rel_err(got, ref)
-            if not err <= TOL[dtype]:
-                failures.append(f"{name} block_k={block_k} block_n={block_n}: rel err {err:.3g} > {TOL[dtype]:g}")
+            for design in [None] + (pairs if block_k == 32 else []):
+                got = moe_decode.fused_moe_triton(**kw, block_k=block_k, block_n=block_n, designs=design)
+                if got.dtype != ref.dtype or got.shape != ref.shape:
+                    failures.append(f"{name}: got {got.dtype} {list(got.shape)}, want {ref.dtype} {list(ref.shape)}")
+                    continue
+                err = rel_err(got, ref)
+                if not err <= TOL[dtype]:
+                    failures.append(f"{name} block_k={block_k} block_n={block_n} designs={design}: rel err "
+                                    f"{err:.3g} > {TOL[dtype]:g}")
     return report(failures, n)
 
 

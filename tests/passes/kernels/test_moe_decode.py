@@ -90,6 +90,25 @@ def test_triton_kernels_under_interpreter_match_reference():
     run_interpreted("interpret_moe_decode.py", timeout=900)
 
 
+def test_kernel_designs_follow_the_measured_rule_and_rows_refuses_mxfp4():
+    # bf16/fp32: "rows" up at every batch, "tiles" down below ROWS_DOWN_FROM_BATCH, "rows" from it; MXFP4: tiles
+    assert moe_decode.kernel_designs(1, False) == ("rows", "tiles")
+    assert moe_decode.kernel_designs(moe_decode.ROWS_DOWN_FROM_BATCH - 1, False) == ("rows", "tiles")
+    assert moe_decode.kernel_designs(moe_decode.ROWS_DOWN_FROM_BATCH, False) == ("rows", "rows")
+    assert moe_decode.kernel_designs(64, True) == ("tiles", "tiles")
+    if moe_decode.triton is None:
+        return
+    p = _problem(n=2)
+    w13p, w13s = mxfp4.quantize(p["w13"])
+    w2p, w2s = mxfp4.quantize(p["w2"])
+    with pytest.raises(ValueError, match="rows.*dense weights"):
+        moe_decode.fused_moe_triton(p["x"], p["topk_ids"], p["topk_weights"], w13p, w2p, w13s, w2s,
+                                    designs=("rows", "tiles"))
+    with pytest.raises(ValueError, match="unknown kernel design"):
+        moe_decode.fused_moe_triton(p["x"], p["topk_ids"], p["topk_weights"], p["w13"], p["w2"],
+                                    designs=("rows", "fast"))
+
+
 def test_op_passes_opcheck_and_stays_one_node():
     p = _problem(n=2)
     torch.library.opcheck(FUSED, _op_args(p))
@@ -210,3 +229,7 @@ def test_cuda_pdl_and_other_tiles_at_the_48b_shape(n):
             got = moe_decode.fused_moe_triton(*_op_args(q, "silu", 0, *scales)[:13], block_k=block_k,
                                               block_n=block_n, num_warps=warps, use_pdl=True)
             assert _rel(got, ref) < 1e-2, (block_n, block_k, warps, quant, _rel(got, ref))
+        # every (up, down) design pair, not only the one kernel_designs picks at this batch (dense weights)
+        for designs in ([] if quant else [(u, d) for u in moe_decode.DESIGNS for d in moe_decode.DESIGNS]):
+            got = moe_decode.fused_moe_triton(*_op_args(q, "silu", 0, *scales)[:13], designs=designs)
+            assert _rel(got, ref) < 1e-2, (designs, _rel(got, ref))
