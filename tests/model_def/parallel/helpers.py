@@ -1,0 +1,53 @@
+"""A whole model vs the same model split over gloo ranks: greedy generation through the step contract
+(two prefill chunks, so the second continues over a prefix that other DCP ranks hold, then decode)."""
+from __future__ import annotations
+
+import torch
+
+from k3compile.model_def.batch import ForwardBatch
+from k3compile.model_def.cache import CacheTensors
+from k3compile.model_def.config import get_preset
+from k3compile.model_def.init import init_random
+from k3compile.model_def.loader import build_model
+
+PAGE = 4
+PROMPTS = [[5, 17, 99, 3, 250, 7, 8, 41, 9, 300, 11], [260, 4, 33, 12, 90]]
+STEPS = 4
+
+
+def wide_config(name: str, heads: int = 8):
+    """The tiny preset with enough heads to split 8 ways (the presets have 2)."""
+    return get_preset(name).replace(kda_num_heads=heads, num_attention_heads=heads)
+
+
+def whole_model(cfg, seed: int = 0):
+    model = build_model(cfg, torch.float32, "cpu")
+    init_random(model, seed)
+    return model
+
+
+def greedy(model, prompts=PROMPTS, steps=STEPS, kv_shard=None):
+    """Tokens [B, steps] and the logits of every step ([B, V] each) from whole prompts."""
+    m = 1 if kv_shard is None else kv_shard[1]
+    b = len(prompts)
+    longest = max(len(p) for p in prompts) + steps
+    pages = -(-(-(-longest // m)) // PAGE)
+    cache = CacheTensors.allocate(model.cache_spec(torch.float32), b + 1, b * pages + 1, PAGE)
+    rows = [list(range(1 + i * pages, 1 + (i + 1) * pages)) for i in range(b)]
+    slots = list(range(1, b + 1))
+    split = [len(p) // 2 for p in prompts]
+    ForwardBatch_build = lambda mode, toks, prefix: ForwardBatch.build(  # noqa: E731
+        mode, toks, prefix, rows, slots, PAGE, kv_shard=kv_shard)
+    model.step(ForwardBatch_build("prefill", [p[:s] for p, s in zip(prompts, split)], [0] * b), cache)
+    logits = model.step(ForwardBatch_build("prefill", [p[s:] for p, s in zip(prompts, split)], split), cache)
+    lens = [len(p) for p in prompts]
+    tokens, all_logits = [], [logits]
+    for step in range(steps):
+        nxt = logits.argmax(-1).tolist()
+        tokens.append(nxt)
+        if step == steps - 1:
+            break
+        logits = model.step(ForwardBatch_build("decode", [[t] for t in nxt], lens), cache)
+        all_logits.append(logits)
+        lens = [n + 1 for n in lens]
+    return torch.tensor(tokens).t(), torch.stack(all_logits)
