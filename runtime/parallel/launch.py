@@ -71,34 +71,50 @@ def launch(fn, world: int, args: tuple = (), timeout_s: float = 120.0, start_met
     for p in procs:
         p.start()
     out: dict[int, object] = {}
+    errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
     try:
         while len(out) < world:
             try:
                 rank, status, payload = results.get(timeout=0.2)
-            except queue.Empty:
-                rank = None
-            if rank is not None:
                 if status == "error":
-                    raise RankFailure(rank, "raised\n" + payload)
-                out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                    errors[rank] = payload
+                else:
+                    out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
                 continue
-            for r, p in enumerate(procs):
-                if r not in out and p.exitcode is not None:
-                    try:  # its result or error may still be in flight
-                        rank, status, payload = results.get(timeout=1.0)
-                        if status == "error":
-                            raise RankFailure(rank, "raised\n" + payload)
-                        out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-                        break
-                    except queue.Empty:
-                        raise RankFailure(r, f"process exited with code {p.exitcode} before finishing") from None
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in errors]
+            if dead or errors:
+                _drain(results, errors, out)
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in errors]
+                # a rank that died silently is the cause; the others' collective errors are its symptoms
+                if dead:
+                    also = f" (then {sorted(errors)} failed in collectives)" if errors else ""
+                    raise RankFailure(dead[0], f"process exited with code {procs[dead[0]].exitcode} before "
+                                               f"finishing{also}")
+                first = min(errors)
+                raise RankFailure(first, "raised\n" + errors[first])
             if time.monotonic() > deadline:
                 missing = [r for r in range(world) if r not in out]
                 raise RankFailure(missing[0], f"no result within {timeout_s:g}s (ranks {missing} unfinished)")
     finally:
         stop(procs)
     return [out[r] for r in range(world)]
+
+
+def _drain(results, errors: dict, out: dict, settle_s: float = 1.0) -> None:
+    """Take what is still in flight (the first error often arrives before the exit codes of its cause)."""
+    end = time.monotonic() + settle_s
+    while time.monotonic() < end:
+        try:
+            rank, status, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if status == "error":
+            errors[rank] = payload
+        else:
+            out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
 
 
 def stop(procs, grace_s: float = 3.0) -> None:
