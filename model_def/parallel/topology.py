@@ -22,11 +22,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..config import ConfigError
+
 EXPERT_MODES = ("auto", "tp", "ep")
 _PATTERN = re.compile(r"^(?:(?P<tp_kind>tp|tep)(?P<tp>\d+))?(?:-?dcp(?P<dcp>\d+))?$")
 
 
-class TopologyError(ValueError):
+class TopologyError(ConfigError):
     """An unparseable topology string or a split the model cannot take."""
 
 
