@@ -60,8 +60,9 @@ HEADER = ["kind", "topology", "experts", "weights/rank", "KV+state pool/rank", "
 
 
 def table(rows: list[list[str]], header=HEADER) -> str:
-    width = [max(len(header[i]) if i < len(header) else 0, *(len(r[i]) for r in rows if i < len(r)))
-             for i in range(max(len(header), *(len(r) for r in rows)))]
+    ncol = max([len(header)] + [len(r) for r in rows])
+    width = [max([len(header[i]) if i < len(header) else 0] + [len(r[i]) for r in rows if i < len(r)])
+             for i in range(ncol)]
     line = lambda r: "  ".join(c.ljust(width[i]) for i, c in enumerate(r)).rstrip()  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in width[: len(header)]])] + [line(r) for r in rows])
 

@@ -76,7 +76,8 @@ def all_gather(x: torch.Tensor, role: str, group_size: int, dim: int) -> torch.T
     x = x.contiguous()
     _note("all_gather", role, x)
     out = torch.empty((group_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group(role))  # rank-major along dim 0
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in newer torch
+    gather(out, x, group=group(role))  # rank-major along dim 0
     return torch.cat(out.chunk(group_size, 0), dim)
 
 
