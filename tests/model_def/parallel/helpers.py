@@ -29,15 +29,16 @@ def whole_model(cfg, seed: int = 0):
 def greedy(model, prompts=PROMPTS, steps=STEPS, kv_shard=None):
     """Tokens [B, steps] and the logits of every step ([B, V] each) from whole prompts."""
     m = 1 if kv_shard is None else kv_shard[1]
+    device = next(model.parameters()).device if isinstance(model, torch.nn.Module) else model.device
     b = len(prompts)
     longest = max(len(p) for p in prompts) + steps
     pages = -(-(-(-longest // m)) // PAGE)
-    cache = CacheTensors.allocate(model.cache_spec(torch.float32), b + 1, b * pages + 1, PAGE)
+    cache = CacheTensors.allocate(model.cache_spec(torch.float32), b + 1, b * pages + 1, PAGE, device)
     rows = [list(range(1 + i * pages, 1 + (i + 1) * pages)) for i in range(b)]
     slots = list(range(1, b + 1))
     split = [len(p) // 2 for p in prompts]
     ForwardBatch_build = lambda mode, toks, prefix: ForwardBatch.build(  # noqa: E731
-        mode, toks, prefix, rows, slots, PAGE, kv_shard=kv_shard)
+        mode, toks, prefix, rows, slots, PAGE, device=device, kv_shard=kv_shard)
     model.step(ForwardBatch_build("prefill", [p[:s] for p, s in zip(prompts, split)], [0] * b), cache)
     logits = model.step(ForwardBatch_build("prefill", [p[s:] for p, s in zip(prompts, split)], split), cache)
     lens = [len(p) for p in prompts]
@@ -50,4 +51,4 @@ def greedy(model, prompts=PROMPTS, steps=STEPS, kv_shard=None):
         logits = model.step(ForwardBatch_build("decode", [[t] for t in nxt], lens), cache)
         all_logits.append(logits)
         lens = [n + 1 for n in lens]
-    return torch.tensor(tokens).t(), torch.stack(all_logits)
+    return torch.tensor(tokens).t(), torch.stack(all_logits).cpu()
