@@ -7,6 +7,7 @@ import torch
 from k3compile.capture import capture_step
 from k3compile.model_def.parallel.shard import shard_model
 from k3compile.model_def.parallel.topology import RankShard, parse_topology
+from k3compile.passes.kernels import all_reduce_norm  # noqa: F401  (registers the fused op)
 from k3compile.passes.manager import PassManager
 from k3compile.passes.pipeline import pipeline_from_flags
 from k3compile.passes.registry import registered_passes
