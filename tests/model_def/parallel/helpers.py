@@ -52,3 +52,33 @@ def greedy(model, prompts=PROMPTS, steps=STEPS, kv_shard=None):
         all_logits.append(logits)
         lens = [n + 1 for n in lens]
     return torch.tensor(tokens).t(), torch.stack(all_logits).cpu()
+
+
+def dcp_decode_vs_full(seq, dcp, heads, width, rank_r, page, scale, device="cpu", seed=0):
+    """Absorbed MLA decode over a whole paged cache vs the same rows split by position over `dcp` shards
+    (local row p // dcp on shard p mod dcp), attended per shard and LSE-merged.
+    Returns (merged [B, H, r], full [B, H, r], per-shard lse [dcp, B, H])."""
+    from k3compile.model_def.ops.attention_math import mla_decode_latent
+    from k3compile.model_def.parallel.dcp_attention import latent_partial
+    from k3compile.model_def.parallel.lse_merge import merge_partials
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    pages_per = -(-max(seq) // page)
+    rows = [torch.randn(n, width, generator=g, device=device) for n in seq]
+    q = torch.randn(len(seq), heads, width, generator=g, device=device)
+    table = torch.tensor([[1 + i * pages_per + j for j in range(pages_per)] for i in range(len(seq))], device=device)
+
+    def paged(per_request):
+        kv = torch.zeros(1 + len(seq) * pages_per, page, width, device=device)
+        for i, x in enumerate(per_request):
+            kv.view(-1, width)[table[i, 0] * page: table[i, 0] * page + len(x)] = x
+        return kv
+
+    seq_t = torch.tensor(seq, device=device)
+    full = mla_decode_latent(q, paged(rows), table, seq_t, scale, rank_r)
+    cu = torch.arange(len(seq) + 1, device=device)
+    parts = [latent_partial(q, paged([x[d::dcp] for x in rows]), table, cu, seq_t, scale, rank_r, d, dcp)
+             for d in range(dcp)]
+    lses = torch.stack([p[1] for p in parts])
+    merged, _ = merge_partials(torch.stack([p[0] for p in parts]), lses)
+    return merged, full, lses

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3compile.model_def.ops.attention_math import mla_decode_latent
-from k3compile.model_def.parallel.dcp_attention import latent_partial
 from k3compile.model_def.parallel.lse_merge import merge_pair, merge_partials
+
+from .helpers import dcp_decode_vs_full
 
 
 def _attend(q, k, v):
@@ -57,31 +57,8 @@ def test_merge_rejects_mismatched_shapes():
 @pytest.mark.parametrize("dcp", [1, 2, 3, 8])
 def test_partials_over_position_shards_merge_to_full_decode(dcp):
     """Requests of 1, 2 and 13 tokens: with 8 shards most ranks hold nothing for the short ones."""
-    g = torch.Generator().manual_seed(dcp)
-    page, r, w, heads = 4, 16, 24, 3
-    seq = [1, 2, 13]
-    rows = [torch.randn(n, w, generator=g) for n in seq]
-    q = torch.randn(len(seq), heads, w, generator=g)
-    # whole cache: request i's rows on its own pages
-    pages_per = 4
-    kv = torch.zeros(1 + len(seq) * pages_per, page, w)
-    table = torch.tensor([[1 + i * pages_per + j for j in range(pages_per)] for i in range(len(seq))])
-    for i, x in enumerate(rows):
-        kv.view(-1, w)[table[i, 0] * page: table[i, 0] * page + len(x)] = x
-    seq_t = torch.tensor(seq)
-    full = mla_decode_latent(q, kv, table, seq_t, 0.3, r)
-    cu = torch.arange(len(seq) + 1)
-    outs, lses = [], []
-    for d in range(dcp):
-        local = torch.zeros_like(kv)
-        for i, x in enumerate(rows):
-            mine = x[d::dcp]
-            local.view(-1, w)[table[i, 0] * page: table[i, 0] * page + len(mine)] = mine
-        o, lse = latent_partial(q, local, table, cu, seq_t, 0.3, r, d, dcp)
-        outs.append(o)
-        lses.append(lse)
-    lses = torch.stack(lses)
+    merged, full, lses = dcp_decode_vs_full([1, 2, 13], dcp, heads=3, width=24, rank_r=16, page=4, scale=0.3,
+                                            seed=dcp)
     if dcp == 8:
         assert torch.isneginf(lses[2:, 0]).all()  # the 1-token request lives on rank 0 only
-    merged, _ = merge_partials(torch.stack(outs), lses)
     assert torch.allclose(merged, full, atol=1e-5, rtol=1e-5)

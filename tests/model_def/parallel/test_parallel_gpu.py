@@ -8,15 +8,12 @@ import torch
 import torch.distributed as dist
 
 from k3compile.model_def.parallel import comm
-from k3compile.model_def.parallel.dcp_attention import latent_partial
-from k3compile.model_def.parallel.lse_merge import merge_partials
 from k3compile.model_def.parallel.shard import shard_model
 from k3compile.model_def.parallel.topology import RankShard, Topology
-from k3compile.model_def.ops.attention_math import mla_decode_latent
 from k3compile.runtime.parallel.groups import init_rank, shutdown_rank
 from k3compile.runtime.parallel.launch import free_port
 
-from .helpers import greedy, whole_model, wide_config
+from .helpers import dcp_decode_vs_full, greedy, whole_model, wide_config
 
 pytestmark = pytest.mark.gpu
 
@@ -51,28 +48,8 @@ def test_rank_model_matches_whole_model(nccl_world1, name):
 
 
 def test_dcp_partials_on_cuda_merge_to_full_decode():
-    g = torch.Generator(device="cuda").manual_seed(0)
-    page, r, w, dcp, seq = 16, 512, 576, 4, [1, 7, 300]
-    pages_per = 32
-    q = torch.randn(len(seq), 16, w, device="cuda", generator=g, dtype=torch.bfloat16)
-    kv = torch.zeros(1 + len(seq) * pages_per, page, w, device="cuda", dtype=torch.bfloat16)
-    table = torch.tensor([[1 + i * pages_per + j for j in range(pages_per)] for i in range(len(seq))], device="cuda")
-    rows = [torch.randn(n, w, device="cuda", generator=g, dtype=torch.bfloat16) for n in seq]
-    for i, x in enumerate(rows):
-        kv.view(-1, w)[table[i, 0] * page: table[i, 0] * page + len(x)] = x
-    seq_t = torch.tensor(seq, device="cuda")
-    full = mla_decode_latent(q.float(), kv.float(), table, seq_t, 192 ** -0.5, r)
-    cu = torch.arange(len(seq) + 1, device="cuda")
-    outs, lses = [], []
-    for d in range(dcp):
-        local = torch.zeros_like(kv)
-        for i, x in enumerate(rows):
-            mine = x[d::dcp]
-            local.view(-1, w)[table[i, 0] * page: table[i, 0] * page + len(mine)] = mine
-        o, lse = latent_partial(q.float(), local.float(), table, cu, seq_t, 192 ** -0.5, r, d, dcp)
-        outs.append(o)
-        lses.append(lse)
-    merged, _ = merge_partials(torch.stack(outs), torch.stack(lses))
+    merged, full, _ = dcp_decode_vs_full([1, 7, 300], 4, heads=16, width=576, rank_r=512, page=16,
+                                         scale=192 ** -0.5, device="cuda")
     assert torch.allclose(merged, full, atol=1e-4, rtol=1e-4)
 
 
