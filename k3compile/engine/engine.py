@@ -98,8 +98,9 @@ class Engine:
         if "ranks" in m:
             ranks = m["ranks"]
             if rank is None:
-                raise fmt.EngineError(f"{path}: a {m.get('topology')} engine of {len(ranks)} ranks; load one rank "
-                                      f"(rank=0..{len(ranks) - 1}) or serve it with `k3compile serve`")
+                raise fmt.EngineError(f"{path}: a {m.get('topology')} engine of {len(ranks)} ranks; each rank process "
+                                      f"loads its own (rank=0..{len(ranks) - 1}); serving a parallel engine "
+                                      f"is not supported yet")
             if str(rank) not in ranks:
                 raise fmt.EngineError(f"{path}: no rank {rank} (ranks 0..{len(ranks) - 1})")
             return cls.load(os.path.join(path, ranks[str(rank)]), device, verify_checksums)

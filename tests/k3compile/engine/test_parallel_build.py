@@ -49,7 +49,7 @@ def test_layout_and_plan(dcp2_engine):
         assert (e.rank, e.topology.name, e.world) == (r, "dcp2", 2)
         assert e.manifest["parallel"]["plan"] == top["plan"]
         assert e.cache_spec().kda_heads == 1
-    with pytest.raises(EngineError, match="dcp2 engine of 2 ranks; load one rank"):
+    with pytest.raises(EngineError, match="dcp2 engine of 2 ranks; each rank process loads its own"):
         Engine.load(dcp2_engine)
     with pytest.raises(EngineError, match="no rank 2"):
         Engine.load(dcp2_engine, rank=2)
