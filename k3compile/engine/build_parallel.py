@@ -50,12 +50,13 @@ def build_ranks(opts, topology: Topology, model, stage, tok_src, log, t0) -> Eng
         engine = Engine(cfg, graphs, opts.dtype, page_size=opts.page_size, topology=topology, rank=r)
         build = {"device": str(opts.device), "seed": opts.seed, "verify": False,
                  "pipeline": _pipeline_dict(opts.pipeline), "seconds": round(time.perf_counter() - t0, 3)}
-        parallel = {"topology": topology.name, "experts": mode, "rank": r, "world": topology.world, "plan": plan}
+        parallel = {"topology": topology.name, "experts": topology.experts, "expert_mode": mode, "rank": r,
+                    "world": topology.world, "plan": plan}
         engine.manifest = write_engine(out, engine, source, reports, build, tok_src, parallel)
         first = first or engine
         del rank_model
     top = {"format_version": fmt.FORMAT_VERSION, "model": first.manifest["model"], "dtype": DTYPE_NAMES[opts.dtype],
-           "topology": topology.name, "experts": mode, "world": topology.world, "page_size": opts.page_size,
+           "topology": topology.name, "experts": topology.experts, "expert_mode": mode, "world": topology.world, "page_size": opts.page_size,
            "decode_buckets": list(first.decode_buckets), "graphs": sorted(first.graphs),
            "ranks": {str(r): rank_dir(r) for r in range(topology.world)}, "plan": plan, "files": {}}
     fmt.write_json(os.path.join(stage.dir, fmt.MANIFEST), top)
