@@ -56,7 +56,8 @@ def build_ranks(opts, topology: Topology, model, stage, tok_src, log, t0) -> Eng
         first = first or engine
         del rank_model
     top = {"format_version": fmt.FORMAT_VERSION, "model": first.manifest["model"], "dtype": DTYPE_NAMES[opts.dtype],
-           "topology": topology.name, "experts": topology.experts, "expert_mode": mode, "world": topology.world, "page_size": opts.page_size,
+           "topology": topology.name, "experts": topology.experts, "expert_mode": mode, "world": topology.world,
+           "page_size": opts.page_size,
            "decode_buckets": list(first.decode_buckets), "graphs": sorted(first.graphs),
            "ranks": {str(r): rank_dir(r) for r in range(topology.world)}, "plan": plan, "files": {}}
     fmt.write_json(os.path.join(stage.dir, fmt.MANIFEST), top)
