@@ -26,8 +26,11 @@ def whole_model(cfg, seed: int = 0):
     return model
 
 
-def greedy(model, prompts=PROMPTS, steps=STEPS, kv_shard=None):
-    """Tokens [B, steps] and the logits of every step ([B, V] each) from whole prompts."""
+def greedy(model, prompts=PROMPTS, steps=STEPS, kv_shard=None, decode_calls: list | None = None):
+    """Tokens [B, steps] and the logits of every step ([B, V] each) from whole prompts. `decode_calls`
+    receives the collectives of the last decode step (comm.record() entries)."""
+    from k3compile.model_def.parallel import comm
+
     m = 1 if kv_shard is None else kv_shard[1]
     device = next(model.parameters()).device if isinstance(model, torch.nn.Module) else model.device
     b = len(prompts)
@@ -37,10 +40,11 @@ def greedy(model, prompts=PROMPTS, steps=STEPS, kv_shard=None):
     rows = [list(range(1 + i * pages, 1 + (i + 1) * pages)) for i in range(b)]
     slots = list(range(1, b + 1))
     split = [len(p) // 2 for p in prompts]
-    ForwardBatch_build = lambda mode, toks, prefix: ForwardBatch.build(  # noqa: E731
-        mode, toks, prefix, rows, slots, PAGE, device=device, kv_shard=kv_shard)
-    model.step(ForwardBatch_build("prefill", [p[:s] for p, s in zip(prompts, split)], [0] * b), cache)
-    logits = model.step(ForwardBatch_build("prefill", [p[s:] for p, s in zip(prompts, split)], split), cache)
+    def batch(mode, toks, prefix):
+        return ForwardBatch.build(mode, toks, prefix, rows, slots, PAGE, device=device, kv_shard=kv_shard)
+
+    model.step(batch("prefill", [p[:s] for p, s in zip(prompts, split)], [0] * b), cache)
+    logits = model.step(batch("prefill", [p[s:] for p, s in zip(prompts, split)], split), cache)
     lens = [len(p) for p in prompts]
     tokens, all_logits = [], [logits]
     for step in range(steps):
@@ -48,7 +52,10 @@ def greedy(model, prompts=PROMPTS, steps=STEPS, kv_shard=None):
         tokens.append(nxt)
         if step == steps - 1:
             break
-        logits = model.step(ForwardBatch_build("decode", [[t] for t in nxt], lens), cache)
+        with comm.record() as calls:
+            logits = model.step(batch("decode", [[t] for t in nxt], lens), cache)
+        if decode_calls is not None:
+            decode_calls[:] = calls
         all_logits.append(logits)
         lens = [n + 1 for n in lens]
     return torch.tensor(tokens).t(), torch.stack(all_logits).cpu()
