@@ -24,9 +24,9 @@ def test_capacity_arithmetic():
     tp, dcp = rank_plan(cfg, Topology(2, 1, "tp")), rank_plan(cfg, Topology(1, 2))
     whole = rank_plan(cfg, Topology(1, 1))
     assert tp.weight_bytes < whole.weight_bytes and tp.kda_slot_bytes * 2 <= whole.kda_slot_bytes + 512
-    assert tp.kv_bytes_per_token == whole.kv_bytes_per_token == 3 * 72 * 2  # 3 MLA layers x (16 + 8) x bf16
+    assert tp.kv_bytes_per_token == whole.kv_bytes_per_token == 3 * (16 + 8) * 2  # 3 MLA layers x 24 wide x bf16
     c = dcp.capacity(10**8, 0.5)
-    assert c.kv_tokens_logical == 2 * c.kv_tokens_local == 2 * ((5 * 10**7 - dcp.weight_bytes) // 432)
+    assert c.kv_tokens_logical == 2 * c.kv_tokens_local == 2 * ((5 * 10**7 - dcp.weight_bytes) // 144)
     assert not tp.capacity(10**5, 0.5).fits  # weights alone exceed the budget
     assert whole.collectives == [] and {c.op for c in dcp.collectives} == {"all_reduce", "all_to_all", "all_gather"}
 
