@@ -66,6 +66,9 @@ def capture_step(model: torch.nn.Module, mode: str, page_size: int = 4) -> torch
     _name_inputs(gm, step_input_names(mode))
     _name_params(gm, model)
     gm.meta["k3"] = {"mode": mode, "inputs": list(step_input_names(mode))}
+    shard = getattr(model, "shard", None)
+    if shard is not None:  # one rank of a parallel engine: the communication passes need to know which
+        gm.meta["k3"]["shard"] = {"rank": shard.rank, "world": shard.world, "topology": shard.topology.name}
     gm.recompile()
     return gm
 

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Order is the order shown in --help.
-COMMANDS = ["info", "build", "generate", "serve", "bench", "report", "profile", "train", "train_draft"]
+COMMANDS = ["info", "plan", "build", "generate", "serve", "bench", "report", "profile", "train", "train_draft"]
 
 
 def _no_default(action) -> bool:

@@ -47,8 +47,15 @@ class ForwardBatch:
     @classmethod
     def build(cls, mode: str, token_ids: list[list[int]], prefix_lens: list[int], page_table: list[list[int]],
               state_slots: list[int], page_size: int, device="cpu", logits: str = "last",
-              max_pages: int | None = None) -> "ForwardBatch":
-        """Build a batch from Python lists. `logits`: "last" (one row per request) or "all"."""
+              max_pages: int | None = None, kv_shard: tuple[int, int] | None = None) -> "ForwardBatch":
+        """Build a batch from Python lists. `logits`: "last" (one row per request) or "all".
+
+        `kv_shard=(d, M)`: the batch of DCP rank d of M, which stores position p iff p mod M == d, at
+        local row p // M of its own pages (`page_table` then lists the rank's pages); tokens it does not
+        store get out_cache_loc 0, a row of the reserved padding page that nothing reads."""
+        d, m = kv_shard if kv_shard is not None else (0, 1)
+        if not 0 <= d < m:
+            raise ValueError(f"kv_shard {kv_shard}: expected (rank, size) with 0 <= rank < size")
         b = len(token_ids)
         if not (len(prefix_lens) == len(page_table) == len(state_slots) == b):
             raise ValueError("token_ids, prefix_lens, page_table and state_slots must have one entry per request")
@@ -59,8 +66,9 @@ class ForwardBatch:
             raise ValueError("decode batches take exactly one new token per request")
         seq = [p + e for p, e in zip(prefix_lens, ext)]
         for i, (s, row) in enumerate(zip(seq, page_table)):
-            if len(row) * page_size < s:
-                raise ValueError(f"request {i}: {len(row)} pages of {page_size} cannot hold {s} tokens")
+            local = (s - d + m - 1) // m
+            if len(row) * page_size < local:
+                raise ValueError(f"request {i}: {len(row)} pages of {page_size} cannot hold {local} tokens")
         width = max_pages if max_pages is not None else max(1, max(len(r) for r in page_table))
         pt = torch.zeros(b, width, dtype=torch.int32)
         for i, row in enumerate(page_table):
@@ -71,7 +79,8 @@ class ForwardBatch:
             for j in range(len(toks)):
                 q = p + j
                 pos.append(q)
-                loc.append(row[q // page_size] * page_size + q % page_size)
+                r = q // m
+                loc.append(row[r // page_size] * page_size + r % page_size if q % m == d else 0)
         cu = [0]
         for e in ext:
             cu.append(cu[-1] + e)

@@ -25,14 +25,15 @@ from .layers.moe import GLUMLP, MoE
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int, pool_index: int):
+    def __init__(self, cfg: ModelConfig, i: int, pool_index: int, shard=None):
         super().__init__()
         self.kind = cfg.layer_types[i]
-        self.self_attn = KDAMixer(cfg, pool_index) if self.kind == "kda" else MLAMixer(cfg, pool_index)
+        self.shard = shard
+        self.self_attn = KDAMixer(cfg, pool_index, shard) if self.kind == "kda" else MLAMixer(cfg, pool_index, shard)
         if cfg.is_moe_layer(i):
-            self.block_sparse_moe = MoE(cfg)
+            self.block_sparse_moe = MoE(cfg, shard)
         else:
-            self.mlp = GLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg)
+            self.mlp = GLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg, shard)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.attn_res_block_size is not None:
@@ -43,18 +44,21 @@ class DecoderLayer(nn.Module):
             self.mlp_res_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+        if hasattr(self, "block_sparse_moe"):
+            return self.block_sparse_moe(x)
+        y = self.mlp(x)
+        return y if self.shard is None else torch.ops.k3.all_reduce(y, "world")
 
 
 class K3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard=None):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         kda_i = mla_i = 0
         layers = []
         for i, kind in enumerate(cfg.layer_types):
-            layers.append(DecoderLayer(cfg, i, kda_i if kind == "kda" else mla_i))
+            layers.append(DecoderLayer(cfg, i, kda_i if kind == "kda" else mla_i, shard))
             kda_i, mla_i = kda_i + (kind == "kda"), mla_i + (kind == "mla")
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -101,16 +105,24 @@ class K3Model(nn.Module):
 
 
 class K3ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`shard` (a parallel.topology.RankShard) builds one rank of a parallel engine: its blocks of heads,
+    columns, experts and vocabulary, with k3::all_reduce / all_gather / all_to_all where partial results
+    meet. Without one the model is whole and issues no collective."""
+
+    def __init__(self, cfg: ModelConfig, shard=None):
         super().__init__()
         self.config = cfg
-        self.model = K3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.shard = shard
+        self.model = K3Model(cfg, shard)
+        vocab = cfg.vocab_size if shard is None else len(shard.block(cfg.vocab_size))  # lm_head split by vocab
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
+        if cfg.tie_word_embeddings and shard is None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     # ---- step contract ----
-    def cache_spec(self, dtype: torch.dtype | None = None, tp_size: int = 1) -> CacheSpec:
+    def cache_spec(self, dtype: torch.dtype | None = None, tp_size: int | None = None) -> CacheSpec:
+        if tp_size is None:
+            tp_size = 1 if self.shard is None else self.shard.world
         return CacheSpec.from_config(self.config, dtype or self.lm_head.weight.dtype, tp_size)
 
     def step(self, batch: ForwardBatch, cache: CacheTensors, window: DraftWindow | None = None,
@@ -145,7 +157,12 @@ class K3ForCausalLM(nn.Module):
         draft window's tensors in verify modes."""
         s = StepInputs(mode, cu_seqlens, seq_lens, page_table, state_slots, out_cache_loc, ssm, conv, kv, window)
         if not feature_layers:
-            return self.lm_head(self.model(input_ids, s)[logits_indices]).float()
+            logits = self.lm_head(self.model(input_ids, s)[logits_indices]).float()
+            if self.shard is None:
+                return logits
+            return torch.ops.k3.all_gather(logits, "world", self.shard.world, -1)
+        if self.shard is not None:
+            raise NotImplementedError("drafter feature layers are not supported on a rank of a parallel model yet")
         h, feats = self.model(input_ids, s, feature_layers)
         return self.lm_head(h[logits_indices]).float(), feats
 

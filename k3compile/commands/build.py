@@ -5,7 +5,8 @@ from __future__ import annotations
 def register(sub) -> None:
     p = sub.add_parser("build", help="compile a model into an engine directory (capture -> passes -> emit)")
     p.add_argument("--model", required=True, help="preset name or checkpoint directory")
-    p.add_argument("--topology", default="single", help="parallel layout (only 'single' for now)")
+    p.add_argument("--topology", default="single",
+                   help="parallel layout: single, tpN, tepN, dcpM or tpN-dcpM (one engine per rank under DIR/rank{r})")
     p.add_argument("-o", "--output", required=True, help="engine directory to write")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--device", default="cpu", help="where to load the model and run the passes (cpu, cuda)")

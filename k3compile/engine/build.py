@@ -21,7 +21,6 @@ from . import format as fmt
 from .emit import StagedDir, write_engine
 from .engine import DTYPE_NAMES, Engine
 
-TOPOLOGIES = ("single",)
 
 
 @dataclass
@@ -98,8 +97,9 @@ def build_engine(opts: BuildOptions, out_dir: str, log=None) -> Engine:
     from k3compile.model_def.loader import load_model
     from k3compile.tokenizer import _TOKENIZER_FILES
 
-    if opts.topology not in TOPOLOGIES:
-        raise ConfigError(f"topology '{opts.topology}' is not supported yet (supported: {', '.join(TOPOLOGIES)})")
+    from k3compile.model_def.parallel.topology import parse_topology
+
+    topology = parse_topology(opts.topology)
     if opts.dtype not in DTYPE_NAMES:
         raise ConfigError(f"dtype {opts.dtype} is not supported (fp32, bf16, fp16)")
     log = log or Progress()
@@ -108,6 +108,14 @@ def build_engine(opts: BuildOptions, out_dir: str, log=None) -> Engine:
     try:
         log(f"loading {opts.model} ({DTYPE_NAMES[opts.dtype]}, {opts.device})")
         model = load_model(opts.model, dtype=opts.dtype, device=opts.device, seed=opts.seed, progress=False)
+        tok_src = opts.model if os.path.isdir(opts.model) and any(
+            os.path.isfile(os.path.join(opts.model, f)) for f in _TOKENIZER_FILES) else None
+        if topology.world > 1:
+            from .build_parallel import build_ranks
+            engine = build_ranks(opts, topology, model, stage, tok_src, log, t0)
+            engine.path = stage.commit()
+            log(f"done: {out_dir} ({topology.world} ranks, {time.perf_counter() - t0:.1f}s)")
+            return engine
         dump_root = os.path.join(stage.dir, fmt.DUMPS_DIR) if opts.dump_graphs else None
         modes = MODES + (("verify",) if opts.verify_graphs else ())
         graphs, reports = compile_graphs(model, opts.pipeline, modes, opts.verify, dump_root, log)
@@ -116,8 +124,6 @@ def build_engine(opts: BuildOptions, out_dir: str, log=None) -> Engine:
                 rec["dump"] = os.path.relpath(rec["dump"], stage.dir).replace(os.sep, "/")
         engine = Engine(model.config, graphs, opts.dtype, page_size=opts.page_size)
         log(f"saving the engine to {out_dir}")
-        tok_src = opts.model if os.path.isdir(opts.model) and any(
-            os.path.isfile(os.path.join(opts.model, f)) for f in _TOKENIZER_FILES) else None
         build = {"device": str(opts.device), "seed": opts.seed, "verify": opts.verify,
                  "pipeline": _pipeline_dict(opts.pipeline), "seconds": round(time.perf_counter() - t0, 3)}
         source = os.path.abspath(opts.model) if os.path.isdir(opts.model) else opts.model

@@ -101,8 +101,9 @@ def _unshare(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def write_engine(stage_dir: str, engine: Engine, source: str, passes: dict, build: dict,
-                 tokenizer_src: str | None = None) -> dict:
-    """Write weights, graphs, tokenizer, report and (last) the manifest into `stage_dir`; returns the manifest."""
+                 tokenizer_src: str | None = None, parallel: dict | None = None) -> dict:
+    """Write weights, graphs, tokenizer, report and (last) the manifest into `stage_dir`; returns the manifest.
+    `parallel`: for one rank of a parallel engine, {"topology", "experts", "rank", "world", "plan"}."""
     from safetensors.torch import save_file
 
     import k3compile
@@ -118,7 +119,7 @@ def write_engine(stage_dir: str, engine: Engine, source: str, passes: dict, buil
         "format_version": fmt.FORMAT_VERSION,
         "model": {"name": engine.config.name, "source": source, "hf_config": engine.config.to_hf_dict()},
         "dtype": DTYPE_NAMES[engine.dtype],
-        "topology": "single",
+        "topology": parallel["topology"] if parallel else "single",
         "page_size": engine.page_size,
         "decode_buckets": list(engine.decode_buckets),
         "graphs": sorted(engine.graphs),
@@ -129,6 +130,8 @@ def write_engine(stage_dir: str, engine: Engine, source: str, passes: dict, buil
         "versions": {"k3compile": k3compile.__version__, "torch": torch.__version__},
         "build": build,
     }
+    if parallel:
+        manifest["parallel"] = parallel
     with open(os.path.join(stage_dir, fmt.REPORT), "w") as f:
         f.write(build_report(manifest, engine.graphs))
     manifest["files"] = fmt.checksum_tree(stage_dir)

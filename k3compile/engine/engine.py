@@ -31,9 +31,12 @@ from .plugins import import_plugins
 class Engine:
     def __init__(self, config: ModelConfig, graphs: dict[str, torch.fx.GraphModule], dtype: torch.dtype,
                  page_size: int = 16, decode_buckets=fmt.DECODE_BUCKETS, manifest: dict | None = None,
-                 path: str | None = None):
+                 path: str | None = None, topology=None, rank: int = 0):
+        """`topology` (model_def.parallel.topology.Topology) and `rank`: this engine is one rank of a
+        parallel engine; its graphs issue k3:: collectives over the process groups the caller registers."""
         if not graphs:
             raise ValueError("an engine needs at least one step graph")
+        self.topology, self.rank = topology, rank
         self.config, self.graphs, self.dtype = config, graphs, dtype
         self.page_size, self.decode_buckets = page_size, tuple(decode_buckets)
         self.manifest, self.path = manifest or {}, path
@@ -46,10 +49,17 @@ class Engine:
                 return t.device
         return torch.device("cpu")
 
-    def cache_spec(self, dtype: torch.dtype | None = None, tp_size: int = 1) -> CacheSpec:
-        if tp_size != 1:
-            raise ValueError(f"this engine was built for topology 'single'; tp_size {tp_size} needs a TP engine")
-        return CacheSpec.from_config(self.config, dtype or self.dtype, 1)
+    @property
+    def world(self) -> int:
+        return 1 if self.topology is None else self.topology.world
+
+    def cache_spec(self, dtype: torch.dtype | None = None, tp_size: int | None = None) -> CacheSpec:
+        """The pools of this rank (KDA heads split over the engine's ranks)."""
+        if tp_size is not None and tp_size != self.world:
+            name = "single" if self.topology is None else self.topology.name
+            raise ValueError(f"this engine was built for topology '{name}' ({self.world} ranks); "
+                             f"tp_size {tp_size} does not match")
+        return CacheSpec.from_config(self.config, dtype or self.dtype, self.world)
 
     @torch.no_grad()
     def step_tensors(self, mode: str, *args: torch.Tensor) -> torch.Tensor:
@@ -81,9 +91,21 @@ class Engine:
 
     # ---- loading ----
     @classmethod
-    def load(cls, path: str, device=None, verify_checksums: bool = True) -> "Engine":
-        """Restore an engine directory written by `k3compile build` (see format.py for the layout)."""
+    def load(cls, path: str, device=None, verify_checksums: bool = True, rank: int | None = None) -> "Engine":
+        """Restore an engine directory written by `k3compile build` (see format.py for the layout).
+        A parallel engine's directory holds one engine per rank: `rank` picks which one to load."""
         m = fmt.read_manifest(path)
+        if "ranks" in m:
+            ranks = m["ranks"]
+            if rank is None:
+                raise fmt.EngineError(f"{path}: a {m.get('topology')} engine of {len(ranks)} ranks; each rank process "
+                                      f"loads its own (rank=0..{len(ranks) - 1}); serving a parallel engine "
+                                      f"is not supported yet")
+            if str(rank) not in ranks:
+                raise fmt.EngineError(f"{path}: no rank {rank} (ranks 0..{len(ranks) - 1})")
+            return cls.load(os.path.join(path, ranks[str(rank)]), device, verify_checksums)
+        if rank not in (None, 0) and "parallel" not in m:
+            raise fmt.EngineError(f"{path}: a single-rank engine has no rank {rank}")
         fmt.verify_files(path, m["files"], check_hashes=verify_checksums)
         for need in (fmt.WEIGHTS, *(fmt.graph_file(mode) for mode in m["graphs"])):
             if need not in m["files"]:
@@ -109,8 +131,13 @@ class Engine:
                                                source=f"{path}/{rel}")
             except GraphFormatError as e:
                 raise fmt.EngineError(str(e)) from None
+        topology, rank = None, 0
+        if "parallel" in m:
+            from k3compile.model_def.parallel.topology import parse_topology
+            par = m["parallel"]
+            topology, rank = parse_topology(par["topology"], par.get("experts", "auto")), int(par["rank"])
         return cls(config, graphs, DTYPES[m["dtype"]], page_size=int(m["page_size"]),
-                   decode_buckets=m["decode_buckets"], manifest=m, path=path)
+                   decode_buckets=m["decode_buckets"], manifest=m, path=path, topology=topology, rank=rank)
 
 
 # Byte alignment of every loaded weight: what torch's own allocators give (CPU 64, CUDA more). safetensors

@@ -13,13 +13,17 @@ from torch import nn
 from ..ops import library as k3ops  # noqa: F401  (registers torch.ops.k3.*)
 from ..ops import kda_math
 from ..ops.kda_math import kda_gate
+from ..parallel import comm  # noqa: F401  (registers torch.ops.k3.all_reduce)
 from .common import GatedRMSNorm, StepInputs, linear, per_sequence
 
 
 class KDAMixer(nn.Module):
-    def __init__(self, cfg, pool_index: int):
+    def __init__(self, cfg, pool_index: int, shard=None):
         super().__init__()
         d, h, hd = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        if shard is not None:  # tensor parallel by head: this rank's block of heads; o_proj row-parallel
+            h = len(shard.block(h))
+        self.shard = shard
         self.num_heads, self.head_dim, self.pool_index = h, hd, pool_index
         self.lower_bound = cfg.gate_lower_bound
         inner = h * hd
@@ -73,7 +77,8 @@ class KDAMixer(nn.Module):
             o = torch.ops.k3.kda_prefill(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots, s.cu_seqlens,
                                          s.seq_lens)
         o = self.o_norm(o, self.output_gate(x).unflatten(-1, heads))
-        return self.o_proj(o.flatten(-2))
+        y = self.o_proj(o.flatten(-2))
+        return y if self.shard is None else torch.ops.k3.all_reduce(y, "world")
 
     @torch.no_grad()
     def init_special(self, gen: torch.Generator) -> None:

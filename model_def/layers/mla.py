@@ -12,13 +12,21 @@ from torch import nn
 
 from ..ops import library as k3ops  # noqa: F401
 from ..ops.attention_math import mla_expanded
+from ..parallel import comm  # noqa: F401  (registers torch.ops.k3.all_reduce / all_to_all)
+from ..parallel.dcp_attention import dcp_exchange
 from .common import RMSNorm, StepInputs, linear
 
 
 class MLAMixer(nn.Module):
-    def __init__(self, cfg, pool_index: int):
+    def __init__(self, cfg, pool_index: int, shard=None):
         super().__init__()
         d, h = cfg.hidden_size, cfg.num_attention_heads
+        # Sharded: queries for the heads of this rank's query group (all heads under pure DCP), the
+        # gate and o_proj for its own block of heads (o_proj row-parallel); the latent KV projection
+        # stays whole, so every rank can write the cache rows it stores.
+        h_out = h if shard is None else len(shard.block(h))
+        h = h if shard is None else len(shard.query_block(h))
+        self.shard, self.dcp = shard, 1 if shard is None else shard.dcp
         self.num_heads, self.pool_index = h, pool_index
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
@@ -33,8 +41,8 @@ class MLAMixer(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)  # DeepSeek-style default eps, as transformers
         self.kv_b_proj = linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         if cfg.mla_output_gate:
-            self.g_proj = linear(d, h * cfg.v_head_dim)
-        self.o_proj = linear(h * cfg.v_head_dim, d)
+            self.g_proj = linear(d, h_out * cfg.v_head_dim)
+        self.o_proj = linear(h_out * cfg.v_head_dim, d)
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -49,7 +57,11 @@ class MLAMixer(nn.Module):
                                         self.scale, 0) for a, b in s.spans()])
             return self._output(o, x)
         torch.ops.k3.kv_write(rows, s.kv, self.pool_index, s.out_cache_loc)
-        if s.mode == "decode" or s.window:
+        if self.dcp > 1:
+            if s.window:
+                raise NotImplementedError("speculative verify steps are not supported under DCP yet")
+            o = self._attend_dcp(q, s).to(x.dtype)
+        elif s.mode == "decode" or s.window:
             w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))  # [H, nope+v, r]
             w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
             q_nope = torch.einsum("bhd,hdr->bhr", q[..., : self.nope], w_uk)
@@ -74,4 +86,17 @@ class MLAMixer(nn.Module):
         o = o.flatten(-2)
         if hasattr(self, "g_proj"):
             o = o * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o)
+        y = self.o_proj(o)
+        return y if self.shard is None else torch.ops.k3.all_reduce(y, "world")
+
+    def _attend_dcp(self, q: torch.Tensor, s: StepInputs) -> torch.Tensor:
+        """Absorbed attention over this rank's positions (prefill and decode alike), W_UV applied per head
+        before the exchange (linear, so merging 128-wide outputs equals merging 512-wide latents), then one
+        all-to-all + exact LSE merge: [N, H_query, nope+rope] -> [N, H_own, v]."""
+        w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
+        q_lat = torch.cat([torch.einsum("bhd,hdr->bhr", q[..., : self.nope], w_uk), q[..., self.nope:]], -1)
+        o_lat, lse = torch.ops.k3.mla_partial(q_lat, s.kv, self.pool_index, s.page_table, s.cu_seqlens, s.seq_lens,
+                                              self.scale, self.kv_lora_rank, self.shard.dcp_rank, self.dcp)
+        o = torch.einsum("bhr,hdr->bhd", o_lat, w_uv.float())
+        return dcp_exchange(o, lse, self.dcp)

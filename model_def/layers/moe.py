@@ -12,12 +12,17 @@ from torch import nn
 
 from ..ops import library as k3ops  # noqa: F401
 from ..ops.moe_math import glu_act, route
+from ..parallel import comm  # noqa: F401  (registers torch.ops.k3.all_reduce)
 from .common import RMSNorm, linear
 
 
 class GLUMLP(nn.Module):
-    def __init__(self, d: int, inter: int, cfg):
+    """With a shard: gate/up column-parallel, down row-parallel; the output is this rank's partial sum."""
+
+    def __init__(self, d: int, inter: int, cfg, shard=None):
         super().__init__()
+        if shard is not None:
+            inter = len(shard.block(inter))
         self.gate_proj, self.up_proj, self.down_proj = linear(d, inter), linear(d, inter), linear(inter, d)
         self.act, self.beta, self.linear_beta = cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta
 
@@ -46,9 +51,12 @@ class Experts(nn.Module):
     codes `w13_packed` [E, 2I, W/2] / `w2_packed` [E, W, I/2] and E8M0 scales `w13_scale` [E, 2I, W/32] /
     `w2_scale` [E, W, I/32]; the reference dequantizes them on the fly."""
 
-    def __init__(self, width: int, cfg):
+    def __init__(self, width: int, cfg, shard=None):
         super().__init__()
         e, i = cfg.num_experts, cfg.moe_intermediate_size
+        if shard is not None:  # EP: a block of whole experts; TP: every expert's intermediate slice
+            e = len(shard.expert_block(e))
+            i = i if shard.expert_mode == "ep" else len(shard.block(i))
         self.mxfp4 = cfg.expert_quant == "mxfp4"
         if self.mxfp4:
             def u8(*shape):
@@ -70,14 +78,23 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg):
+    """With a shard: the router, latent down/up projections and latent norm are replicated; routed
+    experts (EP or TP) and shared experts give partial sums that are all-reduced: the latent sum u
+    before its norm, the full-width output after (one all-reduce when there is no latent space)."""
+
+    def __init__(self, cfg, shard=None):
         super().__init__()
         d = cfg.hidden_size
         width = cfg.latent_size or d
+        self.shard = shard
+        self.expert_range = None
+        if shard is not None and shard.expert_mode == "ep":
+            blk = shard.expert_block(cfg.num_experts)
+            self.expert_range = (blk.start, len(blk))
         self.gate = Router(d, cfg)
-        self.experts = Experts(width, cfg)
+        self.experts = Experts(width, cfg, shard)
         if cfg.num_shared_experts:
-            self.shared_experts = GLUMLP(d, cfg.moe_intermediate_size * cfg.num_shared_experts, cfg)
+            self.shared_experts = GLUMLP(d, cfg.moe_intermediate_size * cfg.num_shared_experts, cfg, shard)
         if cfg.latent_size is not None:
             self.routed_expert_down_proj = linear(d, width)
             self.routed_expert_up_proj = linear(width, d)
@@ -86,11 +103,27 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        if self.expert_range is not None:  # EP: choices of other ranks' experts weigh nothing here
+            lo, n = self.expert_range
+            mine = (ids >= lo) & (ids < lo + n)
+            weights = weights * mine
+            ids = torch.where(mine, ids - lo, torch.zeros_like(ids))
         latent = hasattr(self, "routed_expert_down_proj")
         u = self.experts(self.routed_expert_down_proj(x) if latent else x, weights, ids)
+        if self.shard is None:
+            if hasattr(self, "routed_expert_norm"):
+                u = self.routed_expert_norm(u)
+            y = self.routed_expert_up_proj(u) if latent else u
+            if hasattr(self, "shared_experts"):
+                y = y + self.shared_experts(x)
+            return y
+        if not latent:
+            y = u + self.shared_experts(x) if hasattr(self, "shared_experts") else u
+            return torch.ops.k3.all_reduce(y, "world")
+        u = torch.ops.k3.all_reduce(u, "world")
         if hasattr(self, "routed_expert_norm"):
             u = self.routed_expert_norm(u)
-        y = self.routed_expert_up_proj(u) if latent else u
+        y = self.routed_expert_up_proj(u)
         if hasattr(self, "shared_experts"):
-            y = y + self.shared_experts(x)
+            y = y + torch.ops.k3.all_reduce(self.shared_experts(x), "world")
         return y

@@ -1,0 +1,58 @@
+"""Rank graphs of tp2 for the communication-pass tests: captured per rank, run through the passes before
+the one under test, copied, the pass applied to the copy; then both run over gloo on the same inputs."""
+from __future__ import annotations
+
+import torch
+
+from k3compile.capture import capture_step
+from k3compile.model_def.parallel.shard import shard_model
+from k3compile.model_def.parallel.topology import RankShard, parse_topology
+from k3compile.passes.manager import PassManager, snapshot
+from k3compile.passes.pipeline import pipeline_from_flags
+from k3compile.passes.registry import registered_passes
+from k3compile.passes.verify import step_inputs
+from k3compile.runtime.parallel.groups import init_rank, shutdown_rank
+from k3compile.runtime.parallel.launch import launch
+from tests.model_def.parallel.helpers import whole_model, wide_config
+
+TOPOLOGY = "tp2"
+
+
+def passes_before(name: str, skip=()) -> list[str]:
+    return [p for p in registered_passes() if p < name and p not in skip]
+
+
+def run_passes(gm, names, mode):
+    return PassManager(pipeline_from_flags(passes=",".join(names))).run(gm, graph_name=mode).matches()
+
+
+def rank_graphs(model_name: str, mode: str, pass_name: str, skip=()):
+    """[(graph before the pass, graph after it, its match count, step inputs)] for each rank of tp2."""
+    cfg = wide_config(model_name, 2)
+    whole = whole_model(cfg)
+    out = []
+    for r in range(parse_topology(TOPOLOGY).world):
+        m = shard_model(whole, RankShard.of(cfg, parse_topology(TOPOLOGY), r))
+        gm = capture_step(m, mode)
+        run_passes(gm, passes_before(pass_name, skip), mode)
+        after = snapshot(gm)
+        out.append((gm, after, run_passes(after, [pass_name], mode)[pass_name], step_inputs(m, mode, seed=r)))
+    return cfg, out
+
+
+def _run_both(rank, graphs):
+    init_rank(parse_topology(TOPOLOGY), "gloo", timeout_s=60)
+    try:
+        before, after, _, inputs = graphs[rank]
+        return before(*[t.clone() for t in inputs]), after(*[t.clone() for t in inputs])
+    finally:
+        shutdown_rank()
+
+
+def assert_same_over_gloo(graphs, rtol=1e-5, atol=1e-5):
+    for a, b in launch(_run_both, len(graphs), (graphs,), timeout_s=120):
+        assert torch.allclose(a, b, rtol=rtol, atol=atol), (a - b).abs().max()
+
+
+def count(gm, op) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target == op)
