@@ -236,7 +236,7 @@ class LLMEngine:
             self.spec = make_spec_decoder(args, self.provider, spec, max_running, device, proposer,
                                           window_rows=next_bucket(max_running, ex.buckets) or max_running,
                                           padded=ex.pad_to_buckets)
-            ex.prepare_verify(self.spec.window, self.spec.gamma + 1)
+            ex.prepare_verify(self.spec.window, self.spec.gamma + 1, self.spec.feature_layers)
         self._requests: dict[str, Request] = {}  # added and not yet reported finished
         self._outbox: dict[str, Request] = {}  # requests with something to report at the next step
         self._inflight: InFlight | None = None
@@ -414,6 +414,8 @@ class LLMEngine:
             self._note(self.scheduler.fail_batch(batch, f"the {batch.mode} step failed: {e!r}"))
             return
         self._note(self.scheduler.process(batch, sampled))
+        if job.features is not None:  # a drafter reads target features: the prefill step emitted them
+            self.spec.observe_prefill(batch, job.features)
         for i, err in errors.items():
             req = batch.rows[i].req
             log.warning("request %s failed: %s", req.rid, err)

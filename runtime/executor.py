@@ -29,6 +29,7 @@ it needs the pools as separate tensors (aot_autograd cannot mutate two views of 
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Mapping, Protocol
 
 import torch
@@ -107,6 +108,7 @@ class Executor:
                                  "in-place updates of two views of one buffer (the slot layout of split pools)")
             self._decode = torch.compile(self._decode, mode=compile_decode, fullgraph=True)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.feature_layers: tuple[int, ...] = ()  # set by prepare_verify for drafters that read target features
         if self.pad_to_buckets:
             self._alloc_static()
         if self.cuda_graphs:
@@ -204,14 +206,25 @@ class Executor:
 
 
     # ---- verify steps (speculative decoding) ----
-    def prepare_verify(self, window, max_len: int) -> None:
+    def prepare_verify(self, window, max_len: int, feature_layers: tuple[int, ...] = ()) -> None:
         """Use `window` (model_def.draft_window.DraftWindow) for every verify step from now on; with
         padding on, verify batches are padded to (batch bucket, tokens per request) buckets -- one
-        CUDA graph each when graphs are on, captured here, largest first, sharing one memory pool."""
+        CUDA graph each when graphs are on, captured here, largest first, sharing one memory pool.
+
+        `feature_layers` (a drafter that reads target features, e.g. DSpark): from now on prefill and
+        verify steps return (logits, features [tokens, F]) of those layers for every real token."""
         mode = window.spec.step_mode
         if not _has_mode(self._provider, mode):
             raise ValueError(f"this step provider has no {mode!r} step (build the engine with --verify-graphs)")
         self._window, self._verify_fn = window, step_function(self._provider, mode)
+        self.feature_layers = tuple(feature_layers)
+        if self.feature_layers:
+            if not emits_features(self._provider):
+                raise ValueError(f"the drafter reads target features of layers {self.feature_layers}, but this step "
+                                 f"provider ({type(self._provider).__name__}) does not emit them: a compiled engine's "
+                                 f"captured graphs return logits only; run the target from --model (eager)")
+            self._verify_fn = _with_features(self._provider, mode, self.feature_layers)
+            self._prefill = _with_features(self._provider, "prefill", self.feature_layers)
         self._verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._verify_inputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # a graph's static batch inputs
         self.verify_buckets = tuple(b for b in self.buckets if b <= window.rows)
@@ -277,9 +290,24 @@ class Executor:
             graph.replay()
         else:
             out = self._verify_fn(*args)
+        logits = out[0] if isinstance(out, tuple) else out
         real = torch.tensor([i * n + j for i, e in enumerate(batch.extend_lens_cpu) for j in range(e)],
-                            device=out.device)
-        return out[real]
+                            device=logits.device)
+        return (logits[real], out[1][real]) if isinstance(out, tuple) else logits[real]
+
+
+def emits_features(provider) -> bool:
+    """Whether `provider`'s steps can also return target features (the eager model's `feature_layers`)."""
+    if isinstance(provider, Mapping) or isinstance(getattr(provider, "graphs", None), Mapping):
+        return False
+    fn = getattr(provider, "step_tensors", None)
+    return fn is not None and "feature_layers" in inspect.signature(fn).parameters
+
+
+def _with_features(provider, mode: str, layers: tuple[int, ...]) -> StepFn:
+    def fn(*args):
+        return provider.step_tensors(mode, *args, feature_layers=layers)
+    return fn
 
 
 def _pools_alias(cache: CacheTensors) -> bool:

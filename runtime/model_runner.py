@@ -40,6 +40,7 @@ class InFlight:
         self.error: BaseException | None = None  # what the forward raised
         self.row_errors: dict[int, str] = {}  # rows whose sampling raised alone (per-row fallback)
         self.fallback: BatchSample | None = None
+        self.features: torch.Tensor | None = None  # target features of every computed token, for a drafter
         self._future: Future | None = None
 
     def result(self) -> tuple[BatchSample, dict[int, str]]:
@@ -64,12 +65,14 @@ class ModelRunner:
         threaded = overlap and self.executor.device.type != "cuda"
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="k3-forward") if threaded else None
 
-    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _forward(self, batch: ScheduledBatch, job: InFlight) -> torch.Tensor:
         with torch.no_grad():
-            logits = self.executor.run(batch.forward)
+            out = self.executor.run(batch.forward)
             for working, snap in batch.snapshot_copies:
                 self.memory.copy_slot(working, snap)
-        return logits
+        if isinstance(out, tuple):  # the executor emits target features (a speculative drafter reads them)
+            out, job.features = out
+        return out
 
     def launch(self, batch: ScheduledBatch, prev: InFlight | None = None,
                sources: dict[int, int] | None = None) -> InFlight:
@@ -81,7 +84,7 @@ class ModelRunner:
             try:
                 if sources:
                     self._fill_from(batch, prev, sources)
-                logits = self._forward(batch)
+                logits = self._forward(batch, job)
             except Exception as e:
                 job.error = e
                 return
@@ -97,7 +100,7 @@ class ModelRunner:
         """Launch without overlap (placeholders, if any, filled by the caller)."""
         job = InFlight(batch)
         try:
-            logits = self._forward(batch)
+            logits = self._forward(batch, job)
         except Exception as e:
             job.error = e
             return job

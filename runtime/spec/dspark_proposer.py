@@ -2,10 +2,15 @@
 
 Per request it keeps the drafter's context: the target features it was given (through `observe` or
 `DraftRequest.features`), already projected by the drafter's `fc` + `hidden_norm` (D values per
-position instead of len(feature_layers) * D) and trimmed to the drafter's `context_window` most recent
-positions. Features arrive in position order, each position once, starting at position 0; the anchor
-(the last committed token) has none yet (the target has not read it), so a request with k feature rows
-drafts from an anchor at position >= k.
+position instead of len(feature_layers) * D), with their positions, trimmed to the drafter's
+`context_window` most recent positions. Features arrive in position order, by default starting at
+position 0 and each position once; the anchor (the last committed token) has none yet (the target has
+not read it), so a request with features up to position k - 1 drafts from an anchor at position >= k.
+
+`observe(..., start=s)` says the rows begin at position s: a request that hit a cached prefix gets
+features from its first computed position on (the cached positions have none: the drafter reads fewer
+context rows, verification keeps the output exact); a recomputation (s before the positions already
+seen) replaces the rows from s on.
 """
 from __future__ import annotations
 
@@ -30,7 +35,8 @@ class DSparkProposer:
         device = drafter.fc.weight.device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._rows: dict[str, torch.Tensor] = {}  # rid -> [<= window, D] projected context rows
-        self._seen: dict[str, int] = {}  # rid -> positions observed so far
+        self._pos: dict[str, torch.Tensor] = {}  # rid -> [<= window] their positions (increasing)
+        self._seen: dict[str, int] = {}  # rid -> the position after the last row observed
 
     @classmethod
     def from_checkpoint(cls, path: str, target, gamma: int | None = None, seed: int = 0) -> "DSparkProposer":
@@ -39,12 +45,14 @@ class DSparkProposer:
 
     # ---- the contract ----
     @torch.no_grad()
-    def observe(self, rid: str, token_ids: list[int], features: torch.Tensor | None) -> None:
+    def observe(self, rid: str, token_ids: list[int], features: torch.Tensor | None,
+                start: int | None = None) -> None:
         if features is not None and features.shape[0]:
-            self._absorb(rid, features)
+            self._absorb(rid, features, start)
 
     def release(self, rid: str) -> None:
         self._rows.pop(rid, None)
+        self._pos.pop(rid, None)
         self._seen.pop(rid, None)
 
     @torch.no_grad()
@@ -71,7 +79,7 @@ class DSparkProposer:
                 continue
             n = x.shape[0]
             ctx[i, :n] = x
-            ctx_pos[i, :n] = torch.arange(self._seen[r.rid] - n, self._seen[r.rid], device=device)
+            ctx_pos[i, :n] = self._pos[r.rid]
             visible[i, 0, :n] = True
         anchors = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long, device=device)
         anchor_pos = torch.tensor([len(r.token_ids) - 1 for r in requests], dtype=torch.long, device=device)
@@ -83,9 +91,16 @@ class DSparkProposer:
         return DraftBlock(tokens, probs, conf)
 
     # ---- per-request context ----
-    def _absorb(self, rid: str, features: torch.Tensor) -> None:
-        new = self.drafter.project_features(features.to(self.drafter.fc.weight.device))
+    def _absorb(self, rid: str, features: torch.Tensor, start: int | None = None) -> None:
+        device = self.drafter.fc.weight.device
+        start = self._seen.get(rid, 0) if start is None else int(start)
+        if start < 0:
+            raise ValueError(f"request {rid}: features start at position {start}")
+        new = self.drafter.project_features(features.to(device))
+        pos = torch.arange(start, start + features.shape[0], device=device)
         old = self._rows.get(rid)
-        rows = new if old is None else torch.cat([old, new])
-        self._rows[rid] = rows[-self.window:]
-        self._seen[rid] = self._seen.get(rid, 0) + features.shape[0]
+        if old is not None:
+            keep = self._pos[rid] < start  # a recomputation replaces what it covers
+            new, pos = torch.cat([old[keep], new]), torch.cat([self._pos[rid][keep], pos])
+        self._rows[rid], self._pos[rid] = new[-self.window:], pos[-self.window:]
+        self._seen[rid] = start + features.shape[0]

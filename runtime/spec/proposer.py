@@ -7,13 +7,16 @@ accepted prefix (lossless: greedy match or rejection sampling), commits it and t
 
     block = proposer.propose([DraftRequest(rid, token_ids, temperature, features), ...])
     ... verify, accept ...
-    proposer.observe(rid, committed_token_ids, committed_features)   # after each commit
+    proposer.observe(rid, committed_token_ids, committed_features, start)   # after each commit
     proposer.release(rid)                                           # request finished / aborted
 
 `features` are the target's hidden features for positions the proposer has not seen yet: one row
 per position, the layers and stream named by the proposer's `feature_layers` (the target step
 emits them when asked; empty tuple = the proposer needs none). The proposer owns any per-request
-cache of them; the runtime passes each position's features exactly once.
+cache of them; the runtime passes each computed position's features once, in position order, with
+`start` the position of the first row (positions a cached prefix skipped have none; a recomputation
+after preemption passes them again from an earlier start). Proposers without `feature_layers` are
+called without `start` and get features None.
 """
 from __future__ import annotations
 
@@ -51,6 +54,6 @@ class Proposer(Protocol):
 
     def propose(self, requests: Sequence[DraftRequest]) -> DraftBlock: ...
 
-    def observe(self, rid: str, token_ids: list[int], features: torch.Tensor | None) -> None: ...
+    def observe(self, rid: str, token_ids: list[int], features: torch.Tensor | None, start: int | None = None) -> None: ...
 
     def release(self, rid: str) -> None: ...

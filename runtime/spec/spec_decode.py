@@ -67,9 +67,8 @@ class SpecDecoder:
     def __init__(self, proposer, planner: Planner, window_kind: str, cache_spec, max_rows: int, device="cpu"):
         self.proposer, self.planner = proposer, planner
         self.gamma = int(proposer.gamma)
-        if proposer.feature_layers:
-            raise ValueError(f"proposer {type(proposer).__name__} needs target features of layers "
-                             f"{proposer.feature_layers}; the verify step does not emit features yet")
+        self.feature_layers = tuple(proposer.feature_layers)  # the executor's prefill / verify steps emit them
+        self._features: dict[str, tuple[int, torch.Tensor]] = {}  # rid -> (first position, rows) committed, not passed yet
         self.window = DraftWindow.allocate(DraftWindowSpec(cache_spec, self.gamma + 1, window_kind), max_rows, device)
         self.stats = SpecStats()
 
@@ -109,7 +108,8 @@ class SpecDecoder:
             slots.append(int(batch.forward.state_slots[i]))
         fb = ForwardBatch.build(self.window.spec.step_mode, ids, [r.start for r in rows], tables, slots, page_size,
                                 device=batch.forward.input_ids.device, logits="all")
-        logits = executor.run_verify(fb)
+        out = executor.run_verify(fb)
+        logits, feats = out if isinstance(out, tuple) else (out, None)
         starts = fb.cu_seqlens[:-1].long()
         sampled, errors = sample(batch, logits[starts])
         extra, accept = {}, []
@@ -131,6 +131,11 @@ class SpecDecoder:
         # the decode step this replaces would have run at the batch's graph bucket: its kernel blocks
         decode_batch = (next_bucket(len(rows), executor.buckets) if executor.pad_to_buckets else None) or len(rows)
         commit(executor.cache, self.window, slots, accept, decode_batch=decode_batch)
+        if feats is not None:  # the anchor's and the accepted drafts' features: the positions now committed
+            for i, r in enumerate(rows):
+                if accept[i]:
+                    a = int(starts[i])
+                    self._features[r.req.rid] = (r.start, feats[a: a + accept[i]])
         self._note(rows, spec_rows, keep, accept)
         return SpecResult(sampled, errors, extra)
 
@@ -157,10 +162,28 @@ class SpecDecoder:
         s.history.append((len(rows), len(rows) + sum(keep), acc))
 
     def observe(self, reqs) -> None:
-        """After the scheduler applied a step: tell the proposer what each request committed; release
+        """After the scheduler applied a step: tell the proposer what each request committed (with the
+        target features of the positions the step committed, for proposers that read them); release
         finished ones."""
         for req in reqs:
+            got = self._features.pop(req.rid, None)
             if req.finished:
                 self.proposer.release(req.rid)
-            else:
+            elif not self.feature_layers:
                 self.proposer.observe(req.rid, req.all_ids, None)
+            elif got is not None:
+                self.proposer.observe(req.rid, req.all_ids, got[1], start=got[0])
+
+    def observe_prefill(self, batch, features: torch.Tensor) -> None:
+        """After the scheduler applied a prefill batch: each live row's features (positions
+        [row.start, row.end), packed in row order) go to the proposer; requests that finished there are
+        released. Positions a cached prefix skipped have none (the proposer drafts from fewer rows)."""
+        lens = batch.forward.extend_lens_cpu
+        first = 0
+        for row, n in zip(batch.rows, lens):
+            req = row.req
+            if req.finished:
+                self.proposer.release(req.rid)
+            elif not req.void and req.handle is not None:
+                self.proposer.observe(req.rid, req.all_ids, features[first: first + n], start=row.start)
+            first += n
