@@ -93,3 +93,13 @@ def test_providers_without_features_are_refused(target):
     window = DraftWindow.allocate(DraftWindowSpec(target.cache_spec(), 5, "replay"), 1, "cpu")
     with pytest.raises(ValueError, match="does not emit them"):
         ex.prepare_verify(window, 5, (1, 4, 8))
+
+
+def test_generate_cli_dspark_equals_plain(capsys):
+    from k3compile.cli import main
+    prompt = TEXTS[1].decode()
+    base = ["generate", "--model", TARGET, "--prompt", prompt, "--max-new-tokens", "20"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert main(base + ["--speculative", "dspark", "--draft", DRAFTER, "--num-speculative-tokens", "4"]) == 0
+    assert capsys.readouterr().out == plain
