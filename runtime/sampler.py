@@ -118,13 +118,7 @@ def sample_rows_async(logits: torch.Tensor, params: list[SamplingParams], genera
         sampled = to_device([not g for g in greedy], torch.bool, dev)
         bad = sampled & ~torch.isfinite(logits).all(dim=-1)
         x = x.masked_fill(bad[:, None], 0.0)
-        temps = to_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32, dev)
-        # shifted to <= 0 first: a temperature down to SAMPLING_EPS cannot overflow a logit to inf
-        x = (x - x.max(dim=-1, keepdim=True).values) / temps[:, None]
-        ks = [p.top_k if p.top_k and not g else 0 for p, g in zip(params, greedy)]
-        ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
-        if any(ks) or any(p < 1.0 for p in ps):
-            _truncate(x, ks, ps)
+        x = _temper(x, params, greedy)
     # an all-greedy batch without logprobs needs only the argmax
     wants = [p.logprobs for p in params]
     need = not all(greedy) or any(k is not None for k in wants)
@@ -151,6 +145,27 @@ def sample_rows_async(logits: torch.Tensor, params: list[SamplingParams], genera
         chosen = sub.gather(1, tokens[idx][:, None]).squeeze(1)
         top_v, top_i = sub.topk(k, dim=-1) if k else (sub[:, :0], sub[:, :0].long())
     return DeviceSample(tokens, bad, chosen, top_v, top_i, lp_rows, wants)
+
+
+def _temper(x: torch.Tensor, params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
+    """Temperature, then top-k / top-p, on the non-greedy rows (greedy rows only shifted)."""
+    temps = to_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32, x.device)
+    # shifted to <= 0 first: a temperature down to SAMPLING_EPS cannot overflow a logit to inf
+    x = (x - x.max(dim=-1, keepdim=True).values) / temps[:, None]
+    ks = [p.top_k if p.top_k and not g else 0 for p, g in zip(params, greedy)]
+    ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+    if any(ks) or any(p < 1.0 for p in ps):
+        _truncate(x, ks, ps)
+    return x
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [R, V] of sampled (temperature > 0) rows without penalties, bias or masks -> the distribution
+    `sample_rows` draws each row's token from (temperature, top-k, top-p), [R, V] fp32. Speculative
+    decoding's rejection sampling verifies drafts against exactly this distribution."""
+    if any(p.greedy or p.penalized or p.logit_bias for p in params):
+        raise ValueError("sampling_probs takes sampled rows without penalties or logit bias")
+    return torch.softmax(_temper(logits.float(), params, [False] * len(params)), dim=-1)
 
 
 def _truncate(x: torch.Tensor, ks: list[int], ps: list[float]) -> None:

@@ -9,17 +9,19 @@ accepted drafts' argmax would not reproduce) gets gamma drafts from the proposer
 prefix of each; the target verifies anchor + kept drafts in one verify step (MLA appends KV, KDA
 writes the draft window, not the state); the anchor's logits are sampled by the engine's own sampler
 (so every request, speculating or not, gets exactly the token decode would give it); drafts are
-accepted while they equal the target's greedy token; the commit folds (ReplaySSM) or selects
-(snapshot) each request's accepted prefix into its state slot and rolls its conv windows.
+accepted while they equal the target's greedy token; sampled rows (temperature > 0, top-k, top-p)
+instead go through rejection sampling (acceptance.verify_sampled) against the very distribution the
+sampler would draw from; the commit folds (ReplaySSM) or selects (snapshot) each request's accepted
+prefix into its state slot and rolls its conv windows.
 
 Greedy output is therefore the non-speculative output token for token (up to the verify step's
-floating-point rounding, which differs from decode's the way any batch shape does). Rows that cannot
-speculate verify their anchor alone: a decode step. Requests at temperature > 0 do not speculate yet
-(rejection sampling arrives with the DSpark drafter's acceptance module).
+floating-point rounding, which differs from decode's the way any batch shape does), and sampled output
+has the non-speculative distribution. Rows that cannot speculate verify their anchor alone: a decode
+step. Proposers that read target features (DSpark) get the rows of the positions each step committed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -27,17 +29,21 @@ from k3compile.model_def.batch import ForwardBatch
 from k3compile.model_def.draft_window import DraftWindow, DraftWindowSpec
 from k3compile.runtime.executor import next_bucket
 from k3compile.runtime.memory.base import OutOfMemoryError
-from k3compile.runtime.sampling import SAMPLING_EPS
+from k3compile.runtime.sampler import sampling_probs
 
+from .acceptance import verify_sampled
 from .fold_kernel import commit
 from .planner import Planner
 from .proposer import DraftRequest
 
 
 def can_speculate(req) -> bool:
+    """Greedy or plain sampling (temperature, top-k, top-p): what exact match / rejection sampling verify
+    losslessly. Penalties, bias and guides change the distribution per committed token; logprobs and
+    n > 1 groups want the sampler's own per-token outputs."""
     p = req.params
-    return (p.temperature < SAMPLING_EPS and not p.penalized and not p.logit_bias and p.guide is None
-            and p.logprobs is None and not req.followers)
+    return (not p.penalized and not p.logit_bias and p.guide is None and p.logprobs is None
+            and not req.followers)
 
 
 @dataclass
@@ -83,7 +89,7 @@ class SpecDecoder:
         live = [not r.req.finished and r.req.handle is not None and not r.req.void for r in rows]
         spec_rows = [i for i, r in enumerate(rows) if live[i] and can_speculate(r.req)]
         keep = [0] * len(rows)
-        drafts = None
+        drafts, block = None, None
         if spec_rows:
             block = self.proposer.propose([DraftRequest(rows[i].req.rid, rows[i].req.all_ids[: rows[i].start + 1],
                                                         rows[i].req.params.temperature) for i in spec_rows])
@@ -111,9 +117,24 @@ class SpecDecoder:
         out = executor.run_verify(fb)
         logits, feats = out if isinstance(out, tuple) else (out, None)
         starts = fb.cu_seqlens[:-1].long()
-        sampled, errors = sample(batch, logits[starts])
+        # sampled rows with drafts commit what rejection sampling gives; the engine's sampler takes the rest
+        rs = [i for i in spec_rows if keep[i] and not rows[i].req.params.greedy]
+        if rs:
+            skip = set(rs)
+            sampled, errors = sample(replace(batch, rows=[replace(r, samples=False) if i in skip else r
+                                                          for i, r in enumerate(rows)]), logits[starts])
+            committed = self._rejection_sample(rows, rs, keep, drafts, block.probs, spec_index, logits, starts)
+        else:
+            sampled, errors = sample(batch, logits[starts])
+            committed = {}
         extra, accept = {}, []
         for i, r in enumerate(rows):
+            if i in committed:
+                sampled.tokens[i], got = committed[i][0], committed[i][1:]
+                accept.append(len(committed[i]))
+                if got:
+                    extra[i] = got
+                continue
             tok = sampled.tokens[i]
             if not live[i] or tok is None or i in errors:
                 accept.append(1 if live[i] else 0)
@@ -138,6 +159,37 @@ class SpecDecoder:
                     self._features[r.req.rid] = (r.start, feats[a: a + accept[i]])
         self._note(rows, spec_rows, keep, accept)
         return SpecResult(sampled, errors, extra)
+
+    def _rejection_sample(self, rows, rs, keep, drafts, draft_probs, spec_index, logits, starts) -> dict:
+        """Rows `rs` (temperature > 0, keep[i] drafts verified): rejection sampling against the sampler's
+        own distribution (sampling_probs) at the anchor and after each draft. Seeded requests draw from
+        their own generator (on the CPU, one row at a time, so a seed reproduces); the others share one
+        batched draw. Returns row -> tokens to commit (accepted drafts, then the target's token)."""
+        g = max(keep[i] for i in rs)
+        vocab = logits.shape[-1]
+        idx = torch.stack([starts[i] + torch.arange(g + 1, device=starts.device).clamp(max=keep[i]) for i in rs])
+        params = [rows[i].req.params for i in rs]
+        target = sampling_probs(logits[idx.reshape(-1)], [p for p in params for _ in range(g + 1)])
+        target = target.view(len(rs), g + 1, vocab)
+        d_tok = torch.tensor([(drafts[spec_index[i]] + [0] * g)[:g] for i in rs], device=logits.device)
+        d_prob = None
+        if draft_probs is not None:
+            d_prob = draft_probs[[spec_index[i] for i in rs], :g].to(device=logits.device, dtype=torch.float32)
+        n_draft = torch.tensor([keep[i] for i in rs], device=logits.device)
+        out = {}
+        shared = [j for j, i in enumerate(rs) if rows[i].req.generator is None]
+        if shared:
+            sel = torch.tensor(shared, device=logits.device)
+            res = verify_sampled(d_tok[sel], None if d_prob is None else d_prob[sel], target[sel], n_draft[sel])
+            out.update({rs[j]: toks for j, toks in zip(shared, res.rows())})
+        for j, i in enumerate(rs):
+            gen = rows[i].req.generator
+            if gen is None:
+                continue
+            res = verify_sampled(d_tok[j: j + 1].cpu(), None if d_prob is None else d_prob[j: j + 1].cpu(),
+                                 target[j: j + 1].cpu(), n_draft[j: j + 1].cpu(), generator=gen)
+            out[i] = res.rows()[0]
+        return out
 
     @staticmethod
     def _pages_for(table, row, n: int) -> int:
