@@ -91,8 +91,11 @@ def test_streaming_emits_each_committed_token_once(model, workload):
     assert max(len(c) for c in chunks) > 1  # several tokens committed by one step arrive together
 
 
-def test_sampled_requests_do_not_speculate_and_still_run(model, workload):
+def test_penalized_requests_do_not_speculate_and_still_run(model, workload):
+    """Penalties change the distribution with every committed token: those rows verify their anchor alone
+    (sampled rows without them speculate: test_spec_sampling.py)."""
     prompts, _ = workload
     engine = _engine(model, NgramProposer(gamma=3), page_size=16, chunk_size=32)
-    out = engine.generate(prompts[:2], SamplingParams(max_new_tokens=6, temperature=0.8, seed=1, ignore_eos=True))
+    out = engine.generate(prompts[:2], SamplingParams(max_new_tokens=6, temperature=0.8, seed=1, ignore_eos=True,
+                                                      presence_penalty=0.5))
     assert [len(o) for o in out] == [6, 6] and engine.spec.stats.rows == 0
