@@ -482,6 +482,8 @@ class LLMEngine:
             if req.finished:
                 req.finish_reported = True
                 self._requests.pop(rid, None)
+                if self.spec is not None:  # aborted ones too: the proposer drops its per-request context
+                    self.spec.release(rid)
             outs.append(RequestOutput(rid, list(new), req.finished, req.finish_reason, len(req.prompt_ids),
                                       len(req.output_ids), req.cached_tokens, lps, plp, error=req.error,
                                       queue_time=req.queue_time))

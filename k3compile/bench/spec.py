@@ -46,6 +46,9 @@ def register(sub) -> None:
     p.add_argument("--profile", default=None, help="cost profile JSON for the trim arm (k3compile profile verify)")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prompts", default="random", choices=["random", "stdlib"],
+                   help="random token ids, or held-out slices of the Python stdlib source (the byte-level corpus "
+                        "`k3compile train` uses: what the trained spec-tiny pair drafts well on)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--window", default="replay", choices=["replay", "snapshot"])
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="--model only (default fp32)")
@@ -78,7 +81,10 @@ def memory_table(cfg, gamma: int, budget_bytes: int, context: int, dtype=torch.b
     return rows
 
 
-def _prompts(b: int, n: int, vocab: int, seed: int) -> list[list[int]]:
+def _prompts(b: int, n: int, vocab: int, seed: int, source: str = "random") -> list[list[int]]:
+    if source == "stdlib":
+        from k3compile.train.corpus import Corpus
+        return Corpus().batch("val", b, n, torch.Generator().manual_seed(seed)).tolist()
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for _ in range(b)]
 
@@ -161,7 +167,7 @@ def run(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     mem = int(args.memory_gib * (1 << 30)) if args.memory_gib else None
     for b in batches:
-        prompts = _prompts(b, args.prompt_len, cfg.vocab_size, args.seed + b)
+        prompts = _prompts(b, args.prompt_len, cfg.vocab_size, args.seed + b, args.prompts)
         base, ref = run_arm(provider, args, prompts, params, "none", None, mem)
         doc["runs"].append(base)
         print(f"batch {b} none: {base['tok_per_s']:.1f} tok/s", flush=True)

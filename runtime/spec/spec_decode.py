@@ -226,6 +226,11 @@ class SpecDecoder:
             elif got is not None:
                 self.proposer.observe(req.rid, req.all_ids, got[1], start=got[0])
 
+    def release(self, rid: str) -> None:
+        """The request is gone (finished or aborted): forget it."""
+        self._features.pop(rid, None)
+        self.proposer.release(rid)
+
     def observe_prefill(self, batch, features: torch.Tensor) -> None:
         """After the scheduler applied a prefill batch: each live row's features (positions
         [row.start, row.end), packed in row order) go to the proposer; requests that finished there are
