@@ -1,4 +1,4 @@
-# Sourced by tools/gpu_s4_final.sh (PART=serve) after it built $ENGINE: issue 10's default-flags serve check, then
+# Sourced by tools/gpu_serve14.sh and tools/gpu_s4_final.sh (PART=serve) once $ENGINE is built (they define say): issue 10's default-flags serve check, then
 # issue 14's served-vs-engine bench (the issue table's flags: unified memory, 40 GB), as tools/gpu_serve14.sh does.
 T1=$SECONDS
 k3compile serve --model $ENGINE --device cuda --port 30000 > $OUT/serve_default.log 2>&1 &
