@@ -28,8 +28,8 @@ d = json.load(open(sys.argv[1]))
 w = d.get("warmup", [{}])[0].get("ttft_ms")
 print(f"first request after /health: TTFT {w} ms")
 for r in d["runs"]:
-    print(f"c{r['max_concurrency']:>3}: ITL p50 {r['median_itl_ms']:.2f} ms, engine step {r.get('engine_step_ms')} ms, "
-          f"ratio {r.get('itl_p50_over_engine_step')}; TTFT p50 {r['median_ttft_ms']:.1f} p99 {r['p99_ttft_ms']:.1f} ms "
+    print(f"c{r['max_concurrency']:>3}: ITL p50 {r['median_itl_ms']} ms, engine step {r.get('engine_step_ms')} ms, "
+          f"ratio {r.get('itl_p50_over_engine_step')}; TTFT p50 {r['median_ttft_ms']} p99 {r['p99_ttft_ms']} ms "
           f"(p99 / single prefill {r.get('ttft_p99_over_single_prefill')}); {r['output_throughput']:.0f} tok/s")
 c1 = next(r for r in d["runs"] if r["max_concurrency"] == 1)
 print(f"first-request TTFT / warm TTFT p50 (c1): {w / c1['median_ttft_ms'] if w else None}")
