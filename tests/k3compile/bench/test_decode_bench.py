@@ -106,12 +106,12 @@ def test_step_bytes_follow_the_formula():
 @pytest.mark.gpu
 def test_gpu_smoke_run_counts_kernels_inside_graph_replays(main, tmp_path):
     out = tmp_path / "traces"
-    assert main(["bench", "decode", "--model", "k3-tiny", "--batch", "1,4", "--steps", "10", "--warmup", "3",
+    assert main(["bench", "decode", "--model", "k3-tiny", "--batch", "1", "--steps", "10", "--warmup", "3",
                  "--reps", "2", "--context", "64", "--dtype", "bf16", "--device", "cuda", "--copy-gib", "0.5",
                  "--arms", "eager,graphs,engine", "--out", str(out)]) == 0
     doc = json.load(open(out / "decode_k3-tiny_bf16.json"))
     rows = {(r["arm"], r["batch"]): r for r in doc["results"]}
-    for b in (1, 4):
+    for b in (1,):
         assert all(rows[a, b]["status"] == "ok" for a in ("eager", "graphs", "engine")), rows
         eager_kernels = rows["eager", b]["kernels_per_step"]
         assert eager_kernels > 100

@@ -102,13 +102,14 @@ def test_cpu_smoke_run(main, tmp_path, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_smoke_run_counts_kernels_per_rung(main, tmp_path):
     out = tmp_path / "ladder"
-    assert main(["bench", "ladder", "--model", "k3-tiny", "--batch", "1,4", "--steps", "5", "--warmup", "2",
+    # one batch size, a smoke run: the GPU suite has five minutes in all (issue 10)
+    assert main(["bench", "ladder", "--model", "k3-tiny", "--batch", "1", "--steps", "5", "--warmup", "2",
                  "--reps", "2", "--context", "32", "--dtype", "bf16", "--device", "cuda", "--copy-gib", "0.25",
                  "--out", str(out)]) == 0
     doc = json.load(open(out / "ladder_k3-tiny_bf16.json"))
     for r in doc["results"]:
         assert r["status"] == "ok" and r["kernels_per_step"] > 0, r
-    for b in (1, 4):
+    for b in (1,):
         rows = [next(r for r in doc["results"] if r["arm"] == rung["name"] and r["batch"] == b) for rung in doc["rungs"]]
         assert rows[-1]["kernels_per_step"] < rows[0]["kernels_per_step"]  # the passes remove kernels
 
