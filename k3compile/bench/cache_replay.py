@@ -41,9 +41,14 @@ class StandInRunner:
         self.memory = memory
 
     def run(self, batch):
+        """What ModelRunner.run returns (runtime/model_runner.InFlight): the batch and its sampled ids."""
+        from k3compile.runtime.model_runner import InFlight
+
         for working, snap in batch.snapshot_copies:
             self.memory.copy_slot(working, snap)
-        return None
+        job = InFlight(batch)
+        job.fallback = self.sample(batch, None)[0]
+        return job
 
     @staticmethod
     def sample(batch, logits):

@@ -184,8 +184,11 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path):
     with pytest.raises(ConfigError, match="unknown model 'no-such-model'"):
         build_engine(BuildOptions("no-such-model", dtype=torch.float32), str(tmp_path / "e"), log=lambda m: None)
     assert os.listdir(tmp_path) == []  # neither the engine nor its staging directory
-    with pytest.raises(ConfigError, match="topology 'tp8' is not supported"):
+    with pytest.raises(ValueError, match="tp8: 2 KDA heads are not divisible by 8 ranks"):  # k3-tiny has 2 heads
         build_engine(BuildOptions("k3-tiny", topology="tp8"), str(tmp_path / "e"), log=lambda m: None)
+    with pytest.raises(ValueError, match="unknown topology 'ring4'"):
+        build_engine(BuildOptions("k3-tiny", topology="ring4"), str(tmp_path / "e"), log=lambda m: None)
+    assert os.listdir(tmp_path) == []
 
 
 def test_checkpoint_tokenizer_files_are_copied(tmp_path):
