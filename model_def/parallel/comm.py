@@ -69,6 +69,16 @@ def _(x, role):
     return torch.empty_like(x)
 
 
+def all_reduce_in_place(x: torch.Tensor, role: str) -> None:
+    """Sum x over the ranks of group `role` in x's own memory: no staging copy. For fused collective ops
+    (passes/kernels) that own their input buffer; graphs use k3::all_reduce, which leaves its input alone."""
+    import torch.distributed as dist
+    if not x.is_contiguous():
+        raise ValueError(f"all_reduce_in_place needs a contiguous tensor, got strides {x.stride()}")
+    _note("all_reduce", role, x)
+    dist.all_reduce(x, group=group(role))
+
+
 @custom_op("k3::all_gather", mutates_args=())
 def all_gather(x: torch.Tensor, role: str, group_size: int, dim: int) -> torch.Tensor:
     """The ranks' x concatenated along `dim`, in group-rank order."""

@@ -62,9 +62,9 @@ def test_rank_engines_match_single_process(dcp2_engine):
         assert torch.equal(tokens, ref_tokens)
         assert ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item() < 1e-4
         ran = {p["name"]: p["matches"] for p in passes["decode"]["passes"]}
-        # 9 mixers + 1 dense MLP end in an all-reduce; P9 fuses 7: the 3 at AttnRes block boundaries, where P7 now
-        # folds the zero-filled partial sum (delta=None), are not matched yet (known gap, issue 16)
-        assert ran == {"p07_attn_res_norm": 18, "p09_all_reduce_norm": 7}
+        # 9 mixers + 1 dense MLP end in an all-reduce, and P9 fuses all 10 (the 3 at AttnRes block boundaries,
+        # where P7 folds the zero-filled partial sum, included)
+        assert ran == {"p07_attn_res_norm": 18, "p09_all_reduce_norm": 10}
 
 
 def test_impossible_or_unverifiable_builds_are_clear_errors(tmp_path):
