@@ -11,7 +11,8 @@ complete y with a collective:
     y = mm(norm_u, t(W_up))  [+ bias]                without such an all-reduce (no shared experts, no P11)
  -> y = all_gather(mm(norm_u, t(W_up_block)), columns) [+ bias]
 
-Matched structurally: an mm/addmm whose activation is the RMSNorm of a k3.all_reduce (the latent sum;
+Matched structurally: an mm/addmm whose activation is the RMSNorm of a k3.all_reduce or of P12's
+k3.moe_finalize_all_reduce (the latent sum;
 a residual-stream norm reads add(residual, ...) instead). Counts: one per MoE layer with a latent
 space in a rank graph of world > 1 (k3-tiny: 8); whole-model graphs and Kimi-Linear-style MoE: 0.
 The rank comes from the graph (capture records it in gm.meta["k3"]["shard"]).
@@ -25,12 +26,15 @@ from k3compile.model_def.parallel import comm  # noqa: F401  (registers k3.all_r
 
 from .graph_utils import add_constant, attr_tensor, drop_unused_constants, fake_mode_of, is_call, replace_uses, \
     set_meta_val
+from .kernels import moe_finalize  # noqa: F401  (registers P12's k3.moe_finalize_all_reduce)
 from .patterns import NoMatch, match_rms_norm
 from .registry import PassConfig, register_pass
 
 aten = torch.ops.aten
 ALL_REDUCE = torch.ops.k3.all_reduce.default
 ALL_GATHER = torch.ops.k3.all_gather.default
+# the all-reduced latent sum: a plain all-reduce, or P12's finalize + all-reduce
+REDUCED_LATENT = (ALL_REDUCE, torch.ops.k3.moe_finalize_all_reduce.default)
 
 
 def _match(node: Node):
@@ -44,7 +48,7 @@ def _match(node: Node):
     if not (is_call(mat2, aten.t.default) and mat2.args[0].op == "get_attr" and len(mat2.users) == 1):
         raise NoMatch
     x, _, _, _ = match_rms_norm(mat1)
-    if not is_call(x, ALL_REDUCE):
+    if not is_call(x, *REDUCED_LATENT):
         raise NoMatch
     return mat1, mat2.args[0], bias
 

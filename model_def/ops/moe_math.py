@@ -80,3 +80,55 @@ def moe_experts_grouped(x, topk_ids, topk_weights, w13, w2, act, beta, linear_be
     y = torch._grouped_mm(h.contiguous(), w2.transpose(1, 2), offs=offs)  # [n*k, D]
     y = y.float() * topk_weights.reshape(-1)[order].unsqueeze(-1).float()
     return torch.zeros(n, w2.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token_of, y).to(x.dtype)
+
+
+# ---- the expert GEMMs without the finalize (pass P12 moves the weighted sum into the collective's staging)
+
+def expert_rows_loop(x, topk_ids, w13, w2, act, beta, linear_beta):
+    """Every (token, choice)'s expert output, unweighted: (rows [N*k, D] with row t*k + s = token t's choice s,
+    slot_rows [N, k] = that row index). The host-loop reference of moe_experts_loop without the weighted sum."""
+    n, k = topk_ids.shape
+    rows = x.new_zeros(n * k, w2.shape[1])
+    inter = w2.shape[2]
+    for e in torch.unique(topk_ids).tolist():
+        tok, slot = torch.where(topk_ids == e)
+        h = x[tok] @ w13[e].t()
+        rows[tok * k + slot] = glu_act(h[:, :inter], h[:, inter:], act, beta, linear_beta) @ w2[e].t()
+    return rows, torch.arange(n * k, device=x.device).view(n, k)
+
+
+def expert_rows_gather(x, topk_ids, w13, w2, act, beta, linear_beta):
+    """moe_experts_gather without the weighted sum (static shapes, decode-sized batches): identity layout."""
+    n, k = topk_ids.shape
+    inter = w2.shape[2]
+    ids = topk_ids.reshape(-1)
+    h = torch.bmm(x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, 1, -1), w13[ids].transpose(1, 2))
+    h = glu_act(h[..., :inter], h[..., inter:], act, beta, linear_beta)
+    rows = torch.bmm(h, w2[ids].transpose(1, 2)).view(n * k, -1)
+    return rows, torch.arange(n * k, device=x.device).view(n, k)
+
+
+def expert_rows_grouped(x, topk_ids, w13, w2, act, beta, linear_beta):
+    """The grouped-GEMM path (torch._grouped_mm, CUDA sm90, bf16) without its scatter: rows stay in expert
+    order, and slot_rows [N, k] says where each (token, choice) landed (TensorRT-LLM's
+    expanded_idx_to_permuted_idx), so the finalize reads them in place."""
+    n, k = topk_ids.shape
+    inter = w2.shape[2]
+    flat = topk_ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=flat.device)
+    offs = counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
+    h = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=offs)  # [n*k, 2I]
+    h = glu_act(h[:, :inter], h[:, inter:], act, beta, linear_beta)
+    rows = torch._grouped_mm(h.contiguous(), w2.transpose(1, 2), offs=offs)  # [n*k, D], expert order
+    slot_rows = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device=flat.device))
+    return rows, slot_rows.view(n, k)
+
+
+def finalize(rows, slot_rows, topk_weights, shared=None):
+    """Σ_s w[t, s] · rows[slot_rows[t, s]] per token (products in rows' dtype, summed in fp32, as
+    moe_experts_loop), cast to rows' dtype, then + the shared experts' output (added in that dtype)."""
+    n, k = slot_rows.shape
+    y = rows[slot_rows.reshape(-1)].view(n, k, -1)
+    out = (y * topk_weights.to(y.dtype).unsqueeze(-1)).float().sum(1).to(rows.dtype)
+    return out if shared is None else out + shared

@@ -53,13 +53,23 @@ def test_dcp_partials_on_cuda_merge_to_full_decode():
     assert torch.allclose(merged, full, atol=1e-4, rtol=1e-4)
 
 
-def test_p9_collective_op_on_cuda(nccl_world1):
+@pytest.mark.parametrize("with_x", [True, False])
+def test_p9_collective_op_on_cuda(nccl_world1, with_x):
+    """P9's op on CUDA: NCCL in place on the partial, then P7's Triton kernel; against the composite (a fresh
+    k3::all_reduce, then the reference norm). with_x False: an AttnRes block boundary (p = the reduced sum)."""
     from k3compile.passes.kernels import all_reduce_norm  # noqa: F401
+    from k3compile.passes.kernels.attn_res_norm import attn_res_norm_reference
     g = torch.Generator(device="cuda").manual_seed(1)
     x, part = (torch.randn(8, 2048, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
     bank = [torch.randn(8, 2048, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3)]
     query = torch.randn(2048, device="cuda", generator=g)
     weight = torch.randn(2048, device="cuda", generator=g, dtype=torch.bfloat16)
-    h, p = torch.ops.k3.all_reduce_attn_res_norm(bank, x, part, query, weight, 1e-5, 1e-5, "world")
-    h_ref, p_ref = torch.ops.k3.attn_res_norm(bank, x, part, query, weight, 1e-5, 1e-5)
-    assert torch.equal(p, p_ref) and torch.allclose(h.float(), h_ref.float(), atol=1e-2, rtol=1e-2)
+    summed = torch.ops.k3.all_reduce(part, "world")
+    ref_x, ref_delta = (x, summed) if with_x else (summed, None)
+    h_ref, p_ref = attn_res_norm_reference(bank, ref_x, ref_delta, query, weight, 1e-5, 1e-5)
+    mine = part.clone()
+    h, p, h32 = torch.ops.k3.all_reduce_attn_res_norm_f32(bank, x if with_x else None, mine, query, weight, 1e-5,
+                                                          1e-5, "world")
+    assert torch.equal(mine, summed)  # reduced in place
+    assert torch.equal(p, p_ref) and torch.equal(h32, h.float())
+    assert ((h.float() - h_ref.float()).abs().max() / h_ref.float().abs().max()).item() < 1e-2
