@@ -26,13 +26,15 @@ def run_passes(gm, names, mode):
     return PassManager(pipeline_from_flags(passes=",".join(names))).run(gm, graph_name=mode).matches()
 
 
-def rank_graphs(model_name: str, mode: str, pass_name: str, skip=()):
-    """[(graph before the pass, graph after it, its match count, step inputs)] for each rank of tp2."""
+def rank_graphs(model_name: str, mode: str, pass_name: str, skip=(), experts: str = "auto"):
+    """[(graph before the pass, graph after it, its match count, step inputs)] for each rank of tp2 (routed
+    experts placed as `experts` says: auto = whole experts per rank on the tiny presets, tp = sliced)."""
     cfg = wide_config(model_name, 2)
     whole = whole_model(cfg)
+    topology = parse_topology(TOPOLOGY, experts)
     out = []
-    for r in range(parse_topology(TOPOLOGY).world):
-        m = shard_model(whole, RankShard.of(cfg, parse_topology(TOPOLOGY), r))
+    for r in range(topology.world):
+        m = shard_model(whole, RankShard.of(cfg, topology, r))
         gm = capture_step(m, mode)
         run_passes(gm, passes_before(pass_name, skip), mode)
         after = snapshot(gm)
