@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
+from k3compile.model_def.ops import library as _model_ops  # noqa: F401  (registers k3.moe_experts)
+
 from .graph_utils import fake_mode_of, is_call, replace_uses, set_meta_val, val_of
 from .kernels import all_reduce_norm as _p9  # noqa: F401  (registers P9's ops)
 from .kernels import moe_finalize as _kernel  # noqa: F401  (registers the ops this pass emits)

@@ -129,6 +129,6 @@ def finalize(rows, slot_rows, topk_weights, shared=None):
     """Σ_s w[t, s] · rows[slot_rows[t, s]] per token (products in rows' dtype, summed in fp32, as
     moe_experts_loop), cast to rows' dtype, then + the shared experts' output (added in that dtype)."""
     n, k = slot_rows.shape
-    y = rows[slot_rows.reshape(-1)].view(n, k, -1)
+    y = rows[slot_rows.reshape(-1)].view(n, k, rows.shape[1])
     out = (y * topk_weights.to(y.dtype).unsqueeze(-1)).float().sum(1).to(rows.dtype)
     return out if shared is None else out + shared

@@ -88,7 +88,10 @@ if triton is not None:
             row = tl.load(slot_ptr + token * K + s).to(tl.int64)
             wt = tl.load(w_ptr + token * K + s)
             y = tl.load(rows_ptr + row * D + cols, mask=m, other=0.0)
-            acc += (y * wt.to(y.dtype)).to(tl.float32)  # the product rounded to the rows' dtype, as the reference
+            # the product rounded to the rows' dtype, as the reference: two bf16/fp16 values multiply exactly in
+            # fp32, so rounding that product once equals the half-precision multiply
+            prod = y.to(tl.float32) * wt.to(y.dtype).to(tl.float32)
+            acc += prod.to(y.dtype).to(tl.float32)
         out = acc.to(out_ptr.dtype.element_ty)
         if HAS_SHARED:  # added after the cast, in the output dtype (as the unfused graph adds two tensors)
             sh = tl.load(shared_ptr + token * D + cols, mask=m, other=0.0)
