@@ -57,9 +57,7 @@ class MLAMixer(nn.Module):
                                         self.scale, 0) for a, b in s.spans()])
             return self._output(o, x)
         torch.ops.k3.kv_write(rows, s.kv, self.pool_index, s.out_cache_loc)
-        if self.dcp > 1:
-            if s.window:
-                raise NotImplementedError("speculative verify steps are not supported under DCP yet")
+        if self.dcp > 1:  # prefill, decode and verify: mla_partial places each query by cu_seqlens / seq_lens
             o = self._attend_dcp(q, s).to(x.dtype)
         elif s.mode == "decode" or s.window:
             w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))  # [H, nope+v, r]
@@ -90,7 +88,8 @@ class MLAMixer(nn.Module):
         return y if self.shard is None else torch.ops.k3.all_reduce(y, "world")
 
     def _attend_dcp(self, q: torch.Tensor, s: StepInputs) -> torch.Tensor:
-        """Absorbed attention over this rank's positions (prefill and decode alike), W_UV applied per head
+        """Absorbed attention over this rank's positions (prefill, decode and verify alike: query j of a request's
+        packed tokens sits at position seq_len - extend + j and sees the rank's rows up to it), W_UV applied per head
         before the exchange (linear, so merging 128-wide outputs equals merging 512-wide latents), then one
         all-to-all + exact LSE merge: [N, H_query, nope+rope] -> [N, H_own, v]."""
         w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))
