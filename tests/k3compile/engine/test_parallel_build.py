@@ -30,8 +30,9 @@ def _run_rank(rank, path):
 @pytest.fixture(scope="module")
 def dcp2_engine(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("engines") / "dcp2")
-    # P7 and P9 only (capturing four graphs is the slow part on a CPU): enough to see passes run per rank
-    pipeline = pipeline_from_flags(passes="p07_attn_res_norm,p09_all_reduce_norm")
+    # P7, P9 and P12 only (capturing four graphs is the slow part on a CPU): enough to see passes run per rank
+    # and the collective ops they emit saved, loaded and run by the rank engines
+    pipeline = pipeline_from_flags(passes="p07_attn_res_norm,p09_all_reduce_norm,p12_moe_finalize_all_reduce")
     build_engine(BuildOptions("k3-tiny", dtype=torch.float32, topology="dcp2", pipeline=pipeline), out,
                  log=lambda msg: None)
     return out
@@ -61,10 +62,11 @@ def test_rank_engines_match_single_process(dcp2_engine):
     for (tokens, logits), passes in results:
         assert torch.equal(tokens, ref_tokens)
         assert ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item() < 1e-4
-        ran = {p["name"]: p["matches"] for p in passes["decode"]["passes"]}
-        # 9 mixers + 1 dense MLP end in an all-reduce, and P9 fuses all 10 (the 3 at AttnRes block boundaries,
-        # where P7 folds the zero-filled partial sum, included)
-        assert ran == {"p07_attn_res_norm": 18, "p09_all_reduce_norm": 10}
+        for mode in ("decode", "prefill"):
+            ran = {p["name"]: p["matches"] for p in passes[mode]["passes"]}
+            # 9 mixers + 1 dense MLP end in an all-reduce, and P9 fuses all 10 (the 3 at AttnRes block boundaries,
+            # where P7 folds the zero-filled partial sum, included); P12: the 8 latent MoE sums (no P6 here)
+            assert ran == {"p07_attn_res_norm": 18, "p09_all_reduce_norm": 10, "p12_moe_finalize_all_reduce": 8}
 
 
 def test_impossible_or_unverifiable_builds_are_clear_errors(tmp_path):
