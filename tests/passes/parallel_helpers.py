@@ -42,6 +42,20 @@ def rank_graphs(model_name: str, mode: str, pass_name: str, skip=(), experts: st
     return cfg, out
 
 
+def pipeline_graphs(model_name: str, mode: str, experts: str = "auto"):
+    """[(unpassed rank graph, the same after the whole default pipeline, its match counts, step inputs)]."""
+    cfg = wide_config(model_name, 2)
+    whole = whole_model(cfg)
+    topology = parse_topology(TOPOLOGY, experts)
+    out = []
+    for r in range(topology.world):
+        m = shard_model(whole, RankShard.of(cfg, topology, r))
+        gm = capture_step(m, mode)
+        after = snapshot(gm)
+        out.append((gm, after, run_passes(after, list(registered_passes()), mode), step_inputs(m, mode, seed=r)))
+    return cfg, out
+
+
 def _run_both(rank, graphs):
     init_rank(parse_topology(TOPOLOGY), "gloo", timeout_s=60)
     try:
