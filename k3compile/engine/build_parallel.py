@@ -43,7 +43,8 @@ def build_ranks(opts, topology: Topology, model, stage, tok_src, log, t0) -> Eng
         out = os.path.join(stage.dir, rank_dir(r))
         os.makedirs(out)
         dump_root = os.path.join(out, fmt.DUMPS_DIR) if opts.dump_graphs else None
-        graphs, reports = compile_graphs(rank_model, opts.pipeline, MODES, False, dump_root, log)
+        modes = MODES + (("verify",) if opts.verify_graphs else ())  # verify steps run under DCP too
+        graphs, reports = compile_graphs(rank_model, opts.pipeline, modes, False, dump_root, log)
         for rec in (x for rep in reports.values() for x in rep.get("passes", [])):
             if rec.get("dump"):
                 rec["dump"] = os.path.relpath(rec["dump"], out).replace(os.sep, "/")
