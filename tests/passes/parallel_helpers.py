@@ -26,16 +26,21 @@ def run_passes(gm, names, mode):
     return PassManager(pipeline_from_flags(passes=",".join(names))).run(gm, graph_name=mode).matches()
 
 
-def rank_graphs(model_name: str, mode: str, pass_name: str, skip=(), experts: str = "auto"):
-    """[(graph before the pass, graph after it, its match count, step inputs)] for each rank of tp2 (routed
-    experts placed as `experts` says: auto = whole experts per rank on the tiny presets, tp = sliced)."""
+def _captured_ranks(model_name: str, mode: str, experts: str):
+    """(cfg, [(rank model, its captured `mode` step)]) for each rank of tp2 (routed experts placed as `experts`
+    says: auto = whole experts per rank on the tiny presets, tp = sliced)."""
     cfg = wide_config(model_name, 2)
     whole = whole_model(cfg)
     topology = parse_topology(TOPOLOGY, experts)
+    models = [shard_model(whole, RankShard.of(cfg, topology, r)) for r in range(topology.world)]
+    return cfg, [(m, capture_step(m, mode)) for m in models]
+
+
+def rank_graphs(model_name: str, mode: str, pass_name: str, skip=(), experts: str = "auto"):
+    """[(graph before the pass, graph after it, its match count, step inputs)] for each rank of tp2."""
+    cfg, ranks = _captured_ranks(model_name, mode, experts)
     out = []
-    for r in range(topology.world):
-        m = shard_model(whole, RankShard.of(cfg, topology, r))
-        gm = capture_step(m, mode)
+    for r, (m, gm) in enumerate(ranks):
         run_passes(gm, passes_before(pass_name, skip), mode)
         after = snapshot(gm)
         out.append((gm, after, run_passes(after, [pass_name], mode)[pass_name], step_inputs(m, mode, seed=r)))
@@ -44,13 +49,9 @@ def rank_graphs(model_name: str, mode: str, pass_name: str, skip=(), experts: st
 
 def pipeline_graphs(model_name: str, mode: str, experts: str = "auto"):
     """[(unpassed rank graph, the same after the whole default pipeline, its match counts, step inputs)]."""
-    cfg = wide_config(model_name, 2)
-    whole = whole_model(cfg)
-    topology = parse_topology(TOPOLOGY, experts)
+    cfg, ranks = _captured_ranks(model_name, mode, experts)
     out = []
-    for r in range(topology.world):
-        m = shard_model(whole, RankShard.of(cfg, topology, r))
-        gm = capture_step(m, mode)
+    for r, (m, gm) in enumerate(ranks):
         after = snapshot(gm)
         out.append((gm, after, run_passes(after, list(registered_passes()), mode), step_inputs(m, mode, seed=r)))
     return cfg, out
