@@ -15,7 +15,14 @@ bench, chunks whose text is empty count too, as they carry tokens whose text is 
 
 `--engine-step SOURCE` also measures the engine's own decode step in this process, at batch sizes
 equal to the concurrencies, on the same lengths (serve_engine_step.py), and adds the goal ratio
-served ITL p50 / engine step per concurrency. Results: OUT/serve_<label>.json and .png.
+served ITL p50 / engine step per concurrency, and TTFT p99 over one prompt's prefill and over the
+engine's own prefill of the same wave of prompts. `chunks_per_output_token` says whether tokens
+arrived a chunk per step (1.0) or in bursts, which ITL and TTFT would then time instead of steps.
+
+`--stand-in STEP_MS,TOKEN_MS` benches no endpoint: it starts `k3compile serve k3-tiny` with the
+model's forward replaced by a timed stand-in (bench/stand_in_step.py, bench/serve_stand_in.py) in a
+child process, runs the sweep against it, and times the same stand-in's engine loop -- the served
+path at device-like step times on a CPU. Results: OUT/serve_<label>.json and .png.
 """
 from __future__ import annotations
 
