@@ -27,6 +27,8 @@ timeout 200 k3compile build --model k3-mini-6b --topology single --dtype bf16 --
   > $OUT/build.log 2>&1; say "build: exit $?"
 [ -f $ENGINE/engine.json ] || { tail -20 $OUT/build.log; exit 1; }
 
+python3 -c "import uvloop" 2>/dev/null && say "uvloop: yes (uvicorn runs on libuv)" \
+  || say "uvloop: no (asyncio's loop; put a uvloop wheel for this Python in .whl/ to use it)"
 FLAGS="--device cuda --port 30000 --enable-unified-memory --memory-bytes 40000000000"
 BENCH="--base-url http://127.0.0.1:30000 --dataset fixed --input-len 128 --output-len 128 --num-prompts 4 \
   --prompts-per-concurrency 1 --warmup-requests 1 --out $OUT"

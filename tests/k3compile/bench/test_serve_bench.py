@@ -70,3 +70,22 @@ def test_bench_serve_stand_in_needs_no_endpoint(tmp_path, server_flags="--max-ba
     assert set(doc["engine_step"]["batches"]) == {"1", "3"}
     with pytest.raises(ValueError, match="--stand-in"):
         bench_serve._stand_in_times("1,2,3")
+
+
+def test_serve_table_ratios_and_fallback_steps(tmp_path):
+    """The issue-14 table: ratios against the result's own engine step, or --steps-from's."""
+    import json
+
+    from k3compile.bench.serve_table import table
+
+    run = {"max_concurrency": 8, "num_prompts": 8, "median_itl_ms": 12.0, "chunks_per_output_token": 1.0,
+           "median_ttft_ms": 300.0, "p99_ttft_ms": 400.0, "output_throughput": 500.0}
+    with_steps = {"runs": [run], "warmup": [{"ttft_ms": 50.0}],
+                  "engine_step": {"batches": {"1": {"prefill_ms": 100.0}, "8": {"device_step_ms": 10.0,
+                                                                                   "prefill_ms": 200.0}}}}
+    (tmp_path / "serve_a.json").write_text(json.dumps(with_steps))
+    (tmp_path / "serve_b.json").write_text(json.dumps({"runs": [{**run, "median_itl_ms": float("nan")}]}))
+    out = table([str(tmp_path / "serve_a.json"), str(tmp_path / "serve_b.json")], str(tmp_path / "serve_a.json"))
+    rows = [line for line in out.splitlines() if line.startswith("| a ") or line.startswith("| b ")]
+    assert "| 1.20x | 1.00 | 300 | 400 | 4.00x | 2.00x | 500 |" in rows[0]
+    assert "| n/a | 10.00 | n/a |" in rows[1]   # no ITL (nan): no ratio
