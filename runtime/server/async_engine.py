@@ -247,18 +247,30 @@ class AsyncEngine:
         else:
             fut.set_exception(err)
 
-    def _resolve_rid(self, rid: str, err: BaseException | None) -> None:   # on the loop (process)
-        fut = self._accepting.pop(rid, None)
-        if fut is not None:
-            self._resolve(fut, err)
-
-    def _engine_lost(self, reason: str) -> None:   # on the loop: the engine process died
-        self._broken = self._broken or reason
-        for fut in list(self._accepting.values()):
-            self._resolve(fut, EngineError(self._broken))
-        self._accepting.clear()
-        for rid in list(self._streams):
-            self._fail(rid, EngineError(self._broken))
+    def engine_message(self, kind: str, *rest) -> None:   # on the loop: what the engine process says
+        if kind == "step":
+            outputs, self._snapshot = rest
+            if outputs:
+                self._deliver(outputs)
+        elif kind == "resolve":
+            fut = self._accepting.pop(rest[0], None)
+            if fut is not None:
+                self._resolve(fut, rest[1])
+        elif kind == "fail":
+            self._fail(*rest)
+        elif kind == "warmed":
+            self.warmup_report, self._warming = rest[0], False
+        elif kind == "broken":
+            self._broken = rest[0]
+        elif kind == "lost":   # the process died: everything it held is lost
+            self._broken = self._broken or rest[0]
+            for fut in list(self._accepting.values()):
+                self._resolve(fut, EngineError(self._broken))
+            self._accepting.clear()
+            for rid in list(self._streams):
+                self._fail(rid, EngineError(self._broken))
+        else:
+            log.error("unknown message from the engine process: %r", kind)
 
     # ---- engine thread ----------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ class EngineProcess:
         self.proc = ctx.Process(target=_main, args=(factory, child, warmup), name="k3compile-engine", daemon=True)
         self.proc.start()
         child.close()
-        self._front = None
+        self._front = self._loop = None
         self._stopping = False
         msg = self._first_message()
         if msg[0] != "ready":
@@ -61,8 +61,8 @@ class EngineProcess:
         return self.proc.is_alive()
 
     def attach(self, loop, front) -> None:
-        """Read the engine's messages on `loop`, handing them to `front` (an AsyncEngine)."""
-        self._front = front
+        """Read the engine's messages on `loop`, handing each to `front.engine_message(kind, ...)`."""
+        self._front, self._loop = front, loop
         loop.add_reader(self.conn.fileno(), self._on_readable)
 
     def send(self, cmd) -> None:
@@ -75,40 +75,28 @@ class EngineProcess:
         front = self._front
         try:
             while self.conn.poll():
-                kind, *rest = self.conn.recv()
-                if kind == "step":
-                    outputs, front._snapshot = rest
-                    if outputs:
-                        front._deliver(outputs)
-                elif kind == "resolve":
-                    front._resolve_rid(*rest)
-                elif kind == "fail":
-                    front._fail(*rest)
-                elif kind == "warmed":
-                    front.warmup_report, front._warming = rest[0], False
-                elif kind == "broken":
-                    front._broken = rest[0]
+                front.engine_message(*self.conn.recv())
         except (EOFError, OSError):
             self._lost()
 
+    def _detach(self) -> None:
+        if self._loop is not None:
+            try:
+                self._loop.remove_reader(self.conn.fileno())
+            except (ValueError, OSError):
+                pass
+            self._loop = None
+
     def _lost(self) -> None:
-        front = self._front
-        try:
-            front._loop.remove_reader(self.conn.fileno())
-        except (ValueError, OSError):
-            pass
+        self._detach()
         if not self._stopping:
             self.proc.join(1)
             log.error("the engine process exited (code %s)", self.proc.exitcode)
-            front._engine_lost(f"the engine process exited (code {self.proc.exitcode})")
+            self._front.engine_message("lost", f"the engine process exited (code {self.proc.exitcode})")
 
     def stop(self, timeout: float | None = 30.0) -> None:
         self._stopping = True
-        if self._front is not None and self._front._loop is not None:
-            try:
-                self._front._loop.remove_reader(self.conn.fileno())
-            except (ValueError, OSError):
-                pass
+        self._detach()
         self.send(Stop())
         self.proc.join(timeout)
         if self.proc.is_alive():
