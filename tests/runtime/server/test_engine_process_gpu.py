@@ -1,6 +1,7 @@
 """On CUDA: the engine built and stepped in a spawned child process (`serve --engine-process`) serves
 the same greedy tokens as the engine on a thread, a chunk per step, and warms up before /health."""
 import functools
+import time
 
 import pytest
 import torch
@@ -21,7 +22,6 @@ def test_engine_process_on_cuda_streams_what_the_thread_does():
         front = AsyncEngine.spawn(functools.partial(LLMEngine, args)) if process else AsyncEngine(LLMEngine(args))
         server = RunningServer(build_app(front, MODEL, api_key=None), front, front.tokenizer)
         try:
-            import time
             deadline = time.monotonic() + 300
             while front.health() is not None:   # warming up (CUDA graphs, kernels) in the child
                 assert time.monotonic() < deadline, front.health()
