@@ -15,10 +15,18 @@ bench, chunks whose text is empty count too, as they carry tokens whose text is 
 
 `--engine-step SOURCE` also measures the engine's own decode step in this process, at batch sizes
 equal to the concurrencies, on the same lengths (serve_engine_step.py), and adds the goal ratio
-served ITL p50 / engine step per concurrency. Results: OUT/serve_<label>.json and .png.
+served ITL p50 / engine step per concurrency, and TTFT p99 over one prompt's prefill and over the
+engine's own prefill of the same wave of prompts. `chunks_per_output_token` says whether tokens
+arrived a chunk per step (1.0) or in bursts, which ITL and TTFT would then time instead of steps.
+
+`--stand-in STEP_MS,TOKEN_MS` benches no endpoint: it starts `k3compile serve k3-tiny` with the
+model's forward replaced by a timed stand-in (bench/stand_in_step.py, bench/serve_stand_in.py) in a
+child process, runs the sweep against it, and times the same stand-in's engine loop -- the served
+path at device-like step times on a CPU. Results: OUT/serve_<label>.json and .png.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -37,6 +45,7 @@ class RequestResult:
     output_tokens: int = 0
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
+    chunks: int = 0   # streamed chunks that carried tokens
     e2e: float | None = None
     start: float = 0.0
     error: str | None = None
@@ -67,6 +76,14 @@ def register(sub) -> None:
                    help="also time the engine's own decode step at the concurrencies (same lengths)")
     p.add_argument("--engine-device", default=None, help="device for --engine-step (default: cuda if available)")
     p.add_argument("--engine-memory-bytes", type=int, default=None, help="pools for --engine-step")
+    p.add_argument("--stand-in", default=None, metavar="STEP_MS,TOKEN_MS",
+                   help="no endpoint: serve k3-tiny with a timed stand-in forward (STEP_MS + TOKEN_MS x tokens "
+                   "per step; bench/stand_in_step.py) in a child process, bench it, and time the same stand-in's "
+                   "engine loop (implies --engine-step): the served path on a CPU at device-like step times")
+    p.add_argument("--stand-in-tokens", default="no-text", choices=["no-text", "text"],
+                   help="what the stand-in generates (bench/stand_in_step.py)")
+    p.add_argument("--stand-in-server-flags", default="", metavar="'FLAGS'",
+                   help="extra `k3compile serve` flags for the stand-in server, with '=' (--stand-in-server-flags='--engine-process')")
     p.add_argument("--label", default=None, help="file name label (default: the model name)")
     p.add_argument("--out", default="traces", help="output folder for JSON and PNG")
     p.set_defaults(func=run)
@@ -133,6 +150,7 @@ async def _stream(res: RequestResult, url: str, headers: dict, payload: dict) ->
         return
     res.e2e = time.perf_counter() - t0
     res.output_tokens = usage["completion_tokens"] if usage and usage.get("completion_tokens") else chunks
+    res.chunks = chunks
     res.ok = res.ttft is not None
     if not res.ok:
         res.error = "no token streamed"
@@ -180,7 +198,10 @@ def summarize(results: list[RequestResult], duration: float, percentiles: list[f
            "request_throughput": len(ok) / duration if duration else 0.0,
            "output_throughput": out_tokens / duration if duration else 0.0,
            "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
-           "errors": sorted({r.error for r in results if r.error})[:5]}
+           "errors": sorted({r.error for r in results if r.error})[:5],
+           # 1.0: every token reached the client in a chunk of its own (one per engine step); far below:
+           # tokens arrive in bursts, and ITL / TTFT time the bursts, not the steps
+           "chunks_per_output_token": sum(r.chunks for r in ok) / out_tokens if out_tokens else float("nan")}
     series = {"ttft": [r.ttft for r in ok], "e2el": [r.e2e for r in ok],
               "itl": [g for r in ok for g in r.itl],
               "tpot": [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]}
@@ -205,8 +226,61 @@ def _first_model(base_url: str, api_key: str | None) -> str:
         return json.load(r)["data"][0]["id"]
 
 
+def _stand_in_times(text: str) -> tuple[float, float]:
+    vals = [float(x) for x in text.split(",") if x.strip()]
+    if not 1 <= len(vals) <= 2 or any(v < 0 or math.isnan(v) for v in vals):
+        raise ValueError(f"--stand-in: expected STEP_MS[,TOKEN_MS] (ms, >= 0), got {text!r}")
+    return vals[0], vals[1] if len(vals) == 2 else 0.0
+
+
 def bench(args) -> dict:
-    """Run the sweep (and the engine step if asked); returns the result document."""
+    """Run the sweep (and the engine step if asked); returns the result document. With --stand-in,
+    against a stand-in server started (and stopped) here."""
+    if not getattr(args, "stand_in", None):
+        return _bench(args)
+    import shlex
+
+    from .serve_stand_in import StandInServer
+
+    step_ms, token_ms = _stand_in_times(args.stand_in)
+    os.makedirs(args.out, exist_ok=True)
+    log_path = os.path.join(args.out, f"serve_{args.label or 'stand-in'}_server.log")
+    flags = shlex.split(args.stand_in_server_flags or "")
+    server = StandInServer(step_ms, token_ms, args.stand_in_tokens, flags, log_path)
+    try:
+        inner = argparse.Namespace(**{**vars(args), "base_url": server.base_url, "model": None,
+                                      "engine_step": None})
+        doc = _bench(inner)
+    finally:
+        server.stop()
+    doc["stand_in"] = {"step_ms": step_ms, "token_ms": token_ms, "tokens": args.stand_in_tokens,
+                       "server_flags": flags, "server_log": log_path}
+    from .serve_engine_step import engine_steps
+    from .stand_in_step import TimedStandInModel
+
+    concs = sorted({int(c) for c in _floats(args.max_concurrency, "--max-concurrency")})
+    model = TimedStandInModel(step_ms, token_ms, args.stand_in_tokens)
+    doc["engine_step"] = engine_steps("k3-tiny", concs, args.input_len, args.output_len, device="cpu",
+                                      memory_bytes=200 << 20,
+                                      log=_log, provider=model, engine_flags=_engine_flags(flags))
+    _add_ratios(doc)
+    return doc
+
+
+def _engine_flags(flags: list[str]) -> dict:
+    """The EngineArgs the stand-in server's scheduling flags set, for the offline loop to match."""
+    out, i = {}, 0
+    names = {"--max-batch-tokens": "max_batch_tokens", "--max-num-batched-tokens": "max_batch_tokens",
+             "--chunk-size": "chunk_size", "--chunked-prefill-size": "chunk_size"}
+    while i < len(flags):
+        if flags[i] in names and i + 1 < len(flags):
+            out[names[flags[i]]] = int(flags[i + 1])
+            i += 1
+        i += 1
+    return out
+
+
+def _bench(args) -> dict:
     from .serve_dataset import make_requests
 
     rates = _floats(args.request_rate, "--request-rate")
@@ -246,7 +320,7 @@ def bench(args) -> dict:
                    **summarize(results, duration, pcts)}
             _log(f"  {run['completed']} ok, {run['failed']} failed; output {run['output_throughput']:.1f} tok/s, "
                  f"TTFT p50 {run['median_ttft_ms']:.1f} ms p99 {run.get('p99_ttft_ms', float('nan')):.1f} ms, "
-                 f"ITL p50 {run['median_itl_ms']:.2f} ms")
+                 f"ITL p50 {run['median_itl_ms']:.2f} ms, {run['chunks_per_output_token']:.2f} chunks per token")
             doc["runs"].append(run)
     if args.engine_step:
         from .serve_engine_step import engine_steps
@@ -255,16 +329,23 @@ def bench(args) -> dict:
         out_len = args.output_len if args.dataset == "fixed" else int(statistics.median(r.output_len for r in reqs))
         doc["engine_step"] = engine_steps(args.engine_step, sorted(set(concs)), in_len, out_len,
                                           device=args.engine_device, memory_bytes=args.engine_memory_bytes, log=_log)
-        for run in doc["runs"]:
-            step = doc["engine_step"]["batches"].get(str(min(run["max_concurrency"], run["num_prompts"])))
-            if step and step.get("device_step_ms"):
-                run["engine_step_ms"] = step["device_step_ms"]
-                run["itl_p50_over_engine_step"] = run["median_itl_ms"] / step["device_step_ms"]
-        single = doc["engine_step"]["batches"].get("1", {}).get("prefill_ms")
-        if single:   # the goal: TTFT p99 of simultaneous prompts within 4x one prompt's prefill
-            for run in doc["runs"]:
-                run["ttft_p99_over_single_prefill"] = run.get("p99_ttft_ms", float("nan")) / single
+        _add_ratios(doc)
     return doc
+
+
+def _add_ratios(doc: dict) -> None:
+    """The goal ratios of each run against the engine's own step (doc["engine_step"])."""
+    batches = doc["engine_step"]["batches"]
+    single = batches.get("1", {}).get("prefill_ms")
+    for run in doc["runs"]:
+        step = batches.get(str(min(run["max_concurrency"], run["num_prompts"])))
+        if step and step.get("device_step_ms"):
+            run["engine_step_ms"] = step["device_step_ms"]
+            run["itl_p50_over_engine_step"] = run["median_itl_ms"] / step["device_step_ms"]
+        if step and step.get("prefill_ms"):   # what the engine itself takes to prefill the same wave
+            run["ttft_p99_over_engine_prefill"] = run.get("p99_ttft_ms", float("nan")) / step["prefill_ms"]
+        if single:   # the goal: TTFT p99 of simultaneous prompts within 4x one prompt's prefill
+            run["ttft_p99_over_single_prefill"] = run.get("p99_ttft_ms", float("nan")) / single
 
 
 def _log(msg: str) -> None:

@@ -18,7 +18,9 @@ import time
 
 
 def engine_steps(source: str, batches: list[int], in_len: int, out_len: int, device: str | None = None,
-                 memory_bytes: int | None = None, log=print) -> dict:
+                 memory_bytes: int | None = None, log=print, provider=None, engine_flags: dict | None = None) -> dict:
+    """`provider`: a step provider to run instead of loading `source` (which then only names the
+    tokenizer; bench/stand_in_step.py); `engine_flags`: more EngineArgs (the served engine's budget)."""
     import torch
 
     from k3compile.engine.opened import is_engine_dir
@@ -29,7 +31,7 @@ def engine_steps(source: str, batches: list[int], in_len: int, out_len: int, dev
     is_engine = is_engine_dir(source)
     engine = LLMEngine(EngineArgs(model=None if is_engine else source, engine_dir=source if is_engine else None,
                                   device=device, memory_bytes=memory_bytes, enable_prefix_cache=False, overlap=True,
-                                  max_running=max(batches)))
+                                  max_running=max(batches), **(engine_flags or {})), model=provider)
     ex = engine.runner.executor
     cuda = ex.device.type == "cuda"
     marks: list = []   # (mode, batch size, start, end) events on CUDA, else (mode, batch size, seconds)

@@ -56,6 +56,10 @@ def register(sub) -> None:
     p.add_argument("--overlap", dest="overlap", action="store_true", default=True,
                    help="prepare and launch batch N+1 while batch N runs (the default)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false", help="run batches one after the other")
+    p.add_argument("--engine-process", action="store_true",
+                   help="build and step the engine in a child process (vLLM V1's EngineCore split): the HTTP side "
+                   "and the engine's host work then share no GIL (runtime/server/engine_process.py); "
+                   "/start_profile is not available there")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the start-up warm-up (kernels then compile at the first requests)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -118,13 +122,10 @@ def _log_to_stderr(name: str) -> None:
 
 
 def run(args) -> int:
-    import uvicorn
+    import functools
 
     from k3compile.model_def.config import ConfigError
     from k3compile.runtime.engine import LLMEngine
-    from k3compile.runtime.server.app import build_app
-    from k3compile.runtime.server.async_engine import AsyncEngine
-    from k3compile.runtime.server.edge import server_config
 
     for flag in ("port", "page_size", "chunk_size", "max_batch_tokens"):
         value = getattr(args, flag)
@@ -132,16 +133,36 @@ def run(args) -> int:
             continue
         if value < (0 if flag == "port" else 1) or (flag == "port" and value > 65535):
             raise ConfigError(f"--{flag.replace('_', '-')} {value} is out of range")
-    try:
-        engine = LLMEngine(engine_args(args))
-    except ValueError as e:   # bad flag combinations the engine rejects: one line, like other input errors
-        raise ConfigError(str(e)) from None
-    name = served_name(args)
+    return serve_engine(functools.partial(LLMEngine, engine_args(args)), served_name(args), args)
+
+
+def serve_engine(factory, name: str, args) -> int:
+    """Build the engine with `factory()` (here, or in the engine process with --engine-process) and
+    serve it until interrupted (args: host, port, api_key, log_level, warmup, engine_process). Also
+    what `bench serve --stand-in` runs, with the engine's forward replaced (bench/serve_stand_in.py)."""
+    import uvicorn
+
+    from k3compile.model_def.config import ConfigError
+    from k3compile.runtime.server.app import build_app
+    from k3compile.runtime.server.async_engine import AsyncEngine
+    from k3compile.runtime.server.edge import server_config
+
     _log_to_stderr("k3compile.server")   # the warm-up time and engine failures
-    front = AsyncEngine(engine, warmup=getattr(args, "warmup", True))
+    warmup = getattr(args, "warmup", True)
+    if getattr(args, "engine_process", False):
+        try:
+            front = AsyncEngine.spawn(factory, warmup=warmup)
+        except RuntimeError as e:
+            raise ConfigError(str(e)) from None
+    else:
+        try:
+            engine = factory()
+        except ValueError as e:   # bad flag combinations the engine rejects: one line, like other input errors
+            raise ConfigError(str(e)) from None
+        front = AsyncEngine(engine, warmup=warmup)
     app = build_app(front, name, api_key=args.api_key)
     auth = "API key required" if args.api_key else "no API key"
-    print(f"k3compile serve: {engine.memory_summary()}", flush=True)
+    print(f"k3compile serve: {front.memory_summary}", flush=True)
     print(f"k3compile serve: '{name}' on http://{args.host}:{args.port}/v1 ({auth})", flush=True)
     uvicorn.Server(server_config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
     return 0

@@ -1,9 +1,18 @@
-"""The asyncio face of an LLMEngine: one thread runs the engine, the event loop only talks to it.
+"""The asyncio face of an LLMEngine: the engine runs on its own thread or in its own process, the
+event loop only talks to it.
 
-`LLMEngine` is not thread-safe, so exactly one thread (started here) calls its methods after
-`start()`. The event loop sends it commands (add, abort) through a thread-safe queue; the engine
-thread runs `step()` while there is work and hands each step's outputs back to the loop with
-`loop.call_soon_threadsafe`, where they land in the request's own asyncio.Queue.
+`LLMEngine` is not thread-safe, so exactly one thread calls its methods after `start()`: the
+engine loop (runtime/server/engine_loop.py). The event loop sends it commands (add, abort); it runs
+`step()` while there is work and hands each step's outputs back to the loop, where they land in the
+request's own asyncio.Queue.
+
+Two ways to run it. `AsyncEngine(engine)`: on a thread of this process; outputs come back with
+`loop.call_soon_threadsafe`. `AsyncEngine.spawn(factory)`: the engine is built and stepped in a
+child process (runtime/server/engine_process.py, vLLM V1's EngineCore split), commands and outputs
+cross a pipe, one message per step. On a thread, the engine's host work (scheduling, batch building,
+applying results) and the HTTP side (detokenizing, SSE framing, socket writes for every stream)
+share one GIL and run one after the other; at 64 streams that made the served step twice the
+engine's own (traces/serve_cpu/). In a process they run side by side.
 
 Failures: `add_request` rejecting a request (ValueError) fails that request only. A request the
 engine itself failed (an output with `error`: its sampling or a forward it ran alone raised, see
@@ -11,7 +20,7 @@ LLMEngine) gets an EngineError; the others go on. If `step()` itself raises (a b
 forward), every request the engine holds fails with an EngineError, is aborted, and the engine is
 stepped until it has nothing left; requests arriving afterwards are served normally. If even that
 recovery raises, or leaves requests behind, the engine is marked broken: new requests fail at once
-and `health()` reports the cause.
+and `health()` reports the cause. An engine process that dies is a broken engine too.
 """
 from __future__ import annotations
 
@@ -20,34 +29,13 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
+
+from .engine_loop import Abort, Add, EngineError, EngineLoop, Stop
 
 log = logging.getLogger("k3compile.server")
 
-_RECOVERY_STEPS = 8      # steps allowed for aborted requests to drain after a failed step
-_RATE_WINDOW_S = 10.0    # tokens/s is averaged over this window
-
-
-class EngineError(RuntimeError):
-    """The engine failed while it held this request (or is broken); the request is lost."""
-
-
-@dataclass
-class _Add:
-    rid: str
-    prompt_ids: list[int]
-    params: object
-    accepted: asyncio.Future
-    fork_rids: tuple[str, ...] = ()   # n > 1: more requests forked from this one's prefill
-
-
-@dataclass
-class _Abort:
-    rid: str
-
-
-_STOP = object()
+__all__ = ["AsyncEngine", "EngineError", "RequestStream"]
 
 
 class RequestStream:
@@ -83,45 +71,82 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine, warmup: bool = True):
-        """`warmup`: the engine thread first runs `engine.warmup()` (kernels compiled, graphs warm);
+        """`warmup`: the engine loop first runs `engine.warmup()` (kernels compiled, graphs warm);
         until it finishes `health()` says "warming up" and requests wait in the queue."""
-        self.engine = engine
+        self.engine = engine   # None when it runs in a process (spawn)
         self._warmup = warmup and hasattr(engine, "warmup")
         self._warming = self._warmup
         self.warmup_report: dict | None = None
-        # read once here: after start() only the engine thread touches the engine
+        # read once here: after start() only the engine loop touches the engine
         self.tokenizer = engine.tokenizer
         self.config = engine.config
         self.max_context = engine.max_context
+        self.memory_summary = engine.memory_summary() if hasattr(engine, "memory_summary") else ""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}   # loop side only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._process = None   # engine_process.EngineProcess when spawned
+        self._accepting: dict[str, asyncio.Future] = {}   # process: add futures by rid, until resolved
         self._broken: str | None = None
-        self._snapshot: dict = {}   # replaced (never mutated) by the engine thread; read anywhere
+        self._snapshot: dict = {}   # replaced (never mutated) by the engine side; read anywhere
         self.on_latency = None   # fn(kind, seconds), kinds "ttft" | "itl" | "e2e" | "queue" (on the loop)
+
+    @classmethod
+    def spawn(cls, factory, warmup: bool = True) -> "AsyncEngine":
+        """The engine built by `factory()` (picklable, e.g. functools.partial(LLMEngine, args)) in a
+        child process; returns once it is built (raises RuntimeError if building it failed)."""
+        from .engine_process import EngineProcess
+
+        proc = EngineProcess(factory, warmup)
+        self = cls.__new__(cls)
+        self.engine = None
+        self._warmup = self._warming = warmup
+        self.warmup_report = None
+        self.tokenizer, self.config, self.max_context = proc.tokenizer, proc.config, proc.max_context
+        self.memory_summary = proc.memory_summary
+        self._commands = None
+        self._streams, self._accepting = {}, {}
+        self._loop = self._thread = None
+        self._process = proc
+        self._broken = None
+        self._snapshot = {}
+        self.on_latency = None
+        return self
 
     # ---- event-loop side ---------------------------------------------------------------------
 
     def start(self) -> None:
         """Call from the event loop that will consume the outputs."""
-        if self._thread is not None:
+        if self._thread is not None or (self._process is not None and self._loop is not None):
             raise RuntimeError("AsyncEngine already started")
         self._loop = asyncio.get_running_loop()
-        self._publish_metrics(in_flight=0, rate=0.0)
-        self._thread = threading.Thread(target=self._run, name="k3compile-engine", daemon=True)
+        if self._process is not None:
+            self._process.attach(self._loop, self)
+            return
+        engine_loop = EngineLoop(self.engine, self._take_commands, _ThreadSink(self), self._warmup)
+        engine_loop._publish(0, 0.0)
+        self._thread = threading.Thread(target=engine_loop.run, name="k3compile-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        if self._thread is not None:
-            self._commands.put(_STOP)
+        if self._process is not None:
+            self._process.stop(timeout)
+        elif self._thread is not None:
+            self._commands.put(Stop())
             self._thread.join(timeout)
+
+    def _send(self, cmd) -> None:
+        if self._process is not None:
+            self._process.send(cmd)
+        else:
+            self._commands.put(cmd)
 
     async def add(self, rid: str, prompt_ids: list[int], params, fork_rids: tuple[str, ...] = ()):
         """Submit a request; returns its stream once the engine accepted it (with `fork_rids`: the
         list of streams, rid's first). Raises ValueError (the engine's message) if the request is
         invalid, EngineError if the engine is broken."""
-        if self._thread is None:
+        if self._loop is None:
             raise RuntimeError("AsyncEngine not started")
         if self._broken is not None:
             raise EngineError(f"engine is broken: {self._broken}")
@@ -133,7 +158,11 @@ class AsyncEngine:
         for st in streams:
             self._streams[st.rid] = st   # before the add: outputs may follow acceptance closely
         accepted = self._loop.create_future()
-        self._commands.put(_Add(rid, list(prompt_ids), params, accepted, tuple(fork_rids)))
+        if self._process is not None:   # a future cannot cross the pipe: the engine answers by rid
+            self._accepting[rid] = accepted
+            self._send(Add(rid, list(prompt_ids), params, rid, tuple(fork_rids)))
+        else:
+            self._send(Add(rid, list(prompt_ids), params, accepted, tuple(fork_rids)))
         try:
             await accepted
         except asyncio.CancelledError:   # the client left while we waited: don't leak the request
@@ -144,12 +173,14 @@ class AsyncEngine:
             for r in rids:
                 self._streams.pop(r, None)
             raise
+        finally:
+            self._accepting.pop(rid, None)
         return streams if fork_rids else streams[0]
 
     def abort(self, rid: str) -> None:
         """Stop a request; its outputs are dropped from now on. Safe to call more than once."""
         if self._streams.pop(rid, None) is not None:
-            self._commands.put(_Abort(rid))
+            self._send(Abort(rid))
 
     def metrics(self) -> dict:
         """The engine's metrics as of its last iteration, plus `tokens_per_s` and `in_flight`."""
@@ -159,7 +190,10 @@ class AsyncEngine:
         """None when healthy, else why not."""
         if self._broken is not None:
             return f"engine is broken: {self._broken}"
-        if self._thread is None or not self._thread.is_alive():
+        if self._process is not None:
+            if not self._process.alive():
+                return "engine process is not running"
+        elif self._thread is None or not self._thread.is_alive():
             return "engine thread is not running"
         if self._warming:
             return "warming up (compiling kernels, warming CUDA graphs)"
@@ -213,49 +247,32 @@ class AsyncEngine:
         else:
             fut.set_exception(err)
 
-    # ---- engine thread -----------------------------------------------------------------------
+    def engine_message(self, kind: str, *rest) -> None:   # on the loop: what the engine process says
+        if kind == "step":
+            outputs, self._snapshot = rest
+            if outputs:
+                self._deliver(outputs)
+        elif kind == "resolve":
+            fut = self._accepting.pop(rest[0], None)
+            if fut is not None:
+                self._resolve(fut, rest[1])
+        elif kind == "fail":
+            self._fail(*rest)
+        elif kind == "warmed":
+            self.warmup_report, self._warming = rest[0], False
+        elif kind == "broken":
+            self._broken = rest[0]
+        elif kind == "lost":   # the process died: everything it held is lost
+            self._broken = self._broken or rest[0]
+            for fut in list(self._accepting.values()):
+                self._resolve(fut, EngineError(self._broken))
+            self._accepting.clear()
+            for rid in list(self._streams):
+                self._fail(rid, EngineError(self._broken))
+        else:
+            log.error("unknown message from the engine process: %r", kind)
 
-    def _warm(self) -> None:
-        t0 = time.monotonic()
-        try:
-            self.warmup_report = self.engine.warmup()
-            log.info("warm-up took %.2f s (%s)", time.monotonic() - t0, self.warmup_report)
-        except Exception as e:   # serving cold is still serving: the first requests pay instead
-            log.exception("warm-up failed after %.2f s; serving without it", time.monotonic() - t0)
-            self.warmup_report = {"seconds": time.monotonic() - t0, "error": repr(e)}
-        finally:
-            self._warming = False
-
-    def _run(self) -> None:
-        if self._warmup:
-            self._warm()
-        in_flight: set[str] = set()
-        rate: deque[tuple[float, int]] = deque()   # (time, tokens) per step, for tokens/s
-        while True:
-            try:
-                if not self._iterate(in_flight, rate):
-                    return
-            except Exception as e:   # our own bug or a broken engine: keep answering, never hang a caller
-                log.exception("engine thread iteration failed; marking the engine broken")
-                self._broken = self._broken or f"engine thread error: {e!r}"
-                for rid in sorted(in_flight):
-                    self._loop.call_soon_threadsafe(self._fail, rid, EngineError(self._broken))
-                in_flight.clear()
-
-    def _iterate(self, in_flight: set[str], rate: deque) -> bool:
-        """One round: take commands (waiting for one when idle), step once. False on shutdown."""
-        busy = bool(in_flight) or (self._broken is None and self.engine.has_unfinished())
-        for cmd in self._take_commands(block=not busy):
-            if cmd is _STOP:
-                return False
-            self._apply(cmd, in_flight)
-        if self._broken is None and self.engine.has_unfinished():
-            self._step(in_flight, rate)
-        now = time.monotonic()
-        while rate and rate[0][0] < now - _RATE_WINDOW_S:
-            rate.popleft()
-        self._publish_metrics(len(in_flight), sum(n for _, n in rate) / _RATE_WINDOW_S)
-        return True
+    # ---- engine thread ----------------------------------------------------------------------
 
     def _take_commands(self, block: bool) -> list:
         out = []
@@ -267,73 +284,28 @@ class AsyncEngine:
             pass
         return out
 
-    def _apply(self, cmd, in_flight: set[str]) -> None:
-        if isinstance(cmd, _Add):
-            err = None
-            if self._broken is not None:
-                err = EngineError(f"engine is broken: {self._broken}")
-            else:
-                try:
-                    if cmd.fork_rids:
-                        self.engine.add_request(cmd.rid, cmd.prompt_ids, cmd.params, fork_rids=cmd.fork_rids)
-                    else:
-                        self.engine.add_request(cmd.rid, cmd.prompt_ids, cmd.params)
-                    in_flight.update((cmd.rid, *cmd.fork_rids))
-                except ValueError as e:
-                    err = e
-                except Exception as e:   # a bug, not bad input: the request fails, the server goes on
-                    log.exception("add_request(%s) failed", cmd.rid)
-                    err = EngineError(f"engine failed to add the request: {e!r}")
-            self._loop.call_soon_threadsafe(self._resolve, cmd.accepted, err)
-        elif isinstance(cmd, _Abort):
-            if cmd.rid in in_flight and self._broken is None:
-                try:
-                    self.engine.abort(cmd.rid)
-                except Exception:
-                    log.exception("abort(%s) failed", cmd.rid)
 
-    def _step(self, in_flight: set[str], rate: deque) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            log.exception("engine step failed; failing the %d requests it held", len(in_flight))
-            self._recover(in_flight, EngineError(f"engine step failed: {e!r}"))
-            return
-        tokens = 0
-        for out in outputs:
-            tokens += len(out.new_token_ids)
-            if out.finished:
-                in_flight.discard(out.rid)
-        rate.append((time.monotonic(), tokens))
-        if outputs:
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
+class _ThreadSink:
+    """The engine loop's sink on a thread of this process: results go to the event loop."""
 
-    def _recover(self, in_flight: set[str], err: EngineError) -> None:
-        failed = sorted(in_flight)
-        in_flight.clear()
-        for rid in failed:
-            self._loop.call_soon_threadsafe(self._fail, rid, err)
-        try:
-            for rid in failed:
-                self.engine.abort(rid)
-            for _ in range(_RECOVERY_STEPS):
-                if not self.engine.has_unfinished():
-                    return
-                self.engine.step()   # reports the aborts; nobody listens for them any more
-            if self.engine.has_unfinished():
-                raise RuntimeError(f"requests still unfinished after {_RECOVERY_STEPS} recovery steps")
-        except Exception as e:
-            log.exception("engine did not recover; marking it broken")
-            self._broken = f"{err}; recovery failed: {e!r}"
+    def __init__(self, front: AsyncEngine):
+        self.front = front
 
-    def _publish_metrics(self, in_flight: int, rate: float) -> None:
-        snap = {}
-        if self._broken is None:
-            try:
-                snap = dict(self.engine.metrics())
-            except Exception as e:
-                log.exception("engine metrics failed")
-                snap = {"metrics_error": repr(e)}
-        snap["in_flight"] = in_flight
-        snap["tokens_per_s"] = rate
-        self._snapshot = snap
+    def resolve(self, accepted, err) -> None:
+        self.front._loop.call_soon_threadsafe(self.front._resolve, accepted, err)
+
+    def deliver(self, outputs) -> None:
+        self.front._loop.call_soon_threadsafe(self.front._deliver, outputs)
+
+    def fail(self, rid, err) -> None:
+        self.front._loop.call_soon_threadsafe(self.front._fail, rid, err)
+
+    def publish(self, snapshot: dict) -> None:
+        self.front._snapshot = snapshot
+
+    def warmed(self, report: dict) -> None:
+        self.front.warmup_report = report
+        self.front._warming = False
+
+    def broken(self, reason: str) -> None:
+        self.front._broken = reason

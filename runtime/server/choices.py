@@ -72,7 +72,11 @@ class ChoiceView:
         return P.completion_choice(text, finish, token_ids, c.index, lp)
 
     def delta_choice(self, d) -> dict | None:
-        """The chunk's choice for one delta, or None when it carries nothing to send."""
+        """The chunk's choice for one delta, or None when it carries nothing to send. A delta that
+        brought tokens is sent even when their text is held back (an incomplete character, a
+        possible stop string, ids without text, a tool call being parsed): one chunk per engine
+        step keeps the stream's timing the engine's (as vLLM streams such chunks), instead of a
+        burst when the text completes -- with a byte tokenizer on a large vocabulary, at the end."""
         token_ids = d.token_ids if self.req.return_token_ids else None
         want_lp = self.req.logprobs is not None
         if self.chat:
@@ -85,7 +89,7 @@ class ChoiceView:
                 if parser.calls and finish == "stop":
                     finish = "tool_calls"
             lp = chat_logprobs(self.tok, d.logprobs or []) if want_lp and d.token_ids else None
-            if not delta and finish is None and lp is None and not (token_ids and self.req.return_token_ids):
+            if not delta and finish is None and lp is None and not d.token_ids:
                 return None
             return P.chat_delta_choice(delta, finish, token_ids, d.index, lp)
         text, ids, entries = d.text, d.token_ids, d.logprobs or []
@@ -101,6 +105,6 @@ class ChoiceView:
             self._offsets[d.index] = offset + sum(len(t) for t in lp["tokens"])
         else:
             self._offsets.setdefault(d.index, 0)
-        if not (text or d.finish_reason is not None or (token_ids and d.token_ids) or (lp and lp["tokens"])):
+        if not (text or d.finish_reason is not None or d.token_ids or (lp and lp["tokens"])):
             return None
         return P.completion_choice(text, d.finish_reason, token_ids, d.index, lp)

@@ -109,10 +109,24 @@ class ServerProfiler:
             self.done.set()
 
 
-def register(app, front) -> ServerProfiler:
-    """Add POST /start_profile and /stop_profile to the app."""
+def register(app, front) -> ServerProfiler | None:
+    """Add POST /start_profile and /stop_profile to the app (answering 501 when the engine runs in a
+    process of its own)."""
     from fastapi.responses import JSONResponse
 
+    if front.engine is None:   # the engine runs in its own process: its steps cannot be wrapped from here
+        gone = {"error": {"message": "profiling needs the engine in the server's process: serve without "
+                          "--engine-process", "type": "invalid_request_error", "param": None, "code": None}}
+
+        @app.post("/start_profile")
+        async def start_profile_unavailable():
+            return JSONResponse(gone, status_code=501)
+
+        @app.post("/stop_profile")
+        async def stop_profile_unavailable():
+            return JSONResponse(gone, status_code=501)
+
+        return None
     profiler = ServerProfiler(front.engine)
 
     @app.post("/start_profile")

@@ -47,3 +47,45 @@ def test_bench_serve_against_our_server(tmp_path):
     steps = doc["engine_step"]["batches"]
     assert set(steps) == {"1", "3"} and all(s["decode_steps"] >= 1 for s in steps.values())
     assert (tmp_path / "serve_tiny.png").stat().st_size > 1000
+
+
+def test_bench_serve_stand_in_needs_no_endpoint(tmp_path, server_flags="--max-batch-tokens 64"):
+    """--stand-in: the real server over the timed stand-in in a child process (with extra serve flags),
+    the sweep, and the same stand-in's engine step (same budget) for the ratios."""
+    import json
+
+    args = argparse.Namespace(
+        base_url="unused", model=None, api_key=None, dataset="fixed", input_len=12, output_len=5,
+        prompt_kind="ids", id_range="10,250", num_prompts=2, prompts_per_concurrency=1, request_rate="inf",
+        max_concurrency="1,3", percentiles="50,99", seed=0, timeout=300.0, warmup_requests=1, engine_step=None,
+        engine_device=None, engine_memory_bytes=None, stand_in="1.0,0.01", stand_in_tokens="no-text",
+        stand_in_server_flags=server_flags, label="stand", out=str(tmp_path))
+    assert bench_serve.run(args) == 0
+    doc = json.loads((tmp_path / "serve_stand.json").read_text())
+    assert doc["stand_in"]["step_ms"] == 1.0 and doc["stand_in"]["server_flags"] == server_flags.split()
+    for run in doc["runs"]:
+        assert run["failed"] == 0 and run["total_output_tokens"] == 5 * run["completed"]
+        assert run["chunks_per_output_token"] == 1.0   # a chunk per step, though the tokens have no text
+        assert run["itl_p50_over_engine_step"] > 0 and run["ttft_p99_over_engine_prefill"] > 0
+    assert set(doc["engine_step"]["batches"]) == {"1", "3"}
+    with pytest.raises(ValueError, match="--stand-in"):
+        bench_serve._stand_in_times("1,2,3")
+
+
+def test_serve_table_ratios_and_fallback_steps(tmp_path):
+    """The issue-14 table: ratios against the result's own engine step, or --steps-from's."""
+    import json
+
+    from k3compile.bench.serve_table import table
+
+    run = {"max_concurrency": 8, "num_prompts": 8, "median_itl_ms": 12.0, "chunks_per_output_token": 1.0,
+           "median_ttft_ms": 300.0, "p99_ttft_ms": 400.0, "output_throughput": 500.0}
+    with_steps = {"runs": [run], "warmup": [{"ttft_ms": 50.0}],
+                  "engine_step": {"batches": {"1": {"prefill_ms": 100.0}, "8": {"device_step_ms": 10.0,
+                                                                                   "prefill_ms": 200.0}}}}
+    (tmp_path / "serve_a.json").write_text(json.dumps(with_steps))
+    (tmp_path / "serve_b.json").write_text(json.dumps({"runs": [{**run, "median_itl_ms": float("nan")}]}))
+    out = table([str(tmp_path / "serve_a.json"), str(tmp_path / "serve_b.json")], str(tmp_path / "serve_a.json"))
+    rows = [line for line in out.splitlines() if line.startswith("| a ") or line.startswith("| b ")]
+    assert "| 1.20x | 1.00 | 300 | 400 | 4.00x | 2.00x | 500 |" in rows[0]
+    assert "| n/a | 10.00 | n/a |" in rows[1]   # no ITL (nan): no ratio
