@@ -25,4 +25,4 @@ chromium:
 	  echo "chromium not installed: the HTML rendering test will be skipped"
 
 test: $(VENV)/.installed chromium
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=25
