@@ -46,7 +46,8 @@ Caps and eviction
   Branch points do not count and are never its victims: a checkpoint at a node with two or more
   children, one planted by splitting an existing edge (a request diverging from, or ending
   inside, a path the tree holds), or a fork that has since lost a path (eviction must not push a
-  path over the cap by turning its branch point into a progress checkpoint). A new checkpoint that would exceed the cap evicts the least
+  path over the cap by turning its branch point into a progress checkpoint; this includes a fork
+  that loses a path while the global cap makes room for its own new checkpoint). A new checkpoint that would exceed the cap evicts the least
   recently used unpinned progress checkpoints above it (they become tombstones); if those are
   pinned, the new one is rejected. (Counting branch points made a forking request's own later
   checkpoints push out -- or block -- the shared-stem state it had just planted: issue 15.)
@@ -313,9 +314,9 @@ class HybridRadixCache:
                 raise ValueError(f"page {pg} (tokens from {i * p}) already belongs to the tree at another position")
 
         deepest = partial[0] if partial is not None else (path[-1] if path else self.root)
-        admitted, victims = False, []
+        admitted, victims, branch = False, [], False
         if checkpoint_slot is not None:
-            admitted, victims = self._make_room(path, partial, deepest, new_leaf=n > m)
+            admitted, victims, branch = self._make_room(path, partial, deepest, new_leaf=n > m)
 
         # Shape the tree: a node ending where the walk ended (splitting an edge there) and, with an
         # admitted checkpoint, a new leaf for the tokens the tree did not have.
@@ -328,7 +329,9 @@ class HybridRadixCache:
             self._drop_checkpoint(v)
             self._stats.checkpoints_evicted += 1
         if admitted:
-            node.planted = partial is not None and node is end and n == m
+            # Admitted as a branch point (inside an edge, or at a fork): it stays one even if making
+            # room under the global cap deleted one of the fork's paths, as when a fork loses a path later.
+            node.planted = branch
             node.checkpoint = checkpoint_slot
             self._slot_owner[checkpoint_slot] = node
             self._stats.checkpoints_stored += 1
@@ -355,12 +358,13 @@ class HybridRadixCache:
                             checkpoint_stored=admitted)
 
     def _make_room(self, path: list[TreeNode], partial, deepest: TreeNode,
-                   new_leaf: bool) -> tuple[bool, list[TreeNode]]:
+                   new_leaf: bool) -> tuple[bool, list[TreeNode], bool]:
         """Decide whether a checkpoint may be stored at the insert's end node.
 
-        Returns (admitted, per-path victims to tombstone once the tree is shaped). Evictions for
-        the global cap happen right away; a transient KV reference on `deepest` keeps their
-        cascades from deleting anything the insert stands on.
+        Returns (admitted, per-path victims to tombstone once the tree is shaped, whether the
+        per-path cap counted it as a branch point). Evictions for the global cap happen right away;
+        a transient KV reference on `deepest` keeps their cascades from deleting anything the
+        insert stands on (but not the end node's other children: a fork may lose a path here).
         """
         if new_leaf:
             above, below, own = path, 0, 1
@@ -370,7 +374,7 @@ class HybridRadixCache:
             end = path[-1]
             if end.checkpoint is not None:
                 self._stats.checkpoints_duplicate += 1
-                return False, []
+                return False, [], False
             above = path[:-1]
             below = max((self._max_checkpoints_down(c) for c in end.children.values()), default=0)
             own = 0 if self._is_branch(end) else 1
@@ -382,7 +386,7 @@ class HybridRadixCache:
                 free = sorted((nd for nd in held if not nd.ckpt_lock), key=lambda nd: nd.ckpt_access)
                 if len(free) < excess:
                     self._stats.checkpoints_rejected += 1
-                    return False, []
+                    return False, [], False
                 victims = free[:excess]
         cap = self.max_checkpoints
         if cap is not None and len(self._slot_owner) - len(victims) + 1 > cap:
@@ -395,11 +399,11 @@ class HybridRadixCache:
                     victim = self._checkpoint_victim()
                     if victim is None:  # everything else is pinned or locked
                         self._stats.checkpoints_rejected += 1
-                        return False, []
+                        return False, [], False
                     self._evict_checkpoint(victim)
             finally:
                 self._add_kv_refs(deepest, -1)
-        return True, victims
+        return True, victims, own == 0
 
     def _add_kv_refs(self, node: TreeNode, delta: int) -> None:
         while node is not self.root:

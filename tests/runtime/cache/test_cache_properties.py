@@ -296,12 +296,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert not list(self.cache.nodes()) and not self.mem.live_pages and not self.mem.live_slots
 
 
-CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+# derandomize: the same examples on every machine and run (CI determinism); the seed-free search was
+# run at 2000 examples when the per-path-cap bug below was fixed. The fixed case is a plain test in
+# test_radix.py (a fork losing a path while the global cap makes room for its own checkpoint).
+CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None, derandomize=True)
 TestCacheMachine = CacheMachine.TestCase
-# Known bug (session 4, found by this machine after the fork-protection change of issue 15): with a per-path cap
-# of 1, page size 2, a global cap of 5 and LRU, the sequence serve(chunk=3, (0,1,1,0,0,0,0,0,0,0)),
-# serve(chunk=1, (0,1,0,0)), serve(chunk=1, (0,0,0,0,0)), admit((0,1)), serve(chunk=1, (0,0)),
-# serve(chunk=1, (2,2,0,0,0)), serve(chunk=1, (0,1)) leaves 2 progress checkpoints on one path (cap 1).
-# Marked non-strict until it is fixed so CI stays meaningful for the rest; the closing note reports it.
-TestCacheMachine = pytest.mark.xfail(reason="per-path cap exceeded after fork loss (known bug, see comment)",
-                                     strict=False)(TestCacheMachine)

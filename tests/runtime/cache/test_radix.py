@@ -231,6 +231,34 @@ def test_forking_requests_keep_the_branch_point_they_planted(eviction):
     owned(cache, mem)
 
 
+@pytest.mark.parametrize("eviction", ["lru", "value"])
+@pytest.mark.parametrize("page_size,interval", [(1, 4), (2, 2), (16, 256)])
+def test_a_fork_that_loses_a_path_to_the_global_cap_stays_a_branch_point(page_size, interval, eviction):
+    """Found by the state machine: a checkpoint stored at a tombstone fork is a branch point (not
+    counted by the per-path cap), but making room for it under the global cap can delete one of the
+    fork's paths. It must still be a branch point once stored, or the surviving path holds two
+    progress checkpoints under a per-path cap of 1."""
+    from k3compile.runtime.cache.recompute_cost import RecomputeCost
+
+    mem = make_memory(page_size, num_slots=16, num_pages=3 * 3 * interval // page_size + 8)
+    cache = HybridRadixCache(mem, interval, max_checkpoints_per_path=1, max_checkpoints=3, eviction=eviction,
+                             recompute_cost=RecomputeCost(1.0, 0.01))
+    stem = tuple(range(1, interval + 1))
+    x = stem + tuple(range(100, 100 + interval))
+    y = stem + tuple(range(200, 200 + interval))
+    z = tuple(range(300, 300 + interval))
+    donate_sequence(cache, mem, x)
+    donate_sequence(cache, mem, y)  # a tombstone fork at the stem's end, over x and y
+    donate_sequence(cache, mem, z)
+    cache.match(y)
+    cache.match(z)  # x is the least recently used (and least valuable per byte: same cost, same bytes as y)
+    res, _ = donate_sequence(cache, mem, stem)  # at the cap: x goes to make room, the fork keeps y alone
+    assert res.checkpoint_stored and res.node.depth == interval
+    assert cache.match(x, touch=False).kv_match_len == interval  # x's own KV went with it
+    assert cache.match(y, touch=False).cached_len == 2 * interval  # y's state survives: the stem is a branch point
+    owned(cache, mem)  # per-path cap: the stem's checkpoint does not count against y's
+
+
 def test_global_cap_deletes_the_lru_leaf_with_its_kv():
     mem, cache = setup(max_checkpoints=2)
     seqs = [tuple(range(s, s + 8)) for s in (100, 200, 300)]
