@@ -7,6 +7,8 @@ Host-side copies of the lengths ride along so reference code can loop without de
 """
 from __future__ import annotations
 
+import array
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -70,9 +72,11 @@ class ForwardBatch:
             if len(row) * page_size < local:
                 raise ValueError(f"request {i}: {len(row)} pages of {page_size} cannot hold {local} tokens")
         width = max_pages if max_pages is not None else max(1, max(len(r) for r in page_table))
-        pt = torch.zeros(b, width, dtype=torch.int32)
-        for i, row in enumerate(page_table):
-            pt[i, : len(row)] = torch.tensor(row[:width], dtype=torch.int32)
+        flat = array.array("i")
+        for row in page_table:
+            flat.extend(row[:width])
+            flat.extend(itertools.repeat(0, width - min(width, len(row))))
+        pt = _host_tensor(flat, torch.int32).view(b, width)
         ids, pos, loc = [], [], []
         for toks, p, row in zip(token_ids, prefix_lens, page_table):
             ids.extend(toks)
@@ -90,12 +94,27 @@ class ForwardBatch:
             li = list(range(cu[-1]))
         else:
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
-        t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+        on_host = torch.device(device).type == "cpu"
+
+        def t(x, dt):
+            out = _host_tensor(array.array(_ARRAY_CODES[dt], x), dt)
+            return out if on_host else out.to(device)
+
         return cls(mode=mode, input_ids=t(ids, torch.int64), positions=t(pos, torch.int64),
                    cu_seqlens=t(cu, torch.int32), seq_lens=t(seq, torch.int32), page_table=pt.to(device),
                    state_slots=t(state_slots, torch.int64), out_cache_loc=t(loc, torch.int64), page_size=page_size,
                    logits_indices=t(li, torch.int64), seq_lens_cpu=seq, prefix_lens_cpu=list(prefix_lens),
                    extend_lens_cpu=ext)
+
+
+_ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
+assert all(array.array(c).itemsize == torch.empty(0, dtype=dt).element_size() for dt, c in _ARRAY_CODES.items())
+
+
+def _host_tensor(buf: array.array, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor over a Python int array (torch.tensor on a list converts element by element,
+    which was most of building a long-context batch; the array converts in C)."""
+    return torch.frombuffer(buf, dtype=dtype) if len(buf) else torch.empty(0, dtype=dtype)
 
 
 def step_args(batch: ForwardBatch, cache) -> tuple:

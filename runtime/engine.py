@@ -329,11 +329,11 @@ class LLMEngine:
             raise ValueError(f"request ids must be distinct, got {[rid, *fork_rids]}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt = [int(t) for t in prompt_ids]
+        prompt = list(map(int, prompt_ids))
         if not prompt:
             raise ValueError(f"request {rid!r}: the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
-        if bad:
+        if min(prompt) < 0 or max(prompt) >= self.config.vocab_size:  # min/max: no Python loop on long prompts
+            bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
             raise ValueError(f"request {rid!r}: token id(s) {bad[:5]} outside the vocabulary [0, {self.config.vocab_size})")
         if len(prompt) + params.max_new_tokens > self.max_context:
             raise ValueError(f"request {rid!r}: prompt ({len(prompt)} tokens) + max_new_tokens "

@@ -9,21 +9,40 @@ pinned block -- e.g. a duplicate page the tree frees when a request donates its 
 next decode batch is already built -- is deferred to the last unpin (mini-sglang's lazy-free
 region plays the same role).
 
+Pins are kept per pin call (a batch's blocks), not per index: a batch pins every page of every
+request in it, so per-index counts cost O(live context pages) Python work per step (most of a
+long-context replay's time). `unpin` takes exactly what one `pin` call took; "is it pinned?" is
+asked only when something is freed, and builds the groups' sets lazily.
+
 Wraps any KVStateMemory; the tree and the request table register their relocation listeners
 here and hear every move of the inner memory.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 from k3compile.runtime.memory.base import KVStateMemory, RelocationListener
+
+
+class _PinGroup:
+    """The blocks of one pin call; membership sets are built on first use."""
+
+    __slots__ = ("ids", "_sets")
+
+    def __init__(self, slots: list[int], pages: list[int]):
+        self.ids = {"slot": slots, "page": pages}
+        self._sets: dict[str, set[int]] = {}
+
+    def has(self, kind: str, i: int) -> bool:
+        s = self._sets.get(kind)
+        if s is None:
+            s = self._sets[kind] = set(self.ids[kind])
+        return i in s
 
 
 class InFlightMemory:
     def __init__(self, inner: KVStateMemory):
         self.inner = inner
         self.spec, self.page_size, self.tensors = inner.spec, inner.page_size, inner.tensors
-        self._pins = {"slot": Counter(), "page": Counter()}
+        self._groups: list[_PinGroup] = []  # one per pin call not yet unpinned
         self._deferred = {"slot": set(), "page": set()}  # freed by their owner, waiting for the last unpin
         self._listeners: list[RelocationListener] = []
         inner.add_relocation_listener(self._moved)
@@ -36,15 +55,15 @@ class InFlightMemory:
         return self.inner.alloc_pages(n)
 
     def free_slot(self, slot: int) -> None:
-        if self._pins["slot"][slot]:
+        if self._pinned("slot", slot):
             self._deferred["slot"].add(slot)
         else:
             self.inner.free_slot(slot)
 
     def free_pages(self, pages: list[int]) -> None:
-        pins, now = self._pins["page"], []
+        now = []
         for pg in pages:
-            if pins[pg]:
+            if self._pinned("page", pg):
                 self._deferred["page"].add(pg)
             else:
                 now.append(pg)
@@ -59,11 +78,20 @@ class InFlightMemory:
         for s in slots:
             self.inner.pin_slot(s)
         self.inner.pin_pages(pages)
-        self._pins["slot"].update(slots)
-        self._pins["page"].update(pages)
+        self._groups.append(_PinGroup(list(slots), list(pages)))
 
     def unpin(self, slots: list[int], pages: list[int]) -> None:
-        released = {"slot": self._unpin_counts("slot", slots), "page": self._unpin_counts("page", pages)}
+        slots, pages = list(slots), list(pages)
+        for j in range(len(self._groups) - 1, -1, -1):
+            g = self._groups[j]
+            if g.ids["slot"] == slots and g.ids["page"] == pages:
+                break
+        else:
+            raise ValueError(f"unpin(slots={slots[:8]}, pages={pages[:8]}...) matches no pin call: unpinned more often "
+                             f"than pinned (unpin takes exactly the blocks of one pin call)")
+        del self._groups[j]
+        released = {kind: {i for i in self._deferred[kind] if g.has(kind, i) and not self._pinned(kind, i)}
+                    if self._deferred[kind] else set() for kind in ("slot", "page")}
         self._releasing = released  # relocations during the unpins and frees below re-key these
         try:
             for s in slots:
@@ -79,20 +107,12 @@ class InFlightMemory:
         finally:
             self._releasing = None
 
-    def _unpin_counts(self, kind: str, ids: list[int]) -> set[int]:
-        pins, out = self._pins[kind], set()
-        for i in ids:
-            if pins[i] <= 0:
-                raise ValueError(f"{kind} {i} unpinned more often than pinned")
-            pins[i] -= 1
-            if not pins[i]:
-                del pins[i]
-                if i in self._deferred[kind]:
-                    out.add(i)
-        return out
+    def _pinned(self, kind: str, i: int) -> bool:
+        return any(g.has(kind, i) for g in self._groups)
 
     def num_pinned(self) -> int:
-        return len(self._pins["slot"]) + len(self._pins["page"])
+        """Distinct pinned blocks."""
+        return sum(len(set().union(*(g.ids[kind] for g in self._groups))) for kind in ("slot", "page"))
 
     def num_deferred(self, kind: str) -> int:
         return len(self._deferred[kind])

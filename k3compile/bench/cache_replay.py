@@ -22,13 +22,19 @@ import statistics
 FORWARDS = ("model", "cost")
 
 
-def stand_in_token(tokens: list[int], vocab: int = 256) -> int:
+def stand_in_token(tokens: list[int], vocab: int = 256, length: int | None = None) -> int:
     """The stand-in model's greedy next token: a fixed mix of the context's length and last tokens
-    (the same context gives the same token under every policy, like a real greedy model)."""
-    h = len(tokens) * 0x9E3779B1
+    (the same context gives the same token under every policy, like a real greedy model). `length`:
+    the context's length when `tokens` is only its tail (at least the last 4 tokens)."""
+    h = (len(tokens) if length is None else length) * 0x9E3779B1
     for t in tokens[-4:]:
         h = ((h ^ t) * 0x01000193) & 0xFFFFFFFF
     return h % vocab
+
+
+def _next_token(req) -> int:
+    n = req.num_tokens  # the tail only: building prompt + output per step is O(context)
+    return stand_in_token([req.token_at(q) for q in range(max(0, n - 4), n)], length=n)
 
 
 class StandInRunner:
@@ -54,7 +60,7 @@ class StandInRunner:
     def sample(batch, logits):
         from k3compile.runtime.batch_sampling import BatchSample
 
-        tokens = [stand_in_token(r.req.all_ids) if r.samples and not r.req.finished and r.req.params.max_new_tokens > 0
+        tokens = [_next_token(r.req) if r.samples and not r.req.finished and r.req.params.max_new_tokens > 0
                   else None for r in batch.rows]
         return BatchSample(tokens, [None] * len(tokens)), {}
 
@@ -84,6 +90,9 @@ def byte_ratio_spec(base, ratio: str, page_size: int):
     return replace(base, kda_heads=max(1, round((target - base.conv_bytes_per_slot) / per_head)))
 
 
+STAND_IN_CONTEXT = 1 << 15
+
+
 class StandInModel:
     """What the engine needs of a model when `StandInRunner` replaces the forward: a config, a
     device and the cache's byte sizes. Its step is never called."""
@@ -91,12 +100,15 @@ class StandInModel:
     device = "cpu"
 
     def __init__(self, preset: str = "k3-tiny", ratio: str = "tiny", page_size: int = 16):
+        from dataclasses import replace
+
         import torch
 
         from k3compile.model_def.cache import CacheSpec
         from k3compile.model_def.config import get_preset
 
-        self.config = get_preset(preset)
+        # Never runs a forward, so no position limit: long agent contexts replay at k3-tiny's byte sizes.
+        self.config = replace(get_preset(preset), max_position_embeddings=STAND_IN_CONTEXT)
         self._spec = byte_ratio_spec(CacheSpec.from_config(self.config, dtype=torch.float32), ratio, page_size)
 
     def cache_spec(self, dtype=None, tp_size: int = 1):

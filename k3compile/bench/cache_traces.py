@@ -21,6 +21,7 @@ point; the first stored its state past the stem), so the second root cannot hit 
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -44,36 +45,56 @@ class Root:
     req: Req
 
 
+Length = "int | tuple[int, int] | tuple[float, float, int, int]"
+
+
+def draw_length(rng: random.Random, d) -> int:
+    """A token count from a length spec: an int (fixed), (lo, hi) (uniform), or (median, sigma, lo,
+    hi) (log-normal with that median and log-space sigma, clipped to [lo, hi]: token lengths of
+    prompts, tool outputs and answers are heavy-tailed, so a uniform range misstates both the
+    typical request and the long ones that fill memory)."""
+    if isinstance(d, int):
+        return d
+    if len(d) == 2:
+        return rng.randint(*d)
+    median, sigma, lo, hi = d
+    return int(min(hi, max(lo, round(median * math.exp(sigma * rng.gauss(0.0, 1.0))))))
+
+
 @dataclass(frozen=True)
 class TraceSpec:
+    """Trace shape. The defaults are scaled-down production shapes (see DISTRIBUTIONS below); every
+    length is an int, a (lo, hi) range or a (median, sigma, lo, hi) log-normal."""
     mix: tuple[tuple[str, float], ...] = (("agent", 1.0), ("oneoff", 1.0))  # kind -> weight of roots
     roots: int = 40  # root requests (sessions, agent tasks, ToT problems, one-offs)
     duration: float = 600.0  # seconds over which roots arrive
     # chat
     systems: int = 3
-    system_len: tuple[int, int] = (300, 500)
-    chat_turns: tuple[int, int] = (2, 5)
-    chat_user: tuple[int, int] = (16, 80)
-    chat_answer: tuple[int, int] = (8, 32)
+    system_len: Length = (1200.0, 0.5, 400, 4000)
+    chat_turns: Length = (2, 6)
+    chat_user: Length = (80.0, 1.0, 8, 2000)
+    chat_answer: Length = (150.0, 0.7, 16, 600)
     chat_think: float = 90.0  # mean seconds between turns
     # agent
-    tool_prefix_len: int = 700  # shared tool definitions + instructions
-    task_len: tuple[int, int] = (40, 160)
-    agent_steps: tuple[int, int] = (4, 10)
-    tool_result: tuple[int, int] = (8, 48)
-    agent_answer: tuple[int, int] = (4, 16)
-    tool_latency: float = 8.0  # mean seconds
+    tool_prefixes: int = 2  # distinct agent apps (system prompt + tool schemas), each shared by its tasks
+    tool_prefix_len: Length = (3000.0, 0.4, 1500, 8000)
+    task_len: Length = (150.0, 0.8, 16, 2000)
+    agent_steps: Length = (6, 14)
+    tool_result: Length = (300.0, 1.0, 16, 4000)
+    agent_answer: Length = (60.0, 0.6, 8, 300)
+    tool_latency: float = 7.0  # mean seconds
     # tree of thought
-    problem_len: tuple[int, int] = (200, 400)
-    tot_answer: tuple[int, int] = (8, 24)
-    branches: tuple[int, int] = (2, 3)
+    problem_len: Length = (1500.0, 0.5, 400, 4000)
+    tot_answer: Length = (120.0, 0.6, 16, 400)
+    branches: Length = (2, 3)
     tot_depth: int = 2
     branch_lead: int = 24
-    branch_user: tuple[int, int] = (8, 32)
+    branch_user: Length = (60.0, 0.6, 8, 300)
     # one-off
-    oneoff_len: tuple[int, int] = (100, 500)
-    oneoff_answer: tuple[int, int] = (4, 16)
+    oneoff_len: Length = (600.0, 0.9, 32, 6000)
+    oneoff_answer: Length = (100.0, 0.7, 8, 400)
     repeat_prob: float = 0.2
+    repeat_window: int = 3  # a repeat resends one of the last `repeat_window` distinct one-offs (retries, n samples)
     seed: int = 0
 
     def check(self) -> None:
@@ -84,8 +105,21 @@ class TraceSpec:
         if self.roots < 1 or self.duration < 0:
             raise ValueError(f"roots must be >= 1 and duration >= 0, got {self.roots}, {self.duration}")
         for name, v in vars(self).items():
-            if isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, int) for x in v) and not 1 <= v[0] <= v[1]:
-                raise ValueError(f"{name} must be a range lo,hi with 1 <= lo <= hi, got {v}")
+            if name in ("mix", "seed", "roots", "duration", "repeat_prob") or isinstance(v, float):
+                continue
+            if isinstance(v, int):
+                if v < (0 if name == "tot_depth" else 1):
+                    raise ValueError(f"{name} must be >= 1, got {v}")
+            elif len(v) == 2:
+                if not (all(isinstance(x, int) for x in v) and 1 <= v[0] <= v[1]):
+                    raise ValueError(f"{name} must be a range lo,hi with 1 <= lo <= hi, got {v}")
+            elif len(v) == 4:
+                median, sigma, lo, hi = v
+                if not (median > 0 and sigma >= 0 and isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                    raise ValueError(f"{name} must be a log-normal (median > 0, sigma >= 0, lo, hi with 1 <= lo <= hi), "
+                                     f"got {v}")
+            else:
+                raise ValueError(f"{name} must be an int, (lo, hi) or (median, sigma, lo, hi), got {v!r}")
         if not 0 <= self.repeat_prob <= 1:
             raise ValueError(f"repeat_prob must be in [0, 1], got {self.repeat_prob}")
 
@@ -102,9 +136,9 @@ def make_trace(spec: TraceSpec) -> list[Root]:
     spec.check()
     rng = random.Random(spec.seed)
     toks = lambda n: [rng.randrange(0, 256) for _ in range(n)]  # noqa: E731
-    rint = lambda r: rng.randint(*r)  # noqa: E731
+    rint = lambda d: draw_length(rng, d)  # noqa: E731
     systems = [toks(rint(spec.system_len)) for _ in range(spec.systems)]
-    tool_prefix = toks(spec.tool_prefix_len)
+    tool_prefixes = [toks(rint(spec.tool_prefix_len)) for _ in range(spec.tool_prefixes)]
     kinds, weights = zip(*spec.mix)
     stems_seen: dict[str, int] = {}  # roots seen per shared prefix
     oneoffs: list[list[int]] = []
@@ -119,16 +153,18 @@ def make_trace(spec: TraceSpec) -> list[Root]:
             _chain(rng, toks, rint, req, rint(spec.chat_turns), spec.chat_user, spec.chat_answer, spec.chat_think)
             stem = f"system{k}"
         elif kind == "agent":
-            req = Req(rid, tool_prefix + toks(rint(spec.task_len)), rint(spec.agent_answer))
+            k = rng.randrange(spec.tool_prefixes)
+            req = Req(rid, tool_prefixes[k] + toks(rint(spec.task_len)), rint(spec.agent_answer))
             _chain(rng, toks, rint, req, rint(spec.agent_steps), spec.tool_result, spec.agent_answer, spec.tool_latency)
-            stem = "tools"
+            stem = f"tools{k}"
         elif kind == "tot":
             req = Req(rid, toks(rint(spec.problem_len)), rint(spec.tot_answer))
             _fork(rng, toks, rint, spec, req, spec.tot_depth)
             stem = None
         else:
             if oneoffs and rng.random() < spec.repeat_prob:
-                req = Req(rid, list(rng.choice(oneoffs)), rint(spec.oneoff_answer), tags=("repeat",))
+                req = Req(rid, list(rng.choice(oneoffs[-spec.repeat_window:])), rint(spec.oneoff_answer),
+                          tags=("repeat",))
             else:
                 req = Req(rid, toks(rint(spec.oneoff_len)), rint(spec.oneoff_answer))
                 oneoffs.append(req.user)

@@ -154,7 +154,7 @@ def as_token_tuple(token_ids) -> tuple[int, ...]:
     if hasattr(token_ids, "tolist"):  # a 1-D tensor or array
         token_ids = token_ids.tolist()
     try:
-        return tuple(operator.index(t) for t in token_ids)
+        return tuple(map(operator.index, token_ids))  # map: no Python frame per token (long prompts)
     except TypeError:
         raise TypeError("token ids must be a flat sequence of ints (list, tuple or 1-D integer tensor)") from None
 
@@ -239,7 +239,7 @@ class HybridRadixCache:
         while node is not self.root:
             parts.append(node.pages)
             node = node.parent
-        return [pg for part in reversed(parts) for pg in part]
+        return list(itertools.chain.from_iterable(reversed(parts)))
 
     def path_tokens(self, node: TreeNode) -> tuple[int, ...]:
         parts = []
@@ -588,9 +588,12 @@ class HybridRadixCache:
             if child is None:
                 break
             key, limit, i = child.key, min(len(child.key), n - pos), p  # first page matched by the dict
-            while i < limit and key[i] == tokens[pos + i]:
-                i += 1
-            i -= i % p
+            # whole pages only (limit is page-aligned); slices compare in C (edges run to thousands of tokens)
+            if key[i:limit] == tokens[pos + i:pos + limit]:
+                i = limit
+            else:
+                while i < limit and key[i:i + p] == tokens[pos + i:pos + i + p]:
+                    i += p
             pos += i
             if i < len(key):
                 return path, (child, i), pos

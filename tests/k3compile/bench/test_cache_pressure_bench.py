@@ -29,9 +29,11 @@ def test_traces_are_seeded_and_shaped():
     kinds = {r.kind for r in a}
     assert kinds == {"chat", "agent", "tot", "oneoff"}
     spec = TraceSpec()
+    agents = [r.req.user for r in a if r.kind == "agent"]
     for r in a:
-        if r.kind == "agent":  # every agent task starts with the shared tool prefix and loops
-            assert len(r.req.user) >= spec.tool_prefix_len
+        if r.kind == "agent":  # every agent task starts with one of the shared tool prefixes and loops
+            assert len(r.req.user) >= spec.tool_prefix_len[2] and r.req.children
+            assert sum(u[:spec.tool_prefix_len[2]] == r.req.user[:spec.tool_prefix_len[2]] for u in agents) >= 2
         if r.kind == "tot":  # a fork: siblings share the lead-in
             kids = r.req.children
             assert len(kids) >= 2 and all(k.user[:spec.branch_lead] == kids[0].user[:spec.branch_lead] for k in kids)
@@ -42,11 +44,27 @@ def test_traces_are_seeded_and_shaped():
     assert count(a) > len(a)
 
 
+def test_lengths_follow_their_distributions():
+    """Log-normal lengths: the median near the spec's, clipped to [lo, hi]; ranges and ints as given."""
+    import random
+    import statistics
+
+    from k3compile.bench.cache_traces import draw_length
+
+    rng = random.Random(0)
+    xs = [draw_length(rng, (300.0, 1.0, 16, 4000)) for _ in range(4000)]
+    assert 16 <= min(xs) and max(xs) <= 4000 and 270 <= statistics.median(xs) <= 330
+    assert max(xs) > 3 * statistics.median(xs)  # heavy tail
+    assert {draw_length(rng, (3, 5)) for _ in range(200)} == {3, 4, 5} and draw_length(rng, 7) == 7
+
+
 def test_trace_spec_rejects_bad_input():
     with pytest.raises(ValueError, match="mix"):
         make_trace(TraceSpec(mix=(("video", 1.0),)))
     with pytest.raises(ValueError, match="agent_steps"):
         make_trace(TraceSpec(agent_steps=(3, 1)))
+    with pytest.raises(ValueError, match="tool_result"):
+        make_trace(TraceSpec(tool_result=(300.0, 1.0, 50, 10)))
 
 
 def pressure_args(*extra):
