@@ -2,18 +2,32 @@
 # Issue 15's cache benchmark on this CPU (no GPU needed): tune on seed 0, then report every policy
 # on seeds 1-3 at three budgets (generous -> tight). The engine runs with the stand-in forward
 # (bench/cache_replay.py: scheduler, cache and pools as in serving, no model forward).
-# Usage: tools/cache_pressure_report.sh [OUT_DIR] [ROOTS]   (defaults: traces/cache_pressure, 60)
+# Traces: bench/cache_traces.py's defaults (production-shaped, log-normal lengths), 24 roots over
+# 90 simulated seconds (110-140 requests per trace and seed). The two traces run side by side
+# (two processes), then one report is merged from them. ~25-35 min on a shared 2-core CPU.
+# Usage: tools/cache_pressure_report.sh [OUT_DIR] [ROOTS] [PHASES]
+#   defaults: traces/cache_pressure, 24, "tune report"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-traces/cache_pressure}
-ROOTS=${2:-60}
+ROOTS=${2:-24}
+PHASES=${3:-tune report}
 export OMP_NUM_THREADS=1
 PY=${PYTHON:-.venv/bin/python}
-# tuning (seed 0 only): per-path cap and the value weight at the two tight budgets
-$PY -m k3compile.cli bench cache-pressure --seeds 0 --roots "$ROOTS" --budgets-kib 2048,1024 \
-    --policies "none;end;every_chunk;sparse;valued;sparse:per_path=1;valued:per_path=1;valued:weight=4" \
-    --out "$OUT/tune_seed0"
-# report (seeds never used for tuning)
-$PY -m k3compile.cli bench cache-pressure --seeds 1,2,3 --roots "$ROOTS" --budgets-kib 65536,2048,1024 \
-    --out "$OUT/report"
-cat "$OUT/report/cache_pressure.md"
+BENCH="$PY -m k3compile.cli bench cache-pressure --roots $ROOTS --duration 90"
+if [[ " $PHASES " == *" tune "* ]]; then
+  # tuning (seed 0 only): value weight and per-path cap at the two tighter budgets
+  $BENCH --seeds 0 --budgets-kib 16384,8192 --out "$OUT/tune_seed0" \
+      --policies "end;every_chunk;sparse;valued;valued:weight=0.25;valued:weight=4;valued:per_path=1"
+fi
+if [[ " $PHASES " == *" report "* ]]; then
+  # report (seeds never used for tuning), one process per trace
+  pids=()
+  for trace in agent tot; do
+    $BENCH --traces $trace --seeds 1,2,3 --budgets-kib 65536,16384,8192 --out "$OUT/report_$trace" \
+        > "$OUT/report_$trace.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  $PY -c "from k3compile.bench.cache_pressure import merge; print(merge(['$OUT/report_agent', '$OUT/report_tot'], '$OUT/report'))"
+fi

@@ -5,7 +5,7 @@
 
 Replays parameterized traces (bench/cache_traces.py: chat sessions with minutes of think time,
 agent tool loops over a long shared prefix, tree-of-thought forks, one-off traffic with repeats,
-all interleaved in simulated time; ~100 roots give ~400 requests) through LLMEngine at the
+all interleaved in simulated time; 24 roots give 110-140 requests) through LLMEngine at the
 engine's default chunk size and track interval, once per (trace, seed, memory budget, policy).
 Same engine, same budget for every policy: checkpoints compete with running requests for the
 memory, so at tight budgets eviction decides the result.
@@ -23,10 +23,12 @@ next arrival. TTFT = first token's time - arrival time, in simulated seconds and
 Per row: token hit rate (prompt tokens served from the cache at first admission / prompt tokens),
 the KV-only bound on the same request order (cache_replay.kv_only_bound: a pure-attention radix
 cache with unlimited memory) and the fraction of it reached, prefill tokens saved against no
-cache at the same budget, checkpoint bytes (mean over steps and peak), mean / p90 TTFT, how many
-exact repeats and shared-stem roots hit, retractions, and whether greedy outputs equal the
-no-cache run's. Results: OUT/cache_pressure.json and .md; the goals of issue 15 are evaluated on
-the tightest budget of the agent and tot traces.
+cache at the same budget, checkpoint bytes (mean held over steps, peak held, and written: states
+stored x slot bytes), mean / p90 TTFT, how many exact repeats and shared-stem roots hit,
+retractions, whether greedy outputs equal the no-cache run's, and the hit rate of a KV-only
+radix cache with LRU at the engine's page count (cache_replay.kv_only_lru: the equal-memory
+reference the unlimited bound is not). Results: OUT/cache_pressure.json and .md; issue 15's goals
+are evaluated for every budget of the agent and tot traces (`goals`).
 """
 from __future__ import annotations
 
@@ -53,10 +55,10 @@ def register(sub, name: str = "cache-pressure", help: str = "cache policies on r
     p.add_argument("--unified", action="store_true", help="one unified arena instead of split pools")
     p.add_argument("--traces", default="agent,tot", help="presets from cache_traces.PRESETS")
     p.add_argument("--seeds", default="1,2,3", help="trace seeds to report (tune on another: 0)")
-    p.add_argument("--budgets-kib", default="65536,2048,1024", help="KV + state memory budgets, generous to tight")
+    p.add_argument("--budgets-kib", default="65536,16384,8192", help="KV + state memory budgets, generous to tight")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="names or name:key=val (see bench cache)")
-    p.add_argument("--roots", type=int, default=100, help="root requests per trace")
-    p.add_argument("--duration", type=float, default=1200.0, help="seconds over which roots arrive")
+    p.add_argument("--roots", type=int, default=24, help="root requests per trace")
+    p.add_argument("--duration", type=float, default=90.0, help="seconds over which roots arrive")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=None, help="default: the engine's")
     p.add_argument("--track-interval", type=int, default=None, help="default: the engine's")
@@ -161,6 +163,28 @@ def _save(args, rows, environment, write_json) -> str:
     return md
 
 
+def merge(paths: list[str], out: str) -> str:
+    """One report from several runs' cache_pressure.json (e.g. traces run side by side): rows
+    concatenated, goals recomputed, args and environment of the first. Returns the markdown."""
+    import json
+
+    from .results import write_json
+
+    docs = []
+    for p in paths:
+        with open(os.path.join(p, "cache_pressure.json")) as f:
+            docs.append(json.load(f))
+    doc = dict(docs[0], rows=[r for d in docs for r in d["rows"]])
+    doc["args"] = dict(doc["args"], traces=",".join(d["args"]["traces"] for d in docs))
+    doc["goals"] = goals(doc["rows"])
+    os.makedirs(out, exist_ok=True)
+    write_json(os.path.join(out, "cache_pressure.json"), doc)
+    md = render_markdown(doc)
+    with open(os.path.join(out, "cache_pressure.md"), "w") as f:
+        f.write(md)
+    return md
+
+
 def _relate(group: list[dict]) -> list[dict]:
     """Fill in what each row is compared with: no cache (tokens saved, outputs) and every_chunk (bytes)."""
     none = next((r for r in group if r["policy"] == "none"), None)
@@ -170,28 +194,33 @@ def _relate(group: list[dict]) -> list[dict]:
         row = {k: v for k, v in r.items() if not k.startswith("_")}
         row["prefill_tokens_saved"] = none["prefill_tokens_computed"] - r["prefill_tokens_computed"] if none else None
         row["outputs_match"] = r["_outputs"] == none["_outputs"] if none else None
-        row["bytes_vs_every_chunk"] = (r["checkpoint_bytes_mean"] / dense["checkpoint_bytes_mean"]
-                                       if dense and dense["checkpoint_bytes_mean"] else None)
+        for key, col in (("bytes_vs_every_chunk", "checkpoint_bytes_mean"),
+                         ("peak_vs_every_chunk", "checkpoint_bytes_peak"),
+                         ("written_vs_every_chunk", "checkpoint_bytes_written")):
+            row[key] = r[col] / dense[col] if dense and dense.get(col) else None
         out.append(row)
     return out
 
 
 def goals(rows: list[dict], policy: str = "valued") -> list[dict]:
-    """Issue 15's goals on the tightest budget of the agent and tot traces, per seed."""
+    """Issue 15's goals for the agent and tot traces, per seed and budget (the issue states them at
+    tight memory; every budget is listed so the reader sees where they hold). Bytes are judged on
+    the mean checkpoint bytes held over the run (the memory states occupy; written and peak ride
+    along)."""
     out = []
     for trace in ("agent", "tot"):
         mine = [r for r in rows if r["trace"] == trace]
-        if not mine:
-            continue
-        tight = min(r["budget_bytes"] for r in mine)
-        for seed in sorted({r["seed"] for r in mine}):
-            at = {r["policy"]: r for r in mine if r["seed"] == seed and r["budget_bytes"] == tight}
+        for seed, budget in sorted({(r["seed"], r["budget_bytes"]) for r in mine}, key=lambda k: (k[0], -k[1])):
+            at = {r["policy"]: r for r in mine if r["seed"] == seed and r["budget_bytes"] == budget}
             new, end = at.get(policy), at.get("end")
             if new is None:
                 continue
-            g = {"trace": trace, "seed": seed, "budget_bytes": tight, "fraction_of_bound": new["fraction_of_bound"],
+            g = {"trace": trace, "seed": seed, "budget_bytes": budget, "fraction_of_bound": new["fraction_of_bound"],
                  "points_above_end": (new["hit_rate"] - end["hit_rate"]) / new["kv_only_bound"] if end else None,
                  "bytes_vs_every_chunk": new["bytes_vs_every_chunk"],
+                 "written_vs_every_chunk": new.get("written_vs_every_chunk"),
+                 "of_kv_lru_equal_pages": (new["hit_rate"] / new["kv_only_lru_equal_pages"]
+                                           if new.get("kv_only_lru_equal_pages") else None),
                  "repeats_hit": f"{new['repeats_hit']}/{new['repeats']}", "stems_hit": f"{new['stems_hit']}/{new['stems']}"}
             g["met"] = bool(g["fraction_of_bound"] >= GOAL_OF_BOUND and g["points_above_end"] is not None
                             and g["points_above_end"] >= GOAL_ABOVE_END and g["bytes_vs_every_chunk"] is not None
@@ -199,6 +228,10 @@ def goals(rows: list[dict], policy: str = "valued") -> list[dict]:
                             and new["repeats_hit"] == new["repeats"] and new["stems_hit"] == new["stems"])
             out.append(g)
     return out
+
+
+def _pct(x) -> str:
+    return "-" if x is None else format(x, ".1%")
 
 
 def render_markdown(doc: dict) -> str:
@@ -210,30 +243,39 @@ def render_markdown(doc: dict) -> str:
              f"track interval {a['track_interval'] or 'engine default'}; {a['roots']} roots over {a['duration']:.0f} s "
              f"simulated; step cost {a['step_ms']} ms + {a['token_ms']} ms/token (simulated, relative only).",
              "Hit rate = prompt tokens served from the cache / prompt tokens; bound = KV-only radix cache with "
-             "unlimited memory on the same request order; bytes = mean checkpoint bytes over steps.", "",
-             "| trace | seed | budget | requests | policy | hit rate | bound | of bound | prefill saved | ckpt bytes mean | "
-             "peak | vs every_chunk | TTFT mean s | TTFT p90 s | TTFT steps | repeats hit | stems hit | retractions "
-             "| outputs match |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "unlimited memory on the same request order; LRU-KV = KV-only radix cache with LRU at the engine's "
+             "page count (optimistic: running requests' pages are evictable cache entries); checkpoint bytes: "
+             "mean held over steps, peak held, and written (states stored in the tree x slot bytes); the ratios "
+             "are against every_chunk at the same budget.", "",
+             "| trace | seed | budget | requests | policy | hit rate | bound | of bound | LRU-KV | prefill saved | "
+             "ckpt mean | peak | written | mean vs every_chunk | peak vs ec | written vs ec | TTFT mean s | "
+             "TTFT p90 s | TTFT steps | repeats hit | stems hit | retractions | outputs match |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
+        lru = r.get("kv_only_lru_equal_pages")
         lines.append(
             f"| {r['trace']} | {r['seed']} | {r['budget_bytes'] >> 10} KiB ({r.get('slots_total', '?')} slots, "
             f"{r.get('pages_total', '?')} pages) | {r['requests']} | {r['policy']} | {r['hit_rate']:.3f} | "
-            f"{r['kv_only_bound']:.3f} | {r['fraction_of_bound']:.1%} | {r['prefill_tokens_saved']} | "
+            f"{r['kv_only_bound']:.3f} | {r['fraction_of_bound']:.1%} | {'-' if lru is None else format(lru, '.3f')} | "
+            f"{r['prefill_tokens_saved']} | "
             f"{r['checkpoint_bytes_mean'] / 1024:.0f} KiB | {r['checkpoint_bytes_peak'] / 1024:.0f} KiB | "
-            f"{'-' if r['bytes_vs_every_chunk'] is None else format(r['bytes_vs_every_chunk'], '.1%')} | "
+            f"{r.get('checkpoint_bytes_written', 0) / 1024:.0f} KiB | {_pct(r['bytes_vs_every_chunk'])} | "
+            f"{_pct(r.get('peak_vs_every_chunk'))} | {_pct(r.get('written_vs_every_chunk'))} | "
             f"{r['ttft_mean_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['ttft_mean_steps']:.1f} | "
             f"{r['repeats_hit']}/{r['repeats']} | {r['stems_hit']}/{r['stems']} | {r['retractions']} | "
             f"{'yes' if r['outputs_match'] else ('-' if r['outputs_match'] is None else '**NO**')} |")
-    lines += ["", f"Goals (tightest budget; `valued` >= {GOAL_OF_BOUND:.0%} of the bound, >= "
+    lines += ["", f"Goals per budget (`valued` >= {GOAL_OF_BOUND:.0%} of the bound, >= "
                   f"{GOAL_ABOVE_END * 100:.0f} points of the bound above `end`, <= {GOAL_BYTES_VS_DENSE:.0%} of "
-                  f"every_chunk's mean checkpoint bytes, every repeat and shared stem hits):", "",
-              "| trace | seed | of bound | points above end | bytes vs every_chunk | repeats hit | stems hit | met |",
-              "|---|---|---|---|---|---|---|---|"]
+                  f"every_chunk's mean checkpoint bytes held, every repeat and shared stem hits; written bytes and "
+                  f"the hit rate as a share of LRU-KV at equal pages for reference):", "",
+              "| trace | seed | budget | of bound | points above end | mean bytes vs every_chunk | written vs ec | "
+              "of LRU-KV | repeats hit | stems hit | met |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in doc["goals"]:
-        lines.append(f"| {g['trace']} | {g['seed']} | {g['fraction_of_bound']:.1%} | "
+        lines.append(f"| {g['trace']} | {g['seed']} | {g['budget_bytes'] >> 10} KiB | {g['fraction_of_bound']:.1%} | "
                      f"{'-' if g['points_above_end'] is None else format(g['points_above_end'] * 100, '.1f')} | "
-                     f"{'-' if g['bytes_vs_every_chunk'] is None else format(g['bytes_vs_every_chunk'], '.1%')} | "
+                     f"{_pct(g['bytes_vs_every_chunk'])} | {_pct(g.get('written_vs_every_chunk'))} | "
+                     f"{_pct(g.get('of_kv_lru_equal_pages'))} | "
                      f"{g['repeats_hit']} | {g['stems_hit']} | {'**yes**' if g['met'] else 'no'} |")
     lines += ["", "CPU run: token counts and bytes are exact; times are simulated by the step cost model above. "
                   "Forward `cost`: the model's forward is replaced by the stand-in (bench/cache_replay.py); "

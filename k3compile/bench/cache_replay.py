@@ -180,6 +180,7 @@ def summarize_replay(engine, r: dict, page_size: int) -> dict:
     """One row of a cache benchmark: hits vs the KV-only bound, checkpoint bytes, TTFT, repeats/stems hit."""
     m, st = engine.metrics(), engine.cache.stats()
     bound = kv_only_bound(r["events"], page_size)
+    lru = kv_only_lru(r["events"], page_size, m["pages_total"])
     tagged = lambda tag: [rid for rid, t in r["tags"].items() if tag in t]  # noqa: E731
     hits = lambda rids: sum(1 for rid in rids if r["cached"].get(rid, 0) > 0)  # noqa: E731
     ttft = r["ttft"]
@@ -190,9 +191,11 @@ def summarize_replay(engine, r: dict, page_size: int) -> dict:
         "prompt_tokens": m["prompt_tokens"], "hit_tokens": m["cache_hit_tokens"], "hit_rate": m["cache_hit_rate"],
         "kv_only_bound": bound["hit_rate"],
         "fraction_of_bound": m["cache_hit_rate"] / bound["hit_rate"] if bound["hit_rate"] else 0.0,
+        "kv_only_lru_equal_pages": lru["hit_rate"],
         "prefill_tokens_computed": m["prefill_tokens"], "retractions": m["retractions"],
         "checkpoint_bytes_mean": sum(r["checkpoint_bytes"]) / max(1, len(r["checkpoint_bytes"])),
         "checkpoint_bytes_peak": st.peak_checkpoint_bytes, "checkpoints_stored": st.checkpoints_stored,
+        "checkpoint_bytes_written": st.checkpoints_stored * engine.memory.spec.slot_bytes,
         "checkpoints_evicted": st.checkpoints_evicted, "checkpoints_rejected": st.checkpoints_rejected,
         "pages_evicted": st.pages_evicted,
         "ttft_mean_s": statistics.fmean(ttft) if ttft else 0.0,
@@ -240,4 +243,64 @@ def kv_only_bound(events: list[tuple], page_size: int) -> dict:
             trie.insert(seq)
         else:
             trie.insert(seq[:-1])  # the last generated token was never fed back: it has no KV
+    return {"hit_tokens": hit, "prompt_tokens": total, "hit_rate": hit / total if total else 0.0}
+
+
+class _LRUPage:
+    __slots__ = ("key", "parent", "children", "stamp")
+
+    def __init__(self, key, parent):
+        self.key, self.parent, self.children, self.stamp = key, parent, {}, 0
+
+
+def kv_only_lru(events: list[tuple], page_size: int, capacity_pages: int) -> dict:
+    """A pure-attention radix cache (KV per page, no state) with LRU leaf eviction, holding at most
+    `capacity_pages` pages: the KV-only reference at the same KV memory as the hybrid engine's page
+    pool. Same events and hit rule as `kv_only_bound`. Optimistic: the pages of running requests
+    are cache entries too (never pinned, never counted twice), and a prompt's KV is there the
+    moment it is submitted."""
+    import itertools
+
+    root, p, clock, size = _LRUPage((), None), page_size, itertools.count(1), 0
+    heap: list = []  # (stamp, id, node) of leaves, validated on pop
+
+    def walk(tokens, create: bool):
+        nonlocal size
+        node, n, t = root, 0, next(clock)
+        for i in range(0, len(tokens) - len(tokens) % p, p):
+            key = tuple(tokens[i:i + p])
+            child = node.children.get(key)
+            if child is None:
+                if not create:
+                    break
+                child = node.children[key] = _LRUPage(key, node)
+                size += 1
+            child.stamp = t
+            node, n = child, n + p
+        if node is not root and not node.children:
+            heapq.heappush(heap, (node.stamp, id(node), node))
+        return n
+
+    def evict():
+        nonlocal size
+        while size > capacity_pages and heap:
+            stamp, _, node = heapq.heappop(heap)
+            if node.children or node.stamp != stamp or node.parent is None or \
+                    node.parent.children.get(node.key) is not node:
+                continue  # stale entry: refreshed, no longer a leaf, or gone
+            del node.parent.children[node.key]
+            size -= 1
+            parent, node.parent = node.parent, None
+            if parent is not root and not parent.children:
+                heapq.heappush(heap, (parent.stamp, id(parent), parent))
+
+    hit = total = 0
+    for kind, _, seq in events:
+        if kind == "submit":
+            hit += walk(seq[:-1], create=False)
+            total += len(seq)
+            walk(seq, create=True)
+        else:
+            walk(seq[:-1], create=True)
+        evict()
     return {"hit_tokens": hit, "prompt_tokens": total, "hit_rate": hit / total if total else 0.0}

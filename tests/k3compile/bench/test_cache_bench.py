@@ -6,7 +6,7 @@ import json
 import pytest
 
 from k3compile.bench.cache import parse_policy, split_policies
-from k3compile.bench.cache_replay import byte_ratio_spec, kv_only_bound, stand_in_token
+from k3compile.bench.cache_replay import byte_ratio_spec, kv_only_bound, kv_only_lru, stand_in_token
 from k3compile.cli import main
 
 
@@ -19,6 +19,21 @@ def test_kv_only_bound_counts_page_aligned_prefixes():
               ("submit", "c", a + [50, 7, 7])]  # shares a + [50] = 11 tokens: 8 page-aligned
     got = kv_only_bound(events, page)
     assert got["hit_tokens"] == 0 + 8 + 8 and got["prompt_tokens"] == 10 + 10 + 13
+
+
+def test_kv_only_lru_at_equal_pages():
+    """Unlimited pages: the bound. Capped: the least recently used leaf page goes first."""
+    page = 4
+    a, x = list(range(8)), list(range(100, 108))
+    events = [("submit", "a", a + [9]), ("submit", "x", x + [9]), ("submit", "b", a[:4] + [7, 7, 7, 7, 7]),
+              ("submit", "c", a + [9]), ("submit", "x2", x + [9])]
+    assert kv_only_lru(events, page, 10 ** 6) == kv_only_bound(events, page)
+    got = kv_only_lru(events, page, 2)
+    # 2 pages: x evicts a; b misses (x holds both) and evicts x; c hits b's copy of a[:4]; x2 misses
+    assert got["hit_tokens"] == 4 and got["prompt_tokens"] == 9 * 5
+    # 4 pages: b hits a[:4] and evicts a's second page (the LRU leaf); c hits a[:4] and evicts x's
+    # second page; x2 hits x's first page
+    assert kv_only_lru(events, page, 4)["hit_tokens"] == 4 + 4 + 4
 
 
 def test_policy_parsing():
