@@ -20,21 +20,23 @@ decode. A policy says which of those snapshots are donated to the tree:
   FLOPs saved per byte goes first. In both `sparse` and `valued` a branch point that two or more
   live paths continue from is never evicted before the leaves below it.
 
-Tuning (issue 15, `k3compile bench cache-pressure --seeds 0`, 226-383 requests per trace, engine
-default chunk 256, budgets 2048 and 1024 KiB; traces/cache_pressure/tune_seed0/; the reported
-seeds are 1-3): a per-path cap of 1 instead of 2 holds ~35% fewer checkpoint bytes on the agent
-trace at the same hit rate, but costs the tree-of-thought trace 9 points of the KV-only bound (a
-branch that arrives after its first sibling finished finds the parent's state superseded by the
-sibling's), so 2 stays. `value_weight` 4 instead of 1 loses 1-3 points on both; 1 stays. A global
-cap of 10% of the state slots (`max_checkpoints=0.1`) lost most hits on the agent trace (the
-stem's branch point goes once its leaves are evicted under KV pressure); no global cap by default.
+Tuning (issue 15, tools/cache_pressure_report.sh's tune phase: `bench cache-pressure --seeds 0`,
+production-shaped traces of 138-145 requests, engine default chunk 256, budgets 16384 and 8192
+KiB; traces/cache_pressure/tune_seed0/; the reported seeds are 1-3): `value_weight` 0.25 instead
+of 1 gains 8 points of hit rate (9.4 of the KV-only bound) on the agent trace at 16 MiB (1 let the value term
+evict a live session's newest leaf, whose recompute saved over the prompt-tail checkpoint just
+above it is small, ahead of stale leaves) and loses nothing elsewhere; 4 is worse still, so 0.25.
+A per-path cap of 1 instead of 2 holds ~35% fewer checkpoint bytes but costs the tree-of-thought
+trace 12-13 points of hit rate and the agent trace at 8 MiB 6.5, so 2 stays. (On the earlier short-prompt
+traces a global cap of 10% of the state slots lost most agent hits; no global cap by default.)
 
-Why `sparse` holds about as many checkpoint bytes as `every_chunk` at the default chunk of 256:
-there `every_chunk` is itself sparse (one state per 256 new tokens: 162 stored vs `end`'s 151 on
-the seed-0 agent trace, `sparse` 474), while `sparse` needs at least the newest state of every live
-session, and under memory pressure every policy fills the state slots it is not using for running
-requests. The old "<= 25% of every_chunk's bytes" was measured at a chunk of 16, where
-`every_chunk` is dense.
+Checkpoint bytes. With production-length prompts (multi-thousand-token shared prefixes, tool
+outputs of hundreds of tokens) `every_chunk` at the default chunk of 256 stores a state every 256
+prefilled tokens: on the agent trace 2-5.5x as many states as `sparse` (on tree-of-thought, where
+`sparse` keeps a state per branch, fewer); on the earlier short-prompt traces it stored about as
+few as `end`, which is why the bytes goal looked unreachable there. With split pools (the default)
+the state pool is reserved, so states a policy does not keep leave slots idle rather than freeing
+KV; with the unified arena they compete with KV directly.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ POLICIES = {
     "sparse": CachePolicy("sparse", donate_finish=True, branch_points=True, split_prompt_tail=True,
                           max_checkpoints_per_path=2),
     "valued": CachePolicy("valued", donate_finish=True, branch_points=True, split_prompt_tail=True,
-                          max_checkpoints_per_path=2, eviction="value"),
+                          max_checkpoints_per_path=2, eviction="value", value_weight=0.25),
 }
 
 
