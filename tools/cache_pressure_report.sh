@@ -6,7 +6,8 @@
 # 90 simulated seconds (110-140 requests per trace and seed). The two traces run side by side
 # (two processes), then one report is merged from them. ~25-35 min on a shared 2-core CPU.
 # Usage: tools/cache_pressure_report.sh [OUT_DIR] [ROOTS] [PHASES]
-#   defaults: traces/cache_pressure, 24, "tune report"
+#   defaults: traces/cache_pressure, 24, "tune report"; extra phases: k3 (K3's state/KV byte ratio,
+#   seed 1) and unified (the agent trace on the unified arena), e.g. PHASES="k3 unified"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-traces/cache_pressure}
@@ -30,4 +31,10 @@ if [[ " $PHASES " == *" report "* ]]; then
   done
   for pid in "${pids[@]}"; do wait "$pid"; done
   $PY -c "from k3compile.bench.cache_pressure import merge; print(merge(['$OUT/report_agent', '$OUT/report_tot'], '$OUT/report'))"
+fi
+if [[ " $PHASES " == *" k3 "* ]]; then
+  $BENCH --byte-ratio k3 --seeds 1 --budgets-kib 65536,16384 --out "$OUT/byte_ratio_k3"
+fi
+if [[ " $PHASES " == *" unified "* ]]; then
+  $BENCH --unified --traces agent --seeds 1,2,3 --budgets-kib 16384,8192 --out "$OUT/unified_agent"
 fi
