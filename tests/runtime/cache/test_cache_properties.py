@@ -296,8 +296,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert not list(self.cache.nodes()) and not self.mem.live_pages and not self.mem.live_slots
 
 
-# derandomize: the same examples on every machine and run (CI determinism); the seed-free search was
-# run at 2000 examples when the per-path-cap bug below was fixed. The fixed case is a plain test in
-# test_radix.py (a fork losing a path while the global cap makes room for its own checkpoint).
+# derandomize: the same examples on every machine and run (CI determinism). A random search of 2000
+# examples (50 steps each) passed once the per-path-cap bug this machine found was fixed; that case is
+# a plain test in test_radix.py (a fork losing a path while the global cap makes room for its own
+# checkpoint).
 CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None, derandomize=True)
 TestCacheMachine = CacheMachine.TestCase
