@@ -6,7 +6,9 @@ Two kinds of block, owned by the runtime (split pools or one unified arena), han
   state [H, K, V] and the short-conv window (the last `kernel-1` inputs of q, k and v). Slot-major
   so that a checkpoint restore / snapshot is one contiguous copy.
 * a **KV page** holds `page_size` tokens of MLA latent cache for every MLA layer
-  ([n_mla, page_size, kv_lora_rank + rope_dim]).
+  ([n_mla, page_size, kv_lora_rank + rope_dim]). On a rank of a DCP group of M (`kv_shards` = M)
+  a page of `page_size` tokens stores only the page_size / M positions the rank owns (p mod M = r,
+  at row (p // M) % (page_size / M)): the runtime's pages count tokens, the rank's rows are fewer.
 
 Both are views over a byte buffer so a unified arena can place them anywhere; `CacheSpec` gives
 the byte sizes that `k3compile info`, the pools and the scheduler share.
@@ -36,15 +38,18 @@ class CacheSpec:
     kv_width: int  # kv_lora_rank + qk_rope_head_dim (576 for K3)
     dtype: torch.dtype  # activation / KV dtype
     state_dtype: torch.dtype = torch.float32
+    kv_shards: int = 1  # DCP group size: a page of page_size tokens holds page_size / kv_shards rows here
 
     @classmethod
-    def from_config(cls, cfg, dtype=torch.bfloat16, tp_size: int = 1) -> "CacheSpec":
+    def from_config(cls, cfg, dtype=torch.bfloat16, tp_size: int = 1, kv_shards: int = 1) -> "CacheSpec":
         if cfg.kda_num_heads % tp_size:
             raise ValueError(f"KDA heads ({cfg.kda_num_heads}) are not divisible by TP size {tp_size}")
+        if kv_shards < 1:
+            raise ValueError(f"kv_shards must be >= 1, got {kv_shards}")
         h = cfg.kda_num_heads // tp_size
         return cls(n_kda=len(cfg.kda_layers), kda_heads=h, kda_head_k=cfg.kda_head_dim, kda_head_v=cfg.kda_head_dim,
                    conv_channels=3 * h * cfg.kda_head_dim, conv_window=cfg.conv_kernel_size - 1,
-                   n_mla=len(cfg.mla_layers), kv_width=cfg.kv_cache_width, dtype=dtype)
+                   n_mla=len(cfg.mla_layers), kv_width=cfg.kv_cache_width, dtype=dtype, kv_shards=kv_shards)
 
     # --- sizes in bytes ---
     @property
@@ -63,8 +68,15 @@ class CacheSpec:
     def kv_bytes_per_token(self) -> int:
         return self.n_mla * self.kv_width * self.dtype.itemsize
 
+    def page_rows(self, page_size: int) -> int:
+        """Rows a page of `page_size` tokens stores on this rank (all of them unless KV is DCP-sharded)."""
+        if page_size % self.kv_shards:
+            raise ValueError(f"page size {page_size} is not a multiple of the DCP size {self.kv_shards}: every "
+                             f"rank of the group must store the same number of rows per page")
+        return page_size // self.kv_shards
+
     def page_bytes(self, page_size: int) -> int:
-        return _round_up(self.kv_bytes_per_token * page_size, _ALIGN)
+        return _round_up(self.kv_bytes_per_token * self.page_rows(page_size), _ALIGN)
 
 
 @dataclass
@@ -105,8 +117,9 @@ class CacheTensors:
         conv = rows[:, conv_off: conv_off + spec.conv_bytes_per_slot].view(spec.dtype).view(
             num_slots, spec.n_kda, spec.conv_channels, spec.conv_window)
         prow = page_buf[: num_pages * pb].view(num_pages, pb)
-        kv = prow[:, : spec.kv_bytes_per_token * page_size].view(spec.dtype).view(
-            num_pages, spec.n_mla, page_size, spec.kv_width)
+        rows_per_page = spec.page_rows(page_size)
+        kv = prow[:, : spec.kv_bytes_per_token * rows_per_page].view(spec.dtype).view(
+            num_pages, spec.n_mla, rows_per_page, spec.kv_width)
         return cls(ssm=ssm, conv=conv, kv=kv, page_size=page_size, slot_rows=rows)
 
     def copy_slot(self, src: torch.Tensor | int, dst: torch.Tensor | int) -> None:
@@ -116,3 +129,11 @@ class CacheTensors:
         else:
             self.ssm[dst] = self.ssm[src]
             self.conv[dst] = self.conv[src]
+
+    def zero_slot(self, slot: int) -> None:
+        """The state before the first token: zero recurrent state and empty conv windows."""
+        if self.slot_rows is not None:
+            self.slot_rows[slot].zero_()
+        else:
+            self.ssm[slot].zero_()
+            self.conv[slot].zero_()

@@ -32,6 +32,15 @@ max_new_tokens must fit in it.
 Stop conditions: the tokenizer's eos (unless ignore_eos), the request's stop_token_ids, and
 max_new_tokens ("length"). The token that stopped a request is part of its output.
 
+Parallel engines. An `engine_dir` built with `--topology` (or a `model` with `topology`, cut into ranks
+at start-up) runs on all its ranks, one process each (runtime/parallel/rank_group.py): this engine
+is rank 0 -- scheduler, radix cache, sampling -- and sends every step to the others. Pools and the
+cache account per rank: every rank's pools get the smallest rank's budget, pages count tokens
+(under DCP of M a page holds page_size / M rows on each rank), state slots hold a rank's KDA heads.
+`rank_timeout_s` bounds how long a dead or hung rank can go unnoticed; it surfaces as a
+FatalEngineError (RankFailure, naming the rank) out of `step()` / `check_health()`. Overlap and
+speculative decoding are off for parallel engines.
+
 Failures. A request whose sampling raises fails alone (finish_reason "error", `RequestOutput.error`
 says why). A forward that raises is attributed by the scheduler (`Scheduler.fail_batch`): alone in
 its batch, the request fails; sharing it, each request is recomputed from its tokens and from then
@@ -42,6 +51,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -52,8 +62,10 @@ from k3compile.runtime.cache.request_table import RequestTable
 from k3compile.runtime.cache.state_slots import MAX_TRANSIENT_SLOTS
 from k3compile.model_def.dtypes import DTYPE_NAMES, DTYPES
 from k3compile.runtime.executor import next_bucket, provider_device
-from k3compile.runtime.memory.pools import DEFAULT_STATE_FRACTION, SplitPools
-from k3compile.runtime.memory.sizing import check_fraction, pool_budget
+from k3compile.runtime.fatal import FatalEngineError
+from k3compile.runtime.memory.factory import make_memory
+from k3compile.runtime.memory.pools import SplitPools
+from k3compile.runtime.memory.sizing import PoolBudget, check_fraction, pool_budget
 from k3compile.runtime.memory.unified import UnifiedArena
 from k3compile.runtime.sampling import SamplingParams
 
@@ -108,6 +120,9 @@ class EngineArgs:
     spec_window: str = "replay"  # "replay" (ReplaySSM fold) | "snapshot" (a state per draft position)
     spec_plan: str = "all"  # "all" (verify every draft) | "trim" (the planner, needs spec_profile)
     spec_profile: str | None = None  # cost profile JSON (k3compile profile verify)
+    # parallel engines (runtime/parallel/): an engine_dir built with --topology brings its own
+    topology: str | None = None  # with `model`: cut it into ranks at start-up (tpN, dcpM, tpN-dcpM, tepN)
+    rank_timeout_s: float = 60.0  # a rank silent this long (collective timeout; hung after half of it) fails
 
 
 @dataclass
@@ -138,6 +153,20 @@ def _checkpoint_interval(args: EngineArgs) -> int:
         raise ValueError(f"checkpoint_interval {g} must be a positive multiple of page_size {p} that divides "
                          f"chunk_size {c} and track_interval {t}")
     return g
+
+
+def _rank_source(args: EngineArgs):
+    """Where the ranks' weights come from, for a parallel engine (else None)."""
+    from k3compile.runtime.parallel.rank_provider import RankSource
+
+    if args.engine_dir is not None:
+        from k3compile.engine import format as fmt
+        if "ranks" in fmt.read_manifest(args.engine_dir):
+            return RankSource(engine_dir=args.engine_dir)
+        return None
+    if args.topology not in (None, "single"):
+        return RankSource(model=args.model, topology=args.topology, dtype=args.dtype or DEFAULT_DTYPE, seed=args.seed)
+    return None
 
 
 def _check_args(args: EngineArgs, have_model: bool) -> None:
@@ -175,9 +204,29 @@ class LLMEngine:
         (runtime/spec/proposer.py) to use instead of the one `args.speculative` names."""
         # cheap checks before loading anything; again once the engine filled in its settings
         _check_args(replace(args, page_size=DEFAULT_PAGE_SIZE) if args.page_size is None else args, model is not None)
+        self.ranks = None
+        try:
+            self._setup(args, model, eos_token_id, proposer)
+        except BaseException:
+            if self.ranks is not None:  # started rank processes must not outlive a failed start
+                self.ranks.close()
+            raise
+
+    def _setup(self, args: EngineArgs, model, eos_token_id: int | None, proposer) -> None:
         opened = None
         if model is not None:
             self.provider = model
+        elif _rank_source(args) is not None:
+            from k3compile.runtime.parallel.rank_group import RankGroup
+            if args.speculative is not None or proposer is not None:
+                raise ValueError("speculative decoding is not supported on a parallel engine yet")
+            self.ranks = RankGroup(_rank_source(args), args.device, args.rank_timeout_s)
+            self.provider = self.ranks.provider
+            built = DTYPE_NAMES[self.provider.dtype]
+            if args.engine_dir is not None and args.dtype not in (None, built):
+                raise ValueError(f"engine {args.engine_dir} was built for {built}, not dtype {args.dtype} "
+                                 f"(rebuild it to change)")
+            args = replace(args, overlap=False)
         elif args.engine_dir is not None:
             opened = self._open(args)
             self.provider = opened.engine
@@ -196,13 +245,15 @@ class LLMEngine:
 
         spec = self.provider.cache_spec()
         self.budget = pool_budget(device, args.mem_fraction_static, args.memory_bytes)
-        budget = self.budget.bytes
-        if args.enable_unified_memory:
-            inner = UnifiedArena.from_budget(spec, budget, args.page_size, device=device)
-        else:
-            inner = SplitPools.from_budget(spec, budget, args.page_size,
-                                           args.state_fraction or DEFAULT_STATE_FRACTION, device=device)
+        if self.ranks is not None:  # every rank gets what the tightest one can hold
+            least = self.ranks.agree_budget(args.mem_fraction_static, args.memory_bytes, self.budget.bytes)
+            self.budget = PoolBudget(least, f"{self.budget.source}, per rank: the smallest of "
+                                            f"{self.ranks.world} ranks")
+        inner = make_memory(spec, self.budget.bytes, args.page_size, args.enable_unified_memory,
+                            args.state_fraction, device)
         self.memory = InFlightMemory(inner)
+        if self.ranks is not None:
+            self.memory.ops = []  # replayed on the other ranks before each step
         policy = args.cache_policy if isinstance(args.cache_policy, CachePolicy) else get_policy(args.cache_policy)
         if not args.enable_prefix_cache:
             policy = get_policy("none")
@@ -226,9 +277,19 @@ class LLMEngine:
             decode_reserve_ratio=DEFAULT_RESERVE_RATIO if args.decode_reserve_ratio is None else args.decode_reserve_ratio,
             device=device, decode_snapshots=proposer is None and args.speculative is None,
             mixed=args.mixed_batches))
-        self.runner = ModelRunner(self.provider, self.memory, self.max_context, overlap=args.overlap,
-                                  cuda_graphs=args.cuda_graphs, buckets=args.cuda_graph_buckets,
-                                  pad_to_buckets=args.pad_decode_batches)
+        if self.ranks is None:
+            self.runner = ModelRunner(self.provider, self.memory, self.max_context, overlap=args.overlap,
+                                      cuda_graphs=args.cuda_graphs, buckets=args.cuda_graph_buckets,
+                                      pad_to_buckets=args.pad_decode_batches)
+        else:
+            from k3compile.runtime.parallel.messages import RankSetup
+            from k3compile.runtime.parallel.rank_runner import RankZeroRunner
+            self.ranks.setup(RankSetup(args.enable_unified_memory, self.budget.bytes, args.page_size,
+                                       args.state_fraction, self.max_context, args.cuda_graphs,
+                                       args.cuda_graph_buckets, args.pad_decode_batches))
+            self.runner = RankZeroRunner(self.ranks, self.provider, self.memory, self.max_context,
+                                         cuda_graphs=args.cuda_graphs, buckets=args.cuda_graph_buckets,
+                                         pad_to_buckets=args.pad_decode_batches)
         self.spec = None
         if proposer is not None or args.speculative is not None:
             from k3compile.runtime.spec.setup import make_spec_decoder
@@ -277,6 +338,9 @@ class LLMEngine:
         from k3compile.tokenizer import load_tokenizer
 
         if args.engine_dir is not None:
+            if self.ranks is not None:  # a parallel engine: every rank directory has the tokenizer
+                from k3compile.engine.build_parallel import rank_dir
+                return engine_tokenizer(os.path.join(args.engine_dir, rank_dir(0)), self.config)
             return engine_tokenizer(args.engine_dir, self.config)
         if args.model is None:
             return None
@@ -409,6 +473,8 @@ class LLMEngine:
         batch = job.batch
         try:
             sampled, errors = job.result()
+        except FatalEngineError:
+            raise  # no request is to blame: the engine is lost
         except Exception as e:
             log.error("a %s step over %d request(s) failed", batch.mode, len(batch.rows), exc_info=e)
             self._note(self.scheduler.fail_batch(batch, f"the {batch.mode} step failed: {e!r}"))
@@ -573,8 +639,18 @@ class LLMEngine:
             "cache_policy": self.policy.name,
         }
 
+    def check_health(self) -> None:
+        """Raise FatalEngineError if the engine cannot go on (a rank of a parallel engine died or hung)."""
+        if self.ranks is not None:
+            self.ranks.check()
+
     def close(self) -> None:
-        self.runner.close()
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.close()
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     def __del__(self):
         runner = getattr(self, "runner", None)

@@ -16,6 +16,11 @@ asked only when something is freed, and builds the groups' sets lazily.
 
 Wraps any KVStateMemory; the tree and the request table register their relocation listeners
 here and hear every move of the inner memory.
+
+`ops`: when a list (a parallel engine's rank 0), every change to the pools' bytes made outside a
+step -- slot copies, zeroed slots, compaction moves -- is appended to it, in order, as
+("copy_slot", src, dst) | ("zero_slot", slot) | ("move", kind, src, dst); the other ranks replay
+them on their own pools before the next step (runtime/parallel/mirror.py).
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ class InFlightMemory:
         self._groups: list[_PinGroup] = []  # one per pin call not yet unpinned
         self._deferred = {"slot": set(), "page": set()}  # freed by their owner, waiting for the last unpin
         self._listeners: list[RelocationListener] = []
+        self.ops: list | None = None
         inner.add_relocation_listener(self._moved)
 
     # ---- allocation ----
@@ -72,6 +78,13 @@ class InFlightMemory:
 
     def copy_slot(self, src: int, dst: int) -> None:
         self.inner.copy_slot(src, dst)
+        if self.ops is not None:
+            self.ops.append(("copy_slot", src, dst))
+
+    def zero_slot(self, slot: int) -> None:
+        self.inner.zero_slot(slot)
+        if self.ops is not None:
+            self.ops.append(("zero_slot", slot))
 
     # ---- pins ----
     def pin(self, slots: list[int], pages: list[int]) -> None:
@@ -151,6 +164,8 @@ class InFlightMemory:
     _releasing: dict | None = None
 
     def _moved(self, kind: str, old: int, new: int) -> None:
+        if self.ops is not None:
+            self.ops.append(("move", kind, old, new))
         # Pinned blocks never move; a deferred block moves only between its last unpin and its free.
         for group in (self._deferred[kind], (self._releasing or {}).get(kind, set())):
             if old in group:

@@ -7,10 +7,17 @@ vLLM takes it. Memory for KV + KDA state is sized from the device unless `--memo
 (`--mem-fraction-static`, vLLM's `--gpu-memory-utilization` names the same); the sizes are logged.
 The engine warms up before /health says OK (kernels compiled, decode graphs run); the time it took
 is logged ("warm-up took ...").
+
+A parallel engine (built with --topology) runs on all its ranks: the command starts one process
+per rank itself, or, under torchrun, runs as the rank torchrun gives it (rank 0 serves, the others
+execute its steps). `--topology` cuts a model (not an engine) into ranks at start-up. A rank that
+dies or hangs (silent for --rank-timeout seconds) fails the requests in flight and shuts the server
+down with an error naming the rank (exit code 1).
 """
 from __future__ import annotations
 
 import os
+import sys
 
 from .spec_flags import add_spec_flags, spec_kwargs
 
@@ -62,6 +69,11 @@ def register(sub) -> None:
                    "/start_profile is not available there")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the start-up warm-up (kernels then compile at the first requests)")
+    p.add_argument("--topology", default=None,
+                   help="a model only (an engine brings its own): serve it on tpN / dcpM / tpN-dcpM / tepN ranks, "
+                   "cut at start-up")
+    p.add_argument("--rank-timeout", dest="rank_timeout_s", type=float, default=60.0,
+                   help="parallel engines: seconds a rank may stay silent before it counts as hung (default 60)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_spec_flags(p)
     p.set_defaults(func=run)
@@ -97,7 +109,8 @@ def engine_args(args):
                   enable_prefix_cache=not args.disable_prefix_cache, overlap=args.overlap,
                   mixed_batches=getattr(args, "mixed_batches", True),
                   max_context=args.max_context, mem_fraction_static=args.mem_fraction_static,
-                  dtype=args.dtype)   # dtype None: fp32 for a model, the engine's own for an engine
+                  dtype=args.dtype,   # dtype None: fp32 for a model, the engine's own for an engine
+                  topology=getattr(args, "topology", None), rank_timeout_s=getattr(args, "rank_timeout_s", 60.0))
     return EngineArgs(**kwargs, **spec_kwargs(args))
 
 
@@ -121,6 +134,23 @@ def _log_to_stderr(name: str) -> None:
         logger.setLevel(logging.INFO)
 
 
+def torchrun_worker(eargs) -> int | None:
+    """Under torchrun, a non-zero rank of a parallel engine executes rank 0's steps (returns its exit
+    code); None: this process serves."""
+    from k3compile.model_def.config import ConfigError
+    from k3compile.runtime.engine import _rank_source
+    from k3compile.runtime.parallel.rank_worker import serve_rank
+
+    rank = int(os.environ.get("RANK", "0"))
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or rank == 0:
+        return None
+    source = _rank_source(eargs)
+    if source is None:
+        raise ConfigError("torchrun started several ranks, but this is not a parallel engine (build it with "
+                          "--topology, or give --topology for a model)")
+    return serve_rank(source, rank, eargs.device, eargs.rank_timeout_s)
+
+
 def run(args) -> int:
     import functools
 
@@ -133,7 +163,16 @@ def run(args) -> int:
             continue
         if value < (0 if flag == "port" else 1) or (flag == "port" and value > 65535):
             raise ConfigError(f"--{flag.replace('_', '-')} {value} is out of range")
-    return serve_engine(functools.partial(LLMEngine, engine_args(args)), served_name(args), args)
+    eargs = engine_args(args)
+    code = torchrun_worker(eargs)
+    if code is not None:
+        return code
+    if getattr(args, "engine_process", False):
+        from k3compile.runtime.engine import _rank_source
+        if _rank_source(eargs) is not None:
+            raise ConfigError("--engine-process does not run parallel engines yet (their ranks are processes "
+                              "of the serving process)")
+    return serve_engine(functools.partial(LLMEngine, eargs), served_name(args), args)
 
 
 def serve_engine(factory, name: str, args) -> int:
@@ -164,5 +203,17 @@ def serve_engine(factory, name: str, args) -> int:
     auth = "API key required" if args.api_key else "no API key"
     print(f"k3compile serve: {front.memory_summary}", flush=True)
     print(f"k3compile serve: '{name}' on http://{args.host}:{args.port}/v1 ({auth})", flush=True)
-    uvicorn.Server(server_config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
+    server = uvicorn.Server(server_config(app, host=args.host, port=args.port, log_level=args.log_level))
+
+    def stop_serving(err) -> None:   # a rank died or hung: requests failed already; stop taking new ones
+        server.should_exit = True
+    front.on_fatal = stop_serving
+    try:
+        server.run()
+    finally:
+        if front.engine is not None and hasattr(front.engine, "close"):
+            front.engine.close()   # a parallel engine's ranks stop with it
+    if front.fatal is not None:
+        print(f"k3compile serve: shut down: {front.fatal}", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -32,12 +32,7 @@ class TooManyStateSlotsError(RuntimeError):
 
 def zero_state(memory: KVStateMemory, slot: int) -> None:
     """The state before the first token: zero recurrent state and empty conv windows."""
-    t = memory.tensors
-    if t.slot_rows is not None:
-        t.slot_rows[slot].zero_()
-    else:
-        t.ssm[slot].zero_()
-        t.conv[slot].zero_()
+    memory.zero_slot(slot)
 
 
 def restore_state(memory: KVStateMemory, checkpoint_slot: int | None, working_slot: int) -> None:

@@ -88,6 +88,9 @@ class SplitPools:
     def copy_slot(self, src: int, dst: int) -> None:
         self.tensors.copy_slot(src, dst)
 
+    def zero_slot(self, slot: int) -> None:
+        self.tensors.zero_slot(slot)
+
     def num_free_slots(self) -> int:
         return self._slots.num_free()
 

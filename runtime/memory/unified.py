@@ -236,7 +236,6 @@ class UnifiedArena:
         self._compact(band)
 
     def _compact(self, band: _Band) -> None:
-        rows = self.tensors.slot_rows if band is self._slots else self._page_rows
         nbytes = self.slot_bytes if band is self._slots else self.page_bytes
         while band.holes:
             end = band.count - 1
@@ -247,8 +246,7 @@ class UnifiedArena:
             if band.pins[src]:
                 return  # the end block is in use by a batch: keep the holes until it is unpinned
             dst = band.row(band.take_hole())
-            # One copy kernel on the current stream; see the module docstring for why this is safe.
-            rows[dst].copy_(rows[src])
+            self.copy_block(band.kind, src, dst)
             band.count -= 1
             band.stats.moves += 1
             band.stats.bytes_moved += nbytes
@@ -291,6 +289,15 @@ class UnifiedArena:
     # --- the rest of the protocol ---
     def copy_slot(self, src: int, dst: int) -> None:
         self.tensors.copy_slot(src, dst)
+
+    def zero_slot(self, slot: int) -> None:
+        self.tensors.zero_slot(slot)
+
+    def copy_block(self, kind: str, src: int, dst: int) -> None:
+        """Copy a whole slot or page row (what compaction does per move; a mirror replays it).
+        One copy kernel on the current stream; see the module docstring for why this is safe."""
+        rows = self.tensors.slot_rows if kind == "slot" else self._page_rows
+        rows[dst].copy_(rows[src])
 
     def _num_free(self, band: _Band) -> int:
         """Blocks of this kind that could be allocated now if all free memory went to this kind."""

@@ -17,12 +17,15 @@ import traceback
 
 import torch
 
+from k3compile.runtime.fatal import FatalEngineError
 
-class RankFailure(RuntimeError):
-    """A rank of a parallel run raised, died or hung."""
 
-    def __init__(self, rank: int, why: str):
-        super().__init__(f"rank {rank}: {why}")
+class RankFailure(FatalEngineError):
+    """A rank of a parallel run raised, died or hung (`rank` None: a collective failed and no rank
+    could be blamed)."""
+
+    def __init__(self, rank: int | None, why: str):
+        super().__init__(f"rank {rank}: {why}" if rank is not None else f"parallel engine: {why}")
         self.rank = rank
 
 

@@ -21,6 +21,10 @@ forward), every request the engine holds fails with an EngineError, is aborted, 
 stepped until it has nothing left; requests arriving afterwards are served normally. If even that
 recovery raises, or leaves requests behind, the engine is marked broken: new requests fail at once
 and `health()` reports the cause. An engine process that dies is a broken engine too.
+
+Fatal errors (FatalEngineError: a rank of a parallel engine died or hung): every request held
+fails with it, the engine is broken, `fatal` holds the error and `on_fatal(err)` is called once
+(`k3compile serve` then shuts the server down).
 """
 from __future__ import annotations
 
@@ -91,6 +95,8 @@ class AsyncEngine:
         self._broken: str | None = None
         self._snapshot: dict = {}   # replaced (never mutated) by the engine side; read anywhere
         self.on_latency = None   # fn(kind, seconds), kinds "ttft" | "itl" | "e2e" | "queue" (on the loop)
+        self.on_fatal = None   # fn(FatalEngineError), called once (on the engine thread, or on the loop)
+        self.fatal = None
 
     @classmethod
     def spawn(cls, factory, warmup: bool = True) -> "AsyncEngine":
@@ -112,6 +118,7 @@ class AsyncEngine:
         self._broken = None
         self._snapshot = {}
         self.on_latency = None
+        self.on_fatal = self.fatal = None
         return self
 
     # ---- event-loop side ---------------------------------------------------------------------
@@ -262,6 +269,8 @@ class AsyncEngine:
             self.warmup_report, self._warming = rest[0], False
         elif kind == "broken":
             self._broken = rest[0]
+        elif kind == "fatal":
+            self._fatal(rest[0])
         elif kind == "lost":   # the process died: everything it held is lost
             self._broken = self._broken or rest[0]
             for fut in list(self._accepting.values()):
@@ -271,6 +280,11 @@ class AsyncEngine:
                 self._fail(rid, EngineError(self._broken))
         else:
             log.error("unknown message from the engine process: %r", kind)
+
+    def _fatal(self, err) -> None:
+        self.fatal = err
+        if self.on_fatal is not None:
+            self.on_fatal(err)
 
     # ---- engine thread ----------------------------------------------------------------------
 
@@ -309,3 +323,6 @@ class _ThreadSink:
 
     def broken(self, reason: str) -> None:
         self.front._broken = reason
+
+    def fatal(self, err) -> None:
+        self.front._fatal(err)

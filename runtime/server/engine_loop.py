@@ -9,7 +9,10 @@ engine's host work do not share one GIL.
 
 Failures (the policy AsyncEngine documents): a rejected add fails that request only; a failed
 `step()` fails every request the engine holds, aborts them, and steps until the engine is empty; if
-even that fails, or an iteration raises outside any step, the engine is reported broken.
+even that fails, or an iteration raises outside any step, the engine is reported broken. A fatal
+error (FatalEngineError: a rank of a parallel engine died or hung), from `step()` or from the
+engine's `check_health()` (asked every iteration, so an idle engine notices too), is not recovered
+from: every request held fails with it, the engine is reported broken, then `sink.fatal(err)`.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+
+from k3compile.runtime.fatal import FatalEngineError
 
 log = logging.getLogger("k3compile.server")
 
@@ -51,7 +56,7 @@ class EngineLoop:
     def __init__(self, engine, take_commands, sink, warmup: bool):
         """`take_commands(block)` -> list of commands (waiting up to a second for one when `block`);
         `sink`: resolve(accepted, err), deliver(outputs), fail(rid, err), publish(snapshot),
-        warmed(report), broken(reason)."""
+        warmed(report), broken(reason), fatal(err)."""
         self.engine, self.take_commands, self.sink, self.warmup = engine, take_commands, sink, warmup
         self.broken: str | None = None
 
@@ -93,8 +98,15 @@ class EngineLoop:
             if isinstance(cmd, Stop):
                 return False
             self._apply(cmd, in_flight)
-        if self.broken is None and self.engine.has_unfinished():
-            self._step(in_flight, rate)
+        if self.broken is None:
+            try:
+                check = getattr(self.engine, "check_health", None)
+                if check is not None:
+                    check()
+                if self.engine.has_unfinished():
+                    self._step(in_flight, rate)
+            except FatalEngineError as e:
+                self._die(in_flight, e)
         now = time.monotonic()
         while rate and rate[0][0] < now - _RATE_WINDOW_S:
             rate.popleft()
@@ -126,9 +138,19 @@ class EngineLoop:
                 except Exception:
                     log.exception("abort(%s) failed", cmd.rid)
 
+    def _die(self, in_flight: set[str], err: FatalEngineError) -> None:
+        log.error("the engine cannot go on: %s", err)
+        for rid in sorted(in_flight):
+            self.sink.fail(rid, EngineError(f"the engine failed: {err}"))
+        in_flight.clear()
+        self._break(str(err))
+        self.sink.fatal(err)
+
     def _step(self, in_flight: set[str], rate: deque) -> None:
         try:
             outputs = self.engine.step()
+        except FatalEngineError:
+            raise
         except Exception as e:
             log.exception("engine step failed; failing the %d requests it held", len(in_flight))
             self._recover(in_flight, EngineError(f"engine step failed: {e!r}"))

@@ -134,6 +134,9 @@ class _PipeSink:
     def broken(self, reason: str) -> None:
         self.conn.send(("broken", reason))
 
+    def fatal(self, err) -> None:
+        self.conn.send(("fatal", err))
+
 
 def _take_commands(conn):
     def take(block: bool) -> list:

@@ -134,6 +134,9 @@ class TrackingMemory:
     def copy_slot(self, src: int, dst: int) -> None:
         self.inner.copy_slot(src, dst)
 
+    def zero_slot(self, slot: int) -> None:
+        self.inner.zero_slot(slot)
+
     def num_free_slots(self) -> int:
         return self.inner.num_free_slots()
 
