@@ -40,6 +40,7 @@ DIAGNOSE_S = 3.0  # how long failure() waits for the culprit's exit code to show
 class RankGroup:
     def __init__(self, source: RankSource, device: str = "cpu", timeout_s: float = 60.0):
         self.source, self.timeout_s = source, timeout_s
+        source.check()
         self.world = source.world()
         self.procs: list = []  # [rank - 1]: the worker processes this engine started (none under torchrun)
         self.broken: RankFailure | None = None

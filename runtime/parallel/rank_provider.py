@@ -55,6 +55,13 @@ class RankSource:
     def world(self) -> int:
         return self.parsed_topology().world
 
+    def check(self) -> None:
+        """Refuse, before any rank starts, a model the topology cannot split (an engine was checked at build)."""
+        if self.model is not None:
+            from k3compile.model_def.loader import resolve_config
+            from k3compile.model_def.parallel.topology import check_topology
+            check_topology(resolve_config(self.model), self.parsed_topology())
+
 
 class RankProvider:
     """The step provider of rank `rank` (what the executor runs), with the runtime's page geometry."""
