@@ -1,0 +1,32 @@
+"""`k3compile serve ENGINE` of an engine built with `--topology tp2` (one compiled engine per rank): the
+openai client gets the single-process greedy tokens, through chunked prefill and a prefix-cache hit.
+Slow on a CPU: building captures both ranks' graphs."""
+import pytest
+import torch
+
+from .served import AGAIN, PROMPT, Served, reference
+
+
+@pytest.fixture(scope="module")
+def tp2_engine(tmp_path_factory):
+    from k3compile.engine.build import BuildOptions, build_engine
+    out = str(tmp_path_factory.mktemp("engines") / "tp2")
+    build_engine(BuildOptions("k3-tiny", dtype=torch.float32, topology="tp2", page_size=4), out, log=lambda m: None)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tp2_engine_serves_the_openai_client(tp2_engine):
+    want = reference([PROMPT, AGAIN], 6)
+    s = Served(tp2_engine)
+    try:
+        assert len(s.ranks) == 1
+        r = s.complete(PROMPT, 6)
+        assert r.choices[0].model_extra["token_ids"] == want[0]
+        r = s.complete(AGAIN, 6)
+        assert r.choices[0].model_extra["token_ids"] == want[1]
+        assert r.usage.prompt_tokens_details.cached_tokens == 16
+    finally:
+        code, out = s.stop()
+    assert code == 0, out
