@@ -1,4 +1,7 @@
-"""k3compile generate (--model NAME|PATH | --engine DIR) --prompt TEXT --max-new-tokens N [sampling flags]"""
+"""k3compile generate (--model NAME|PATH | --engine DIR) --prompt TEXT --max-new-tokens N [sampling flags]
+
+A parallel engine (built with --topology), or a model with --topology, runs on all its ranks (one
+process each, started here) through the runtime's LLMEngine, rank 0 printing the text."""
 from __future__ import annotations
 
 import sys
@@ -23,6 +26,7 @@ def register(sub) -> None:
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk size")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's tokenizer code")
     p.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
+    p.add_argument("--topology", default=None, help="a model only: run it on tpN / dcpM / tpN-dcpM / tepN ranks")
     add_spec_flags(p)
     p.set_defaults(func=run)
     return p
@@ -43,6 +47,8 @@ def run(args) -> int:
         raise ConfigError(str(e).replace("max_new_tokens", "--max-new-tokens")) from None
     spec = spec_kwargs(args)
     page_size = 16
+    if _parallel(args):
+        return _run_parallel(args, params)
     if args.engine is not None:
         from k3compile.engine import open_engine
 
@@ -63,6 +69,42 @@ def run(args) -> int:
                            eos_token_id=tok.eos_token_id, speculation=spec)
     except ValueError as e:   # the prompt does not fit the context, ...
         raise ConfigError(str(e)) from None
+    sys.stdout.write(args.prompt + tok.decode(ids) + "\n")
+    if args.show_ids:
+        print("ids:", " ".join(map(str, ids)))
+    return 0
+
+
+def _parallel(args) -> bool:
+    if getattr(args, "topology", None) not in (None, "single"):
+        return True
+    if args.engine is None:
+        return False
+    from k3compile.engine import format as fmt
+    return "ranks" in fmt.read_manifest(args.engine)
+
+
+def _run_parallel(args, params) -> int:
+    from k3compile.model_def.config import ConfigError
+    from k3compile.runtime.engine import EngineArgs, LLMEngine
+
+    if spec_kwargs(args).get("speculative"):
+        raise ConfigError("speculative decoding is not supported on a parallel engine yet")
+    try:
+        engine = LLMEngine(EngineArgs(model=args.model, engine_dir=args.engine, topology=args.topology,
+                                      device=args.device, dtype=args.dtype, seed=args.seed, chunk_size=args.chunk_size))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        tok = engine.tokenizer
+        if tok is None:
+            raise ConfigError("this model has no tokenizer (token ids only)")
+        try:
+            ids = engine.generate([tok.encode(args.prompt)], params)[0]
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    finally:
+        engine.close()
     sys.stdout.write(args.prompt + tok.decode(ids) + "\n")
     if args.show_ids:
         print("ids:", " ".join(map(str, ids)))

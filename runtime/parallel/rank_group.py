@@ -45,19 +45,18 @@ class RankGroup:
         self.procs: list = []  # [rank - 1]: the worker processes this engine started (none under torchrun)
         self.broken: RankFailure | None = None
         self._next_check = 0.0
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun started every rank
-            if int(os.environ.get("RANK", "0")) != 0:
-                raise RuntimeError("only rank 0 runs the engine; the other ranks run serve_rank")
-            addr = port = None
-        else:
-            addr, port = "127.0.0.1", self._start_workers(device)
+        torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun started every rank
+        if torchrun and int(os.environ.get("RANK", "0")) != 0:
+            raise RuntimeError("only rank 0 runs the engine; the other ranks run serve_rank")
         dev = rank_device(device, int(os.environ.get("LOCAL_RANK", 0)))
+        # rank 0's steps first: forked ranks then inherit every module loading them imported (seconds each)
+        self.provider = open_rank(source, 0, dev)
+        addr, port = (None, None) if torchrun else ("127.0.0.1", self._start_workers(device))
         try:
             store = env_store(0, self.world, timeout_s, addr, port)
             init_rank(source.parsed_topology(), default_backend(dev), timeout_s, rank=0, store=store)
             self.channel = ControlChannel()
             self.watch = HeartbeatWatch(store, range(1, self.world), hang_s=timeout_s / 2)
-            self.provider = open_rank(source, 0, dev)
         except Exception as e:
             failure = self.failure(e)
             self.close()
