@@ -339,8 +339,9 @@ class LLMEngine:
 
         if args.engine_dir is not None:
             if self.ranks is not None:  # a parallel engine: every rank directory has the tokenizer
-                from k3compile.engine.build_parallel import rank_dir
-                return engine_tokenizer(os.path.join(args.engine_dir, rank_dir(0)), self.config)
+                from k3compile.engine import format as fmt
+                rank0 = fmt.read_manifest(args.engine_dir)["ranks"]["0"]
+                return engine_tokenizer(os.path.join(args.engine_dir, rank0), self.config)
             return engine_tokenizer(args.engine_dir, self.config)
         if args.model is None:
             return None

@@ -90,9 +90,15 @@ def _run_parallel(args, params) -> int:
 
     if spec_kwargs(args).get("speculative"):
         raise ConfigError("speculative decoding is not supported on a parallel engine yet")
+    from .serve import torchrun_worker
+
+    eargs = EngineArgs(model=args.model, engine_dir=args.engine, topology=args.topology, device=args.device,
+                       dtype=args.dtype, seed=args.seed, chunk_size=args.chunk_size)
+    code = torchrun_worker(eargs)  # under torchrun, ranks 1.. execute rank 0's steps and print nothing
+    if code is not None:
+        return code
     try:
-        engine = LLMEngine(EngineArgs(model=args.model, engine_dir=args.engine, topology=args.topology,
-                                      device=args.device, dtype=args.dtype, seed=args.seed, chunk_size=args.chunk_size))
+        engine = LLMEngine(eargs)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     try:

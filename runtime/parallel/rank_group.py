@@ -23,8 +23,6 @@ import os
 import signal
 import time
 
-import torch
-
 from .broadcast import ControlChannel
 from .groups import default_backend, env_store, init_rank, shutdown_rank
 from .heartbeat import HeartbeatWatch

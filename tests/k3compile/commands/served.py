@@ -4,12 +4,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
-from .test_serve import DRIVER, free_port
+from .test_serve import DRIVER, free_port, wait_healthy
 
 PROMPT = [5, 17, 99, 3, 250, 7, 8, 41, 9, 300, 11, 12, 13, 77, 2, 19, 400, 6, 6, 1]  # 3 chunks of 8
 AGAIN = PROMPT[:16] + [55, 56, 57]
@@ -52,17 +50,7 @@ class Served:
         self.port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-c", DRIVER, "serve", source, "--served-model-name", name, "--port", str(self.port),
                                       *FLAGS, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"serve exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.2)
+        wait_healthy(self.proc, self.port, 120)
         self.ranks = children(self.proc.pid)  # the rank processes serve started (rank 1 of tp2)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0)
 
@@ -84,3 +72,11 @@ class Served:
             self.proc.send_signal(signal.SIGINT)
             return self.exit(60)
         return self.proc.returncode, ""
+
+    def check_greedy(self, want):
+        """PROMPT, then AGAIN (a prefix-cache hit), give the reference's greedy tokens `want`."""
+        r = self.complete(PROMPT, len(want[0]))
+        assert r.choices[0].model_extra["token_ids"] == want[0]
+        r = self.complete(AGAIN, len(want[1]))
+        assert r.choices[0].model_extra["token_ids"] == want[1]
+        assert r.usage.prompt_tokens_details.cached_tokens == 16  # the first prompt's chunks, cached on every rank

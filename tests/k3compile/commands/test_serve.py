@@ -64,6 +64,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc, port: int, timeout_s: float = 90) -> None:
+    """Until the serve process answers /health with 200 (fails if it exits first or takes too long)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"serve exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "serve did not come up"
+        time.sleep(0.2)
+
+
 def test_serve_process_answers_the_openai_client():
     import openai
     port = free_port()
@@ -72,17 +87,7 @@ def test_serve_process_answers_the_openai_client():
                              "--chunk-size", "64", "--log-level", "warning"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"serve exited with {proc.returncode}:\n{proc.stdout.read()}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-env", max_retries=0)
         r = client.chat.completions.create(model="k3-tiny", messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=3, extra_body={"ignore_eos": True})

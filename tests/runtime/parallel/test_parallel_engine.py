@@ -2,7 +2,6 @@
 single-process engine, through chunked prefill (prompts longer than a chunk), a prefix-cache hit,
 mixed batches, and both memory layouts (the unified arena's compaction moves replayed on every rank)."""
 import pytest
-import torch
 
 from k3compile.runtime.engine import EngineArgs, LLMEngine
 from k3compile.runtime.sampling import SamplingParams
