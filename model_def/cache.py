@@ -137,3 +137,8 @@ class CacheTensors:
         else:
             self.ssm[slot].zero_()
             self.conv[slot].zero_()
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole KV pages src[i] -> dst[i] (a forked request's own tail)."""
+        kv = self.kv
+        kv.index_copy_(0, torch.tensor(dst, device=kv.device), kv.index_select(0, torch.tensor(src, device=kv.device)))

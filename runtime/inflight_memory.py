@@ -18,8 +18,9 @@ Wraps any KVStateMemory; the tree and the request table register their relocatio
 here and hear every move of the inner memory.
 
 `ops`: when a list (a parallel engine's rank 0), every change to the pools' bytes made outside a
-step -- slot copies, zeroed slots, compaction moves -- is appended to it, in order, as
-("copy_slot", src, dst) | ("zero_slot", slot) | ("move", kind, src, dst); the other ranks replay
+step -- slot copies, zeroed slots, page copies, compaction moves -- is appended to it, in order, as
+("copy_slot", src, dst) | ("zero_slot", slot) | ("copy_pages", srcs, dsts) | ("move", kind, src, dst);
+the other ranks replay
 them on their own pools before the next step (runtime/parallel/mirror.py).
 """
 from __future__ import annotations
@@ -85,6 +86,11 @@ class InFlightMemory:
         self.inner.zero_slot(slot)
         if self.ops is not None:
             self.ops.append(("zero_slot", slot))
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        self.inner.copy_pages(src, dst)
+        if self.ops is not None:
+            self.ops.append(("copy_pages", list(src), list(dst)))
 
     # ---- pins ----
     def pin(self, slots: list[int], pages: list[int]) -> None:

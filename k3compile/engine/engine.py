@@ -99,8 +99,8 @@ class Engine:
             ranks = m["ranks"]
             if rank is None:
                 raise fmt.EngineError(f"{path}: a {m.get('topology')} engine of {len(ranks)} ranks; each rank process "
-                                      f"loads its own (rank=0..{len(ranks) - 1}); serving a parallel engine "
-                                      f"is not supported yet")
+                                      f"loads its own (rank=0..{len(ranks) - 1}); `k3compile serve` / "
+                                      f"`generate` and the runtime's LLMEngine start every rank")
             if str(rank) not in ranks:
                 raise fmt.EngineError(f"{path}: no rank {rank} (ranks 0..{len(ranks) - 1})")
             return cls.load(os.path.join(path, ranks[str(rank)]), device, verify_checksums)

@@ -22,8 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator
 
-import torch
-
 from .radix import HybridRadixCache, InsertResult, Lock, MatchResult, as_token_tuple
 from .state_slots import MAX_TRANSIENT_SLOTS, StateSlots
 
@@ -163,9 +161,7 @@ class RequestTable:
             slots.release()
             raise
         if pages:
-            kv = self.memory.tensors.kv
-            kv.index_copy_(0, torch.tensor(pages, device=kv.device),
-                           kv.index_select(0, torch.tensor(copy_from, device=kv.device)))
+            self.memory.copy_pages(copy_from, pages)
         req = CachedRequest(rid, self.cache.lock(parent.lock.node, pin_checkpoint=False), slots, parent.hit)
         first = req.prefix_len // p
         for i, pg in enumerate(pages):

@@ -91,6 +91,9 @@ class SplitPools:
     def zero_slot(self, slot: int) -> None:
         self.tensors.zero_slot(slot)
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        self.tensors.copy_pages(src, dst)
+
     def num_free_slots(self) -> int:
         return self._slots.num_free()
 

@@ -293,6 +293,9 @@ class UnifiedArena:
     def zero_slot(self, slot: int) -> None:
         self.tensors.zero_slot(slot)
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        self.tensors.copy_pages(src, dst)
+
     def copy_block(self, kind: str, src: int, dst: int) -> None:
         """Copy a whole slot or page row (what compaction does per move; a mirror replays it).
         One copy kernel on the current stream; see the module docstring for why this is safe."""

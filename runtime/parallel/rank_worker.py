@@ -62,8 +62,9 @@ def serve_rank(source: RankSource, rank: int, device: str, timeout_s: float, par
             elif isinstance(msg, RankSetup):
                 memory = make_memory(provider.cache_spec(), msg.budget_bytes, msg.page_size, msg.unified,
                                      msg.state_fraction, dev)
-                executor = Executor(provider, memory.tensors, cuda_graphs=msg.cuda_graphs, max_context=msg.max_context,
-                                    pad_to_buckets=msg.pad_to_buckets, **({"buckets": msg.buckets} if msg.buckets else {}))
+                executor = Executor(provider, memory.tensors, cuda_graphs=msg.cuda_graphs,
+                                    max_context=msg.max_context, pad_to_buckets=msg.pad_to_buckets,
+                                    **({"buckets": msg.buckets} if msg.buckets else {}))
             elif isinstance(msg, StepMessage):
                 replay_ops(memory, msg.ops)
                 executor.run(batch_to(msg.forward, executor.device))

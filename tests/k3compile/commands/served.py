@@ -48,7 +48,8 @@ class Served:
         import openai
         self.name = name
         self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-c", DRIVER, "serve", source, "--served-model-name", name, "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-c", DRIVER, "serve", source, "--served-model-name", name,
+                                      "--port", str(self.port),
                                       *FLAGS, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         wait_healthy(self.proc, self.port, 120)
         self.ranks = children(self.proc.pid)  # the rank processes serve started (rank 1 of tp2)

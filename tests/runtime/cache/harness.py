@@ -137,6 +137,9 @@ class TrackingMemory:
     def zero_slot(self, slot: int) -> None:
         self.inner.zero_slot(slot)
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        self.inner.copy_pages(src, dst)
+
     def num_free_slots(self) -> int:
         return self.inner.num_free_slots()
 

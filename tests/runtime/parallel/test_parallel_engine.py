@@ -18,9 +18,21 @@ def run(args):
     try:
         first = engine.generate(PROMPTS, PARAMS)
         again = engine.generate(AGAIN, PARAMS)
-        return first, again, engine.metrics()["cache_hit_tokens"]
+        return first, again, engine.metrics()["cache_hit_tokens"], forked(engine)
     finally:
         engine.close()
+
+
+def forked(engine):
+    """n = 2: the follower continues from a copy of the leader's state and own KV pages (seeded sampling,
+    so the two differ and both depend on the copied pages)."""
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=1.0, seed=7)
+    engine.add_request("lead", PROMPTS[1] + [9, 9, 9], params, fork_rids=("follow",))
+    out = {"lead": [], "follow": []}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.rid].extend(o.new_token_ids)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +43,9 @@ def reference():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("topology,unified", [("tp2", False), ("dcp2", True)])
 def test_greedy_tokens_match_single_process(reference, topology, unified):
-    ref_first, ref_again, ref_hits = reference
-    first, again, hits = run(EngineArgs(model="k3-tiny", topology=topology, enable_unified_memory=unified, **KW))
-    assert first == ref_first and again == ref_again
+    ref_first, ref_again, ref_hits, ref_forked = reference
+    first, again, hits, fork = run(EngineArgs(model="k3-tiny", topology=topology, enable_unified_memory=unified, **KW))
+    assert first == ref_first and again == ref_again and fork == ref_forked
     assert hits == ref_hits == 16
 
 

@@ -43,7 +43,7 @@ def test_dcp_pages_hold_the_ranks_rows_only():
         dcp2.page_rows(5)
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["slot", "pages", "free_slot", "free_pages", "copy", "zero", "write"]),
+OPS = st.lists(st.tuples(st.sampled_from(["slot", "pages", "free_slot", "free_pages", "copy", "zero", "copy_pages", "write"]),
                          st.integers(0, 10**6)), min_size=1, max_size=40)
 
 
@@ -79,6 +79,8 @@ def test_replayed_pool_operations_keep_the_twin_identical(unified, ops):
             rank0.copy_slot(slots[x % len(slots)], slots[(x + 1) % len(slots)])
         elif kind == "zero" and slots:
             rank0.zero_slot(slots[x % len(slots)])
+        elif kind == "copy_pages" and len(pages) > 1:
+            rank0.copy_pages([pages[x % len(pages)]], [pages[(x + 1) % len(pages)]])
         elif kind == "write" and (slots or pages):
             # a step: every rank writes its rows at the same indices
             for mem in (rank0, twin):  # one slot and one page get new bytes; the others keep theirs
