@@ -24,10 +24,11 @@ def run(args):
 
 
 def forked(engine):
-    """n = 2: the follower continues from a copy of the leader's state and own KV pages (seeded sampling,
-    so the two differ and both depend on the copied pages)."""
-    params = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=1.0, seed=7)
-    engine.add_request("lead", PROMPTS[1] + [9, 9, 9], params, fork_rids=("follow",))
+    """n = 2: the follower continues from a copy of the leader's state slot and its own KV page (the prompt's
+    partial last page), both replayed on every rank. (On k3-tiny that page barely moves the logits: the
+    replay of page copies is pinned down by test_rank_pages.)"""
+    params = PARAMS
+    engine.add_request("lead", PROMPTS[1] + [9] * 6, params, fork_rids=("follow",))  # 11: a partial own page
     out = {"lead": [], "follow": []}
     while engine.has_unfinished():
         for o in engine.step():

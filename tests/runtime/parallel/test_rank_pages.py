@@ -66,11 +66,21 @@ def test_replayed_pool_operations_keep_the_twin_identical(unified, ops):
         t = m.tensors
         return t.slot_rows.clone(), t.kv.view(torch.int32).clone()
 
+    def step_writes(new_slots, new_pages, seed):  # a step: every rank writes the same rows at the same indices
+        for mem in (rank0, twin):
+            g = torch.Generator().manual_seed(seed)
+            for s in new_slots:
+                mem.tensors.slot_rows[s].copy_(torch.randint(0, 255, mem.tensors.slot_rows[s].shape, generator=g))
+            for p in new_pages:
+                mem.tensors.kv[p].copy_(torch.randn(mem.tensors.kv[p].shape, generator=g))
+
     for kind, x in ops:
         if kind == "slot" and rank0.can_fit(1, 0):
             slots.append(rank0.alloc_slot())
+            step_writes(slots[-1:], [], x)  # every block gets bytes of its own
         elif kind == "pages" and rank0.can_fit(0, 2):
             pages.extend(rank0.alloc_pages(2))
+            step_writes([], pages[-2:], x)
         elif kind == "free_slot" and slots:
             rank0.free_slot(slots.pop(x % len(slots)))  # may move others (unified compaction)
         elif kind == "free_pages" and pages:
@@ -81,16 +91,8 @@ def test_replayed_pool_operations_keep_the_twin_identical(unified, ops):
             rank0.zero_slot(slots[x % len(slots)])
         elif kind == "copy_pages" and len(pages) > 1:
             rank0.copy_pages([pages[x % len(pages)]], [pages[(x + 1) % len(pages)]])
-        elif kind == "write" and (slots or pages):
-            # a step: every rank writes its rows at the same indices
-            for mem in (rank0, twin):  # one slot and one page get new bytes; the others keep theirs
-                g = torch.Generator().manual_seed(x)
-                if slots:
-                    s = slots[x % len(slots)]
-                    mem.tensors.slot_rows[s].copy_(torch.randint(0, 255, mem.tensors.slot_rows[s].shape, generator=g))
-                if pages:
-                    p = pages[x % len(pages)]
-                    mem.tensors.kv[p].copy_(torch.randn(mem.tensors.kv[p].shape, generator=g))
+        elif kind == "write" and (slots or pages):  # one slot and one page get new bytes; the others keep theirs
+            step_writes([slots[x % len(slots)]] if slots else [], [pages[x % len(pages)]] if pages else [], x)
         # what a step sees after the replay: both pools bit-identical
         replay_ops(twin, rank0.ops)
         rank0.ops = []
