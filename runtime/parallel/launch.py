@@ -26,7 +26,7 @@ class RankFailure(FatalEngineError):
 
     def __init__(self, rank: int | None, why: str):
         super().__init__(f"rank {rank}: {why}" if rank is not None else f"parallel engine: {why}")
-        self.rank = rank
+        self.rank, self.why = rank, why
 
 
 def free_port() -> int:

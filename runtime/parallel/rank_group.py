@@ -42,6 +42,8 @@ class RankGroup:
         self.world = source.world()
         self.procs: list = []  # [rank - 1]: the worker processes this engine started (none under torchrun)
         self.broken: RankFailure | None = None
+        self.watch: HeartbeatWatch | None = None  # once the group is up
+        self.channel: ControlChannel | None = None
         self._next_check = 0.0
         torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun started every rank
         if torchrun and int(os.environ.get("RANK", "0")) != 0:
@@ -118,6 +120,8 @@ class RankGroup:
             why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
             also = f" (ranks {sorted(set(dead) - {r})} exited too)" if len(dead) > 1 else ""
             return RankFailure(r, f"process {why}{also}")
+        if self.watch is None:
+            return None
         try:
             stale = self.watch.stale()
         except Exception as e:  # the store itself failed: rank 0's own problem, not a rank's
@@ -134,34 +138,22 @@ class RankGroup:
             return exc
         if self.broken is not None:
             return self.broken
-        end = time.monotonic() + DIAGNOSE_S
-        found = None
-        while found is None and time.monotonic() < end and hasattr(self, "watch"):
+        end = time.monotonic() + DIAGNOSE_S  # the culprit's exit code may lag the error it caused
+        found = self._culprit()
+        while found is None and time.monotonic() < end:
+            time.sleep(0.1)
             found = self._culprit()
-            if found is None:
-                time.sleep(0.1)
-        if found is None and not hasattr(self, "watch"):
-            found = self._culprit_before_start()
         if found is None:
             found = RankFailure(0, f"the step failed, and no other rank is dead or hung: {exc!r}")
         else:
-            found = RankFailure(found.rank, f"{str(found).split(': ', 1)[1]}; rank 0 saw: {exc!r}")
+            found = RankFailure(found.rank, f"{found.why}; rank 0 saw: {exc!r}")
         self.broken = found
         return found
-
-    def _culprit_before_start(self) -> RankFailure | None:
-        end = time.monotonic() + DIAGNOSE_S
-        while time.monotonic() < end:
-            dead = [(r, p.exitcode) for r, p in enumerate(self.procs, 1) if p.exitcode is not None]
-            if dead:
-                return RankFailure(dead[0][0], f"process exited with code {dead[0][1]} while starting")
-            time.sleep(0.1)
-        return None
 
     # ---- stop ----
     def close(self) -> None:
         """Tell the workers to stop (if they can still hear it), then make sure they are gone."""
-        if self.broken is None and hasattr(self, "channel"):
+        if self.broken is None and self.channel is not None:
             try:
                 self.channel.send(STOP)
             except Exception:
