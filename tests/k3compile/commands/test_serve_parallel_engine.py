@@ -24,6 +24,6 @@ def test_tp2_engine_serves_the_openai_client(tp2_engine):
         assert len(s.ranks) == 1
         s.check_greedy(want)
     finally:
-        code, out = s.stop()  # SIGINT: uvicorn re-raises it once shut down (exit code 1, as any serve)
+        _, out = s.stop()  # SIGINT: uvicorn re-raises it once shut down (exit code 1, as any serve)
     assert "shut down:" not in out, out  # no rank failed
     assert not any(alive(p) for p in s.ranks)  # the engine stopped its rank on the way out
