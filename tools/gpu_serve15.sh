@@ -23,8 +23,9 @@ source tools/gpu_setup.sh
 ENGINE=/tmp/engines/mini
 T0=$SECONDS
 say() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/summary.txt; }
-timeout 200 k3compile build --model k3-mini-6b --topology single --dtype bf16 --device cuda -o $ENGINE --overwrite \
-  > $OUT/build.log 2>&1; say "build: exit $?"
+[ -f $ENGINE/engine.json ] && say "engine: reusing $ENGINE" || {
+  timeout 200 k3compile build --model k3-mini-6b --topology single --dtype bf16 --device cuda -o $ENGINE --overwrite \
+    > $OUT/build.log 2>&1; say "build: exit $?"; }
 [ -f $ENGINE/engine.json ] || { tail -20 $OUT/build.log; exit 1; }
 
 python3 -c "import uvloop" 2>/dev/null && say "uvloop: yes (uvicorn runs on libuv)" \

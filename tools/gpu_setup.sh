@@ -2,6 +2,10 @@
 # installed in place, results folder $R under $OUT.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
-R=$OUT/r; mkdir -p "$R"
+export PYTHONPATH=/tmp/site
+if [ ! -f /tmp/site/.k3_installed ]; then  # once per machine: jobs started side by side share the install
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || { echo "wheels failed"; exit 1; }
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
+  touch /tmp/site/.k3_installed
+fi
+R=${R:-$OUT/r}; mkdir -p "$R"
