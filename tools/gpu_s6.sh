@@ -20,7 +20,7 @@ NGPU=$(nvidia-smi -L | wc -l); NCPU=$(nproc)
 say "$NGPU GPU(s), $NCPU cores"
 
 job_suite() {
-  timeout -s INT 380 python3 -m pytest -q -m gpu -n 4 --dist loadfile -p no:cacheprovider -o faulthandler_timeout=150 \
+  timeout -s INT 300 python3 -m pytest -q -m gpu -n 4 --dist loadfile -p no:cacheprovider -o faulthandler_timeout=150 \
     --durations=25 -rs tests > $OUT/gpu_tests.log 2>&1
   echo "gpu tests: exit $?, $((SECONDS - T0)) s since the part began" | tee -a $OUT/gpu_tests.log
   for _ in $(seq 300); do [ -f $ENGINE.ready ] && break; sleep 1; done
@@ -46,15 +46,16 @@ job_spec() {
     --proposer controlled --accept-p 0.7 ${prof:+--profile $prof} --prompt-len 64 --max-new-tokens 32 \
     --memory-gib 24 --out $OUT/spec > $OUT/spec.log 2>&1; echo "bench spec: exit $?"
 }
-job_serve() { bash tools/gpu_serve15.sh; }
+job_serve() { SERVE_BUDGET=$((DEADLINE - 20)) bash tools/gpu_serve15.sh; }
 job_ladder() { bash tools/gpu_ladder3.sh; }
 
-run_job() {  # NAME GPU CPUS: the job with its own $OUT and $R, one GPU, some cores
-  local name=$1 gpu=$2 cpus=$3
+run_job() {  # NAME GPU CPUS: the job with its own $OUT and $R, one GPU, some cores, ended by the part's deadline
+  local name=$1 gpu=$2 cpus=$3 left=$((DEADLINE - (SECONDS - T0)))
   mkdir -p $OUT/$name
   ( export OUT=$OUT/$name R=$OUT/$name/r CUDA_VISIBLE_DEVICES=$gpu
-    taskset -cp $cpus $BASHPID > /dev/null 2>&1 || true   # children inherit the cores
-    say "$name: start (GPU $gpu, cores $cpus)"; job_$name > $OUT/console.txt 2>&1; say "$name: done" ) &
+    say "$name: start (GPU $gpu, cores $cpus, $left s left)"
+    timeout -k 5 $left taskset -c $cpus bash tools/gpu_s6.sh job $name > $OUT/console.txt 2>&1
+    say "$name: exit $?" ) &
 }
 pair() {  # JOB0 JOB1: side by side on two GPUs, else one after the other
   local half=$((NCPU / 2))
@@ -65,11 +66,13 @@ pair() {  # JOB0 JOB1: side by side on two GPUs, else one after the other
   fi
 }
 
+DEADLINE=${DEADLINE:-575}   # seconds into the part when every job is stopped, so that the tars below get made
+[ "${1:-}" = job ] && { job_$2; exit; }
 case "${PART:-a}" in
 a)
   rm -f $ENGINE.ready
   if [ "$NGPU" -ge 2 ]; then
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/parallel/test_parallel_engine_gpu.py \
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/parallel/test_parallel_engine_gpu.py \
       > $OUT/two_gpu_tests.txt 2>&1; say "two-GPU parallel engine test: exit $?"; tail -3 $OUT/two_gpu_tests.txt
   fi
   pair suite spec ;;

@@ -33,7 +33,7 @@ python3 -c "import uvloop" 2>/dev/null && say "uvloop: yes (uvicorn runs on libu
 FLAGS="--device cuda --port 30000 --enable-unified-memory --memory-bytes 40000000000"
 BENCH="--base-url http://127.0.0.1:30000 --dataset fixed --input-len 128 --output-len 128 --num-prompts 4 \
   --prompts-per-concurrency 1 --warmup-requests 1 --out $OUT"
-left() { echo $((570 - (SECONDS - T0))); }   # the device call's 600 s, less a margin for the summary
+left() { echo $((${SERVE_BUDGET:-570} - (SECONDS - T0))); }   # the device call's 600 s, less a margin for the summary
 serve_bench() {   # LABEL LIMIT_S "SERVE FLAGS" BENCH FLAGS...
   local label=$1 limit=$2 sflags=$3; shift 3
   [ $(left) -gt $((limit + 40)) ] || { say "$label: skipped ($(left) s left)"; return; }
