@@ -45,12 +45,16 @@ job_spec() {
     --verify-graphs > $OUT/build.log 2>&1; echo "build: exit $? at $((SECONDS - T0)) s"
   timeout 90 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/spec/test_fold_gpu.py > $OUT/fold_gpu.txt 2>&1
   echo "fold GPU test: exit $?"; tail -3 $OUT/fold_gpu.txt
-  timeout 100 k3compile profile verify --engine $ENGINE --device cuda --batch 1,8,64,256 --tokens 5 \
-    --context 512 --steps 10 --warmup 3 --out $OUT/profiles > $OUT/profile.log 2>&1; echo "profile: exit $?"; grep -v -i warn $OUT/profile.log | tail -12
-  local prof; prof=$(ls $OUT/profiles/*.json 2>/dev/null | head -1)
-  timeout 150 k3compile bench spec --engine $ENGINE --device cuda --batch 1,8,64,256 --gamma 4 \
-    --proposer controlled --accept-p 0.7 ${prof:+--profile $prof} --prompt-len 64 --max-new-tokens 32 \
-    --memory-gib 24 --out $OUT/spec > $OUT/spec.log 2>&1; echo "bench spec: exit $?"; grep -v -i warn $OUT/spec.log | tail -25
+  local prof=${PROFILE:-}   # a profile measured earlier (traces/), else measure one now
+  if [ -z "$prof" ]; then
+    timeout 100 k3compile profile verify --engine $ENGINE --device cuda --batch 1,8,64,256 --tokens 5 \
+      --context 512 --steps 10 --warmup 3 --out $OUT/profiles > $OUT/profile.log 2>&1; echo "profile: exit $?"
+    grep -v -i warn $OUT/profile.log | tail -12; prof=$(ls $OUT/profiles/*.json 2>/dev/null | head -1)
+  fi
+  timeout ${SPEC_LIMIT:-150} k3compile bench spec --engine $ENGINE --device cuda --batch 1,8,64,256 --gamma 4 \
+    --proposer controlled --accept-p 0.7 --acceptance ${ACCEPTANCE:-forced} ${prof:+--profile $prof} --prompt-len 64 \
+    --max-new-tokens 32 --memory-gib 24 --out $OUT/spec > $OUT/spec.log 2>&1; echo "bench spec: exit $?"
+  grep -v -i warn $OUT/spec.log | tail -25
 }
 job_serve() { SERVE_BUDGET=$((DEADLINE - 20)) bash tools/gpu_serve15.sh; }
 job_ladder() { bash tools/gpu_ladder3.sh; }

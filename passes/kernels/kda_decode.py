@@ -364,6 +364,13 @@ def _row_major_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+# NO_FMA_WHY: P5, the verify-inputs kernel and the ReplaySSM fold (runtime/spec/fold_kernel.py) are compiled without
+# FMA contraction (enable_fp_fusion=False). They spell the recurrence alike, but the compiler contracts a*b+c into
+# one FMA (one rounding instead of two) depending on the code around it, so the fold's state differed from P5's
+# by one ulp on the H200 (fp32, K = 16); with every mul and add rounded as written, the same expressions give the
+# same bits, as under TRITON_INTERPRET. These kernels are latency-bound: the extra instructions cost little.
+
+
 def default_v_split(batch: int, heads: int, value_dim: int) -> int:
     """Parts each head's V columns are split into: up to MAX_V_SPLIT while batch x heads <= MAX_ROWS_TO_SPLIT,
     parts of at least MIN_V_PER_PROGRAM columns. From static shapes only (CUDA-graph replays see one grid)."""
@@ -453,7 +460,7 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
         V_SPLIT=split, V_PER=v_per, SPLIT_PAD=max(2, triton.next_power_of_2(split)),
         SOFTPLUS_GATE=lower_bound is None, USE_PDL=bool(use_pdl),
         F_RANK=f_rank, G_RANK=g_rank, BR=min(32, triton.next_power_of_2(max(f_rank, g_rank, 1))), L2EPS=L2_EPS,
-        num_warps=num_warps, **extra,
+        num_warps=num_warps, enable_fp_fusion=False, **extra,  # see NO_FMA_WHY
     )
     return out
 

@@ -92,4 +92,5 @@ def kda_verify_inputs_triton(x_k, x_v, k_conv_weight, v_conv_weight, f, dt_bias,
         wk, wv, wg, wb, wk.stride(0), wk.stride(1), wb.stride(0), wb.stride(1),
         float(lower_bound) if lower_bound is not None else 0.0, length,
         H=h, K=kd, V=kd, WIDTH=width, WPAD=triton.next_power_of_2(max(width - 1, 1)), BK=bk, BV=bv,
-        SOFTPLUS_GATE=lower_bound is None, num_warps=4 if bk * bv >= 64 * 32 else 1)
+        SOFTPLUS_GATE=lower_bound is None, num_warps=4 if bk * bv >= 64 * 32 else 1,
+        enable_fp_fusion=False)  # as P5 (kda_decode.NO_FMA_WHY)

@@ -7,6 +7,14 @@ survives is p^k, which is what its confidence reports. It lets the runtime's spe
 (verify, fold, planner) be measured at a chosen acceptance on a target whose weights are random, where
 no trained drafter exists (issue 13: "a drafter with controlled acceptance, clearly labelled").
 A history that left the recording (or a prompt it was not given) gets wrong drafts, confidence 0.
+
+`forced=True` is for targets whose greedy tokens depend on the kernels that compute them: a random-weight
+model's logits are nearly flat, so the verify step (other kernels than the decode step that recorded the
+references) picks another argmax on most tokens, and acceptance collapses to 1 (seen on the H200 with
+k3-mini-6b in bf16). Then the coin flips themselves decide: each draft is accepted with probability p
+(given the earlier ones were) and committed as drafted, followed by the target's own token, so the
+verify / fold / planner work is what a drafter of that acceptance would cost, but the output is NOT the
+target's greedy output (no losslessness claim; benches say so).
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import torch
 from .proposer import DraftBlock, DraftRequest
 
 LABEL = "controlled-acceptance oracle (not a drafter)"
+FORCED_LABEL = "controlled acceptance, forced by coin flips (not a drafter; outputs not the target's)"
 
 
 @dataclass
@@ -27,6 +36,7 @@ class ControlledAcceptanceProposer:
     vocab_size: int
     gamma: int = 4
     seed: int = 0
+    forced: bool = False  # the coin flips decide acceptance (see the module docstring)
     feature_layers: tuple[int, ...] = ()
     _gen: torch.Generator = field(init=False)
 
@@ -56,6 +66,8 @@ class ControlledAcceptanceProposer:
             for j, t in enumerate(truth):
                 tokens[i, j] = t if hit[i, j] else (t + 1) % self.vocab_size
             conf[i] = self.p  # conditional: each position, given the earlier ones, survives with p
+        if self.forced:
+            return DraftBlock(tokens, None, torch.full((b, self.gamma), self.p), forced=hit)
         return DraftBlock(tokens, None, conf)
 
     def observe(self, rid: str, token_ids: list[int], features: torch.Tensor | None) -> None:

@@ -134,7 +134,8 @@ def fold_triton(cache, window: DraftWindow, slots: torch.Tensor, accept_lens: to
         window.k, window.v, window.g, window.beta,
         ks[0], ks[1], ks[2], bs[0], bs[1], bs[2],
         slots, accept_lens.to(torch.int32),
-        N_LAYERS=n_layers, H=h, K=kd, V=vd, BK=bk, BV=bv, L2EPS=L2_EPS, num_warps=num_warps)
+        N_LAYERS=n_layers, H=h, K=kd, V=vd, BK=bk, BV=bv, L2EPS=L2_EPS, num_warps=num_warps,
+        enable_fp_fusion=False)  # as P5: no a*b+c contracted into an FMA, so both round alike
 
 
 def commit(cache, window: DraftWindow, slots: list[int], accept_lens: list[int], use_kernel: bool | None = None,

@@ -39,11 +39,16 @@ class DraftBlock:
     tokens: torch.Tensor  # [B, gamma] int64, the proposed tokens after each anchor
     probs: torch.Tensor | None  # [B, gamma, V] fp32 draft distribution of each position (None: one-hot)
     confidence: torch.Tensor  # [B, gamma] fp32, P(position i accepted | positions < i accepted)
+    # BENCHMARKS ONLY (runtime/spec/controlled.py, forced mode): [B, gamma] bool coin flips that decide which
+    # drafts of greedy rows are accepted instead of the target (outputs are then NOT the target's); None: verify
+    forced: torch.Tensor | None = None
 
     def __post_init__(self):
         b, g = self.tokens.shape
         if self.confidence.shape != (b, g):
             raise ValueError(f"confidence {tuple(self.confidence.shape)} does not match tokens {(b, g)}")
+        if self.forced is not None and self.forced.shape != (b, g):
+            raise ValueError(f"forced {tuple(self.forced.shape)} does not match tokens {(b, g)}")
         if self.probs is not None and self.probs.shape[:2] != (b, g):
             raise ValueError(f"probs {tuple(self.probs.shape)} does not match tokens {(b, g)}")
 

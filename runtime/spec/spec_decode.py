@@ -128,6 +128,7 @@ class SpecDecoder:
             sampled, errors = sample(batch, logits[starts])
             committed = {}
         extra, accept = {}, []
+        forced = block.forced.tolist() if block is not None and block.forced is not None else None
         for i, r in enumerate(rows):
             if i in committed:
                 sampled.tokens[i], got = committed[i][0], committed[i][1:]
@@ -143,7 +144,13 @@ class SpecDecoder:
             if keep[i]:
                 d = drafts[spec_index[i]][: keep[i]]
                 best = logits[int(starts[i]) + 1: int(starts[i]) + 1 + keep[i]].argmax(-1).tolist()
-                while len(got) < keep[i] and d[len(got)] == tok:
+                if forced is not None:  # benchmark coin flips: commit the first n drafts, then the target's token
+                    n = 0
+                    while n < keep[i] and forced[spec_index[i]][n]:
+                        n += 1
+                    if n:
+                        sampled.tokens[i], got = d[0], d[1:n] + [best[n - 1]]
+                while forced is None and len(got) < keep[i] and d[len(got)] == tok:
                     tok = best[len(got)]
                     got.append(tok)
             accept.append(1 + len(got))

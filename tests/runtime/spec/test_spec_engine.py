@@ -99,3 +99,25 @@ def test_penalized_requests_do_not_speculate_and_still_run(model, workload):
     out = engine.generate(prompts[:2], SamplingParams(max_new_tokens=6, temperature=0.8, seed=1, ignore_eos=True,
                                                       presence_penalty=0.5))
     assert [len(o) for o in out] == [6, 6] and engine.spec.stats.rows == 0
+
+
+def test_forced_acceptance_lets_the_coin_decide(model, workload):
+    """Benchmark mode (controlled.py, forced): p = 1 commits every draft even when the target disagrees
+    (drafts here are never the target's: no references), p = 0 commits none, so the output is decoding's."""
+    prompts, refs = workload
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    vocab = model.config.vocab_size
+    all_in = _engine(model, ControlledAcceptanceProposer({}, p=1.0, vocab_size=vocab, gamma=3, forced=True),
+                     page_size=16, chunk_size=32)
+    out = all_in.generate(prompts[:2], params)
+    s = all_in.spec.stats
+    assert s.accepted == s.verified and s.accept_length > 3, s
+    for o in out:  # a verify commits its 3 drafts: the anchor + 1 (mod V), 3 times, then the target's token
+        assert len(o) == NEW and any(o[i + 1: i + 4] == [(o[i] + 1) % vocab] * 3 for i in range(NEW - 3)), o
+    check_idle(all_in)
+    none_in = _engine(model, ControlledAcceptanceProposer({}, p=0.0, vocab_size=vocab, gamma=3, forced=True),
+                      page_size=16, chunk_size=32)
+    got = none_in.generate(prompts, params)
+    assert none_in.spec.stats.accepted == 0 and none_in.spec.stats.verified > 0
+    assert_greedy_equal_up_to_ties(model, prompts, got, refs, TIE)
+    check_idle(none_in)
