@@ -6,6 +6,7 @@
 #   servecheck `serve` of that engine with default flags + tools/serve_check.py (issue 10)
 #   serve      tools/gpu_serve15.sh, the served-path table (issue 14), reusing the engine
 #   ladder     tools/gpu_ladder3.sh, the decode ladder with its anchors (issue 9)
+#   kda        the KDA kernels' GPU tests (P5, verify inputs, ReplaySSM fold)
 #   twogpu     the two-GPU parallel engine test (issue 16; needs nvidia-h200-x2)
 #   run: JOBS="spec servecheck" bash tools/gpu_s6.sh   (carry .whl/)
 # Each job has its own $OUT/<job>/ and is stopped at DEADLINE seconds into the call, so that the tars get made.
@@ -36,6 +37,12 @@ job_servecheck() {
   timeout 90 python3 tools/serve_check.py > $OUT/serve_check.txt 2>&1; echo "serve_check: exit $?"
   cat $OUT/serve_check.txt
   kill $pid; wait $pid 2>/dev/null
+}
+job_kda() {  # the KDA kernels' GPU tests (P5, verify inputs, fold), e.g. after a change to how they are compiled
+  timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -rs tests/passes/kernels/test_kda_decode.py \
+    tests/passes/test_p05_fused_kda_decode.py tests/runtime/spec/test_fold_gpu.py > $OUT/kda_tests.log 2>&1
+  echo "kda GPU tests: exit $?"; grep -E "passed|failed" $OUT/kda_tests.log | tail -1
+  grep -E "^(FAILED|ERROR)|^E  " $OUT/kda_tests.log | head -20
 }
 job_twogpu() {
   timeout 90 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/parallel/test_parallel_engine_gpu.py
