@@ -502,6 +502,10 @@ class LLMEngine:
             log.exception("a speculative step over %d request(s) failed", len(batch.rows))
             self._note(self.scheduler.fail_batch(batch, f"the speculative decode step failed: {e!r}"))
             return
+        if res is None:  # the planner found plain decode faster than any verify: run the batch as one
+            self._finish(self.runner.run(batch))
+            self.spec.observe(r.req for r in batch.rows)
+            return
         touched = self.scheduler.process(batch, res.sampled) + self.scheduler.extend(batch, res.extra)
         self._note(touched)
         self.spec.observe({id(r): r for r in touched}.values())

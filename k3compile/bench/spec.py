@@ -130,7 +130,7 @@ def run_arm(provider, args, prompts, params, arm: str, proposer, memory_bytes):
     if engine.spec is not None:
         s = engine.spec.stats
         res.update(accept_length=s.accept_length, steps=s.steps, drafted=s.drafted, verified=s.verified,
-                   accepted=s.accepted, window_bytes=engine.spec.window_bytes)
+                   accepted=s.accepted, decode_steps=s.decode_steps, window_bytes=engine.spec.window_bytes)
     else:
         res["steps"] = None
     engine.close()

@@ -47,6 +47,14 @@ class CostProfile:
         f = (t - ts[j]) / (ts[j + 1] - ts[j])
         return row[j] + f * (row[j + 1] - row[j])
 
+    def decode_time(self, batch: int) -> float | None:
+        """Milliseconds of the plain decode step of `batch` requests (`profile verify` records it in
+        meta.decode_ms, one per batch size), at the same bucket step_time reads; None if not recorded."""
+        ms = (self.meta or {}).get("decode_ms")
+        if not ms or len(ms) != len(self.batch_sizes):
+            return None
+        return float(ms[min(bisect.bisect_left(self.batch_sizes, batch), len(self.batch_sizes) - 1)])
+
     def to_dict(self) -> dict:
         return {"device": self.device, "model": self.model, "batch_sizes": self.batch_sizes,
                 "verify_tokens": self.verify_tokens, "step_ms": self.step_ms, "meta": self.meta or {}}

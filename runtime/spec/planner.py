@@ -12,6 +12,10 @@ covers the marginal cost it adds at the current load; searching the whole order 
 first loss) lets a plan step over one riser of the cost staircase onto the next flat shelf when the
 drafts beyond it pay for it. Early exit: when the whole block costs no more than `flat_tolerance` above
 the step without drafts (small batches sit on the staircase's first shelf), everything is kept.
+Decode instead: when the profile also holds the plain decode step's time, no plan (not even the verify of
+the anchors alone) is taken unless its expected tokens per ms beat decode's B / T_decode(B); otherwise the
+plan says `decode` and the runtime runs a plain decode step (a verify step whose kernels are slower than
+decode's, as on the H200 today, then never makes speculation a loss).
 "all": every draft is verified (the verify-all baseline). Either way verification of what is kept is
 unchanged, so output stays lossless.
 
@@ -35,6 +39,7 @@ class Plan:
     expected_tokens: float  # sum over requests of 1 + survivals kept
     step_ms: float | None  # T(B, N) from the profile (None without one)
     early_exit: bool = False
+    decode: bool = False  # no verify pays: run the plain decode step instead
 
 
 @dataclass
@@ -65,10 +70,19 @@ class Planner:
 
         full, longest = sum(limits), max(limits, default=0)
         exp_all = b + sum(float(surv[i, :limits[i]].sum()) for i in range(b))
-        if self.mode == "all" or full == 0:
+        if self.mode == "all":
             return Plan(limits, exp_all, cost(full, longest))
+        decode_ms = self.profile.decode_time(b)
+
+        def unless_decode_pays_more(plan: Plan) -> Plan:
+            if decode_ms is not None and plan.expected_tokens / plan.step_ms <= b / decode_ms:
+                return Plan([0] * b, float(b), decode_ms, decode=True)
+            return plan
+
+        if full == 0:
+            return unless_decode_pays_more(Plan(limits, exp_all, cost(0, 0)))
         if cost(full, longest) <= cost(0, 0) * (1 + self.flat_tolerance):
-            return Plan(limits, exp_all, cost(full, longest), early_exit=True)
+            return unless_decode_pays_more(Plan(limits, exp_all, cost(full, longest), early_exit=True))
         # greedy order by survival; ties by position so a request's drafts stay in order
         cand = sorted(((float(surv[i, j]), j, i) for i in range(b) for j in range(limits[i])),
                       key=lambda x: (-x[0], x[1]))
@@ -83,4 +97,4 @@ class Planner:
         for s, _, i in cand[:best_k]:
             keep[i] += 1
             exp += s
-        return Plan(keep, exp, cost(best_k, max(keep)))
+        return unless_decode_pays_more(Plan(keep, exp, cost(best_k, max(keep))))

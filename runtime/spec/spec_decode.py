@@ -52,6 +52,7 @@ class SpecStats:
     rows: int = 0  # request-steps that speculated
     drafted: int = 0  # drafts proposed for them
     verified: int = 0  # drafts kept by the planner and verified
+    decode_steps: int = 0  # steps the planner ran as plain decode (no verify paid off)
     accepted: int = 0  # drafts accepted
     committed: int = 0  # tokens committed by speculating rows (accepted + the target's own)
     history: list = field(default_factory=list)  # (batch, verify tokens, accepted) per step, for benches
@@ -82,7 +83,9 @@ class SpecDecoder:
     def window_bytes(self) -> int:
         return self.window.spec.bytes_per_request() * self.window.rows
 
-    def run(self, batch, executor, table, page_size: int, max_context: int, sample) -> SpecResult:
+    def run(self, batch, executor, table, page_size: int, max_context: int, sample) -> SpecResult | None:
+        """One speculative step for a decode batch; None when the planner chose a plain decode step instead
+        (the caller runs it)."""
         rows = batch.rows
         if len(rows) > self.window.rows:
             raise ValueError(f"{len(rows)} requests in a speculative step, the draft window has {self.window.rows} rows")
@@ -100,6 +103,9 @@ class SpecDecoder:
                 left = r.req.params.max_new_tokens - len(r.req.output_ids) - 1  # tokens after the sampled one
                 limits.append(max(0, min(self.gamma, left, max_context - r.start - 1)))
             plan = self.planner.plan(block.confidence, limits)
+            if plan.decode and not self.feature_layers:  # (a drafter that reads features needs the verify step's)
+                self.stats.decode_steps += 1
+                return None
             for j, i in enumerate(spec_rows):
                 keep[i] = self._pages_for(table, rows[i], plan.keep[j])
         # the verify step: anchor + kept drafts per row

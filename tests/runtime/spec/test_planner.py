@@ -82,3 +82,29 @@ def test_padded_steps_cost_the_longest_request():
     assert varlen.keep[0] == 4
     assert padded.step_ms == pytest.approx(LINEAR.step_time(8, 8 * (max(padded.keep) + 1)))
     assert padded.expected_tokens / padded.step_ms >= 8 / LINEAR.step_time(8, 8)
+
+
+def _with_decode(profile, decode_ms):
+    return CostProfile(profile.device, profile.model, profile.batch_sizes, profile.verify_tokens, profile.step_ms,
+                       {"decode_ms": [decode_ms(b) for b in profile.batch_sizes]})
+
+
+def test_trim_runs_decode_when_no_verify_pays():
+    conf = torch.full((4, 4), 0.7)
+    slow_verify = _with_decode(LINEAR, lambda b: 2.0)  # decode 2 ms; verifying the anchors alone costs 14
+    plan = Planner("trim", slow_verify).plan(conf, [4] * 4)
+    assert plan.decode and plan.keep == [0] * 4 and plan.step_ms == 2.0
+    assert Planner("trim", slow_verify).plan(conf, [0] * 4).decode  # nothing to draft: decode too
+    assert not Planner("all", slow_verify).plan(conf, [4] * 4).decode  # verify-all is the baseline: it never decides
+    fast_verify = _with_decode(FLAT, lambda b: 9.9)  # the whole block for 1% more than decode: keep it all
+    plan = Planner("trim", fast_verify).plan(conf, [4] * 4)
+    assert not plan.decode and plan.keep == [4] * 4
+
+
+def test_h200_profile_of_k3_mini_6b_decodes_at_every_measured_batch():
+    """The H200 profile (traces/h200_s6): a verify step costs 2.9-3.7x a decode step even for the anchors alone,
+    so at acceptance 0.7 no plan beats decoding."""
+    from pathlib import Path
+    prof = CostProfile.load(str(Path(__file__).parents[3] / "traces/h200_s6/NVIDIA-H200__k3-mini-6b.json"))
+    for b in prof.batch_sizes:
+        assert Planner("trim", prof).plan(torch.full((b, 4), 0.7), [4] * b).decode, b

@@ -121,3 +121,22 @@ def test_forced_acceptance_lets_the_coin_decide(model, workload):
     assert none_in.spec.stats.accepted == 0 and none_in.spec.stats.verified > 0
     assert_greedy_equal_up_to_ties(model, prompts, got, refs, TIE)
     check_idle(none_in)
+
+
+def test_trim_planner_falls_back_to_decode_steps(model, workload, tmp_path):
+    """A profile whose decode step beats every verify plan: the engine runs plain decode steps (no verify) and
+    the output is decoding's."""
+    from k3compile.runtime.spec.cost_profile import CostProfile
+    batches, toks = [1, 2, 4, 8], [1, 2, 3, 4]
+    prof = CostProfile("cpu", "k3-tiny", batches, toks, [[10.0 + t for t in toks] for _ in batches],
+                       {"decode_ms": [1.0] * len(batches)})
+    prof.save(str(tmp_path / "p.json"))
+    prompts, refs = workload
+    oracle = ControlledAcceptanceProposer({tuple(p): r for p, r in zip(prompts, refs)}, p=0.8,
+                                          vocab_size=model.config.vocab_size, gamma=3)
+    engine = _engine(model, oracle, page_size=16, chunk_size=32, spec_plan="trim", spec_profile=str(tmp_path / "p.json"))
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert_greedy_equal_up_to_ties(model, prompts, got, refs, TIE)
+    s = engine.spec.stats
+    assert s.decode_steps >= NEW - 1 and s.verified == 0 and s.steps == 0, s
+    check_idle(engine)
