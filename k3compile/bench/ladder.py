@@ -21,7 +21,11 @@ transformers' KimiLinearForCausalLM (+ fla when installed), timed in its own pro
 
 Accuracy gate (k3compile/bench/accuracy_gate.py), per batch size before the timed repetitions: every
 rung's logits against the previous rung's over `--gate-steps` teacher-forced decode steps from the same
-pool state, as normwise relative error (flagged over the dtype's tolerance) and greedy-token agreement.
+pool state, as normwise relative error (flagged over the tolerance) and greedy-token agreement; run with
+routing pinned (the verdict: k3compile/bench/pinned_routing.py; the routers' biases are restored before
+timing) and with free routing. Calibration probes (gate_probes.py; `--no-gate-probes` drops them): eager
+with every GEMM's sum reordered sets the tolerance (2x its error, above the dtype's floor), eager with a
+deliberate bug in one MoE layer shows what a bug gives at this shape.
 
 `--quick` is the GPU-budget protocol (40 steps x 5 reps, 20 warm-up steps, repetitions capped at
 0.5 s, 3 gate steps); without it the protocol is docs/BENCHMARKS.md's (200 x 5, 20 warm-up).
@@ -37,7 +41,7 @@ import os
 import sys
 import time
 
-from .accuracy_gate import DEFAULT_GATE_STEPS
+from .accuracy_gate import CALIBRATION_MARGIN, CALIBRATION_PROBE, DEFAULT_GATE_STEPS
 from .decode import DecodeBench, add_step_bench_args, check_step_bench_args, markdown_header
 from .hf_arm import HF_ARM
 
@@ -271,7 +275,7 @@ class LadderBench(DecodeBench):
 
         from k3compile.capture import step_args
 
-        from .accuracy_gate import CALIBRATION_MARGIN, CALIBRATION_PROBE, GATE_MODES, GATE_TOLERANCE, run_gate
+        from .accuracy_gate import GATE_MODES, GATE_TOLERANCE, run_gate
         from .gate_probes import probe_runners
         from .pinned_routing import pinned_routing
 
@@ -469,14 +473,25 @@ def _gate_table(doc: dict) -> list[str]:
     per_batch = gate.get("per_batch") or {}
     if not per_batch:
         return []
-    tol, modes = gate["tolerance"], gate["modes"]
+    floor, modes = gate["tolerance"], gate["modes"]
+    used = []
+    for b, by_mode in per_batch.items():
+        ref = by_mode.get(modes[0], {}).get("eager", {})
+        if "tolerance" in ref:
+            probe = by_mode[modes[0]].get(CALIBRATION_PROBE)
+            used.append(f"bs{b} {ref['tolerance']:.3g}" + (f" (probe {probe['rel_err']:.2e})" if ref.get("calibrated")
+                                                          and probe else ""))
+    how = (f"tolerance = max({floor:g}, {CALIBRATION_MARGIN:g} x the rounding probe's error, pinned, same batch)"
+           if any("probe" in u for u in used) else f"tolerance {floor:g}")
     out = ["", f"Accuracy gate: each rung's logits vs the previous rung's (same inputs, same pool state), "
                f"{gate['steps']} teacher-forced decode steps on eager's greedy tokens; rel err = max over steps of "
-               f"‖a−b‖/‖b‖, tolerance {tol:g} ({doc['config']['dtype']}; why: k3compile/bench/accuracy_gate.py); "
+               f"‖a−b‖/‖b‖, {how} ({doc['config']['dtype']}; why: k3compile/bench/accuracy_gate.py); "
                "agreement = same argmax. Routing **pinned** (the verdict): every MoE layer's top-k fixed to a "
                "seeded set of experts through its selection-only correction bias, so rounding cannot flip an "
                "expert (k3compile/bench/pinned_routing.py); **free**: the model's own routing, where on random "
-               "weights a rounding change flips experts and the error amplifies (reported, not gated).", "",
+               "weights a rounding change flips experts and the error amplifies (same tolerance, not gated). "
+               "Router biases read: how many of the model's routers the rung's graph reads in place (all: the pin "
+               "reaches every router).", "",
            "| rung | vs | router biases read | " + " | ".join(
                f"bs{b} {m} rel err | bs{b} {m} agree" for b in per_batch for m in modes)
            + f" | rel err vs eager ({modes[0]}; bs {', '.join(per_batch)}) |",
@@ -500,6 +515,7 @@ def _gate_table(doc: dict) -> list[str]:
         if any(cells):
             read = "" if reads.get(name) is None else f"{reads[name]}/{gate.get('routers')}"
             out.append(f"| {name} | {vs} | {read} | " + " | ".join(cells) + f" | {', '.join(vs_eager)} |")
+    out.append(f"- tolerance used: {', '.join(used)}")
     for m in modes:
         over = sorted({n for g in per_batch.values() for n, e in g.get(m, {}).items()
                        if not n.startswith("probe:") and isinstance(e, dict) and e.get("ok") is False})
@@ -511,7 +527,7 @@ def _gate_table(doc: dict) -> list[str]:
     if probes:
         out += ["", "Gate calibration (eager with a change, vs eager; k3compile/bench/gate_probes.py): "
                     "reordered-gemms = every GEMM a split-K sum (rounding only: should pass); bug-* = one MoE "
-                    "layer made wrong (should be over):", ""]
+                    "layer made wrong (should be over; within = a bug that size is invisible at this shape and dtype):", ""]
         for b, by_mode in per_batch.items():
             for m in modes:
                 cells = [f"{n[len('probe:'):]} {e['rel_err']:.2e} ({'within' if e['ok'] else 'over'}, agree "
