@@ -159,8 +159,11 @@ def test_failed_pass_reports_on_its_rung_and_later_rungs_go_on_without_it(main, 
     out = tmp_path / "ladder"
     assert main(["bench", "ladder", "--model", "kimi-linear-tiny", "--batch", "1", "--steps", "1", "--warmup", "0",
                  "--reps", "1", "--context", "8", "--dtype", "fp32", "--device", "cpu", "--copy-gib", "0.001",
-                 "--passes", "p01,p02,p04", "--out", str(out)]) == 0
+                 "--passes", "p01,p02,p04", "--gate-steps", "1", "--no-gate-probes", "--out", str(out)]) == 0
     doc = json.load(open(out / "ladder_kimi-linear-tiny_fp32.json"))
+    pinned = doc["accuracy_gate"]["per_batch"]["1"]["pinned"]  # no probes: the floor, uncalibrated
+    assert not doc["accuracy_gate"]["probes"] and not any(n.startswith("probe:") for n in pinned)
+    assert pinned["eager"]["tolerance"] == 1e-4 and not pinned["eager"]["calibrated"]
     rungs = {r["name"]: r for r in doc["rungs"]}
     failed, after = rungs[rung_name(2, "p02_noop_views")], rungs[rung_name(3, "p04_fused_routing")]
     assert "forced failure for the test" in failed["error"] and "p02_noop_views" in failed["error"]
