@@ -182,3 +182,26 @@ def test_probes_reject_bad_requests():
         pass
     with pytest.raises(ValueError, match="calibrated gate needs"):
         Decode(model).gate({}, [], 1e-4, None, calibrate=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("experts,top_k,groups,topk_group", [(256, 8, 1, 1), (896, 16, 1, 1), (256, 8, 8, 4)])
+def test_fused_route_kernel_follows_the_pin(experts, top_k, groups, topk_group):
+    """P4's Triton routing kernel (what the rungs run on the H200) picks the pinned experts, in pin order, for
+    every token of a batch, at the 48B (256 / top-8) and K3 (896 / top-16) router sizes."""
+    import dataclasses
+
+    from k3compile.model_def.layers.moe import Router
+    from k3compile.passes.kernels.routing import route_triton
+
+    cfg = dataclasses.replace(get_preset("kimi-linear-tiny"), num_experts=experts, num_experts_per_token=top_k,
+                              num_expert_group=groups, topk_group=topk_group)
+    model = torch.nn.Sequential(Router(cfg.hidden_size, cfg)).cuda()
+    with pinned_routing(model) as pins:
+        bias = model[0].e_score_correction_bias
+        logits = torch.randn(64, experts, device="cuda") * 8
+        w, chosen = route_triton(logits, bias, top_k, True, 2.446, groups, topk_group)
+        assert chosen.tolist() == [pins[0]] * 64
+        ref_w, _ = route(logits, bias, top_k, True, 2.446, groups, topk_group)
+        torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
