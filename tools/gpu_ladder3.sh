@@ -3,7 +3,8 @@
 #   1. Kimi-Linear-48B-A3B shape (random bf16 weights, ~98 GB), batch 1/8/64, context 512:
 #      transformers KimiLinearForCausalLM + fla first, in its own process (`--hf`: two 98 GB copies do not fit),
 #      then eager / torch.compile(reduce-overhead) / every rung (engine-before = after P1-P4, engine-after = last),
-#      with the per-rung accuracy gate (logits vs the previous rung, greedy agreement) at each batch size.
+#      with the per-rung accuracy gate (logits vs the previous rung, greedy agreement) at each batch size, routing
+#      pinned (the verdict) and free, its tolerance calibrated by a rounding-only probe, bug probes beside it.
 #   2. k3-mini-6b, batch 1/8: the same without transformers (it has no K3 model).
 #
 #   run: bash tools/gpu_ladder3.sh          (carry .whl/ for fla-core, as tools/gpu_setup.sh expects)
@@ -43,7 +44,7 @@ ladder k3-mini-6b 1,8 $((T6 + 25)) --time-budget "$T6" --compile-budget "$C6"
 (cd "$R" && tar cf "$OUT/ladder3_traces.tar" */traces/*_bs1.* */hf_*.json 2>>"$LOG")
 rm -rf "$R"  # under $OUT: its copies would count against the files that come back
 for md in "$OUT"/ladder_*.md; do
-  echo "== $md"; grep -A16 "^| arm |" "$md"; grep -E "^- batch|^\| r|Over tolerance|Every rung|torch.compile\(|^hf-" "$md" | head -40
+  echo "== $md"; grep -A16 "^| arm |" "$md"; grep -E "^- batch|^\| r|^- routing|^- bs[0-9]+, routing|^- tolerance used|torch.compile\(|^hf-" "$md" | head -48
 done
 progress "all done"
 ls -la "$OUT"

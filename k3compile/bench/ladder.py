@@ -21,7 +21,11 @@ transformers' KimiLinearForCausalLM (+ fla when installed), timed in its own pro
 
 Accuracy gate (k3compile/bench/accuracy_gate.py), per batch size before the timed repetitions: every
 rung's logits against the previous rung's over `--gate-steps` teacher-forced decode steps from the same
-pool state, as normwise relative error (flagged over the dtype's tolerance) and greedy-token agreement.
+pool state, as normwise relative error (flagged over the tolerance) and greedy-token agreement; run with
+routing pinned (the verdict: k3compile/bench/pinned_routing.py; the routers' biases are restored before
+timing) and with free routing. Calibration probes (gate_probes.py; `--no-gate-probes` drops them): eager
+with every GEMM's sum reordered sets the tolerance (2x its error, above the dtype's floor), eager with a
+deliberate bug in one MoE layer shows what a bug gives at this shape.
 
 `--quick` is the GPU-budget protocol (40 steps x 5 reps, 20 warm-up steps, repetitions capped at
 0.5 s, 3 gate steps); without it the protocol is docs/BENCHMARKS.md's (200 x 5, 20 warm-up).
@@ -32,11 +36,12 @@ JSON and table are still written). Profiler traces are kept for the last rung an
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
 
-from .accuracy_gate import DEFAULT_GATE_STEPS
+from .accuracy_gate import CALIBRATION_MARGIN, CALIBRATION_PROBE, DEFAULT_GATE_STEPS
 from .decode import DecodeBench, add_step_bench_args, check_step_bench_args, markdown_header
 from .hf_arm import HF_ARM
 
@@ -63,6 +68,9 @@ def register(sub) -> None:
     p.add_argument("--gate-steps", type=int, default=None,
                    help="teacher-forced decode steps of the per-rung accuracy gate (0: no gate; default "
                         f"{DEFAULT_GATE_STEPS}, 3 with --quick)")
+    p.add_argument("--gate-probes", action=argparse.BooleanOptionalAction, default=True,
+                   help="calibrate the gate in the same run: eager with every GEMM's sum reordered (rounding only) "
+                        "and eager with a deliberate bug in one MoE layer, each against eager (default: on)")
     p.add_argument("--quick", action="store_true",
                    help="GPU-budget protocol: the timing flags left at their defaults become 40 steps, 20 warm-up, "
                         "5 reps, --max-rep-seconds 0.5, 3 gate steps (the markdown says it is below docs/BENCHMARKS.md)")
@@ -146,10 +154,13 @@ class LadderBench(DecodeBench):
         from k3compile.passes.p11_copy_elision import copy_nodes
         from k3compile.passes.pipeline import PipelineConfig
 
+        from .pinned_routing import bias_reads
+
         self.log("capturing the decode step")
         gm = capture_step(self.model, "decode")
         self.rung_graphs[self.rungs[0]["name"]] = snapshot(gm)
         self.rungs[0]["graph_copies"] = dict(copy_nodes(gm))
+        self.rungs[0]["router_biases_read"] = bias_reads(gm, self.model)
         self.rung_reports[self.rungs[0]["name"]] = []
         good, failed = self.rungs[0]["name"], []  # the last rung with a graph, the passes left out so far
         for r in self.rungs[1:]:
@@ -170,6 +181,7 @@ class LadderBench(DecodeBench):
                 r["passes"], r["failed_passes"] = [p for p in r["passes"] if p not in failed], list(failed)
             self.rung_graphs[r["name"]] = snapshot(gm)
             r["graph_copies"] = dict(copy_nodes(gm))
+            r["router_biases_read"] = bias_reads(gm, self.model)  # the pinned gate reaches this rung's routers
             self.rung_reports[r["name"]] = self.rung_reports[good] + [rep.to_dict()]
             good = r["name"]
 
@@ -257,9 +269,15 @@ class LadderBench(DecodeBench):
 
     # ---- accuracy gate ----
     def after_setup(self, ctx, b: int, batch, fns: dict, rows: dict, restore) -> None:
+        """The gate twice: routing pinned (the verdict: rounding cannot flip an expert there) and free (what
+        serving does; on random weights a rounding change flips experts and the error amplifies)."""
+        from contextlib import nullcontext
+
         from k3compile.capture import step_args
 
-        from .accuracy_gate import GATE_TOLERANCE, run_gate
+        from .accuracy_gate import GATE_MODES, GATE_TOLERANCE, run_gate
+        from .gate_probes import probe_runners
+        from .pinned_routing import pinned_routing
 
         steps = self.args.gate_steps
         if not steps:
@@ -271,18 +289,34 @@ class LadderBench(DecodeBench):
             if fn is not None and hasattr(fn, "executor"):
                 runners[r["name"]] = fn.executor.run
                 order.append(r["name"])
+        probes = probe_runners(self.model, runners["eager"]) if self.args.gate_probes else None
         start = max(0, self.args.context - steps)  # positions start .. context-1: inside the allocated pages
-        self.log(f"bs={b}: accuracy gate, {len(order)} rungs x {steps} teacher-forced steps")
-        t0 = time.perf_counter()
-        gate = run_gate(runners, order, "eager", self.first_tokens[:b], start, min(steps, self.args.context),
-                        self.batch_at, restore, GATE_TOLERANCE[self.dtype])
-        self.gate[str(b)] = gate
-        for name in order:
-            g = gate[name]
-            rows[name]["gate"] = dict(g)
-            if "error" not in g and not g["ok"]:
-                self.log(f"  {name}: rel err {g['rel_err']:.2e} vs {g['vs']} is over the tolerance {g['tolerance']:g}")
-        self.log(f"  gate done in {time.perf_counter() - t0:.1f} s")
+        tol = GATE_TOLERANCE[self.dtype]  # the floor; pinned + probes calibrate it, free uses pinned's
+        self.gate[str(b)] = {}
+        for mode in GATE_MODES:
+            self.log(f"bs={b}: accuracy gate, routing {mode}, {len(order)} rungs + {len(probes or {})} probes x "
+                     f"{steps} teacher-forced steps")
+            t0 = time.perf_counter()
+            pinned = mode == "pinned"
+            with pinned_routing(self.model) if pinned else nullcontext() as pins:
+                gate = run_gate(runners, order, "eager", self.first_tokens[:b], start, min(steps, self.args.context),
+                                self.batch_at, restore, tol, probes, calibrate=pinned and probes is not None)
+            if pinned:
+                gate["eager"]["pinned_experts"] = pins
+                tol = gate["eager"]["tolerance"]
+                self.log(f"  tolerance {tol:.3g} (floor {GATE_TOLERANCE[self.dtype]:g}"
+                         + (f", {CALIBRATION_MARGIN:g} x rounding probe {gate[CALIBRATION_PROBE]['rel_err']:.2e})"
+                            if probes else ")"))
+            self.gate[str(b)][mode] = gate
+            for name in order:
+                g = gate[name]
+                rows[name].setdefault("gate", {})[mode] = dict(g)
+                if "error" not in g and not g["ok"]:
+                    self.log(f"  {name}: rel err {g['rel_err']:.2e} vs {g['vs']} over the tolerance {tol:.3g} "
+                             f"(routing {mode})")
+            for name in probes or {}:
+                self.log(f"  {name}: rel err {gate[name]['rel_err']:.2e} vs eager (routing {mode})")
+            self.log(f"  gate ({mode}) done in {time.perf_counter() - t0:.1f} s")
 
     # ---- traces ----
     def _bench_batch(self, ctx, b: int) -> None:
@@ -314,6 +348,8 @@ class LadderBench(DecodeBench):
         return GATE_TOLERANCE[self.dtype]
 
     def _write(self, ctx) -> None:
+        from .accuracy_gate import GATE_MODES
+        from .pinned_routing import routers
         from .results import write_json
 
         a = self.args
@@ -328,6 +364,8 @@ class LadderBench(DecodeBench):
                "rungs": [dict(r, pass_reports=self.rung_reports.get(r["name"], [])[-1:]) for r in self.rungs],
                "anchors": self.anchors,
                "accuracy_gate": {"steps": a.gate_steps, "tolerance": self._gate_tolerance(),
+                                 "modes": list(GATE_MODES), "verdict_mode": GATE_MODES[0],
+                                 "routers": len(routers(self.model)), "probes": a.gate_probes,
                                  "per_batch": self.gate},
                "hf": {k: v for k, v in (self.hf or {}).items() if k != "results"} or None,
                "results": self.results,
@@ -429,36 +467,74 @@ def _anchor_notes(doc: dict) -> list[str]:
 
 
 def _gate_table(doc: dict) -> list[str]:
+    """Per rung and batch size: the pinned-routing gate (the verdict) and the free-routing one, then the
+    probes that calibrate both (a rounding-only change, injected bugs)."""
     gate = doc.get("accuracy_gate") or {}
     per_batch = gate.get("per_batch") or {}
     if not per_batch:
         return []
-    tol = gate["tolerance"]
+    floor, modes = gate["tolerance"], gate["modes"]
+    used = []
+    for b, by_mode in per_batch.items():
+        ref = by_mode.get(modes[0], {}).get("eager", {})
+        if "tolerance" in ref:
+            probe = by_mode[modes[0]].get(CALIBRATION_PROBE)
+            used.append(f"bs{b} {ref['tolerance']:.3g}" + (f" (probe {probe['rel_err']:.2e})" if ref.get("calibrated")
+                                                          and probe else ""))
+    how = (f"tolerance = max({floor:g}, {CALIBRATION_MARGIN:g} x the rounding probe's error, pinned, same batch)"
+           if any("probe" in u for u in used) else f"tolerance {floor:g}")
     out = ["", f"Accuracy gate: each rung's logits vs the previous rung's (same inputs, same pool state), "
                f"{gate['steps']} teacher-forced decode steps on eager's greedy tokens; rel err = max over steps of "
-               f"‖a−b‖/‖b‖, tolerance {tol:g} ({doc['config']['dtype']}; why: k3compile/bench/accuracy_gate.py); "
-               "agreement = same argmax.", "",
-           "| rung | vs | " + " | ".join(f"bs{b} rel err | bs{b} agree | bs{b} rel err vs eager" for b in per_batch)
-           + " |", "|---|---|" + "---:|---:|---:|" * len(per_batch)]
-    names = [r["name"] for r in doc["rungs"]]
-    for name in names:
-        cells, vs = [], ""
-        for b, g in per_batch.items():
-            e = g.get(name)
-            if e is None:
-                cells += ["", "", ""]
-            elif "error" in e:
-                cells += [f"error: {e['error']}", "", ""]
-            else:
-                vs = e["vs"]
-                flag = "" if e["ok"] else " **over**"
-                cells += [f"{e['rel_err']:.2e}{flag}", f"{100 * e['token_agreement']:.1f}%",
-                          f"{e['rel_err_vs_eager']:.2e}"]
-        lines_ok = any(c for c in cells)
-        if lines_ok:
-            out.append(f"| {name} | {vs} | " + " | ".join(cells) + " |")
-    over = sorted({n for g in per_batch.values() for n, e in g.items() if isinstance(e, dict) and e.get("ok") is False})
-    out += ["", f"Over tolerance: {', '.join(over)}." if over else "Every rung within tolerance."]
+               f"‖a−b‖/‖b‖, {how} ({doc['config']['dtype']}; why: k3compile/bench/accuracy_gate.py); "
+               "agreement = same argmax. Routing **pinned** (the verdict): every MoE layer's top-k fixed to a "
+               "seeded set of experts through its selection-only correction bias, so rounding cannot flip an "
+               "expert (k3compile/bench/pinned_routing.py); **free**: the model's own routing, where on random "
+               "weights a rounding change flips experts and the error amplifies (same tolerance, not gated). "
+               "Router biases read: how many of the model's routers the rung's graph reads in place (all: the pin "
+               "reaches every router).", "",
+           "| rung | vs | router biases read | " + " | ".join(
+               f"bs{b} {m} rel err | bs{b} {m} agree" for b in per_batch for m in modes)
+           + f" | rel err vs eager ({modes[0]}; bs {', '.join(per_batch)}) |",
+           "|---|---|---:|" + "---:|---:|" * len(per_batch) * len(modes) + "---:|"]
+    reads = {r["name"]: r.get("router_biases_read") for r in doc["rungs"]}
+    for name in [r["name"] for r in doc["rungs"]]:
+        cells, vs, vs_eager = [], "", []
+        for b, by_mode in per_batch.items():
+            for m in modes:
+                e = by_mode.get(m, {}).get(name)
+                if e is None:
+                    cells += ["", ""]
+                elif "error" in e:
+                    cells += [f"error: {e['error']}", ""]
+                else:
+                    vs = e["vs"]
+                    flag = "" if e["ok"] else " **over**"
+                    cells += [f"{e['rel_err']:.2e}{flag}", f"{100 * e['token_agreement']:.1f}%"]
+                    if m == modes[0]:
+                        vs_eager.append(f"{e['rel_err_vs_eager']:.2e}")
+        if any(cells):
+            read = "" if reads.get(name) is None else f"{reads[name]}/{gate.get('routers')}"
+            out.append(f"| {name} | {vs} | {read} | " + " | ".join(cells) + f" | {', '.join(vs_eager)} |")
+    out.append(f"- tolerance used: {', '.join(used)}")
+    for m in modes:
+        over = sorted({n for g in per_batch.values() for n, e in g.get(m, {}).items()
+                       if not n.startswith("probe:") and isinstance(e, dict) and e.get("ok") is False})
+        verdict = " (the verdict)" if m == modes[0] else " (not gated)"
+        out.append(f"- routing {m}{verdict}: " + (f"over tolerance: {', '.join(over)}." if over else
+                                                 "every rung within tolerance."))
+    probes = [(b, m, n, e) for b, g in per_batch.items() for m in modes for n, e in g.get(m, {}).items()
+              if n.startswith("probe:")]
+    if probes:
+        out += ["", "Gate calibration (eager with a change, vs eager; k3compile/bench/gate_probes.py): "
+                    "reordered-gemms = every GEMM a split-K sum (rounding only: should pass); bug-* = one MoE "
+                    "layer made wrong (should be over; within = a bug that size is invisible at this shape and dtype):", ""]
+        for b, by_mode in per_batch.items():
+            for m in modes:
+                cells = [f"{n[len('probe:'):]} {e['rel_err']:.2e} ({'within' if e['ok'] else 'over'}, agree "
+                         f"{100 * e['token_agreement']:.0f}%)" for n, e in by_mode.get(m, {}).items()
+                         if n.startswith("probe:")]
+                if cells:
+                    out.append(f"- bs{b}, routing {m}: " + "; ".join(cells))
     return out
 
 

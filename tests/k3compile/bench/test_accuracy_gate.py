@@ -86,3 +86,23 @@ def test_needs_a_step():
 
 def test_tolerances_order_with_precision():
     assert GATE_TOLERANCE[torch.float32] < GATE_TOLERANCE[torch.float16] < GATE_TOLERANCE[torch.bfloat16] <= 2e-2
+
+
+def test_probes_compare_with_the_reference_and_calibrate_the_tolerance():
+    """Probes run against the reference (not chained); calibrated, the tolerance is max(floor, 2 x the rounding
+    probe's error) and judges the rungs and the probes alike."""
+    from k3compile.bench.accuracy_gate import CALIBRATION_MARGIN, CALIBRATION_PROBE
+
+    pools, seen = Pools(), []
+    runners = {"eager": runner(pools, seen), "r0": runner(pools, seen, scale=1.004)}
+    probes = {CALIBRATION_PROBE: runner(pools, seen, scale=1.003), "probe:bug": runner(pools, seen, scale=1.5)}
+    args = (["r0"], "eager", [1, 2, 3], 0, 2, lambda ids, pos: (list(ids), pos), pools.restore)
+    res = run_gate(runners, *args, 1e-4, probes, calibrate=True)
+    assert res[CALIBRATION_PROBE]["vs"] == res["probe:bug"]["vs"] == "eager"
+    assert res[CALIBRATION_PROBE]["rel_err"] == pytest.approx(3e-3, rel=1e-3)
+    tol = res["eager"]["tolerance"]
+    assert tol == pytest.approx(CALIBRATION_MARGIN * 3e-3, rel=1e-3) and res["eager"]["tolerance_floor"] == 1e-4
+    assert res["r0"]["ok"] and res[CALIBRATION_PROBE]["ok"] and not res["probe:bug"]["ok"]
+    # uncalibrated: the floor judges (r0's 4e-3 is over 1e-4); a floor above 2 x the probe stays the floor
+    assert not run_gate(runners, *args, 1e-4, probes)["r0"]["ok"]
+    assert run_gate(runners, *args, 0.1, probes, calibrate=True)["eager"]["tolerance"] == 0.1

@@ -17,6 +17,12 @@ def main(monkeypatch):
     return cli.main
 
 
+def model_config_moe(name):
+    from k3compile.model_def.config import get_preset
+    cfg = get_preset(name)
+    return [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+
+
 def model_config_mla(name):
     from k3compile.model_def.config import get_preset
     return len(get_preset(name).mla_layers)
@@ -63,13 +69,27 @@ def test_cpu_smoke_run(main, tmp_path, capsys):
         assert r["max_abs_diff_vs_eager"] < 1e-4, arm  # every rung computes the same step
         assert r["cpu_ops_per_layer"] == pytest.approx(r["cpu_ops_per_step"] / doc["config"]["layers"])
         assert sum(r["cpu_ops_by_category"].values()) == r["cpu_ops_per_step"], arm
-    # the accuracy gate: each rung vs the one before (rung 0 vs eager), fp32: within 1e-4, same tokens
-    gate = doc["accuracy_gate"]["per_batch"]["1"]
-    assert gate["eager"]["steps"] == 2 and len(gate["eager"]["tokens"]) == 2
-    assert [gate[n]["vs"] for n in rungs] == ["eager"] + rungs[:-1]
-    for n in rungs:
-        assert gate[n]["ok"] and gate[n]["rel_err"] < 1e-4 and gate[n]["token_agreement"] == 1.0, gate[n]
-        assert rows[n]["gate"]["rel_err"] == gate[n]["rel_err"]
+    # the accuracy gate, routing pinned (the verdict) then free: each rung vs the one before (rung 0 vs eager),
+    # fp32: within 1e-4, same tokens. Pinned, the graphs' routers read the pinned biases in place (a rung that
+    # routed freely while eager was pinned would be far off), every rung's graph reads all of them.
+    acc = doc["accuracy_gate"]
+    assert acc["modes"] == ["pinned", "free"] and acc["verdict_mode"] == "pinned" and acc["probes"]
+    assert acc["routers"] == len(model_config_moe("kimi-linear-tiny")) > 0
+    assert all(r["router_biases_read"] == acc["routers"] for r in doc["rungs"])
+    for mode in ("pinned", "free"):
+        gate = acc["per_batch"]["1"][mode]
+        assert gate["eager"]["steps"] == 2 and len(gate["eager"]["tokens"]) == 2
+        assert [gate[n]["vs"] for n in rungs] == ["eager"] + rungs[:-1]
+        for n in rungs:
+            assert gate[n]["ok"] and gate[n]["rel_err"] < 1e-4 and gate[n]["token_agreement"] == 1.0, (mode, gate[n])
+            assert rows[n]["gate"][mode]["rel_err"] == gate[n]["rel_err"]
+        # calibration probes: the rounding-only change within the fp32 tolerance, the injected bugs over it
+        assert gate["probe:reordered-gemms"]["ok"] and gate["probe:reordered-gemms"]["rel_err"] > 0
+        for bug in ("scale", "drop_shared", "wrong_expert"):
+            assert not gate[f"probe:bug-{bug}"]["ok"], (mode, bug, gate[f"probe:bug-{bug}"])
+    pinned = acc["per_batch"]["1"]["pinned"]["eager"]
+    assert pinned["calibrated"] and pinned["tolerance"] == 1e-4  # fp32: the floor is above 2 x the probe
+    assert len(pinned["pinned_experts"]) == acc["routers"]
     # each pass removes ops: CPU ops per step fall along the ladder (the GPU run counts kernels instead)
     ops = [rows[n]["cpu_ops_per_step"] for n in rungs]
     assert ops[0] > ops[1] > ops[2]
@@ -80,13 +100,16 @@ def test_cpu_smoke_run(main, tmp_path, capsys):
     assert f"| {rungs[-1]} | engine-after, engine-before |" in md and "% HBM roofline" in md
     assert "- batch 1: eager / engine-after = " in md and "transformers+fla / engine-after = " in md
     assert f"| {HF_ARM} | transformers+fla |" in md and "fla not installed (PyTorch fallback)" in md
-    assert "Every rung within tolerance." in md and f"| {rungs[1]} | {rungs[0]} | " in md
+    assert "- routing pinned (the verdict): every rung within tolerance." in md
+    assert "- routing free (not gated): every rung within tolerance." in md and f"| {rungs[1]} | {rungs[0]} | " in md
+    assert "- bs1, routing pinned: reordered-gemms " in md and "wrong_expert" in md
+    assert "- tolerance used: bs1 0.0001 (probe " in md
     assert "Where the ops go, batch 1" in md
     assert md in capsys.readouterr().out
     # a rung over tolerance is flagged in the table and listed
-    doc["accuracy_gate"]["per_batch"]["1"][rungs[1]]["ok"] = False
+    doc["accuracy_gate"]["per_batch"]["1"]["pinned"][rungs[1]]["ok"] = False
     flagged = render_ladder_markdown(doc)
-    assert "**over**" in flagged and f"Over tolerance: {rungs[1]}." in flagged
+    assert "**over**" in flagged and f"- routing pinned (the verdict): over tolerance: {rungs[1]}." in flagged
     # the copy census per rung (graph level): P1 merges GEMMs, none of these passes adds copies
     copies = [r["graph_copies"] for r in doc["rungs"]]
     assert copies[0]["cat"] == copies[-1]["cat"] == 2 * model_config_mla("kimi-linear-tiny")
@@ -109,6 +132,11 @@ def test_gpu_smoke_run_counts_kernels_per_rung(main, tmp_path):
     doc = json.load(open(out / "ladder_k3-tiny_bf16.json"))
     for r in doc["results"]:
         assert r["status"] == "ok" and r["kernels_per_step"] > 0, r
+    # the pinned gate reaches every rung: no pass reads a copy of a router's bias (CUDA kernels included)
+    acc = doc["accuracy_gate"]
+    assert all(r["router_biases_read"] == acc["routers"] > 0 for r in doc["rungs"] if "error" not in r)
+    pinned = acc["per_batch"]["1"]["pinned"]
+    assert pinned["probe:reordered-gemms"]["ok"] and pinned["eager"]["calibrated"]
     for b in (1,):
         rows = [next(r for r in doc["results"] if r["arm"] == rung["name"] and r["batch"] == b) for rung in doc["rungs"]]
         assert rows[-1]["kernels_per_step"] < rows[0]["kernels_per_step"]  # the passes remove kernels
@@ -131,8 +159,11 @@ def test_failed_pass_reports_on_its_rung_and_later_rungs_go_on_without_it(main, 
     out = tmp_path / "ladder"
     assert main(["bench", "ladder", "--model", "kimi-linear-tiny", "--batch", "1", "--steps", "1", "--warmup", "0",
                  "--reps", "1", "--context", "8", "--dtype", "fp32", "--device", "cpu", "--copy-gib", "0.001",
-                 "--passes", "p01,p02,p04", "--out", str(out)]) == 0
+                 "--passes", "p01,p02,p04", "--gate-steps", "1", "--no-gate-probes", "--out", str(out)]) == 0
     doc = json.load(open(out / "ladder_kimi-linear-tiny_fp32.json"))
+    pinned = doc["accuracy_gate"]["per_batch"]["1"]["pinned"]  # no probes: the floor, uncalibrated
+    assert not doc["accuracy_gate"]["probes"] and not any(n.startswith("probe:") for n in pinned)
+    assert pinned["eager"]["tolerance"] == 1e-4 and not pinned["eager"]["calibrated"]
     rungs = {r["name"]: r for r in doc["rungs"]}
     failed, after = rungs[rung_name(2, "p02_noop_views")], rungs[rung_name(3, "p04_fused_routing")]
     assert "forced failure for the test" in failed["error"] and "p02_noop_views" in failed["error"]
