@@ -7,6 +7,7 @@
 #   serve      tools/gpu_serve15.sh, the served-path table (issue 14), reusing the engine
 #   ladder     tools/gpu_ladder3.sh, the decode ladder with its anchors (issue 9)
 #   kda        the KDA kernels' GPU tests (P5, verify inputs, ReplaySSM fold)
+#   gate       bench ladder at k3-mini-6b batch 1 with the pinned-routing accuracy gate and its probes (issue 9)
 #   twogpu     the two-GPU parallel engine test (issue 16; needs nvidia-h200-x2)
 #   run: JOBS="spec servecheck" bash tools/gpu_s6.sh   (carry .whl/)
 # Each job has its own $OUT/<job>/ and is stopped at DEADLINE seconds into the call, so that the tars get made.
@@ -43,6 +44,11 @@ job_kda() {  # the KDA kernels' GPU tests (P5, verify inputs, fold), e.g. after 
     tests/passes/test_p05_fused_kda_decode.py tests/runtime/spec/test_fold_gpu.py > $OUT/kda_tests.log 2>&1
   echo "kda GPU tests: exit $?"; grep -E "passed|failed" $OUT/kda_tests.log | tail -1
   grep -E "^(FAILED|ERROR)|^E  " $OUT/kda_tests.log | head -20
+}
+job_gate() {  # the ladder's accuracy gate with pinned routing at a real shape (issue 9), batch 1, few timed steps
+  timeout ${GATE_LIMIT:-240} k3compile bench ladder --model ${GATE_MODEL:-k3-mini-6b} --dtype bf16 --batch 1 \
+    --context 512 --device cuda --quick --reps 2 --out $OUT/g > $OUT/gate.log 2>&1; echo "gate ladder: exit $?"
+  rm -rf $OUT/g/traces; grep -E "^\| r|^- |router biases" $OUT/g/ladder_*.md | head -70
 }
 job_twogpu() {
   timeout 90 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/parallel/test_parallel_engine_gpu.py
