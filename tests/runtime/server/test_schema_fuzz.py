@@ -13,7 +13,7 @@ import json
 import threading
 
 import httpx
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from .conftest import API_KEY, MODEL
@@ -147,6 +147,15 @@ def test_schema_fuzz_while_victims_stream(server, reference):
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(requests)
+    @example(("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": -1.0}))
+    @example(("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "top_p": 0.0}))
+    @example(("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2**70}))
+    @example(("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 0}))
+    @example(("/v1/completions", {"model": MODEL, "max_tokens": 2}))
+    @example(("/v1/completions", {"model": "no-such-model", "prompt": "x", "max_tokens": 2}))
+    @example(("/v1/chat/completions", {"model": MODEL, "messages": "not a list", "max_tokens": 2}))
+    @example(("/v1/chat/completions", b"\xff\xfe\xfd"))
+    @example(("/v1/completions", b"[1, 2"))  # explicit rejections of distinct kinds: the drawn ones vary by version
     def post(req):
         path, payload = req
         content = payload if isinstance(payload, bytes) else json.dumps(payload).encode("utf-8", "surrogatepass")
