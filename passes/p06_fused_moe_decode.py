@@ -1,5 +1,5 @@
 """P6 fused MoE decode: each MoE layer's routed experts (+ the shared expert's combine) become one
-`k3::fused_moe_decode` node (passes/kernels/moe_decode.py), in decode graphs only.
+`k3::fused_moe_decode` node (passes/kernels/moe_decode.py), in decode and verify graphs (TOKEN_STEP_MODES).
 
 Matched, anchored on the expert op (after P1-P4: the router is P4's `k3.fused_route`, whose
 weights / ids outputs the expert op reads; P1 has merged the shared expert's gate and up GEMMs
@@ -202,10 +202,16 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
     return crossover
 
 
+# Steps whose MoE sees a handful of tokens per request: decode (one) and verify (anchor + drafts, a few). The op
+# takes any number of rows (the grouped GEMM from its crossover batch up), so verify graphs get it as well;
+# prefill keeps the unfused experts (long chunks: grouped GEMMs over thousands of rows).
+TOKEN_STEP_MODES = ("decode", "verify", "verify_snapshot")
+
+
 @register_pass("p06_fused_moe_decode", FusedMoEDecodeConfig)
 def fused_moe_decode(gm: GraphModule, config: FusedMoEDecodeConfig) -> int:
     """Routed experts (+ shared expert combine) of each MoE layer -> one k3.fused_moe_decode (decode only)."""
-    if gm.meta.get("k3", {}).get("mode") != "decode":
+    if gm.meta.get("k3", {}).get("mode") not in TOKEN_STEP_MODES:
         return 0
     matches, fake_mode = 0, None
     config.skipped_layers = 0

@@ -44,13 +44,17 @@ def step_inputs(model, mode: str, seed: int = 0, page_size: int = 4) -> list:
     was not specialized on) with random token ids; pools are randomized by `randomized_inputs`."""
     from k3compile.capture import example_batch, step_args
     from k3compile.model_def.cache import CacheTensors
+    from k3compile.model_def.draft_window import VERIFY_MODES, WINDOW_MODES, DraftWindow, DraftWindowSpec
 
     device = model.lm_head.weight.device
     cache = CacheTensors.allocate(model.cache_spec(), 4, 16, page_size, device)
     batch = example_batch(mode, cache, device)
     gen = torch.Generator().manual_seed(seed)
     batch.input_ids = torch.randint(0, model.config.vocab_size, batch.input_ids.shape, generator=gen).to(device)
-    return list(step_args(batch, cache))
+    args = list(step_args(batch, cache))
+    if mode in VERIFY_MODES:  # the draft window the verify step writes (as capture_step allocates it)
+        args += DraftWindow.allocate(DraftWindowSpec(model.cache_spec(), 6, WINDOW_MODES[mode]), 5, device).tensors()
+    return args
 
 
 def graph_precision(gm: GraphModule) -> torch.dtype:

@@ -248,3 +248,18 @@ def test_k3_mini_like_on_cuda_measures_and_fuses():
     assert run_pass(gm, P6) == 2
     x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 5)]
     assert_same_step(run_graph(gm, x), run_graph(before, x), BF16_TOL, "k3-mini-like on CUDA vs unpassed graph")
+
+
+@pytest.mark.parametrize("name,mode,dtype", [("kimi-linear-tiny", "verify", torch.float32),
+                                             ("k3-tiny", "verify", torch.bfloat16),
+                                             ("k3-tiny", "verify_snapshot", torch.float32)])
+def test_verify_graphs_get_the_fused_op_too(name, mode, dtype):
+    """A verify step's MoE sees anchor + drafts per request (a few tokens): one fused op per MoE layer there
+    as well, with the verify step's numerics unchanged (window tensors included)."""
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    before, gm = _after_p1_p4(graph(name, mode, dtype)), _after_p1_p4(graph(name, mode, dtype))
+    assert run_pass(gm, P6) == layer_counts(model(name).config)["moe"] == len(_fused_nodes(gm))
+    x = inputs_for(name, mode, dtype)
+    got = run_graph(gm, x)
+    assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")
+    assert_same_step(got, eager_step(model(name, dtype), mode, x), tol, "vs eager model")
