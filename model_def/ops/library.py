@@ -68,17 +68,21 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 ssm_pool: torch.Tensor, layer: int, slots: torch.Tensor, cu_seqlens: torch.Tensor,
                 seq_lens: torch.Tensor) -> torch.Tensor:
     """Chunked KDA per request, from the slot's state (or zero for a fresh request); writes the final state.
-    Requests with the same number of chunks run as one batched `kda_chunked_batch` call."""
+    Requests with the same chunking run as one batched `kda_chunked_batch` call: KDA_PREFILL_CHUNK-token chunks,
+    or one chunk of the next power of two for a shorter request (so a decode row riding in a mixed batch is not
+    padded to a whole chunk); the chunk size changes only fp32 rounding."""
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     s0 = ssm_pool[slots, layer]
     s0 = torch.where(_fresh(cu_seqlens, seq_lens).view(-1, 1, 1, 1), torch.zeros_like(s0), s0)
     s1 = torch.empty_like(s0)
     cu = cu_seqlens.tolist()
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple[int, int], list[int]] = {}
     for i in range(len(cu) - 1):
-        groups.setdefault(-(-(cu[i + 1] - cu[i]) // KDA_PREFILL_CHUNK), []).append(i)
-    for n_chunks, members in groups.items():
-        length = n_chunks * KDA_PREFILL_CHUNK
+        n = cu[i + 1] - cu[i]
+        chunk = min(KDA_PREFILL_CHUNK, 1 << (n - 1).bit_length())
+        groups.setdefault((chunk, -(-n // chunk)), []).append(i)
+    for (chunk, n_chunks), members in groups.items():
+        length = n_chunks * chunk
         idx = torch.tensor(members, dtype=torch.int64, device=v.device)
         tok = torch.tensor([t for i in members for t in range(cu[i], cu[i + 1])], dtype=torch.int64, device=v.device)
         dst = torch.tensor([j * length + t for j, i in enumerate(members) for t in range(cu[i + 1] - cu[i])],
@@ -89,7 +93,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
             z[dst] = x[tok]
             return z.unflatten(0, (len(members), length))
 
-        o, s1[idx] = kda_math.kda_chunked_batch(pad(q), pad(k), pad(v), pad(g), pad(beta), s0[idx], KDA_PREFILL_CHUNK)
+        o, s1[idx] = kda_math.kda_chunked_batch(pad(q), pad(k), pad(v), pad(g), pad(beta), s0[idx], chunk)
         out[tok] = o.flatten(0, 1)[dst].to(v.dtype)
     ssm_pool[slots, layer] = s1
     return out
