@@ -132,7 +132,7 @@ def main(argv=None) -> int:
         from k3compile.runtime.sampling import SamplingParams
         llm = LLMEngine(EngineArgs(engine_dir=a.engine, device=str(device), enable_unified_memory=True,
                                    memory_bytes=a.memory_bytes, max_batch_tokens=a.max_batch_tokens,
-                                   max_running=256), model=engine)
+                                   max_running=256, cuda_graph_buckets=(1, 8, 64)), model=engine)
         llm.warmup()
         inner, steps = llm.runner.executor.run, []
 
