@@ -122,13 +122,6 @@ def sequence_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return torch.searchsorted(cu[1:], torch.arange(num_tokens, device=cu.device), right=True)
 
 
-def padded_rows(cu_seqlens: torch.Tensor, num_tokens: int, length: int) -> torch.Tensor:
-    """For every packed token, its row in a [B * length] layout that starts each request on a row of its own."""
-    seq = sequence_ids(cu_seqlens, num_tokens)
-    pos = torch.arange(num_tokens, device=seq.device) - cu_seqlens.to(torch.int64)[seq]
-    return seq * length + pos
-
-
 def short_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor):
     """Causal depthwise conv + SiLU over one sequence continuing from `window`.
 
