@@ -10,7 +10,7 @@
    (aten::_local_scalar_dense, cudaStreamSynchronize / cudaMemcpy D->H), and the top ops by device time.
 3. `--serve-shapes`: the path `serve` runs: an LLMEngine over the same engine object (unified memory, the
    given token budget, default prefix cache and overlap), B prompts of T random tokens, 1 output token each:
-   time from adding them to the last first token, and how many steps it took.
+   time from adding them to the last first token, and each step's forward time (synchronized).
 """
 from __future__ import annotations
 
@@ -136,14 +136,18 @@ def main(argv=None) -> int:
         llm.warmup()
         inner, steps = llm.runner.executor.run, []
 
-        def counted(fb):
-            steps.append((fb.mode, fb.batch_size, fb.num_tokens))
-            return inner(fb)
+        def counted(fb):   # each forward timed with the device synchronized around it (diagnosis, not overlap)
+            sync(device)
+            s = time.perf_counter()
+            out = inner(fb)
+            sync(device)
+            steps.append((fb.mode, fb.batch_size, fb.num_tokens, round((time.perf_counter() - s) * 1e3, 1)))
+            return out
 
         llm.runner.executor.run = counted
         print(f"\nserve path (LLMEngine, unified memory, max_batch_tokens {a.max_batch_tokens}): B prompts of T "
               f"tokens at once, 1 output token each")
-        print(f"{'shape':>9} {'all first tokens ms':>20} {'steps':>6}  step shapes (mode, requests, tokens)")
+        print(f"{'shape':>9} {'all first tokens ms':>20} {'steps':>6}  steps (mode, requests, tokens, forward ms)")
         for rep in range(2):   # the first round may compile; the second is the warm figure
             for b, t in parse_shapes(a.serve_shapes):
                 rng = random.Random(7 * b + t + rep)
