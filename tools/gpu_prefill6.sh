@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# prefill6 on the H200, one device call (< 4 min when /tmp/engines/mini exists; + ~3 min to build it):
+# prefill6 on the H200, one device call (<= 4 min when /tmp/engines/mini exists; + up to 4 min to build it):
 # does a prefill step batch? Time vs number of requests at fixed tokens, on the executor path `serve` uses.
 #   run: bash tools/gpu_prefill6.sh   (carry .whl/: fla-core, see tools/gpu_setup.sh)
 # 1. builds k3-mini-6b (bf16) into /tmp/engines/mini only if engine.json is missing;
@@ -17,11 +17,11 @@ if [ -f $ENGINE/engine.json ]; then say "engine: reusing $ENGINE"; else
   timeout 240 k3compile build --model k3-mini-6b --topology single --dtype bf16 --device cuda -o $ENGINE --overwrite \
     > $OUT/build.log 2>&1; say "build: exit $?"; fi
 [ -f $ENGINE/engine.json ] || { tail -20 $OUT/build.log; exit 1; }
-timeout 90 python3 -m pytest -q -s -p no:cacheprovider tests/model_def/test_gpu.py \
+timeout 60 python3 -m pytest -q -s -p no:cacheprovider tests/model_def/test_gpu.py \
   -k "prefill_op or short_conv or batched_prefill or prefill_logits" > $OUT/gpu_tests.txt 2>&1
 say "gpu prefill op tests: exit $? ($(tail -1 $OUT/gpu_tests.txt))"
 grep "^\[gpu\]" $OUT/gpu_tests.txt | tee -a $OUT/summary.txt
-timeout 200 python3 tools/prefill_scaling.py --engine $ENGINE --device cuda \
+timeout 170 python3 tools/prefill_scaling.py --engine $ENGINE --device cuda --warm 2 \
   --shapes 1x128,8x128,64x128,8x1024,1x8192 --profile 64x128 --serve-shapes 1x128,64x128 \
   --max-batch-tokens 8192 --memory-bytes 40000000000 --json $OUT/prefill_scaling.json \
   2> $OUT/prefill_scaling.log | tee -a $OUT/summary.txt
