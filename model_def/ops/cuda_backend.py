@@ -13,6 +13,20 @@ from . import library, moe_math, mxfp4
 BACKENDS: dict[str, str] = {}
 
 
+_LAST_CU: list = [None, None, -1]  # [the step's cu_seqlens, its int64 copy, its version then]
+
+
+def _int64_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens as int64, the same tensor object for every KDA layer of a step: fla caches the chunk indices
+    it derives from cu_seqlens (a host sync each time) on the tensor's identity, so a fresh `.long()` per layer
+    recomputed them -- and synced -- once per layer instead of once per step."""
+    if cu_seqlens.dtype == torch.int64:
+        return cu_seqlens
+    if _LAST_CU[0] is not cu_seqlens or _LAST_CU[0]._version != _LAST_CU[2]:
+        _LAST_CU[:] = [cu_seqlens, cu_seqlens.long(), cu_seqlens._version]
+    return _LAST_CU[1]
+
+
 def _register_fla() -> None:
     try:
         from fla.ops.kda import chunk_kda
@@ -28,7 +42,7 @@ def _register_fla() -> None:
         h0 = ssm_pool[slots, layer].masked_fill(fresh.view(-1, 1, 1, 1), 0.0)
         o, ht = chunk_kda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0),
                           beta.to(q.dtype).unsqueeze(0), initial_state=h0, output_final_state=True,
-                          use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
+                          use_qk_l2norm_in_kernel=True, cu_seqlens=_int64_cu_seqlens(cu_seqlens))
         ssm_pool[slots, layer] = ht
         return o.squeeze(0)
 
@@ -74,14 +88,10 @@ def _register_sdpa_prefill() -> None:
     @library.mla_prefill.register_kernel("cuda")
     def _mla_prefill_sdpa(q, kv_pool, layer, kv_b_weight, page_table, cu_seqlens, seq_lens, scale, kv_lora_rank,
                           nope_dim):
-        h = q.shape[1]
-        out = q.new_empty(q.shape[0], h, kv_b_weight.shape[0] // h - nope_dim)
-        kv_layer = kv_pool[:, layer]
-        for i, (s, e, prefix) in enumerate(library._lens(cu_seqlens, seq_lens)):
-            rows = attention_math.gather_rows(kv_layer, page_table[i], prefix + e - s).to(q.dtype)
-            out[s:e] = attention_math.mla_expanded_sdpa(q[s:e], rows, kv_b_weight, kv_lora_rank, nope_dim, scale,
-                                                        prefix)
-        return out
+        # one SDPA call per distinct chunk length (not per request), one host read per layer
+        cu, seq = library.host_lens(cu_seqlens, seq_lens)
+        return attention_math.mla_prefill_packed(q, kv_pool[:, layer], kv_b_weight, page_table, cu, seq, scale,
+                                                 kv_lora_rank, nope_dim, attend=attention_math.mla_expanded_sdpa_batch)
 
     BACKENDS["mla_prefill"] = "sdpa"
 

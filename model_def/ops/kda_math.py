@@ -73,38 +73,53 @@ def kda_chunked(q, k, v, g, beta, state: torch.Tensor, chunk_size: int = 64, sca
     M[r, s] = beta_r Σ_i k_r[i] k_s[i] exp(G_r[i] - G_s[i]) for s < r. Ratios are always formed as
     exp(G_r - G_s) with s <= r, which is <= 1, so nothing overflows however strong the decay.
     """
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q, k = l2norm(q) * scale, l2norm(k)
     T = q.shape[0]
     pad = (-T) % chunk_size
     if pad:  # zero k, v, beta and g: padded steps leave the state untouched
         q, k, v, g = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
         beta = F.pad(beta, (0, 0, 0, pad))
-    # -> [H, n_chunks, C, ...]
-    q, k, v, g = (t.transpose(0, 1).unflatten(1, (-1, chunk_size)) for t in (q, k, v, g))
-    beta = beta.transpose(0, 1).unflatten(1, (-1, chunk_size))
+    out, s = kda_chunked_batch(*(t.unsqueeze(0) for t in (q, k, v, g, beta)), state.unsqueeze(0), chunk_size, scale)
+    return out[0, :T], s[0]
+
+
+def kda_chunked_batch(q, k, v, g, beta, state: torch.Tensor, chunk_size: int = 64, scale: float | None = None):
+    """`kda_chunked` for B sequences at once: q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H] with T a
+    multiple of chunk_size (zero-padded at the end of shorter sequences: zero k, v, beta and g leave the state
+    exactly as it was), state [B, H, K, V]. Returns (o [B, T, H, V] fp32, final states [B, H, K, V] fp32)."""
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k = l2norm(q) * scale, l2norm(k)
+    if q.shape[1] % chunk_size:
+        raise ValueError(f"kda_chunked_batch takes whole chunks: {q.shape[1]} tokens, chunk {chunk_size}")
+    # -> [B, H, n_chunks, C, ...]
+    q, k, v, g = (t.transpose(1, 2).unflatten(2, (-1, chunk_size)) for t in (q, k, v, g))
+    beta = beta.transpose(1, 2).unflatten(2, (-1, chunk_size))
     G = g.cumsum(-2)
-    diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [H, N, C(r), C(s), K] = G_r - G_s
+    diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [B, H, N, C(r), C(s), K] = G_r - G_s
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     decay = torch.where(causal[..., None], diff, torch.full_like(diff, float("-inf"))).exp()
-    kk = torch.einsum("hnri,hnsi,hnrsi->hnrs", k, k, decay)
+    kk = torch.einsum("bhnri,bhnsi,bhnrsi->bhnrs", k, k, decay)
     strict = torch.ones_like(causal).tril(-1)
     M = kk * beta.unsqueeze(-1) * strict
     eye = torch.eye(chunk_size, device=q.device)
     A = torch.linalg.solve_triangular(eye + M, torch.diag_embed(beta), upper=False, unitriangular=True)
-    W = A @ (G.exp() * k)  # [H, N, C, K]
-    U = A @ v  # [H, N, C, V]
-    qk = torch.einsum("hnri,hnsi,hnrsi->hnrs", q, k, decay) * causal  # inclusive of the diagonal
-    s = state.float().clone()  # [H, K, V]
+    W = A @ (G.exp() * k)  # [B, H, N, C, K]
+    U = A @ v  # [B, H, N, C, V]
+    qk = torch.einsum("bhnri,bhnsi,bhnrsi->bhnrs", q, k, decay) * causal  # inclusive of the diagonal
+    s = state.float().clone()  # [B, H, K, V]
     out = torch.empty_like(U)
-    for n in range(q.shape[1]):
-        delta = U[:, n] - W[:, n] @ s
-        out[:, n] = (q[:, n] * G[:, n].exp()) @ s + qk[:, n] @ delta
-        g_last = G[:, n, -1:]  # [H, 1, K]
-        s = s * g_last.transpose(-1, -2).exp() + (k[:, n] * (g_last - G[:, n]).exp()).transpose(-1, -2) @ delta
-    out = out.flatten(1, 2).transpose(0, 1)[:T]
-    return out, s
+    for n in range(q.shape[2]):
+        delta = U[:, :, n] - W[:, :, n] @ s
+        out[:, :, n] = (q[:, :, n] * G[:, :, n].exp()) @ s + qk[:, :, n] @ delta
+        g_last = G[:, :, n, -1:]  # [B, H, 1, K]
+        s = s * g_last.transpose(-1, -2).exp() + (k[:, :, n] * (g_last - G[:, :, n]).exp()).transpose(-1, -2) @ delta
+    return out.flatten(2, 3).transpose(1, 2), s
+
+
+def sequence_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The request each packed token belongs to ([N] int64), on the device, without a host sync."""
+    cu = cu_seqlens.to(torch.int64)
+    return torch.searchsorted(cu[1:], torch.arange(num_tokens, device=cu.device), right=True)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor):
@@ -120,3 +135,30 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor):
     y = F.silu((frames * w).sum(-1))
     new_window = full[-(width - 1):].t() if width > 1 else window
     return y.to(x.dtype), new_window
+
+
+def short_conv_packed(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, cu_seqlens: torch.Tensor):
+    """`short_conv` for B packed sequences at once, with no per-sequence loop and no host sync.
+
+    x [N, C] packed new inputs cut by cu_seqlens [B+1]; windows [B, C, W-1] each sequence's previous
+    inputs (oldest first). Returns (y [N, C], new windows [B, C, W-1]), the same math as `short_conv`
+    per sequence: each sequence's window rows are laid out right before its tokens, and every token
+    reads the W rows ending at itself (a sequence shorter than W-1 keeps part of its old window).
+    """
+    n, c = x.shape
+    b, width = windows.shape[0], weight.shape[-1]
+    past = width - 1
+    if past == 0:
+        return F.silu(x.float() * weight.float()[:, 0]).to(x.dtype), windows
+    dev = x.device
+    cu = cu_seqlens.to(torch.int64)
+    seq = sequence_ids(cu, n)
+    tok_row = torch.arange(n, device=dev) + (seq + 1) * past  # token t's row in the extended layout
+    win_row = (cu[:-1] + torch.arange(b, device=dev) * past).unsqueeze(1) + torch.arange(past, device=dev)  # [B, W-1]
+    ext = x.new_empty(n + b * past, c)
+    ext[win_row.flatten()] = windows.to(x.dtype).transpose(1, 2).reshape(b * past, c)
+    ext[tok_row] = x
+    frames = ext[tok_row.unsqueeze(1) - past + torch.arange(width, device=dev)]  # [N, W, C]
+    y = F.silu((frames.transpose(1, 2).float() * weight.float()).sum(-1))
+    last = (cu[1:] + torch.arange(1, b + 1, device=dev) * past - past).unsqueeze(1) + torch.arange(past, device=dev)
+    return y.to(x.dtype), ext[last].transpose(1, 2)

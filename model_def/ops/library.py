@@ -18,29 +18,25 @@ from . import attention_math, kda_math, moe_math, mxfp4
 KDA_PREFILL_CHUNK = 64
 
 
-def _lens(cu_seqlens: torch.Tensor, seq_lens: torch.Tensor):
-    cu = cu_seqlens.tolist()
-    seq = seq_lens.tolist()
-    return [(cu[i], cu[i + 1], seq[i] - (cu[i + 1] - cu[i])) for i in range(len(seq))]
-
-
 # --------------------------------------------------------------------------------------- short conv
 
 @custom_op("k3::short_conv_prefill", mutates_args=("conv_pool",))
 def short_conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, layer: int,
                        channel_offset: int, slots: torch.Tensor, cu_seqlens: torch.Tensor,
                        seq_lens: torch.Tensor) -> torch.Tensor:
-    """x [N, C] -> SiLU(causal depthwise conv) [N, C]; updates each request's window in conv_pool."""
+    """x [N, C] -> SiLU(causal depthwise conv) [N, C]; updates each request's window in conv_pool.
+    All requests at once, on any device: no per-request loop, no host sync."""
     c = x.shape[1]
-    out = torch.empty_like(x)
-    for i, (s, e, prefix) in enumerate(_lens(cu_seqlens, seq_lens)):
-        slot = int(slots[i])
-        win = conv_pool[slot, layer, channel_offset: channel_offset + c]
-        if prefix == 0:
-            win = torch.zeros_like(win)
-        out[s:e], new = kda_math.short_conv(x[s:e], weight, win)
-        conv_pool[slot, layer, channel_offset: channel_offset + c] = new
-    return out
+    win = conv_pool[slots, layer, channel_offset: channel_offset + c]  # [B, C, W-1]
+    win = torch.where(_fresh(cu_seqlens, seq_lens).view(-1, 1, 1), torch.zeros_like(win), win)
+    y, new = kda_math.short_conv_packed(x, weight, win, cu_seqlens)
+    conv_pool[slots, layer, channel_offset: channel_offset + c] = new.to(conv_pool.dtype)
+    return y
+
+
+def _fresh(cu_seqlens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the requests with no prefix (they start from a zero state, whatever their slot holds)."""
+    return (seq_lens - (cu_seqlens[1:] - cu_seqlens[:-1])) <= 0
 
 
 @short_conv_prefill.register_fake
@@ -71,14 +67,35 @@ def _(x, weight, conv_pool, layer, channel_offset, slots):
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 ssm_pool: torch.Tensor, layer: int, slots: torch.Tensor, cu_seqlens: torch.Tensor,
                 seq_lens: torch.Tensor) -> torch.Tensor:
-    """Chunked KDA per request, from the slot's state (or zero for a fresh request); writes the final state."""
+    """Chunked KDA per request, from the slot's state (or zero for a fresh request); writes the final state.
+    Requests with the same chunking run as one batched `kda_chunked_batch` call: KDA_PREFILL_CHUNK-token chunks,
+    or one chunk of the next power of two for a shorter request (so a decode row riding in a mixed batch is not
+    padded to a whole chunk); the chunk size changes only fp32 rounding."""
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    for i, (s, e, prefix) in enumerate(_lens(cu_seqlens, seq_lens)):
-        slot = int(slots[i])
-        s0 = ssm_pool[slot, layer] if prefix > 0 else torch.zeros_like(ssm_pool[slot, layer])
-        o, s1 = kda_math.kda_chunked(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], s0, KDA_PREFILL_CHUNK)
-        out[s:e] = o.to(v.dtype)
-        ssm_pool[slot, layer] = s1
+    s0 = ssm_pool[slots, layer]
+    s0 = torch.where(_fresh(cu_seqlens, seq_lens).view(-1, 1, 1, 1), torch.zeros_like(s0), s0)
+    s1 = torch.empty_like(s0)
+    cu = cu_seqlens.tolist()
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in range(len(cu) - 1):
+        n = cu[i + 1] - cu[i]
+        chunk = min(KDA_PREFILL_CHUNK, 1 << (n - 1).bit_length())
+        groups.setdefault((chunk, -(-n // chunk)), []).append(i)
+    for (chunk, n_chunks), members in groups.items():
+        length = n_chunks * chunk
+        idx = torch.tensor(members, dtype=torch.int64, device=v.device)
+        tok = torch.tensor([t for i in members for t in range(cu[i], cu[i + 1])], dtype=torch.int64, device=v.device)
+        dst = torch.tensor([j * length + t for j, i in enumerate(members) for t in range(cu[i + 1] - cu[i])],
+                           dtype=torch.int64, device=v.device)
+
+        def pad(x):
+            z = x.new_zeros(len(members) * length, *x.shape[1:])
+            z[dst] = x[tok]
+            return z.unflatten(0, (len(members), length))
+
+        o, s1[idx] = kda_math.kda_chunked_batch(pad(q), pad(k), pad(v), pad(g), pad(beta), s0[idx], chunk)
+        out[tok] = o.flatten(0, 1)[dst].to(v.dtype)
+    ssm_pool[slots, layer] = s1
     return out
 
 
@@ -120,16 +137,18 @@ def _(rows, kv_pool, layer, out_cache_loc):
 def mla_prefill(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, kv_b_weight: torch.Tensor,
                 page_table: torch.Tensor, cu_seqlens: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                 kv_lora_rank: int, nope_dim: int) -> torch.Tensor:
-    """Causal attention of each request's new queries over its whole cached context (rows already written)."""
-    H = q.shape[1]
-    v_dim = kv_b_weight.shape[0] // H - nope_dim
-    out = torch.empty(q.shape[0], H, v_dim, dtype=q.dtype, device=q.device)
-    kv_layer = kv_pool[:, layer]
-    for i, (s, e, prefix) in enumerate(_lens(cu_seqlens, seq_lens)):
-        rows = attention_math.gather_rows(kv_layer, page_table[i], prefix + e - s)
-        out[s:e] = attention_math.mla_expanded(q[s:e], rows.to(q.dtype), kv_b_weight, kv_lora_rank, nope_dim,
-                                               scale, prefix)
-    return out
+    """Causal attention of each request's new queries over its whole cached context (rows already written);
+    requests with the same number of new tokens attend in one batched call (attention_math.mla_prefill_packed)."""
+    cu, seq = host_lens(cu_seqlens, seq_lens)
+    return attention_math.mla_prefill_packed(q, kv_pool[:, layer], kv_b_weight, page_table, cu, seq, scale,
+                                             kv_lora_rank, nope_dim)
+
+
+def host_lens(cu_seqlens: torch.Tensor, seq_lens: torch.Tensor) -> tuple[list[int], list[int]]:
+    """cu_seqlens and seq_lens on the host, with one device read for both."""
+    both = torch.cat([cu_seqlens.to(torch.int64), seq_lens.to(torch.int64)]).tolist()
+    b = seq_lens.shape[0]
+    return both[:b + 1], both[b + 1:]
 
 
 @mla_prefill.register_fake

@@ -284,3 +284,39 @@ def test_mla_prefill_op_matches_cpu(record_property):
     err = rel_err(got, ref)
     report(record_property, "mla_prefill", err, ("mla_prefill",))
     assert err < REL_TOL
+
+
+def test_batched_prefill_ops_match_cpu(record_property):
+    """Many requests sharing chunk lengths (the batched paths: one SDPA call per chunk length, one packed short
+    conv, one fla call), contexts of different lengths in a group, NaN in the padding page nobody owns."""
+    g_ = torch.Generator().manual_seed(11)
+    h, nope, rope, v_dim, r, page = 4, 32, 16, 32, 64, 16
+    lens = [16, 16, 1, 16, 1, 1, 16, 16]
+    prefixes = [0, 37, 5, 0, 60, 0, 12, 3]
+    seq = [p + n for p, n in zip(prefixes, lens)]
+    per = max(-(-s // page) for s in seq)
+    table = torch.tensor([[1 + i * per + j for j in range(per)] for i in range(len(lens))], dtype=torch.int32)
+    kv = torch.randn(1 + len(lens) * per, 1, page, r + rope, generator=g_).bfloat16()
+    kv[0] = float("nan")
+    kv_b = (torch.randn(h * (nope + v_dim), r, generator=g_) * r ** -0.5).bfloat16()
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    seq_t = torch.tensor(seq, dtype=torch.int32)
+    q = torch.randn(sum(lens), h, nope + rope, generator=g_).bfloat16()
+    scale = (nope + rope) ** -0.5
+    ref = torch.ops.k3.mla_prefill(q.float(), kv.float(), 0, kv_b.float(), table, cu, seq_t, scale, r, nope)
+    got = torch.ops.k3.mla_prefill(q.to(CUDA), kv.to(CUDA), 0, kv_b.to(CUDA), table.to(CUDA), cu.to(CUDA),
+                                   seq_t.to(CUDA), scale, r, nope)
+    errs = [rel_err(got, ref)]
+    W, channels = 4, 64
+    weight = torch.randn(channels, W, generator=g_).bfloat16()
+    pool = torch.randn(len(lens), 1, channels, W - 1, generator=g_).bfloat16()
+    cpu_pool, gpu_pool = pool.float(), pool.to(CUDA)
+    x = torch.randn(sum(lens), channels, generator=g_).bfloat16()
+    slots = torch.randperm(len(lens), generator=g_)
+    y_cpu = torch.ops.k3.short_conv_prefill(x.float(), weight.float(), cpu_pool, 0, 0, slots, cu, seq_t)
+    y_gpu = torch.ops.k3.short_conv_prefill(x.to(CUDA), weight.to(CUDA), gpu_pool, 0, 0, slots.to(CUDA),
+                                            cu.to(CUDA), seq_t.to(CUDA))
+    errs += [rel_err(y_gpu, y_cpu), rel_err(gpu_pool, cpu_pool)]
+    report(record_property, "batched mla_prefill / short conv out / windows", tuple(errs),
+           ("mla_prefill", "short_conv_prefill"))
+    assert torch.isfinite(got.float()).all() and max(errs) < REL_TOL, errs
