@@ -22,7 +22,7 @@ timeout 60 python3 -m pytest -q -s -p no:cacheprovider tests/model_def/test_gpu.
 say "gpu prefill op tests: exit $? ($(tail -1 $OUT/gpu_tests.txt))"
 grep "^\[gpu\]" $OUT/gpu_tests.txt | tee -a $OUT/summary.txt
 timeout 170 python3 tools/prefill_scaling.py --engine $ENGINE --device cuda --warm 2 \
-  --shapes 1x128,8x128,64x128,8x1024,1x8192 --profile 64x128 --serve-shapes 1x128,64x128 \
+  --shapes ${SHAPES:-1x128,8x128,64x128,8x1024,1x8192} --profile 64x128 --serve-shapes ${SERVE_SHAPES:-1x128,64x128} \
   --max-batch-tokens 8192 --memory-bytes 40000000000 --json $OUT/prefill_scaling.json \
   2> $OUT/prefill_scaling.log | tee -a $OUT/summary.txt
 say "prefill_scaling: exit ${PIPESTATUS[0]}"

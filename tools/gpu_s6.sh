@@ -8,6 +8,7 @@
 #   ladder     tools/gpu_ladder3.sh, the decode ladder with its anchors (issue 9)
 #   kda        the KDA kernels' GPU tests (P5, verify inputs, ReplaySSM fold)
 #   gate       bench ladder at k3-mini-6b batch 1 with the pinned-routing accuracy gate and its probes (issue 9)
+#   prefill    tools/gpu_prefill6.sh: batched prefill ops vs CPU on the GPU, prefill time vs requests (issue 14)
 #   twogpu     the two-GPU parallel engine test (issue 16; needs nvidia-h200-x2)
 #   run: JOBS="spec servecheck" bash tools/gpu_s6.sh   (carry .whl/)
 # Each job has its own $OUT/<job>/ and is stopped at DEADLINE seconds into the call, so that the tars get made.
@@ -50,6 +51,7 @@ job_gate() {  # the ladder's accuracy gate with pinned routing at a real shape (
     --context 512 --device cuda --quick --reps 2 --out $OUT/g > $OUT/gate.log 2>&1; echo "gate ladder: exit $?"
   rm -rf $OUT/g/traces; grep -E "^\| r|^- |router biases" $OUT/g/ladder_*.md | head -70
 }
+job_prefill() { bash tools/gpu_prefill6.sh; }   # prefill time vs requests at fixed tokens (prefill6)
 job_twogpu() {
   timeout 90 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/parallel/test_parallel_engine_gpu.py
 }
