@@ -47,7 +47,7 @@ def verify_vs_p5(name: str, dtype, dev: str = "cuda", batch: int = 3, length: in
     for a, b in ((p5.ssm, cache.ssm), (p5.conv, cache.conv), (p5.kv, cache.kv)):
         a.copy_(b)
     ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=gen).tolist()
-    vb = ForwardBatch.build("verify", ids, [6, 3, 9][:batch], [[1, 2, 3], [4, 5], [6, 7, 8]][:batch], slots, 4,
+    vb = ForwardBatch.build("verify", ids, [6, 3, 9][:batch], [[1, 2, 3], [4, 5], [6, 7, 8, 9]][:batch], slots, 4,
                             device=dev, logits="all")
     window = DraftWindow.allocate(DraftWindowSpec(spec, length), batch, device=dev)
 
