@@ -12,14 +12,18 @@ torch's conv/exp/sigmoid and this fails by ulps (the pass is what makes it hold)
 `verify_vs_p5` also runs on CPU under TRITON_INTERPRET=1 (P5 interpreted, the op's CPU reference), where
 it can only agree to rounding: tests/passes/kernels/interpret_kda_verify_inputs.py's neighbour check.
 """
+import os
+
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
 
 
-def verify_vs_p5(name: str, dtype, dev: str = "cuda", batch: int = 3, length: int = 4, accept=(4, 1, 3)):
-    """(pools after verify graph + commit, pools after P5 decoding the accepted tokens, P16's match count)."""
+def verify_vs_p5(name: str, dtype, dev: str = "cuda", batch: int = 3, length: int = 4, accept=(4, 1, 3),
+                 p16: bool = True):
+    """(pools after verify graph + commit, pools after P5 decoding the accepted tokens, P16's match count).
+    p16=False: the default pipeline without P16 (the control: the window then holds torch's arithmetic)."""
     from k3compile.capture import capture_step
     from k3compile.model_def.batch import ForwardBatch, step_args
     from k3compile.model_def.cache import CacheTensors
@@ -35,8 +39,10 @@ def verify_vs_p5(name: str, dtype, dev: str = "cuda", batch: int = 3, length: in
     conv_op = torch.ops.k3.short_conv_verify.default
     model = load_model(name, dtype=dtype, device=dev)
     gm = capture_step(model, "verify")
-    report = PassManager(PipelineConfig.default()).run(gm, None).to_dict()
-    matches = next(r["matches"] for r in report["passes"] if r["name"] == "p16_kda_verify_inputs")
+    pipeline = PipelineConfig.default()
+    pipeline.config("p16_kda_verify_inputs").enabled = p16
+    report = PassManager(pipeline).run(gm, None).to_dict()
+    matches = next((r["matches"] for r in report["passes"] if r["name"] == "p16_kda_verify_inputs"), 0)
     spec = model.cache_spec()
     gen = torch.Generator().manual_seed(0)
     slots = [5, 1, 3][:batch]
@@ -89,9 +95,10 @@ def verify_vs_p5(name: str, dtype, dev: str = "cuda", batch: int = 3, length: in
                                         ("k3-tiny", torch.float32)])
 def test_verify_graph_and_fold_commit_what_p5_decodes(name, dtype):
     from k3compile.model_def.loader import load_model
-    got, want, matches = verify_vs_p5(name, dtype)
+    p16 = os.environ.get("K3_P16_OFF") != "1"  # tools/gpu_p16.sh's control run sets it: then this should fail
+    got, want, matches = verify_vs_p5(name, dtype, p16=p16)
     torch.cuda.synchronize()
-    assert matches == len(load_model(name).config.kda_layers)
+    assert matches == (len(load_model(name).config.kda_layers) if p16 else 0)
     diff = (got.ssm - want.ssm).abs().max().item()
     assert torch.equal(got.ssm, want.ssm), f"states differ (max abs diff {diff:.3e})"
     assert torch.equal(got.conv, want.conv)
