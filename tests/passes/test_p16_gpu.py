@@ -31,11 +31,11 @@ def verify_vs_p5(name: str, dtype, dev: str = "cuda", batch: int = 3, length: in
     from k3compile.model_def.loader import load_model
     from k3compile.passes.kernels.kda_decode import default_v_split, fused_kda_decode_triton
     from k3compile.passes.kernels.kda_verify_inputs import kda_verify_inputs  # noqa: F401
+    from k3compile.passes import p16_kda_verify_inputs as p16_pass
     from k3compile.passes.manager import PassManager
     from k3compile.passes.pipeline import PipelineConfig
     from k3compile.runtime.spec.fold_kernel import commit
 
-    op = torch.ops.k3.kda_verify_inputs.default
     conv_op = torch.ops.k3.short_conv_verify.default
     model = load_model(name, dtype=dtype, device=dev)
     gm = capture_step(model, "verify")
@@ -57,15 +57,24 @@ def verify_vs_p5(name: str, dtype, dev: str = "cuda", batch: int = 3, length: in
                             device=dev, logits="all")
     window = DraftWindow.allocate(DraftWindowSpec(spec, length), batch, device=dev)
 
-    seen = {}  # layer -> the op's arguments (its inputs as the graph computed them) + x_q, w_q
+    # each KDA layer's inputs as the graph computes them, found by P16's own matcher (it erases nothing, so the
+    # chains are there with or without the pass): x_k, x_v, w_k, w_v, f, dt_bias, A_log, b, ..., lower_bound
+    kda_verify = torch.ops.k3.kda_verify.default
+    layers = {}
+    for kda in [n for n in gm.graph.nodes if n.target == kda_verify]:
+        args = list(p16_pass._match(kda))
+        q_conv = kda.args[0].args[0]  # view(short_conv_verify(x_q, w_q, ...)) -> the q stream's conv
+        assert q_conv.target == conv_op and q_conv.args[4] == 0
+        layers[kda.args[6]] = args[:8] + list(q_conv.args[:2]) + [args[15]]
+    wanted = {a for args in layers.values() for a in args if isinstance(a, torch.fx.Node)}
+    seen = {}
 
     class Record(torch.fx.Interpreter):
-        def call_function(self, target, args, kwargs):
-            if target is op:
-                seen.setdefault(args[9], {})["op"] = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-            if target is conv_op and args[4] == 0:  # the q stream's conv (offset 0)
-                seen.setdefault(args[3], {})["q"] = (args[0].clone(), args[1])
-            return super().call_function(target, args, kwargs)
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n in wanted:
+                seen[n] = out.clone()
+            return out
 
     with torch.no_grad():
         Record(gm).run(*step_args(vb, cache), *window.tensors())
@@ -78,9 +87,9 @@ def verify_vs_p5(name: str, dtype, dev: str = "cuda", batch: int = 3, length: in
     for t in range(length):  # P5 decodes the accepted tokens, each step the requests that got that far
         rows = [i for i in range(batch) if accept[i] > t]
         pick = lambda x: x.unflatten(0, (batch, length))[rows, t].contiguous()  # noqa: E731
-        for layer in sorted(seen):
-            x_k, x_v, w_k, w_v, f, dt, a_log, b, _, _, _, _, _, _, _, lower_bound = seen[layer]["op"]
-            x_q, w_q = seen[layer]["q"]
+        for layer in sorted(layers):
+            got = [seen[a] if isinstance(a, torch.fx.Node) else a for a in layers[layer]]
+            x_k, x_v, w_k, w_v, f, dt, a_log, b, x_q, w_q, lower_bound = got
             if dt is None:  # f holds f + dt_bias (P11's addmm)
                 dt = torch.zeros(f.shape[-1], dtype=torch.float32, device=dev)
             gate = torch.zeros(len(rows), h, kd, dtype=x_v.dtype, device=dev)  # feeds the output only
