@@ -118,8 +118,10 @@ def _match_forget(p: _Pattern, node: Node, batch, heads: int, head_dim: int) -> 
     return (*low_rank, dt) if low_rank else (f, None, dt)
 
 
-def _match_gate(p: _Pattern, g: Node, batch, heads: int, head_dim: int):
-    """The log-decay chain -> (f, f_b weight or None, dt_bias, A_log, lower_bound or None)."""
+def _match_gate(p: _Pattern, g: Node, batch, heads: int, head_dim: int, match_forget=None):
+    """The log-decay chain -> (f, f_b weight or None, dt_bias, A_log, lower_bound or None).
+    `match_forget` (default `_match_forget`) reads xf; P16 passes one that also takes P11's addmm form."""
+    match_forget = match_forget or _match_forget
     mul = p.take(g, aten.mul.Tensor)
     a, b = _split_mul(mul)
     if _scalar(a) or _scalar(b):  # K3: lower_bound * sigmoid(exp(A_log) * x)
@@ -130,7 +132,7 @@ def _match_gate(p: _Pattern, g: Node, batch, heads: int, head_dim: int):
         scale_node, forget = (x, y) if is_call(x, aten.view.default) and is_call(x.args[0], aten.exp.default) \
             else (y, x)
         a_log = _match_decay_scale(p, scale_node, heads)
-        f, f_b, dt = _match_forget(p, forget, batch, heads, head_dim)
+        f, f_b, dt = match_forget(p, forget, batch, heads, head_dim)
         return f, f_b, dt, a_log, float(lower_bound)
     # Kimi Linear: -exp(A_log) * softplus(x)
     neg, sp = (a, b) if is_call(a, aten.neg.default) else (b, a)
@@ -138,7 +140,7 @@ def _match_gate(p: _Pattern, g: Node, batch, heads: int, head_dim: int):
     p.take(sp, aten.softplus.default)
     beta_thr = tuple(sp.args[1:]) + (1.0, 20.0)[len(sp.args) - 1:]
     need(not sp.kwargs and beta_thr == _SOFTPLUS)
-    f, f_b, dt = _match_forget(p, sp.args[0], batch, heads, head_dim)
+    f, f_b, dt = match_forget(p, sp.args[0], batch, heads, head_dim)
     return f, f_b, dt, a_log, None
 
 

@@ -34,21 +34,27 @@ def _per_request(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return x.view(b, x.shape[0] // b, *x.shape[1:])
 
 
+def conv_from_window(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, layer: int,
+                     channel_offset: int, slots: torch.Tensor) -> torch.Tensor:
+    """x [B*n, C] -> SiLU(causal conv) [B*n, C] continuing each request's committed window (only read)."""
+    c = x.shape[1]
+    xs = _per_request(x, slots)  # [B, n, C]
+    win = conv_pool[slots, layer, channel_offset: channel_offset + c]  # [B, C, W-1]
+    full = torch.cat([win.to(x.dtype).transpose(1, 2), xs], 1)  # [B, W-1+n, C]
+    width = weight.shape[-1]
+    frames = full.float().unfold(1, width, 1)  # [B, n, C, W]
+    return torch.nn.functional.silu((frames * weight.float()).sum(-1)).to(x.dtype).flatten(0, 1)
+
+
 @custom_op("k3::short_conv_verify", mutates_args=("win_x",))
 def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, layer: int,
                       channel_offset: int, slots: torch.Tensor, win_x: torch.Tensor) -> torch.Tensor:
     """x [B*n, C] -> SiLU(causal conv) [B*n, C] from each request's committed window (not written);
     stores x at win_x[row, layer, position, channel_offset:+C]."""
-    c = x.shape[1]
     xs = _per_request(x, slots)  # [B, n, C]
-    b, n = xs.shape[:2]
-    win = conv_pool[slots, layer, channel_offset: channel_offset + c]  # [B, C, W-1]
-    full = torch.cat([win.to(x.dtype).transpose(1, 2), xs], 1)  # [B, W-1+n, C]
-    width = weight.shape[-1]
-    frames = full.float().unfold(1, width, 1)  # [B, n, C, W]
-    y = torch.nn.functional.silu((frames * weight.float()).sum(-1)).to(x.dtype)
+    b, n, c = xs.shape
     win_x[:b, layer, :n, channel_offset: channel_offset + c] = xs.to(win_x.dtype)
-    return y.flatten(0, 1)
+    return conv_from_window(x, weight, conv_pool, layer, channel_offset, slots)
 
 
 @short_conv_verify.register_fake
@@ -71,17 +77,23 @@ def _recurrent_from_committed(q, k, v, g, beta, ssm_pool, layer, slots, on_step)
     return torch.stack(outs, 1).flatten(0, 1)
 
 
+def store_window_inputs(k, v, g, beta, layer: int, slots, win_k, win_v, win_g, win_beta) -> None:
+    """The ReplaySSM window's rows of one layer: k [B*n, H, K] (after the conv), v, g (after the gate
+    activation), beta [B*n, H] (after the sigmoid) at win_*[row, layer, position]."""
+    b = slots.shape[0]
+    n = k.shape[0] // b
+    win_k[:b, layer, :n] = _per_request(k, slots).to(win_k.dtype)
+    win_v[:b, layer, :n] = _per_request(v, slots).to(win_v.dtype)
+    win_g[:b, layer, :n] = _per_request(g, slots).float()
+    win_beta[:b, layer, :n] = _per_request(beta, slots).float()
+
+
 @custom_op("k3::kda_verify", mutates_args=("win_k", "win_v", "win_g", "win_beta"))
 def kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                ssm_pool: torch.Tensor, layer: int, slots: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor,
                win_g: torch.Tensor, win_beta: torch.Tensor) -> torch.Tensor:
     """ReplaySSM verify: outputs from the committed state (not written); raw inputs into the window."""
-    b = slots.shape[0]
-    n = q.shape[0] // b
-    win_k[:b, layer, :n] = _per_request(k, slots).to(win_k.dtype)
-    win_v[:b, layer, :n] = _per_request(v, slots).to(win_v.dtype)
-    win_g[:b, layer, :n] = _per_request(g, slots).float()
-    win_beta[:b, layer, :n] = _per_request(beta, slots).float()
+    store_window_inputs(k, v, g, beta, layer, slots, win_k, win_v, win_g, win_beta)
     return _recurrent_from_committed(q, k, v, g, beta, ssm_pool, layer, slots, lambda t, st: None)
 
 

@@ -162,7 +162,9 @@ class SpecDecoder:
             accept.append(1 + len(got))
             if got:
                 extra[i] = got
-        # the decode step this replaces would have run at the batch's graph bucket: its kernel blocks
+        # the decode step this replaces would have run at the batch's graph bucket: its kernel blocks. The verify
+        # graph's window inputs (P16's k3::kda_verify_inputs) took the blocks of its own rows, the same bucket:
+        # the engine sizes the window to next_bucket(max_running), so every decode bucket is a verify bucket
         decode_batch = (next_bucket(len(rows), executor.buckets) if executor.pad_to_buckets else None) or len(rows)
         commit(executor.cache, self.window, slots, accept, decode_batch=decode_batch)
         if feats is not None:  # the anchor's and the accepted drafts' features: the positions now committed
