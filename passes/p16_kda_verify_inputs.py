@@ -40,9 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import fake_mode_of, is_call, set_meta_val, val_of
+from .graph_utils import fake_mode_of, is_call, known_equal, set_meta_val, val_of
 from .kernels import kda_verify_inputs  # noqa: F401  (registers torch.ops.k3.kda_verify_inputs)
-from .graph_utils import known_equal
 from .p05_fused_kda_decode import _match_forget, _match_gate, _Pattern, _tensor
 from .patterns import NoMatch, need
 from .registry import PassConfig, register_pass

@@ -177,9 +177,9 @@ def run(args) -> int:
     cfg = provider.config
     dev = provider_device(provider)
     budget = int(args.mem_budget_gib * (1 << 30))
+    forced = args.proposer == "controlled" and args.acceptance == "forced"
     doc = {"config": vars(args) | {"func": None}, "environment": environment(dev),
-           "proposer_label": ((FORCED_LABEL if args.acceptance == "forced" else LABEL) if args.proposer == "controlled"
-                              else args.proposer),
+           "proposer_label": (FORCED_LABEL if forced else LABEL) if args.proposer == "controlled" else args.proposer,
            "memory": memory_table(cfg, args.gamma, budget, args.mem_context, provider.cache_spec().dtype)
            + memory_table(get_preset("k3"), args.gamma, budget, args.mem_context, torch.bfloat16, tp_size=8),
            "runs": []}
@@ -196,11 +196,10 @@ def run(args) -> int:
             if args.proposer == "controlled":
                 proposer = ControlledAcceptanceProposer({tuple(p): r for p, r in zip(prompts, ref)}, args.accept_p,
                                                         cfg.vocab_size, args.gamma, seed=args.seed,
-                                                        forced=args.acceptance == "forced")
+                                                        forced=forced)
             else:
                 proposer = make_proposer(args.proposer, args.draft, args.gamma, provider, str(dev))
             res, outs = run_arm(provider, args, prompts, params, arm, proposer, mem)
-            forced = args.proposer == "controlled" and args.acceptance == "forced"
             res["differing_requests"] = None if forced else sum(o != r for o, r in zip(outs, ref))
             res["speedup_vs_none"] = res["tok_per_s"] / base["tok_per_s"] if base["tok_per_s"] else None
             doc["runs"].append(res)

@@ -59,14 +59,6 @@ def mla_decode_latent(q_lat: torch.Tensor, kv_layer: torch.Tensor, page_table: t
     return torch.einsum("bhl,blr->bhr", probs, rows[..., :kv_lora_rank])
 
 
-def mla_expanded_sdpa(q: torch.Tensor, rows: torch.Tensor, kv_b_weight: torch.Tensor, kv_lora_rank: int,
-                      nope_dim: int, scale: float, prefix_len: int) -> torch.Tensor:
-    """`mla_expanded` through F.scaled_dot_product_attention (fused kernels on CUDA); same math."""
-    prefix = torch.tensor([prefix_len], device=q.device)
-    return mla_expanded_sdpa_batch(q.unsqueeze(0), rows.unsqueeze(0), kv_b_weight, kv_lora_rank, nope_dim, scale,
-                                   prefix)[0]
-
-
 def mla_expanded_sdpa_batch(q: torch.Tensor, rows: torch.Tensor, kv_b_weight: torch.Tensor, kv_lora_rank: int,
                             nope_dim: int, scale: float, prefix: torch.Tensor) -> torch.Tensor:
     """`mla_expanded_batch` through one F.scaled_dot_product_attention call for the G requests."""

@@ -45,12 +45,20 @@ class ControlledAcceptanceProposer:
             raise ValueError(f"controlled acceptance p must be in [0, 1], got {self.p}")
         self._gen = torch.Generator().manual_seed(self.seed)
         self._full = {prompt: list(prompt) + list(cont) for prompt, cont in self.references.items()}
+        self._seen: dict[str, list[int]] = {}  # rid -> the recording its history matched last
 
-    def _truth(self, ids: list[int]) -> list[int] | None:
-        for prompt, full in self._full.items():
-            if len(ids) >= len(prompt) and full[: len(ids)] == ids:
-                return full[len(ids): len(ids) + self.gamma]
-        return None
+    def _truth(self, rid: str, ids: list[int]) -> list[int] | None:
+        # the recording a request matched keeps matching while its history grows along it (a recording that did
+        # not match a shorter history cannot match a longer one), so the scan over all of them runs once per
+        # request, not per request per step (that was O(batch^2) host work inside the timed loop)
+        full = self._seen.get(rid)
+        if full is None or full[: len(ids)] != ids:
+            full = next((f for prompt, f in self._full.items() if len(ids) >= len(prompt) and f[: len(ids)] == ids),
+                        None)
+            if full is None:
+                return None
+            self._seen[rid] = full
+        return full[len(ids): len(ids) + self.gamma]
 
     def propose(self, requests: Sequence[DraftRequest]) -> DraftBlock:
         b = len(requests)
@@ -58,7 +66,7 @@ class ControlledAcceptanceProposer:
         conf = torch.zeros(b, self.gamma, dtype=torch.float32)
         hit = torch.rand(b, self.gamma, generator=self._gen) < self.p
         for i, r in enumerate(requests):
-            truth = self._truth(r.token_ids)
+            truth = self._truth(r.rid, r.token_ids)
             if truth is None:
                 tokens[i] = (r.token_ids[-1] + 1) % self.vocab_size
                 continue
@@ -74,4 +82,4 @@ class ControlledAcceptanceProposer:
         pass
 
     def release(self, rid: str) -> None:
-        pass
+        self._seen.pop(rid, None)

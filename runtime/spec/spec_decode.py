@@ -156,9 +156,10 @@ class SpecDecoder:
                         n += 1
                     if n:
                         sampled.tokens[i], got = d[0], d[1:n] + [best[n - 1]]
-                while forced is None and len(got) < keep[i] and d[len(got)] == tok:
-                    tok = best[len(got)]
-                    got.append(tok)
+                else:
+                    while len(got) < keep[i] and d[len(got)] == tok:
+                        tok = best[len(got)]
+                        got.append(tok)
             accept.append(1 + len(got))
             if got:
                 extra[i] = got

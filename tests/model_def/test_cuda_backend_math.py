@@ -12,7 +12,7 @@ def test_sdpa_prefill_equals_expanded_reference():
         q = torch.randn(T, H, nope + rope, generator=g)
         rows = torch.randn(prefix + T, r + rope, generator=g)
         ref = attention_math.mla_expanded(q, rows, w, r, nope, 0.3, prefix)
-        got = attention_math.mla_expanded_sdpa(q, rows, w, r, nope, 0.3, prefix)
+        got = attention_math.mla_expanded_sdpa_batch(q[None], rows[None], w, r, nope, 0.3, torch.tensor([prefix]))[0]
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
