@@ -10,6 +10,7 @@
 #   gate       bench ladder at k3-mini-6b batch 1 with the pinned-routing accuracy gate and its probes (issue 9)
 #   prefill    tools/gpu_prefill6.sh: batched prefill ops vs CPU on the GPU, prefill time vs requests (issue 14)
 #   twogpu     the two-GPU parallel engine test (issue 16; needs nvidia-h200-x2)
+#   p16        tools/gpu_p16.sh: P16's verify-graph bit-identity and its P16-off control (issue 13)
 #   run: JOBS="spec servecheck" bash tools/gpu_s6.sh   (carry .whl/)
 # Each job has its own $OUT/<job>/ and is stopped at DEADLINE seconds into the call, so that the tars get made.
 # Back in $OUT: one <job>.tar.gz per job (every log and JSON the job wrote); the console shows each job's tail.
@@ -71,6 +72,7 @@ job_spec() {
     --max-new-tokens 32 --memory-gib 24 --out $OUT/spec > $OUT/spec.log 2>&1; echo "bench spec: exit $?"
   grep -v -i warn $OUT/spec.log | tail -25
 }
+job_p16() { bash tools/gpu_p16.sh; }   # P16 bit-identity through the verify graph, with its off-control
 job_serve() { SERVE_BUDGET=$((DEADLINE - 20)) bash tools/gpu_serve15.sh; }
 job_ladder() { bash tools/gpu_ladder3.sh; }
 
