@@ -24,7 +24,7 @@ NGPU=$(nvidia-smi -L | wc -l); NCPU=$(nproc)
 say "$NGPU GPU(s), $NCPU cores"
 
 job_suite() {
-  timeout -s INT ${SUITE_LIMIT:-300} python3 -m pytest -q -m gpu -n 4 --dist loadfile -p no:cacheprovider \
+  timeout -s INT ${SUITE_LIMIT:-300} python3 -m pytest -q -m gpu -n ${SUITE_WORKERS:-8} --dist loadfile -p no:cacheprovider \
     -o faulthandler_timeout=150 --durations=25 -rs tests > $OUT/gpu_tests.log 2>&1
   echo "gpu tests: exit $?, $((SECONDS - T0)) s"; grep -E "passed|failed" $OUT/gpu_tests.log | tail -1
   grep -E "^(FAILED|ERROR)" $OUT/gpu_tests.log | head -20
