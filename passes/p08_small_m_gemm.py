@@ -1,8 +1,9 @@
-"""P8 small-M GEMM choice: per GEMM of the decode graph, cuBLAS or the Triton split-K GEMV, by measurement.
+"""P8 small-M GEMM choice: per GEMM of the decode graph, cuBLAS or a Triton GEMV (split-K "dot" design, or the
+"rows" design at up to 4 rows; kernels/gemv.py), by measurement.
 
 Matched (decode graphs only; the weight a constant of a 16-bit dtype the kernel takes):
 
-    mm(x, t(W))              ->  k3.gemv(x, W, None, max_m, block_n, block_k, split_k)
+    mm(x, t(W))              ->  k3.gemv(x, W, None, max_m, block_n, block_k, split_k, design)
 
 (P11 later folds an add that reads the result into k3.gemv's c. An addmm is left alone: it rounds
 once, k3.gemv's c is added after the product is rounded.)
@@ -94,8 +95,11 @@ def _match(node: Node, gm: GraphModule, dtypes):
 # --------------------------------------------------------------------------- measuring (CUDA)
 
 def _candidates(n: int, k: int, sm_count: int):
+    """(block_n, block_k, split_k, design): three of the dot design, two of the rows design (each a Triton
+    compile of ~1 s per row count: keep the set small)."""
     base = gemv_kernels.default_config(n, k, sm_count)
-    out = {base, (32, 256, base[2]), (64, 128, 1)}  # each is a Triton compile (~1 s): keep the set small
+    dot = gemv_kernels.DESIGNS["dot"]
+    out = {(*base, dot), (32, 256, base[2], dot), (64, 128, 1, dot), *gemv_kernels.rows_configs(n, k)}
     return sorted(out)
 
 
@@ -117,8 +121,11 @@ def _measure(w: torch.Tensor, buckets, bench_ms: float) -> dict:
                                                  return_mode="median")
         row = {"cublas_us": bench(lambda: gemv_kernels.gemv_reference(x, w)), "gemv_us": {}}
         for cfg in _candidates(n, k, sm):
+            if cfg[3] == gemv_kernels.DESIGNS["rows"] and m > gemv_kernels.ROWS_MAX_M:
+                continue  # the rows design stops at ROWS_MAX_M rows: its reach ends there
             try:
-                row["gemv_us"][cfg] = bench(lambda cfg=cfg: gemv_kernels.gemv_triton(x, w, None, *cfg))
+                row["gemv_us"][cfg] = bench(lambda cfg=cfg: gemv_kernels.gemv_triton(
+                    x, w, None, cfg[0], cfg[1], cfg[2], design=cfg[3]))
             except Exception as e:  # a configuration the device cannot run is simply not a candidate
                 row.setdefault("errors", {})[str(cfg)] = f"{type(e).__name__}: {str(e)[:200]}"
         out[m] = row
@@ -169,7 +176,7 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
         rec = {"node": node.name, "op": str(node.target), "weight": w.target, "N": n, "K": k,
                "dtype": str(weight.dtype).removeprefix("torch.")}
         if config.choice == "gemv":
-            max_m, cfg = gemv_kernels.MAX_M, gemv_kernels.default_config(n, k)
+            max_m, cfg = gemv_kernels.MAX_M, (*gemv_kernels.default_config(n, k), gemv_kernels.DESIGNS["dot"])
         elif measure:
             key = (n, k, weight.dtype)
             if key not in shapes:
@@ -183,7 +190,9 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
             max_m, cfg = 0, None
         rec["choice"] = "gemv" if max_m else "cublas"
         rec["max_m"] = max_m
-        rec["config"] = None if cfg is None else {"block_n": cfg[0], "block_k": cfg[1], "split_k": cfg[2]}
+        design_names = {v: name for name, v in gemv_kernels.DESIGNS.items()}
+        rec["config"] = None if cfg is None else {"block_n": cfg[0], "block_k": cfg[1], "split_k": cfg[2],
+                                                  "design": design_names[cfg[3]]}
         details["nodes"].append(rec)
         if not max_m:
             continue

@@ -3,7 +3,8 @@
 The op pass P8 puts in place of `mm(x, t(w))` where the kernel measured faster than cuBLAS at
 build time (and into which P11 folds the add that follows):
 
-    torch.ops.k3.gemv(x [M, K], w [N, K], c [N] | [M, N] | None, max_m, block_n, block_k, split_k) -> [M, N]
+    torch.ops.k3.gemv(x [M, K], w [N, K], c [N] | [M, N] | None, max_m, block_n, block_k, split_k, design=0)
+        -> [M, N]
 
 * Semantics: exactly `torch.mm(x, w.t())`, and with c, `torch.mm(x, w.t()) + c`: the product is
   rounded to x's dtype before c is added, as in the unfused graph (a 16-bit addmm, which rounds
@@ -17,7 +18,14 @@ build time (and into which P11 folds the add that follows):
   last sums the partials, rounds, adds c, writes y and resets the counter, so the GEMV stays one launch (no
   zero-fill, no second reduction kernel). The counters are one int32 buffer per device, zero between
   launches; two split-K launches running at once on two streams would share them (no pass does that).
-* max_m / block_n / block_k / split_k are plain ints in the schema: the pass records the tuned
+* Two designs (`design`), chosen per shape by P8's measurement:
+  0 "dot": the kernel above, rows padded to 16 for tensor cores; any M <= 16.
+  1 "rows" (M <= ROWS_MAX_M): no tensor cores; each program multiplies a [BLOCK_N, BLOCK_K] weight tile
+    by every x row in registers, products summed in place and reduced once after the loop (no
+    padding to 16 rows, no layout change of the weights through shared memory). At batch 1-4 a
+    decode GEMV is bound by the bytes in flight, not by FLOPs, so this is the design that can approach
+    the copy bandwidth; split-K and the last-arrival reduction are as in "dot".
+* max_m / block_n / block_k / split_k / design are plain ints in the schema: the pass records the tuned
   configuration per node, and the serialized engine carries it.
 """
 from __future__ import annotations
@@ -32,6 +40,8 @@ except ImportError:  # CPU-only install: the op still works through aten
 
 BLOCK_M = 16  # tl.dot's smallest tile: M <= 16 rows are padded to it
 MAX_M = 16
+ROWS_MAX_M = 4  # the "rows" design keeps M_PAD x BLOCK_N x BLOCK_K fp32 products in registers
+DESIGNS = {"dot": 0, "rows": 1}
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 COUNTER_SLOTS = 1 << 16  # column tiles one split-K launch may use
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -40,7 +50,7 @@ _counters: dict[torch.device, torch.Tensor] = {}
 # --------------------------------------------------------------------------- argument checks
 
 def check_gemv_args(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, max_m: int, block_n: int,
-                    block_k: int, split_k: int) -> None:
+                    block_k: int, split_k: int, design: int = 0) -> None:
     """Raise ValueError naming the first thing wrong with a gemv call."""
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"gemv: x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
@@ -54,9 +64,14 @@ def check_gemv_args(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, ma
                          f"got {tuple(c.shape)}")
     if not 1 <= max_m <= MAX_M:
         raise ValueError(f"gemv: max_m must be in 1..{MAX_M}, got {max_m}")
-    for name, v in (("block_n", block_n), ("block_k", block_k)):
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"gemv: {name} must be a power of two >= 16, got {v}")
+    if design not in DESIGNS.values():
+        raise ValueError(f"gemv: design must be one of {DESIGNS} (name: value), got {design}")
+    if design == DESIGNS["rows"] and max_m > ROWS_MAX_M:
+        raise ValueError(f"gemv: the rows design takes at most {ROWS_MAX_M} rows, got max_m {max_m}")
+    least_n = 16 if design == DESIGNS["dot"] else 1  # tl.dot's tile; the rows design takes any power of two
+    for name, v, least in (("block_n", block_n, least_n), ("block_k", block_k, 16)):
+        if v < least or v & (v - 1):
+            raise ValueError(f"gemv: {name} must be a power of two >= {least}, got {v}")
     if split_k < 1:
         raise ValueError(f"gemv: split_k must be >= 1, got {split_k}")
 
@@ -114,8 +129,55 @@ if triton is not None:
             tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-def kernel_supports(x: torch.Tensor, w: torch.Tensor, max_m: int) -> bool:
-    return (triton is not None and x.shape[0] <= min(max_m, MAX_M) and x.dtype in KERNEL_DTYPES
+    @triton.jit
+    def _gemv_rows_kernel(x_ptr, w_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
+                          sxm, sxk, swn, swk, scm, scn, sym, syn,
+                          HAS_C: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          SPLIT_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rm = tl.arange(0, M_PAD)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        acc3 = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        k_start = pid_k * k_per_split
+        for k0 in range(0, k_per_split, BLOCK_K):
+            rk = k_start + k0 + kk
+            k_ok = (rk < K) & (k0 + kk < k_per_split)
+            w = tl.load(w_ptr + rn[:, None] * swn + rk[None, :] * swk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            # x through a pointer tile shaped like the products (same register layout as w's: no shuffle
+            # through shared memory); the repeated reads of a row come from L1
+            xmask = m_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
+            x = tl.load(x_ptr + rm[:, None, None] * sxm + rk[None, None, :] * sxk + 0 * rn[None, :, None],
+                        mask=xmask, other=0.0)
+            acc3 += w.to(tl.float32)[None, :, :] * x.to(tl.float32)
+        acc = tl.sum(acc3, axis=2)  # [M_PAD, BLOCK_N]
+        out_mask = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K > 1:
+            tile = rm[:, None] * N + rn[None, :]
+            tl.store(ws_ptr + pid_k * M_PAD * N + tile, acc, mask=out_mask)
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+                for s in range(SPLIT_K):  # fixed order: the sum does not depend on which split arrived last
+                    acc += tl.load(ws_ptr + s * M_PAD * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if HAS_C:
+                    c = tl.load(c_ptr + rm[:, None] * scm + rn[None, :] * scn, mask=out_mask, other=0.0)
+                    acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + c.to(tl.float32)
+                tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+        else:
+            if HAS_C:
+                c = tl.load(c_ptr + rm[:, None] * scm + rn[None, :] * scn, mask=out_mask, other=0.0)
+                acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + c.to(tl.float32)
+            tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def kernel_supports(x: torch.Tensor, w: torch.Tensor, max_m: int, design: int = 0) -> bool:
+    most = ROWS_MAX_M if design == DESIGNS["rows"] else MAX_M
+    return (triton is not None and x.shape[0] <= min(max_m, most) and x.dtype in KERNEL_DTYPES
             and w.dtype == x.dtype)
 
 
@@ -127,15 +189,17 @@ def _counter_buffer(device: torch.device) -> torch.Tensor:
 
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None, block_n: int = 64,
-                block_k: int = 128, split_k: int = 1, num_warps: int = 4) -> torch.Tensor:
-    """Launch the kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
-    check_gemv_args(x, w, c, MAX_M, block_n, block_k, split_k)
+                block_k: int = 128, split_k: int = 1, num_warps: int = 4, design: int = 0) -> torch.Tensor:
+    """Launch the kernel of `design` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    rows = design == DESIGNS["rows"]
+    most = ROWS_MAX_M if rows else MAX_M
+    check_gemv_args(x, w, c, most, block_n, block_k, split_k, design)
     if triton is None:
         raise RuntimeError("gemv: triton is not installed")
     m, k = x.shape
     n = w.shape[0]
-    if m > MAX_M:
-        raise ValueError(f"gemv kernel: at most {MAX_M} rows, got {m}")
+    if m > most:
+        raise ValueError(f"gemv kernel: at most {most} rows in the {'rows' if rows else 'dot'} design, got {m}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -148,7 +212,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
     if split_k > 1:
         if tiles > COUNTER_SLOTS:
             raise ValueError(f"gemv kernel: {tiles} column tiles exceed the {COUNTER_SLOTS} split-K counters")
-        ws = torch.empty(split_k, BLOCK_M, n, dtype=torch.float32, device=x.device)
+        ws = torch.empty(split_k, triton.next_power_of_2(m) if rows else BLOCK_M, n, dtype=torch.float32,
+                         device=x.device)
         cnt = _counter_buffer(x.device)
     else:
         ws = cnt = y  # unused
@@ -157,11 +222,14 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
     else:
         c_arg = c
         scm, scn = (0, c.stride(0)) if c.dim() == 1 else (c.stride(0), c.stride(1))
-    _gemv_kernel[(tiles, split_k)](
-        x, w, c_arg, y, ws, cnt, m, n, k, k_per_split,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), scm, scn, y.stride(0), y.stride(1),
-        HAS_C=c is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        num_warps=num_warps)
+    args = (x, w, c_arg, y, ws, cnt, m, n, k, k_per_split,
+            x.stride(0), x.stride(1), w.stride(0), w.stride(1), scm, scn, y.stride(0), y.stride(1))
+    if rows:
+        _gemv_rows_kernel[(tiles, split_k)](*args, HAS_C=c is not None, M_PAD=triton.next_power_of_2(m),
+                                            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps)
+    else:
+        _gemv_kernel[(tiles, split_k)](*args, HAS_C=c is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                                       SPLIT_K=split_k, num_warps=num_warps)
     return y
 
 
@@ -176,26 +244,43 @@ def default_config(n: int, k: int, sm_count: int = 132) -> tuple[int, int, int]:
     return block_n, block_k, split_k
 
 
+ROWS_TILE = 4096  # weights per program and K step in the rows design (8 KiB of bf16; fp32 products in place)
+ROWS_TARGET_PROGRAMS = 528  # >= 4 programs per SM of an H200 (132): short programs keep every SM streaming
+
+
+def rows_configs(n: int, k: int) -> list[tuple[int, int, int, int]]:
+    """(block_n, block_k, split_k, design) candidates of the rows design: a narrow and a wide row block, each
+    with the fewest K splits that give ROWS_TARGET_PROGRAMS programs (splits keep >= one K step each)."""
+    out = []
+    for block_n in (4, 16):
+        block_k = max(16, min(ROWS_TILE // block_n, triton.next_power_of_2(k)))
+        tiles, split = -(-n // block_n), 1
+        while tiles * split < ROWS_TARGET_PROGRAMS and k // (split * 2) >= block_k and split < 32:
+            split *= 2
+        out.append((block_n, block_k, split, DESIGNS["rows"]))
+    return out
+
+
 # --------------------------------------------------------------------------- the k3 op
 
 @torch.library.custom_op("k3::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, max_m: int, block_n: int, block_k: int,
-         split_k: int) -> torch.Tensor:
+         split_k: int, design: int = 0) -> torch.Tensor:
     """y = x @ w.T (then + c): the aten calls (CPU, or rows > max_m); see the module doc."""
-    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k)
+    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design)
     return gemv_reference(x, w, c)
 
 
 @gemv.register_kernel("cuda")
-def _gemv_cuda(x, w, c, max_m, block_n, block_k, split_k):
-    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k)
-    if kernel_supports(x, w, max_m):
+def _gemv_cuda(x, w, c, max_m, block_n, block_k, split_k, design=0):
+    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design)
+    if kernel_supports(x, w, max_m, design):
         with torch.cuda.device(x.device):  # Triton launches on the current device
-            return gemv_triton(x, w, c, block_n, block_k, split_k)
+            return gemv_triton(x, w, c, block_n, block_k, split_k, design=design)
     return gemv_reference(x, w, c)
 
 
 @gemv.register_fake
-def _gemv_fake(x, w, c, max_m, block_n, block_k, split_k):
-    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k)
+def _gemv_fake(x, w, c, max_m, block_n, block_k, split_k, design=0):
+    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design)
     return x.new_empty(x.shape[0], w.shape[0])

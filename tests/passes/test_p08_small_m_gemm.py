@@ -116,7 +116,14 @@ def test_op_checks_and_opcheck():
         GEMV(torch.randn(2, 8).bfloat16(), w, None, 16, 64, 128, 1)
     with pytest.raises(ValueError, match="max_m"):
         GEMV(x, w, None, 17, 64, 128, 1)
-    for args in ((x, w, None, 16, 64, 128, 1), (x, w, torch.randn(8).bfloat16(), 4, 32, 64, 2)):
+    with pytest.raises(ValueError, match="design must be"):
+        GEMV(x, w, None, 4, 4, 128, 1, 7)
+    with pytest.raises(ValueError, match="rows design takes at most 4 rows"):
+        GEMV(x, w, None, 8, 4, 128, 1, gemv_kernels.DESIGNS["rows"])
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
+        GEMV(x, w, None, 4, 4, 128, 1, gemv_kernels.DESIGNS["dot"])
+    for args in ((x, w, None, 16, 64, 128, 1), (x, w, torch.randn(8).bfloat16(), 4, 32, 64, 2),
+                 (x, w, None, 4, 4, 128, 2, gemv_kernels.DESIGNS["rows"])):
         torch.library.opcheck(GEMV, args)
 
 
@@ -130,17 +137,22 @@ def test_triton_kernel_under_interpreter_matches_reference():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", (1, 8, 16))
-@pytest.mark.parametrize("n,k", ((2304, 9216), (12672, 2304), (163840, 2304)))  # 48B: down, merged in-proj, lm_head
+@pytest.mark.parametrize("m", (1, 3, 8, 16))
+@pytest.mark.parametrize("n,k", ((2304, 9216), (2304, 4096), (12672, 2304), (163840, 2304)))  # 48B: down,
+# o_proj, merged in-proj, lm_head
 def test_kernel_at_real_shapes_on_gpu(m, n, k):
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
     w = (0.02 * torch.randn(n, k, device="cuda", generator=gen)).bfloat16()
     want = gemv_kernels.gemv_reference(x.float(), w.float())
-    for cfg in {gemv_kernels.default_config(n, k), (64, 128, 1)}:
+    dot = gemv_kernels.DESIGNS["dot"]
+    configs = {(*gemv_kernels.default_config(n, k), dot), (64, 128, 1, dot)}
+    if m <= gemv_kernels.ROWS_MAX_M:
+        configs |= set(gemv_kernels.rows_configs(n, k))
+    for bn, bk, split, design in configs:
         for _ in range(2):  # the split-K counters are reset by each launch
-            got = gemv_kernels.gemv_triton(x, w, None, *cfg)
-            assert rel_err(got.float(), want) < 1e-2, cfg
+            got = gemv_kernels.gemv_triton(x, w, None, bn, bk, split, design=design)
+            assert rel_err(got.float(), want) < 1e-2, (bn, bk, split, design)
 
 
 @pytest.mark.gpu

@@ -35,17 +35,24 @@ def cases():
     x = randn(3, 130)[:, :64]  # strided rows: a column block of a merged GEMM's output
     yield "strided x", x, randn(32, 64), None, 16, 32, 2
     yield "fp16", randn(5, 64, dtype=torch.float16), randn(24, 64, dtype=torch.float16), None, 16, 16, 2
+    rows = gemv.DESIGNS["rows"]  # the rows design: M <= 4, any power-of-two block_n
+    for m in (1, 3, 4):
+        for n, k, bn, bk, split in ((40, 96, 4, 32, 1), (130, 72, 16, 16, 3), (7, 200, 2, 64, 2)):
+            yield f"rows M={m} N={n} K={k} bn={bn} split={split}", randn(m, k), randn(n, k), None, bn, bk, split, rows
+    yield "rows residual [M, N] split", randn(2, 160), randn(48, 160), randn(2, 48), 8, 32, 4, rows
+    yield "rows bias [N]", randn(1, 64), randn(48, 64), randn(48), 4, 16, 1, rows
+    yield "rows strided x", randn(3, 130)[:, :64], randn(32, 64), None, 4, 32, 2, rows
 
 
 failed = n = 0
-for name, x, w, c, bn, bk, split in cases():
+for name, x, w, c, bn, bk, split, *design in cases():
     n += 1
     want = gemv.gemv_reference(x, w, c)
     # the exact result (fp64): kernel and aten both round the product, then the sum, to 16 bits; their
     # roundings may differ by an ulp where K is summed in another order, so both are held to the exact one
     exact = x.double() @ w.double().t() + (0 if c is None else c.double())
     for rep in range(2):  # twice: the split-K counters must be back at zero after a launch
-        got = gemv.gemv_triton(x, w, c, bn, bk, split)
+        got = gemv.gemv_triton(x, w, c, bn, bk, split, design=design[0] if design else 0)
         err = max(rel(got, exact), rel(want, exact))
         if got.dtype != want.dtype or got.shape != want.shape or not err <= TOL:
             failed += 1
