@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 6: the open issues' H200 runs, one device call per JOBS list, the jobs one after the other:
+# The open issues' H200 runs, one device call per JOBS list, the jobs one after the other:
 #   suite      the GPU test suite, timed (issue 10; holds the NCCL world-1 P9/P12 tests of issue 16)
 #   spec       build k3-mini-6b with verify graphs, ReplaySSM fold bit-identity on the GPU, `profile verify`,
 #              `bench spec` with controlled acceptance (issue 13)
@@ -10,8 +10,10 @@
 #   gate       bench ladder at k3-mini-6b batch 1 with the pinned-routing accuracy gate and its probes (issue 9)
 #   prefill    tools/gpu_prefill6.sh: batched prefill ops vs CPU on the GPU, prefill time vs requests (issue 14)
 #   twogpu     the two-GPU parallel engine test (issue 16; needs nvidia-h200-x2)
+#   gemv       tools/bench_gemv.py (P8's candidates vs cuBLAS at 48B shapes) + P8's GPU tests (issue 9)
+#   moe7       tools/gpu_moe7.sh; route7: tools/gpu_route7.sh (issue 9 kernels)
 #   p16        tools/gpu_p16.sh: P16's verify-graph bit-identity and its P16-off control (issue 13)
-#   run: JOBS="spec servecheck" bash tools/gpu_s6.sh   (carry .whl/)
+#   run: JOBS="spec servecheck" bash tools/gpu_jobs.sh   (carry .whl/)
 # Each job has its own $OUT/<job>/ and is stopped at DEADLINE seconds into the call, so that the tars get made.
 # Back in $OUT: one <job>.tar.gz per job (every log and JSON the job wrote); the console shows each job's tail.
 source tools/gpu_setup.sh
@@ -72,6 +74,13 @@ job_spec() {
     --max-new-tokens 32 --memory-gib 24 --out $OUT/spec > $OUT/spec.log 2>&1; echo "bench spec: exit $?"
   grep -v -i warn $OUT/spec.log | tail -25
 }
+job_gemv() {  # cuBLAS vs P8's Triton GEMV candidates (dot and rows designs) at the 48B shapes, + their GPU tests
+  timeout 150 python3 tools/bench_gemv.py --json $OUT/gemv.json 2>&1 | grep -v -i warn | tee $OUT/gemv.txt
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/passes/test_p08_small_m_gemm.py > $OUT/p08_tests.log 2>&1
+  echo "p08 tests: exit $?"; tail -2 $OUT/p08_tests.log; grep -E "^(FAILED|ERROR)|^E  " $OUT/p08_tests.log | head
+}
+job_moe7() { bash tools/gpu_moe7.sh; }     # moe7's MoE kernel designs (bench + GPU tests)
+job_route7() { bash tools/gpu_route7.sh; } # route7's router-in-routing kernel (bench + GPU tests)
 job_p16() { bash tools/gpu_p16.sh; }   # P16 bit-identity through the verify graph, with its off-control
 job_serve() { SERVE_BUDGET=$((DEADLINE - 20)) bash tools/gpu_serve15.sh; }
 job_ladder() { bash tools/gpu_ladder3.sh; }
@@ -82,7 +91,7 @@ run_job() {  # NAME: the job with its own $OUT and $R, stopped at the call's dea
   mkdir -p $OUT/$name
   ( export OUT=$OUT/$name R=$OUT/$name/r
     say "$name: start ($left s left)"
-    timeout -k 5 $left bash tools/gpu_s6.sh job $name > $OUT/console.txt 2>&1
+    timeout -k 5 $left bash tools/gpu_jobs.sh job $name > $OUT/console.txt 2>&1
     say "$name: exit $?" )
 }
 
