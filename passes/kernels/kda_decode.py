@@ -48,6 +48,7 @@ from torch.library import custom_op
 from k3compile.model_def.ops import library as k3ops  # noqa: F401  (registers the unfused k3 ops)
 from k3compile.model_def.ops.kda_math import L2_EPS, kda_gate
 
+from .arrivals import arrival_counters
 from .pdl import pdl_available
 
 try:
@@ -59,6 +60,7 @@ except ImportError:  # CPU-only install: the op still works through the referenc
 # The kernel walks the [K, V] state in [K, V_BLOCK] column blocks; heads beyond 128 x 128 run the
 # reference (no model we serve has them; the launch heuristics are tuned up to there).
 KERNEL_MAX_TILE = 128 * 128
+ARRIVALS_OWNER = "kda_decode"  # its counters in kernels.arrivals (one per (request, head) while split)
 V_BLOCK = 32
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus(beta=1, threshold=20), as kda_gate uses
 # Above this batch the absorbed low-rank up-projections (f_b_proj, g_b_proj) run as cuBLAS GEMMs before
@@ -382,24 +384,6 @@ def default_v_split(batch: int, heads: int, value_dim: int) -> int:
     return split
 
 
-_arrivals: dict = {}  # device -> int32 counters, zero between launches (the last part of a head re-zeroes its own)
-_outgrown: list = []  # smaller counter buffers that captured graphs may still use: never freed
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    buf = _arrivals.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # zeroed by a memset node of this graph only, so no other graph may share it (the executor's eager
-        # warm-up, before any capture, normally allocates the shared one)
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    if buf is not None:
-        _outgrown.append(buf)
-    buf = _arrivals[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
-
-
 def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                             beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound,
                             norm_eps, f_b_weight=None, g_b_weight=None, use_pdl: bool = False,
@@ -435,7 +419,7 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
     if split > 1:  # fp32 gated-but-unscaled outputs and per-part sums of squares (no zero fill needed)
         part = torch.empty(b * h * vd, dtype=torch.float32, device=v_in.device)
         sumsq = torch.empty(b * h * split, dtype=torch.float32, device=v_in.device)
-        arrivals = _arrival_counters(v_in.device, b * h)
+        arrivals = arrival_counters(v_in.device, b * h, ARRIVALS_OWNER)
     else:
         part = sumsq = arrivals = out  # unused
     use_pdl = use_pdl and v_in.is_cuda and pdl_available(v_in.device.index)

@@ -27,13 +27,17 @@ latent_norm_w=None, latent_eps=1e-5)`:
 
 CPU (the reference) is the exact composition of the unfused graph: moe_experts_loop, then
 `glu_act` + `linear` for the shared expert, then the add. CUDA below the crossover runs two
-Triton kernels, neither with atomics:
+Triton kernels:
 
   A `_expert_up_kernel`, one program per (token, expert slot, column block of I): GEMV of x[t]
     with the gate and up rows of the expert, activation in registers, h [N, k, I] in fp32.
   B `_expert_down_kernel`, one program per (token, column block of Do): for each of the token's k
     experts the GEMV of W2's block with h, scaled by its routing weight and summed in registers;
     then the shared expert's GEMV over the same block; one store.
+  B' `_expert_down_split_kernel` (the "split" design of B, for small batches): one program per (token x
+    column block of Do, slot), the slots being the token's k experts and the shared expert; each stores its
+    fp32 partial, and the group's last program to arrive (an atomic counter that it zeroes again, from
+    kernels.arrivals: the one atomic in these kernels) sums them in slot order and stores the block.
   C `_latent_out_kernel` (latent MoE only; B then stores u in fp32 and adds no shared expert): one
     program per (token, column block of D): the RMSNorm statistics of u's row, the up-projection's
     GEMV on the normalized row, the shared expert's GEMV; one store.
@@ -55,6 +59,7 @@ import torch.nn.functional as F
 from k3compile.model_def.ops import mxfp4
 from k3compile.model_def.ops.moe_math import glu_act, moe_experts_gather, moe_experts_grouped, moe_experts_loop
 
+from .arrivals import arrival_counters
 from .kda_decode import pdl_available  # the one PDL capability check (Triton >= 3.4, sm90+, not interpreted)
 
 try:
@@ -67,6 +72,7 @@ ACTS = {"silu": 0, "situ": 1}
 CPU_CROSSOVER = 16  # fixed on CPU (the reference runs there whatever it says); CUDA measures it at build
 CROSSOVER_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # what the build-time measurement tries
 NO_CROSSOVER = 1 << 30  # "the GEMV path always wins"
+ARRIVALS_OWNER = "moe_decode"  # the split down-projection's counters in kernels.arrivals (one per column group)
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -354,6 +360,68 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
+    # The "split" design of kernel B (issue 9, small batches): one program per (token x column block, slot), slot
+    # running over the token's k routed experts and then the shared expert (slot k), so every program reads one
+    # expert's contiguous [BLOCK_N, I] rows: many short, equal programs (the tile design runs k + 1 GEMVs in a row
+    # per program, 288 of them at the 48B shape on 132 SMs). Each program stores its fp32 partial (routed: times
+    # its routing weight) in a workspace; the last of the group's SLOTS programs to arrive (acq_rel counter from
+    # kernels.arrivals, zeroed again by it: no memset node in a CUDA graph) sums the partials in slot order
+    # (the same bits whatever the arrival order) and stores the output row block.
+    @triton.jit
+    def _routed_part(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, pair, cols, cmask, I, DO, beta, linear_beta,
+                     ACT: tl.constexpr, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """w[pair] * W2[e_pair][cols] . h[pair] for one (token, expert slot) pair, fp32 [BLOCK_N]."""
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        weight = tl.load(wts_ptr + pair).to(tl.float32)
+        if MXFP4:  # h in kernel A's MXFP4 order (each group of 32: even inputs, then odd)
+            acc2 = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                acc2 += _mxfp4_tile(w2_ptr + expert * DO * (I // 2), s2_ptr + expert * DO * (I // 32), cols, cmask,
+                                    h_ptr + pair * I, k0, I, BLOCK_N, BLOCK_K, True)
+            part = tl.sum(acc2, axis=1)
+        else:  # a plain [BLOCK_N, I] GEMV: the shared expert's loop with its input already activated
+            part = _shared_block(h_ptr + pair * I, h_ptr + pair * I, w2_ptr + expert * DO * I, cols, cmask, I, beta,
+                                 linear_beta, ACT, False, BLOCK_N, BLOCK_K)
+        return part * weight
+
+    @triton.jit
+    def _expert_down_split_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr,
+                                  part_ptr, arrivals_ptr, I, DO, IS, sin_row_stride, sup_row_stride, out_row_stride,
+                                  beta, linear_beta, TOP_K: tl.constexpr, SLOTS: tl.constexpr, ACT: tl.constexpr,
+                                  MXFP4: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
+                                  USE_PDL: tl.constexpr):
+        group = tl.program_id(0).to(tl.int64)  # token * column blocks + column block
+        slot = tl.program_id(1)  # < TOP_K: the token's routed expert slot; TOP_K (SHARED only): the shared expert
+        blocks = tl.cdiv(DO, BLOCK_N)
+        token = group // blocks
+        lanes = tl.arange(0, BLOCK_N)
+        cols = (group - token * blocks) * BLOCK_N + lanes
+        cmask = cols < DO
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # h (kernel A), the routing and the shared expert's input
+        if SHARED:
+            if slot < TOP_K:
+                part = _routed_part(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, token * TOP_K + slot, cols, cmask, I,
+                                    DO, beta, linear_beta, ACT, MXFP4, BLOCK_N, BLOCK_K)
+            else:
+                part = _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr,
+                                     cols, cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS)
+        else:
+            part = _routed_part(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, token * TOP_K + slot, cols, cmask, I, DO,
+                                beta, linear_beta, ACT, MXFP4, BLOCK_N, BLOCK_K)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.store(part_ptr + (group * SLOTS + slot) * BLOCK_N + lanes, part)
+        tl.debug_barrier()  # every thread's partial is stored before the arrival
+        arrived = tl.atomic_add(arrivals_ptr + group, 1, sem="acq_rel")
+        if arrived == SLOTS - 1:
+            tl.atomic_xchg(arrivals_ptr + group, 0)  # zero again for the next launch
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(SLOTS):  # fixed order: deterministic whichever program came last
+                acc += tl.load(part_ptr + (group * SLOTS + j) * BLOCK_N + lanes, cache_modifier=".cg")
+            tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
     # The "rows" design (the kernels as they were before issue 9's rework, bf16/fp32 weights only): a block of
     # rows per program, reduced every K iteration, the gate's K loop then the up's. Measured faster than the
     # tile design above for the up-projection at every batch and for the down-projection from batch 8 on
@@ -485,14 +553,18 @@ TUNED: dict[tuple, tuple[int, int, int]] = {
 # (k3-mini batch 8 loses ~2 µs to the one-threshold rule.) MXFP4: tiles won every measured case (48B batch 1
 # up 28.3 vs 30.0, down 16.0 vs 23.1; batch 8 up 164 vs 198, down 101 vs 143).
 ROWS_DOWN_FROM_BATCH = 8
-DESIGNS = ("rows", "tiles")
+DESIGNS = ("rows", "tiles")  # kernel A's designs (and kernel B's, which also has "split")
+DOWN_DESIGNS = DESIGNS + ("split",)  # "split": _expert_down_split_kernel, dense and MXFP4, not yet measured
+# The static per-batch choice (CUDA-graph safe): {from batch: (up design, down design)}, a batch taking the entry
+# of the largest key <= it. Edit after measuring (tools/bench_moe7.py prints the per-design kernel times).
+DENSE_DESIGNS: dict[int, tuple[str, str]] = {1: ("rows", "tiles"), ROWS_DOWN_FROM_BATCH: ("rows", "rows")}
+MXFP4_DESIGNS: dict[int, tuple[str, str]] = {1: ("tiles", "tiles")}
 
 
 def kernel_designs(tokens: int, quantized: bool) -> tuple[str, str]:
-    """(up design, down design) for a batch of `tokens` (see the table above)."""
-    if quantized:
-        return "tiles", "tiles"
-    return "rows", ("rows" if tokens >= ROWS_DOWN_FROM_BATCH else "tiles")
+    """(up design, down design) for a batch of `tokens` (DENSE_DESIGNS / MXFP4_DESIGNS; see the table above)."""
+    table = MXFP4_DESIGNS if quantized else DENSE_DESIGNS
+    return table[max((b for b in table if b <= max(tokens, 1)), default=min(table))]
 
 
 def rows_config(programs_per_block: int, rows: int, pairs: int) -> tuple[int, int, int]:
@@ -507,11 +579,12 @@ def gemv_config(kernel: str, programs_per_block: int, rows: int, k: int, quantiz
                 top_k: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for kernel "up" / "down" / "latent": `rows` output rows split into
     blocks of BLOCK_N, each block run by `programs_per_block` programs (tokens, or token x expert pairs),
-    over a K that is `k` long (per expert for "down", whose bf16 tile spans all top_k experts)."""
+    over a K that is `k` long (per expert for "down", whose bf16 tile spans all top_k experts). "split" (kernel
+    B's split design): programs_per_block counts tokens x slots, each program one expert's rows."""
     tuned = TUNED.get((kernel, programs_per_block, rows, k, quantized))
     if tuned is not None:
         return tuned
-    per_row = {"up": 2, "down": 1 if quantized else triton.next_power_of_2(top_k)}.get(kernel, 1)
+    per_row = {"up": 2, "down": 1 if quantized else triton.next_power_of_2(top_k)}.get(kernel, 1)  # split: 1
     fits = [bn for bn in (64, 32, 16, 8, 4) if bn * per_row * MIN_BLOCK_K <= TILE_ELEMS] or [4]
     block_n = next((bn for bn in fits if programs_per_block * triton.cdiv(rows, bn) >= TARGET_PROGRAMS), fits[-1])
     block_k = max(32, min(TILE_ELEMS // (block_n * per_row), triton.next_power_of_2(k)))
@@ -540,7 +613,8 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n / block_k
     / num_warps override the tile rule's choice for every kernel (tests, tile sweeps). use_pdl: launch with
     programmatic dependent launch where available (sm90+, Triton >= 3.4; ignored elsewhere). designs: (up,
-    down), each "rows" or "tiles", overrides kernel_designs() (tests, benches; "rows" needs dense weights)."""
+    down), up "rows" or "tiles", down also "split", overrides kernel_designs() (tests, benches; "rows" needs
+    dense weights)."""
     if triton is None:
         raise RuntimeError("fused_moe_decode: triton is not installed")
     num_experts, inter, width, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
@@ -553,9 +627,9 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     if block_n is not None:
         _pow2("block_n", block_n, 1)
     up_design, down_design = designs or kernel_designs(n, quantized)
-    for design in (up_design, down_design):
-        if design not in DESIGNS:
-            raise ValueError(f"fused_moe_decode: unknown kernel design {design!r} (known: {', '.join(DESIGNS)})")
+    for design, known in ((up_design, DESIGNS), (down_design, DOWN_DESIGNS)):
+        if design not in known:
+            raise ValueError(f"fused_moe_decode: unknown kernel design {design!r} (known: {', '.join(known)})")
         if design == "rows" and quantized:
             raise ValueError("fused_moe_decode: the \"rows\" kernel design takes dense weights, not MXFP4")
     out = torch.empty(n, out_width, dtype=x.dtype, device=x.device)
@@ -598,14 +672,26 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     routed_width = w2.shape[1]
     # latent: B leaves u in fp32 for C; the shared expert joins in C, on the output side of the up-projection
     u = torch.empty(n, routed_width, dtype=torch.float32, device=x.device) if latent else out
-    bn, bk, warps = config("down", n, routed_width, inter, down_design)
-    if down_design == "rows":
+    if down_design == "split":
+        slots = k + (shared and not latent)
+        bn, bk, warps = config("split", n * slots, routed_width, inter)
+        groups = n * triton.cdiv(routed_width, bn)
+        partials = torch.empty(groups * slots * bn, dtype=torch.float32, device=x.device)
+        _expert_down_split_kernel[(groups, slots)](
+            h, ids, wts, w2, s2, sin, sup, sw2, u, partials, arrival_counters(x.device, groups, ARRIVALS_OWNER),
+            inter, routed_width, shared_width, sin.stride(0), sup.stride(0), u.stride(0), float(beta),
+            float(linear_beta), TOP_K=k, SLOTS=slots, ACT=act_id, MXFP4=quantized, SHARED=shared and not latent,
+            SHARED_GLU=shared_up is not None, BLOCK_N=bn, BLOCK_K=bk,
+            BLOCK_KS=block_k or shared_block_k(bn, max(shared_width, 1)), USE_PDL=pdl, num_warps=warps, **launch)
+    elif down_design == "rows":
+        bn, bk, warps = config("down", n, routed_width, inter, down_design)
         _expert_down_rows_kernel[(n, triton.cdiv(routed_width, bn))](
             h, ids, wts, w2, sin, sup, sw2, u, inter, routed_width, shared_width,
             sin.stride(0), sup.stride(0), u.stride(0), float(beta), float(linear_beta),
             TOP_K=k, ACT=act_id, SHARED=shared and not latent, SHARED_GLU=shared_up is not None,
             BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, **launch)
     else:
+        bn, bk, warps = config("down", n, routed_width, inter, down_design)
         _expert_down_kernel[(n, triton.cdiv(routed_width, bn))](
             h, ids, wts, w2, s2, sin, sup, sw2, u, inter, routed_width, shared_width,
             sin.stride(0), sup.stride(0), u.stride(0), float(beta), float(linear_beta),

@@ -13,7 +13,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import torch  # noqa: E402
 
-from k3compile.passes.kernels import kda_decode  # noqa: E402
+from k3compile.passes.kernels import arrivals, kda_decode  # noqa: E402
 from interpreted import report  # noqa: E402  (this folder is sys.path[0] when run as a script)
 from kda_decode_cases import make_case, rel_err  # noqa: E402
 
@@ -83,7 +83,7 @@ def main() -> int:
                 if untouched and not torch.equal(ker_args[idx][untouched], orig[untouched]):
                     problems.append(f"{what} pool slots outside the batch changed")
         if v_split and case.slots.numel():  # the arrival counters are zero again for the next launch
-            if kda_decode._arrivals[torch.device("cpu")].any():
+            if arrivals.current("cpu", kda_decode.ARRIVALS_OWNER).any():
                 problems.append("arrival counters not re-zeroed")
         failures += [f"{name}: {p}" for p in problems]
     return report(failures, n)

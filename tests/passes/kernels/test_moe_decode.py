@@ -90,12 +90,26 @@ def test_triton_kernels_under_interpreter_match_reference():
     run_interpreted("interpret_moe_decode.py", timeout=900)
 
 
+def test_split_down_projection_under_interpreter_matches_reference_and_repeats_bit_for_bit():
+    run_interpreted("interpret_moe_down_split.py", timeout=600)
+
+
 def test_kernel_designs_follow_the_measured_rule_and_rows_refuses_mxfp4():
     # bf16/fp32: "rows" up at every batch, "tiles" down below ROWS_DOWN_FROM_BATCH, "rows" from it; MXFP4: tiles
     assert moe_decode.kernel_designs(1, False) == ("rows", "tiles")
     assert moe_decode.kernel_designs(moe_decode.ROWS_DOWN_FROM_BATCH - 1, False) == ("rows", "tiles")
     assert moe_decode.kernel_designs(moe_decode.ROWS_DOWN_FROM_BATCH, False) == ("rows", "rows")
     assert moe_decode.kernel_designs(64, True) == ("tiles", "tiles")
+    assert moe_decode.kernel_designs(0, False) == ("rows", "tiles")  # an empty batch takes the smallest entry
+    # the tables are what the lead edits after measuring: an entry applies from its batch on
+    saved = dict(moe_decode.DENSE_DESIGNS)
+    try:
+        moe_decode.DENSE_DESIGNS.update({1: ("rows", "split"), 4: ("tiles", "split")})
+        assert [moe_decode.kernel_designs(b, False) for b in (1, 3, 4, 7, 8)] == [
+            ("rows", "split"), ("rows", "split"), ("tiles", "split"), ("tiles", "split"), ("rows", "rows")]
+    finally:
+        moe_decode.DENSE_DESIGNS.clear()
+        moe_decode.DENSE_DESIGNS.update(saved)
     if moe_decode.triton is None:
         return
     p = _problem(n=2)
@@ -107,6 +121,9 @@ def test_kernel_designs_follow_the_measured_rule_and_rows_refuses_mxfp4():
     with pytest.raises(ValueError, match="unknown kernel design"):
         moe_decode.fused_moe_triton(p["x"], p["topk_ids"], p["topk_weights"], p["w13"], p["w2"],
                                     designs=("rows", "fast"))
+    with pytest.raises(ValueError, match="unknown kernel design 'split'"):  # a down-projection design only
+        moe_decode.fused_moe_triton(p["x"], p["topk_ids"], p["topk_weights"], p["w13"], p["w2"],
+                                    designs=("split", "tiles"))
 
 
 def test_op_passes_opcheck_and_stays_one_node():
@@ -230,6 +247,58 @@ def test_cuda_pdl_and_other_tiles_at_the_48b_shape(n):
                                               block_n=block_n, num_warps=warps, use_pdl=True)
             assert _rel(got, ref) < 1e-2, (block_n, block_k, warps, quant, _rel(got, ref))
         # every (up, down) design pair, not only the one kernel_designs picks at this batch (dense weights)
-        for designs in ([] if quant else [(u, d) for u in moe_decode.DESIGNS for d in moe_decode.DESIGNS]):
+        for designs in ([] if quant else [(u, d) for u in moe_decode.DESIGNS for d in moe_decode.DOWN_DESIGNS]):
             got = moe_decode.fused_moe_triton(*_op_args(q, "silu", 0, *scales)[:13], designs=designs)
             assert _rel(got, ref) < 1e-2, (designs, _rel(got, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1, 8])
+def test_cuda_split_down_projection_at_the_48b_shape(n):
+    """The "split" down-projection (kernel B') at the 48B shape, bf16 and MXFP4 experts, with and without
+    the shared expert, PDL off and on, its own tile and two others: matches the reference, repeats bit for bit
+    (the partials are summed in slot order, whatever order the programs finish in) and leaves the arrival
+    counters zero (CUDA-graph replays need no memset)."""
+    from k3compile.passes.kernels import arrivals
+    p = _cuda_problem(n, 200 + n, **_shape_48b())
+    (w13p, w13s), (w2p, w2s) = mxfp4.quantize(p["w13"]), mxfp4.quantize(p["w2"])
+    for quant in (False, True):
+        q = dict(p, w13=w13p, w2=w2p) if quant else p
+        scales = (w13s, w2s) if quant else (None, None)
+        up = "tiles" if quant else "rows"
+        for shared in (True, False):
+            r = q if shared else {key: v for key, v in q.items() if not key.startswith("shared")}
+            f32 = {key: (v.float() if v.dtype == torch.bfloat16 else v) for key, v in r.items()}
+            ref = fused_moe_reference(*_op_args(f32, "silu", 0, *scales)[:13])
+            for tile, pdl in (((None, None), False), ((None, None), True), ((8, 128), True), ((64, 256), False)):
+                run = lambda: moe_decode.fused_moe_triton(*_op_args(r, "silu", 0, *scales)[:13], block_n=tile[0],  # noqa: E731
+                                                          block_k=tile[1], use_pdl=pdl, designs=(up, "split"))
+                got, again = run(), run()
+                torch.cuda.synchronize()
+                assert _rel(got, ref) < 1e-2, (quant, shared, tile, pdl, _rel(got, ref))
+                assert torch.equal(got, again), (quant, shared, tile, pdl)
+                assert not arrivals.current(got.device, moe_decode.ARRIVALS_OWNER).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_split_down_projection_replays_from_a_cuda_graph():
+    """Captured once, replayed on new routing: each replay matches the reference (the counters were zero)."""
+    shape = _shape_48b()
+    p = _cuda_problem(2, 300, **shape)
+    args = list(_op_args(p, "silu", 0)[:13])
+    fn = lambda: moe_decode.fused_moe_triton(*args, designs=("rows", "split"), use_pdl=True)  # noqa: E731
+    fn()  # warm-up: compiles and allocates the shared counters outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    for seed in (1, 2, 3):
+        ids, wts = random_routing(2, shape["e"], shape["k"], "cuda", seed)
+        p["topk_ids"].copy_(ids)
+        p["topk_weights"].copy_(wts)
+        graph.replay()
+        f32 = {key: (v.float() if v.dtype == torch.bfloat16 else v) for key, v in p.items()}
+        ref = fused_moe_reference(*_op_args(f32, "silu", 0)[:13])
+        assert _rel(out, ref) < 1e-2, (seed, _rel(out, ref))

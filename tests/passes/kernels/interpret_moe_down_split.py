@@ -1,0 +1,108 @@
+"""Run the fused MoE decode op with the "split" down-projection (kernel B') under TRITON_INTERPRET=1 on CPU.
+
+Started in a subprocess by test_moe_decode.py. Per case: the op with designs (up, "split") against the
+reference (relative error), launched twice on the same inputs: both outputs bit-identical (the partials
+are summed in slot order, never in arrival order) and the arrival counters zero after each launch (a
+CUDA graph replays the kernel with no memset). Tiny shapes: the interpreter runs every program in Python.
+Prints one line per failing case and exits 1 if any failed.
+"""
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("interpret_moe_down_split.py: run with TRITON_INTERPRET=1 in the environment")
+
+import torch  # noqa: E402
+
+from k3compile.model_def.ops import mxfp4  # noqa: E402
+from k3compile.passes.kernels import arrivals, moe_decode  # noqa: E402
+from interpreted import report  # noqa: E402  (this script's folder is on sys.path)
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def cases():
+    """(name, op kwargs, dtype, (block_n, block_k) or None for the op's tile rule)"""
+    gen = torch.Generator().manual_seed(7)
+
+    def randn(*shape, scale=1.0):
+        return scale * torch.randn(*shape, generator=gen)
+
+    def routing(n, e, k):
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+        ids[:, 0] = 1  # every token hits expert 1
+        return ids, torch.rand(n, k, generator=gen)
+
+    # (act, N, E, k, D, I, Do, MXFP4, shared, dtype, tile): k = 3 (not a power of two, so SLOTS = 4 with a
+    # shared expert and 3 without), Do = 40 (not a multiple of the block: masked columns in the last group),
+    # several K steps (block_k 32 < I); the three shared-expert forms; one case at the op's own tile rule
+    grid = [("silu", 1, 6, 3, 64, 64, 40, False, "glu", torch.float32, (16, 32)),
+            ("situ", 2, 6, 3, 64, 64, 40, False, "none", torch.float32, (16, 32)),
+            ("situ", 2, 8, 2, 64, 32, 64, False, "activated", torch.bfloat16, None),
+            ("silu", 2, 6, 3, 64, 64, 40, True, "glu", torch.float32, (16, 32)),
+            ("situ", 1, 8, 2, 64, 64, 48, True, "none", torch.bfloat16, (8, 32))]
+    for act, n, e, k, d, i, do, quant, shared, dtype, tile in grid:
+        ids, wts = routing(n, e, k)
+        w13, w2 = randn(e, 2 * i, d, scale=d ** -0.5), randn(e, do, i, scale=i ** -0.5)
+        kw = dict(x=randn(n, d).to(dtype), topk_ids=ids, topk_weights=wts, act=act, beta=4.0, linear_beta=25.0)
+        if quant:
+            (w13p, w13s), (w2p, w2s) = mxfp4.quantize(w13), mxfp4.quantize(w2)
+            kw.update(w13=w13p, w2=w2p, w13_scale=w13s, w2_scale=w2s)
+        else:
+            kw.update(w13=w13.to(dtype), w2=w2.to(dtype))
+        if shared != "none":
+            kw.update(shared_w2=randn(do, 24, scale=24 ** -0.5).to(dtype), shared_in=randn(n, 24).to(dtype))
+            if shared == "glu":
+                kw["shared_up"] = randn(n, 24).to(dtype)
+        yield (f"{act} N={n} E={e} k={k} D={d} I={i} Do={do} {'mxfp4' if quant else 'dense'} shared={shared} "
+               f"{dtype}"), kw, dtype, tile
+    # the latent MoE (K3): B' stores u in fp32 (no shared slot), kernel C adds the norm, up-projection, shared
+    for norm, quant in ((True, False), (False, True)):
+        ids, wts = routing(2, 8, 3)
+        w13, w2 = randn(8, 64, 32, scale=32 ** -0.5), randn(8, 32, 32, scale=32 ** -0.5)
+        kw = dict(x=randn(2, 32), topk_ids=ids, topk_weights=wts, act="situ", beta=4.0, linear_beta=25.0,
+                  latent_up_w=randn(48, 32, scale=32 ** -0.5), latent_eps=1e-5, shared_w2=randn(48, 24, scale=0.2),
+                  shared_in=randn(2, 24), shared_up=randn(2, 24))
+        if norm:
+            kw["latent_norm_w"] = 1 + 0.1 * randn(32)
+        if quant:
+            (p13, s13), (p2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
+            kw.update(w13=p13, w2=p2, w13_scale=s13, w2_scale=s2)
+        else:
+            kw.update(w13=w13, w2=w2)
+        yield f"latent k=3 norm={norm} {'mxfp4' if quant else 'dense'}", kw, torch.float32, (16, 32)
+
+
+def main() -> int:
+    assert type(moe_decode._expert_down_split_kernel).__name__ == "InterpretedFunction", "interpreter not active"
+    failures, n = [], 0
+    for name, kw, dtype, tile in cases():
+        n += 1
+        ref = moe_decode.fused_moe_reference(**{key: v.float() if isinstance(v, torch.Tensor) and v.dtype == dtype
+                                                else v for key, v in kw.items()}).to(dtype)
+        block_n, block_k = tile or (None, None)
+        up = "tiles" if "w13_scale" in kw else "rows"
+        runs = []
+        for _ in range(2):  # two launches: the counters must be zero again after the first
+            runs.append(moe_decode.fused_moe_triton(**kw, block_n=block_n, block_k=block_k, designs=(up, "split")))
+            counters = arrivals.current("cpu", moe_decode.ARRIVALS_OWNER)
+            if counters is None or counters.any():
+                failures.append(f"{name}: arrival counters not zero after a launch")
+        got = runs[0]
+        if got.dtype != ref.dtype or got.shape != ref.shape:
+            failures.append(f"{name}: got {got.dtype} {list(got.shape)}, want {ref.dtype} {list(ref.shape)}")
+            continue
+        err = rel_err(got, ref)
+        if not err <= TOL[dtype]:
+            failures.append(f"{name} tile={tile}: rel err {err:.3g} > {TOL[dtype]:g}")
+        if not torch.equal(runs[0], runs[1]):
+            failures.append(f"{name}: two launches on the same inputs differ")
+    return report(failures, n)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
