@@ -214,6 +214,10 @@ def test_cuda_latent_tail_at_the_k3_mini_shape(quant, n):
     for crossover in (1 << 30, 1):
         got = FUSED(*_op_args(p, "situ", crossover, *scales), up_w, norm_w, 1e-5)
         assert got.shape == (n, d) and _rel(got, ref) < 1e-2, (crossover, _rel(got, ref))
+    for down in [d for d in moe_decode.DOWN_DESIGNS if not (quant and d == "rows")]:  # "rows": dense weights only
+        got = moe_decode.fused_moe_triton(*_op_args(p, "situ", 0, *scales)[:13], up_w, norm_w, 1e-5,
+                                          designs=("tiles" if quant else "rows", down))
+        assert _rel(got, ref) < 1e-2, (down, _rel(got, ref))
 
 
 @pytest.mark.gpu
@@ -272,9 +276,9 @@ def test_cuda_split_down_projection_at_the_48b_shape(n):
             f32 = {key: (v.float() if v.dtype == torch.bfloat16 else v) for key, v in r.items()}
             ref = fused_moe_reference(*_op_args(f32, "silu", 0, *scales)[:13])
             for tile, pdl in (((None, None), False), ((None, None), True), ((8, 128), True), ((64, 256), False)):
-                run = lambda: moe_decode.fused_moe_triton(*_op_args(r, "silu", 0, *scales)[:13], block_n=tile[0],  # noqa: E731
+                got, again = (moe_decode.fused_moe_triton(*_op_args(r, "silu", 0, *scales)[:13], block_n=tile[0],
                                                           block_k=tile[1], use_pdl=pdl, designs=(up, "split"))
-                got, again = run(), run()
+                              for _ in range(2))
                 torch.cuda.synchronize()
                 assert _rel(got, ref) < 1e-2, (quant, shared, tile, pdl, _rel(got, ref))
                 assert torch.equal(got, again), (quant, shared, tile, pdl)
