@@ -30,7 +30,7 @@ from k3compile.bench.timing import copy_bandwidth
 from k3compile.passes.kernels import moe_decode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe_kernels import kernel_bytes, kernel_times, layer, op_args, rel_err  # noqa: E402
+from bench_moe_kernels import kernel_bytes, kernel_rows, kernel_times, layer, op_args, rel_err  # noqa: E402
 
 BATCHES = (1, 2, 4, 8)
 ROUTINGS = 4
@@ -81,12 +81,7 @@ def bench_designs(spec, quant, bandwidth, gen, rows):
                 row = dict(shape=spec["name"], experts="mxfp4" if quant else "bf16", batch=n, up=up, down=down,
                            default=moe_decode.kernel_designs(n, quant) == (up, down), pdl=pdl,
                            op_us=round(op_us, 2), op_pct=round(100 * total / op_us / 1e3 / bandwidth, 1),
-                           rel_err=err, kernels={})
-                for name, b in nbytes.items():
-                    us = times.get(name, float("nan"))
-                    row["kernels"][name] = dict(us=round(us, 2), mbytes=round(b / 1e6, 2),
-                                                gbps=round(b / us / 1e3, 1),
-                                                pct=round(100 * b / us / 1e3 / bandwidth, 1))
+                           rel_err=err, kernels=kernel_rows(nbytes, times, bandwidth))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
 

@@ -89,6 +89,16 @@ def kernel_bytes(spec: dict, n: int, touched: int, quant: bool) -> dict[str, flo
             + n * spec["d_out"] * 2}
 
 
+def kernel_rows(nbytes: dict[str, float], times: dict[str, float], bandwidth: float) -> dict[str, dict]:
+    """Per kernel: µs, MB it must move, GB/s and % of the copy bandwidth (GB/s)."""
+    rows = {}
+    for name, b in nbytes.items():
+        us = times.get(name, float("nan"))
+        rows[name] = dict(us=round(us, 2), mbytes=round(b / 1e6, 2), gbps=round(b / us / 1e3, 1),
+                          pct=round(100 * b / us / 1e3 / bandwidth, 1))
+    return rows
+
+
 def op_args(spec: dict, n: int, quant: bool, gen) -> tuple[tuple, dict]:
     ids, wts = moe_decode.random_routing(n, spec["e"], spec["k"], "cuda", seed=n)
     x = torch.randn(n, spec["d_in"], generator=gen, device="cuda").bfloat16()
@@ -121,12 +131,8 @@ def bench_arms(spec, bandwidth, gen, rows):
                 row = dict(shape=spec["name"], experts="mxfp4" if quant else "bf16", batch=n, arm=arm,
                            touched=touched, op_us=round(op_us, 2), rel_err=rel_err(fn(), ref),
                            op_gbps=round(sum(nbytes.values()) / op_us / 1e3, 1),
-                           op_pct=round(100 * sum(nbytes.values()) / op_us / 1e3 / bandwidth, 1), kernels={})
-                for name, b in nbytes.items():
-                    us = times.get(name, float("nan"))
-                    row["kernels"][name] = dict(us=round(us, 2), mbytes=round(b / 1e6, 2),
-                                                gbps=round(b / us / 1e3, 1),
-                                                pct=round(100 * b / us / 1e3 / bandwidth, 1))
+                           op_pct=round(100 * sum(nbytes.values()) / op_us / 1e3 / bandwidth, 1),
+                           kernels=kernel_rows(nbytes, times, bandwidth))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
 
