@@ -9,7 +9,7 @@ replay does not find the previous call's experts in the 50 MB L2 (as in the engi
 layers run in between).
 
 Per (shape, experts, batch, design, PDL):
-  * op µs: the whole op replayed from a CUDA graph (moe_decode._time_us), launch gaps included;
+  * op µs: the whole op replayed from a CUDA graph (graph_timing.replay_us), launch gaps included;
   * per kernel: mean device µs from torch.profiler over eager calls, bytes it must move
     (bench_moe_kernels.kernel_bytes: the distinct experts' rows, shared / latent weights, activations),
     GB/s and % of the copy bandwidth;
@@ -28,6 +28,7 @@ import torch
 
 from k3compile.bench.timing import copy_bandwidth
 from k3compile.passes.kernels import moe_decode
+from k3compile.passes.kernels.graph_timing import replay_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe_kernels import kernel_bytes, kernel_rows, kernel_times, layer, op_args, rel_err  # noqa: E402
@@ -73,7 +74,7 @@ def bench_designs(spec, quant, bandwidth, gen, rows):
                 continue
             for pdl in (False, True):
                 fn = Cycle(sets, designs=(up, down), use_pdl=pdl)
-                op_us = moe_decode._time_us(fn, iters=8 * ROUTINGS)
+                op_us = replay_us([fn] * (4 * ROUTINGS))  # each set 4 times per replay, median of 5 replays
                 times = kernel_times(fn, iters=5 * ROUTINGS)
                 err = max(rel_err(moe_decode.fused_moe_triton(*a, **kw, designs=(up, down)), ref)
                           for (a, kw), ref in zip(sets, refs))
