@@ -45,7 +45,9 @@ Triton kernels:
 A and B each come in two designs, picked per batch by `kernel_designs` from measured H200 times (the
 table above ROWS_DOWN_FROM_BATCH): "tiles" (the kernels described here) and, for dense weights, "rows"
 (`_expert_up_rows_kernel` / `_expert_down_rows_kernel`: a row block per program reduced every K step, the
-design before issue 9, faster for the bf16 up-projection at every batch and the down-projection from batch 8).
+design before issue 9, faster for the bf16 up-projection at every batch and the down-projection from batch 8);
+B also has "split" (B' above). The choice is a static per-batch table (DENSE_DESIGNS / MXFP4_DESIGNS; "split"
+is in neither until it is measured: `designs=` selects it).
 
 MXFP4 weights are decoded in registers (E2M1 code -> value, times 2^(scale - 127)); the fp32
 accumulation is the same as for bf16 weights. Under TRITON_INTERPRET=1 (set before import) the
