@@ -12,3 +12,4 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 -k "split or latent_tail or pdl" \
   tests/passes/kernels/test_moe_decode.py tests/passes/kernels/test_kda_decode.py 2>&1 | tee $R/gpu_tests.log | tail -12
 timeout 120 python3 tools/bench_moe7.py $R 2>&1 | grep -v -i warn | tee $R/bench.log | grep -v '^{' | tail -90
+cp $R/*.md $R/*.json $R/*.log $OUT/ 2>/dev/null  # gpu_jobs.sh drops $R (scratch) before packing
