@@ -63,13 +63,33 @@ def check_route_args(logits: torch.Tensor, bias: torch.Tensor, top_k: int, num_e
         raise ValueError(f"fused_route: logits must be [tokens, experts], got shape {tuple(logits.shape)}")
     if not logits.dtype.is_floating_point:
         raise ValueError(f"fused_route: logits must be a float tensor, got {logits.dtype}")
-    num_experts = logits.shape[1]
+    _check_route_knobs(logits.shape[1], logits.device, bias, top_k, num_expert_group, topk_group)
+
+
+def check_linear_route_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
+                            num_expert_group: int, topk_group: int) -> None:
+    """The absorbed form: x [tokens, hidden] and the router weight [experts, hidden] instead of logits."""
+    if x.dim() != 2:
+        raise ValueError(f"fused_route: the router input must be [tokens, hidden], got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"fused_route: router_weight must be [experts, hidden = {x.shape[1]}], "
+                         f"got shape {tuple(weight.shape)}")
+    for name, t in (("the router input", x), ("router_weight", weight)):
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"fused_route: {name} must be fp32, bf16 or fp16, got {t.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"fused_route: router_weight is on {weight.device} but the router input is on {x.device}")
+    _check_route_knobs(weight.shape[0], x.device, bias, top_k, num_expert_group, topk_group)
+
+
+def _check_route_knobs(num_experts: int, device: torch.device, bias: torch.Tensor, top_k: int,
+                       num_expert_group: int, topk_group: int) -> None:
     if bias.dim() != 1 or bias.shape[0] != num_experts:
         raise ValueError(f"fused_route: bias must be [experts] = [{num_experts}], got shape {tuple(bias.shape)}")
     if not bias.dtype.is_floating_point:
         raise ValueError(f"fused_route: bias must be a float tensor, got {bias.dtype}")
-    if bias.device != logits.device:
-        raise ValueError(f"fused_route: bias is on {bias.device} but logits are on {logits.device}")
+    if bias.device != device:
+        raise ValueError(f"fused_route: bias is on {bias.device} but the router's tensors are on {device}")
     if num_expert_group < 1 or num_experts % num_expert_group != 0:
         raise ValueError(f"fused_route: {num_experts} experts do not split into "
                          f"num_expert_group = {num_expert_group} equal groups")
@@ -121,28 +141,43 @@ def route_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renorm
     return weights * scaling, ids
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The unfused graph's router GEMM, op for op: mm(x.float(), W.float().t()), fp32 logits [T, E]."""
+    return torch.mm(x.float(), weight.float().t())
+
+
+def linear_route_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
+                           renormalize: bool, scaling: float, num_expert_group: int = 1,
+                           topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The absorbed form's reference: the router GEMM, then `route_reference`."""
+    check_linear_route_args(x, weight, bias, top_k, num_expert_group, topk_group)
+    return route_reference(router_logits(x, weight), bias, top_k, renormalize, scaling, num_expert_group,
+                           topk_group)
+
+
 # --------------------------------------------------------------------------- Triton kernel
 
 if triton is not None:
 
     @triton.jit
-    def _fused_route_kernel(
-        logits_ptr, bias_ptr, weights_ptr, ids_ptr,
-        logits_row_stride, scaling,
-        GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
-        TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-        GROUPS_PAD: tl.constexpr, GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr,
-    ):
-        # One program routes one token. Its experts sit in a [group, expert-in-group] register
-        # tile (one row when there is no group limiting); top-k is k rounds of "take the best
-        # expert not yet taken", which also yields the documented order.
-        token = tl.program_id(0).to(tl.int64)
+    def _route_row(row_ptr, bias_ptr, out_w_ptr, out_id_ptr, scaling,
+                   GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                   GROUPS_PAD: tl.constexpr, GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr,
+                   L2_ONLY: tl.constexpr):
+        # Routes one token whose E logits start at row_ptr. Its experts sit in a [group,
+        # expert-in-group] register tile (one row when there is no group limiting); top-k is k rounds
+        # of "take the best expert not yet taken", which also yields the documented order. L2_ONLY:
+        # the row was written by other programs of this launch, so read it past the (stale) L1.
         group = tl.arange(0, GROUPS_PAD)
         col = tl.arange(0, GROUP_SIZE_PAD)
         expert = group[:, None] * GROUP_SIZE + col[None, :]
         valid = (group[:, None] < NUM_GROUPS) & (col[None, :] < GROUP_SIZE)
 
-        z = tl.load(logits_ptr + token * logits_row_stride + expert, mask=valid, other=0.0).to(tl.float32)
+        if L2_ONLY:
+            z = tl.load(row_ptr + expert, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            z = tl.load(row_ptr + expert, mask=valid, other=0.0).to(tl.float32)
         b = tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
         scores = tl.sigmoid(z)
         choice = scores + b
@@ -183,17 +218,83 @@ if triton is not None:
 
         # Weights are the unbiased scores of the picks: recompute them from the k logits.
         in_k = slot < TOP_K
-        z_top = tl.load(logits_ptr + token * logits_row_stride + out_id, mask=in_k, other=0.0).to(tl.float32)
+        if L2_ONLY:
+            z_top = tl.load(row_ptr + out_id, mask=in_k, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            z_top = tl.load(row_ptr + out_id, mask=in_k, other=0.0).to(tl.float32)
         out_w = tl.where(in_k, tl.sigmoid(z_top), 0.0)
         if RENORMALIZE:
             out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
         out_w = out_w * scaling
-        tl.store(weights_ptr + token * TOP_K + slot, out_w, mask=in_k)
-        tl.store(ids_ptr + token * TOP_K + slot, out_id, mask=in_k)
+        tl.store(out_w_ptr + slot, out_w, mask=in_k)
+        tl.store(out_id_ptr + slot, out_id, mask=in_k)
+
+    @triton.jit
+    def _fused_route_kernel(
+        logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+        logits_row_stride, scaling,
+        GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+        TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+        GROUPS_PAD: tl.constexpr, GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr,
+    ):
+        # One program routes one token.
+        token = tl.program_id(0).to(tl.int64)
+        _route_row(logits_ptr + token * logits_row_stride, bias_ptr, weights_ptr + token * TOP_K,
+                   ids_ptr + token * TOP_K, scaling, GROUP_SIZE, NUM_GROUPS, TOPK_GROUP, TOP_K, RENORMALIZE,
+                   GROUPS_PAD, GROUP_SIZE_PAD, TOP_K_PAD, False)
+
+    @triton.jit
+    def _linear_route_kernel(
+        x_ptr, w_ptr, bias_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr,
+        x_row_stride, w_row_stride, hidden, scaling,
+        NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, EXPERT_BLOCKS: tl.constexpr,
+        GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+        TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+        GROUPS_PAD: tl.constexpr, GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr,
+    ):
+        # Program (expert block, token): the fp32 logits of BLOCK_E experts (x and W upcast as the
+        # unfused graph's casts do; an fp32 multiply-add chain, no tensor cores, so no TF32), stored
+        # to the workspace row. The token's last program to arrive (acq_rel counter, zeroed again by
+        # it: CUDA-graph replays start from zero) routes the whole row.
+        block = tl.program_id(0)
+        token = tl.program_id(1).to(tl.int64)
+        e = block * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_ok = e < NUM_EXPERTS
+        acc = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
+        for d0 in range(0, hidden, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            d_ok = d < hidden
+            xv = tl.load(x_ptr + token * x_row_stride + d, mask=d_ok, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + e[:, None].to(tl.int64) * w_row_stride + d[None, :],
+                         mask=e_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            acc += wv * xv[None, :]
+        row = logits_ptr + token * NUM_EXPERTS
+        tl.store(row + e, tl.sum(acc, axis=1), mask=e_ok)
+        tl.debug_barrier()  # every thread's logits are stored before this program arrives
+        if EXPERT_BLOCKS == 1:
+            _route_row(row, bias_ptr, weights_ptr + token * TOP_K, ids_ptr + token * TOP_K, scaling,
+                       GROUP_SIZE, NUM_GROUPS, TOPK_GROUP, TOP_K, RENORMALIZE, GROUPS_PAD, GROUP_SIZE_PAD,
+                       TOP_K_PAD, True)
+        else:
+            arrived = tl.atomic_add(arrivals_ptr + token, 1, sem="acq_rel")
+            if arrived == EXPERT_BLOCKS - 1:
+                tl.atomic_xchg(arrivals_ptr + token, 0)  # zero again for the next launch
+                _route_row(row, bias_ptr, weights_ptr + token * TOP_K, ids_ptr + token * TOP_K, scaling,
+                           GROUP_SIZE, NUM_GROUPS, TOPK_GROUP, TOP_K, RENORMALIZE, GROUPS_PAD, GROUP_SIZE_PAD,
+                           TOP_K_PAD, True)
 
 
 def kernel_supports(num_experts: int, top_k: int) -> bool:
     return triton is not None and num_experts <= KERNEL_MAX_EXPERTS and top_k <= KERNEL_MAX_TOP_K
+
+
+def _route_constants(num_experts: int, top_k: int, renormalize: bool, num_expert_group: int,
+                     topk_group: int) -> dict:
+    """The routing tile's constexprs, shared by both kernels."""
+    group_size = num_experts // num_expert_group
+    return dict(GROUP_SIZE=group_size, NUM_GROUPS=num_expert_group, TOPK_GROUP=topk_group, TOP_K=top_k,
+                RENORMALIZE=bool(renormalize), GROUPS_PAD=triton.next_power_of_2(num_expert_group),
+                GROUP_SIZE_PAD=triton.next_power_of_2(group_size), TOP_K_PAD=triton.next_power_of_2(top_k))
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
@@ -214,22 +315,89 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormali
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     if num_tokens == 0:
         return weights, ids
-    group_size = num_experts // num_expert_group
-    groups_pad = triton.next_power_of_2(num_expert_group)
-    group_size_pad = triton.next_power_of_2(group_size)
-    tile = groups_pad * group_size_pad
+    const = _route_constants(num_experts, top_k, renormalize, num_expert_group, topk_group)
+    tile = const["GROUPS_PAD"] * const["GROUP_SIZE_PAD"]
     if num_warps is None:
         # Measured on an H200 at E=896, k=16: 4 warps is fastest for decode-sized T (5.4 us at
         # T=1..64, CUDA-graph replay), 2 warps for long prefill chunks (46 us vs 55 us at T=4096).
         num_warps = (4 if num_tokens < 1024 else 2) if tile >= 512 else (2 if tile >= 128 else 1)
     _fused_route_kernel[(num_tokens,)](
-        logits, bias, weights, ids, logits.stride(0), float(scaling),
-        GROUP_SIZE=group_size, NUM_GROUPS=num_expert_group, TOPK_GROUP=topk_group,
-        TOP_K=top_k, RENORMALIZE=bool(renormalize),
-        GROUPS_PAD=groups_pad, GROUP_SIZE_PAD=group_size_pad,
-        TOP_K_PAD=triton.next_power_of_2(top_k),
-        num_warps=num_warps,
-    )
+        logits, bias, weights, ids, logits.stride(0), float(scaling), **const, num_warps=num_warps)
+    return weights, ids
+
+
+# Programs per token of the absorbed kernel: enough of them in all to keep the GPU's ~132 SMs reading W
+# at batch 1 (one W block each), fewer but wider blocks as the batch grows (each token re-reads W, from L2).
+LINEAR_ROUTE_TARGET_PROGRAMS = 128
+LINEAR_ROUTE_MAX_BLOCK_E = 16
+LINEAR_ROUTE_MAX_TILE = 8192  # fp32 elements of the [BLOCK_E, BLOCK_D] accumulator
+
+
+def default_linear_route_blocks(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_E, BLOCK_D, num_warps) of the absorbed kernel, from static shapes only (a CUDA graph replays
+    one grid per batch size)."""
+    block_e = 1
+    while (block_e * 2 <= LINEAR_ROUTE_MAX_BLOCK_E and block_e * 2 <= num_experts
+           and num_tokens * triton.cdiv(num_experts, block_e * 2) >= LINEAR_ROUTE_TARGET_PROGRAMS):
+        block_e *= 2
+    block_d = max(16, min(triton.next_power_of_2(hidden), LINEAR_ROUTE_MAX_TILE // block_e))
+    num_warps = 8 if block_e * block_d >= 4096 else 4
+    return block_e, block_d, num_warps
+
+
+_arrivals: dict = {}  # device -> int32 counters, zero between launches (a token's last program re-zeroes its own)
+_outgrown: list = []  # smaller counter buffers that captured graphs may still use: never freed
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Per-token arrival counters of the absorbed kernel. Its own buffer (not the KDA kernel's): kernels on
+    other streams of one graph must never share a counter. Same policy as kda_decode's (to be shared)."""
+    buf = _arrivals.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # zeroed by a memset node of this graph only, so no other graph may share it
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    if buf is not None:
+        _outgrown.append(buf)
+    buf = _arrivals[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+def linear_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
+                        renormalize: bool, scaling: float, num_expert_group: int = 1, topk_group: int = 1,
+                        block_e: int | None = None, block_d: int | None = None,
+                        num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router GEMM and the routing in one launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+    block_e / block_d / num_warps override `default_linear_route_blocks` (benchmarks)."""
+    check_linear_route_args(x, weight, bias, top_k, num_expert_group, topk_group)
+    if triton is None:
+        raise RuntimeError("fused_route: triton is not installed")
+    num_tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    if not kernel_supports(num_experts, top_k):
+        raise ValueError(f"fused_route kernel: supports up to {KERNEL_MAX_EXPERTS} experts and top_k "
+                         f"{KERNEL_MAX_TOP_K}, got {num_experts} experts and top_k {top_k}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    bias = bias.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
+    if num_tokens == 0:
+        return weights, ids
+    be, bd, nw = default_linear_route_blocks(num_tokens, num_experts, hidden)
+    be, bd, nw = block_e or be, block_d or bd, num_warps or nw
+    if be & (be - 1) or bd & (bd - 1):
+        raise ValueError(f"fused_route kernel: block_e ({be}) and block_d ({bd}) must be powers of two")
+    expert_blocks = triton.cdiv(num_experts, be)
+    logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)  # workspace
+    arrivals = _arrival_counters(x.device, num_tokens) if expert_blocks > 1 else logits  # (unused at 1)
+    _linear_route_kernel[(expert_blocks, num_tokens)](
+        x, weight, bias, logits, arrivals, weights, ids, x.stride(0), weight.stride(0), hidden, float(scaling),
+        NUM_EXPERTS=num_experts, BLOCK_E=be, BLOCK_D=bd, EXPERT_BLOCKS=expert_blocks,
+        **_route_constants(num_experts, top_k, renormalize, num_expert_group, topk_group), num_warps=nw)
     return weights, ids
 
 
@@ -237,23 +405,39 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormali
 
 @torch.library.custom_op("k3::fused_route", mutates_args=())
 def fused_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
-                scaling: float, num_expert_group: int = 1,
-                topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing in one node: (topk_weights [T, k] fp32, topk_ids [T, k] int64). See module doc."""
+                scaling: float, num_expert_group: int = 1, topk_group: int = 1,
+                router_weight: torch.Tensor | None = None,
+                absorb_max_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing in one node: (topk_weights [T, k] fp32, topk_ids [T, k] int64). See module doc.
+    With router_weight, `logits` is the router's input x [T, D] and the node computes the logits too."""
+    if router_weight is not None:
+        return linear_route_reference(logits, router_weight, bias, top_k, renormalize, scaling, num_expert_group,
+                                      topk_group)
     return route_reference(logits, bias, top_k, renormalize, scaling, num_expert_group, topk_group)
 
 
 @fused_route.register_kernel("cuda")
-def _fused_route_cuda(logits, bias, top_k, renormalize, scaling, num_expert_group=1, topk_group=1):
-    if kernel_supports(logits.shape[-1], top_k):
-        with torch.cuda.device(logits.device):  # Triton launches on the current device
-            return route_triton(logits, bias, top_k, renormalize, scaling, num_expert_group, topk_group)
-    return route_reference(logits, bias, top_k, renormalize, scaling, num_expert_group, topk_group)
+def _fused_route_cuda(logits, bias, top_k, renormalize, scaling, num_expert_group=1, topk_group=1,
+                      router_weight=None, absorb_max_tokens=0):
+    args = (top_k, renormalize, scaling, num_expert_group, topk_group)
+    with torch.cuda.device(logits.device):  # Triton launches on the current device
+        if router_weight is not None:
+            check_linear_route_args(logits, router_weight, bias, top_k, num_expert_group, topk_group)
+            if logits.shape[0] <= absorb_max_tokens and kernel_supports(router_weight.shape[0], top_k):
+                return linear_route_triton(logits, router_weight, bias, *args)
+            logits = router_logits(logits, router_weight)  # cuBLAS, then the routing kernel
+        if kernel_supports(logits.shape[-1], top_k):
+            return route_triton(logits, bias, *args)
+        return route_reference(logits, bias, *args)
 
 
 @fused_route.register_fake
-def _fused_route_fake(logits, bias, top_k, renormalize, scaling, num_expert_group=1, topk_group=1):
-    check_route_args(logits, bias, top_k, num_expert_group, topk_group)
+def _fused_route_fake(logits, bias, top_k, renormalize, scaling, num_expert_group=1, topk_group=1,
+                      router_weight=None, absorb_max_tokens=0):
+    if router_weight is not None:
+        check_linear_route_args(logits, router_weight, bias, top_k, num_expert_group, topk_group)
+    else:
+        check_route_args(logits, bias, top_k, num_expert_group, topk_group)
     num_tokens = logits.shape[0]
     return (logits.new_empty(num_tokens, top_k, dtype=torch.float32),
             logits.new_empty(num_tokens, top_k, dtype=torch.int64))

@@ -52,10 +52,55 @@ def cases():
     yield "K3 shape E=896 k=16", randn(2, 896), 0.01 * randn(896), 16, True, 1.0, 1, 1
 
 
+def linear_cases():
+    """(name, x, weight, bias, top_k, renormalize, scaling, num_expert_group, topk_group, blocks): the absorbed
+    form (router GEMM + routing in one launch). blocks: (block_e, block_d) or None for the defaults."""
+    gen = torch.Generator().manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    yield "T=3 E=64 k=8 default blocks", randn(3, 48), randn(64, 48), 0.1 * randn(64), 8, True, 2.446, 1, 1, None
+    yield "T=5 E=64 k=6, 4 experts/program, D split", randn(5, 40).bfloat16(), randn(64, 40), 0.1 * randn(64), \
+        6, True, 2.446, 1, 1, (4, 16)
+    yield "groups 4 keep 2, no renorm", randn(4, 32), randn(64, 32), 0.1 * randn(64), 8, False, 1.5, 4, 2, (8, 32)
+    yield "bf16 weight, 1 program/token", randn(2, 24).bfloat16(), randn(16, 24).bfloat16(), 0.1 * randn(16), \
+        2, True, 1.0, 1, 1, (16, 32)
+    wide = randn(3, 40)
+    yield "strided x rows", wide[:, :32], randn(96, 32), 0.1 * randn(96), 8, True, 1.0, 8, 3, (16, 8)
+
+
+def check_linear(failures: list) -> int:
+    n = 0
+    for name, x, w, bias, k, renorm, scale, groups, topk_group, blocks in linear_cases():
+        block_e, block_d = blocks or (None, None)
+        ref_weights, ref_ids = routing.linear_route_reference(x, w, bias, k, renorm, scale, groups, topk_group)
+        for launch in range(2):  # the second launch finds the arrival counters zeroed again
+            n += 1
+            weights, ids = routing.linear_route_triton(x, w, bias, k, renorm, scale, groups, topk_group,
+                                                       block_e=block_e, block_d=block_d)
+            counters = routing._arrivals.get(x.device)
+            if counters is not None and counters.any():
+                failures.append(f"linear {name} launch {launch}: arrival counters not zeroed again")
+            elif not torch.equal(ids, ref_ids):
+                # the kernel's fp32 dot products sum in another order than torch.mm: accept swaps of experts
+                # whose reference choice scores agree to 1e-6 (an ulp or two), slot by slot
+                choice = routing.router_logits(x, w).sigmoid() + bias.float()
+                if not torch.allclose(choice.gather(1, ids), choice.gather(1, ref_ids), rtol=0, atol=1e-6):
+                    failures.append(f"linear {name} launch {launch}: ids differ\n kernel {ids.tolist()}\n"
+                                    f" ref    {ref_ids.tolist()}")
+            else:
+                try:
+                    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+                except AssertionError as err:
+                    failures.append(f"linear {name} launch {launch}: weights differ: {err}")
+    return n
+
+
 def main() -> int:
     assert type(routing._fused_route_kernel).__name__ == "InterpretedFunction", "interpreter not active"
     failures = []
-    n = 0
+    n = check_linear(failures)
     for name, logits, bias, k, renorm, scale, groups, topk_group in cases():
         n += 1
         args = (logits, bias, k, renorm, scale, groups, topk_group)
