@@ -17,6 +17,15 @@ flags and scaling from which tail ops are present and their constants). Users of
 op) and of the final weights are rewired; the matched nodes are erased. A chain whose
 intermediates are read elsewhere, whose sigmoid is not computed in fp32, or that deviates from the
 form above in any way (other dims, other eps, other constants) is left alone.
+
+Router GEMM absorbed (config `absorb_router_max_tokens` > 0, default 16): when L is the router's own
+fp32 GEMM `mm(x', t(W'))` read by nothing else (a bf16 model: x' = _to_copy(x, fp32), W' the fp32
+weight P3 folded; an fp32 model's router GEMM is P1's merged MoE-front GEMM and stays), the node
+becomes `k3.fused_route(x, bias, ..., W, absorb_max_tokens)` and the mm, t and casts go: at batch <=
+absorb_max_tokens one kernel computes the logits (fp32, as the graph's casts did) and routes; above
+it the op runs the same cuBLAS GEMM and the routing kernel (the graph's batch is symbolic, so the
+choice is the op's, per call; each captured CUDA graph holds one). On CPU the op is the exact
+composition mm + route_reference, so an engine with P4 computes what one without it does.
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ from torch.fx import GraphModule, Node
 from .graph_utils import (erase_if_dead, erase_subgraph, fake_mode_of, is_call, known_equal, replace_uses, set_meta_val,
                           val_of)
 from .kernels import routing  # noqa: F401  (registers torch.ops.k3.fused_route)
-from .registry import PassConfig, register_pass
+from .registry import PassConfig, PassConfigError, register_pass
 
 aten = torch.ops.aten
 _RENORM_EPS = routing.RENORM_EPS
@@ -37,7 +46,16 @@ _RENORM_EPS = routing.RENORM_EPS
 
 @dataclass
 class FusedRoutingConfig(PassConfig):
-    pass
+    # Absorb the router's fp32 GEMM into the node (its `router_weight` form) and compute the logits in the
+    # routing kernel for batches up to this many tokens; above it the node runs cuBLAS + the routing kernel.
+    # The FX graph has a symbolic batch, so the op decides per call (fixed per captured CUDA graph).
+    # 0 = never absorb: the router GEMM stays in the graph as it is.
+    absorb_router_max_tokens: int = 16
+
+    def validate(self) -> None:
+        if self.absorb_router_max_tokens < 0:
+            raise PassConfigError(f"p04_fused_routing: absorb_router_max_tokens must be >= 0, "
+                                  f"got {self.absorb_router_max_tokens}")
 
 
 class _NoMatch(Exception):
@@ -179,6 +197,33 @@ def _match(topk: Node):
     return nodes, logits, bias, (top_k, renormalize, scaling, num_groups, topk_group), out, ids
 
 
+def _fp32_upcast_source(node: Node) -> Node:
+    """x of `_to_copy(x, dtype=fp32)` when x is a narrower-or-equal float (an exact cast the kernel repeats
+    on load), else the node itself."""
+    if is_call(node, aten._to_copy.default) and set(node.kwargs) == {"dtype"} and node.kwargs["dtype"] == torch.float32:
+        src = val_of(node.args[0])
+        if src is not None and src.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return node.args[0]
+    return node
+
+
+def _router_gemm(logits: Node, owned_by: set):
+    """(x, W, dead-after nodes) when `logits` is the router's fp32 GEMM `mm(x', t(W'))` read only by the
+    pattern (x', W' possibly exact fp32 upcasts of x, W), else None."""
+    if not (is_call(logits, aten.mm.default) and all(u in owned_by for u in logits.users)):
+        return None
+    a, t = logits.args
+    if not (is_call(t, aten.t.default) and len(t.users) == 1):
+        return None
+    a_val, w_val, out_val = val_of(a), val_of(t.args[0]), val_of(logits)
+    if a_val is None or w_val is None or out_val is None or out_val.dtype != torch.float32:
+        return None
+    if a_val.dim() != 2 or w_val.dim() != 2 or a_val.dtype != torch.float32 or w_val.dtype != torch.float32:
+        return None
+    x, w = _fp32_upcast_source(a), _fp32_upcast_source(t.args[0])
+    return x, w, [logits, t, a, t.args[0]]
+
+
 @register_pass("p04_fused_routing", FusedRoutingConfig)
 def fused_routing(gm: GraphModule, config: FusedRoutingConfig) -> int:
     """sigmoid + bias + (group limit) + top-k + gather + renorm + scale -> one k3.fused_route node."""
@@ -192,7 +237,16 @@ def fused_routing(gm: GraphModule, config: FusedRoutingConfig) -> int:
             continue
         fake_mode = fake_mode or fake_mode_of(gm)
         g = gm.graph
-        # before the top-k: every input (logits, bias) is defined by then, every consumer comes after
+        sigmoid = next(n for n in nodes if is_call(n, aten.sigmoid.default))
+        absorbed = [sigmoid.args[0]]
+        gemm = None
+        if config.absorb_router_max_tokens > 0:
+            gemm = _router_gemm(logits, nodes | {sigmoid.args[0]})
+        if gemm is not None:  # the node computes the logits: k3.fused_route(x, ..., router_weight=W, max tokens)
+            logits, weight, dead = gemm
+            args = (*args, weight, config.absorb_router_max_tokens)
+            absorbed += dead
+        # before the top-k: every input (logits or x, bias, W) is defined by then, every consumer comes after
         with g.inserting_before(topk):
             fused = g.call_function(torch.ops.k3.fused_route.default, (logits, bias, *args))
             w = g.call_function(operator.getitem, (fused, 0))
@@ -201,9 +255,8 @@ def fused_routing(gm: GraphModule, config: FusedRoutingConfig) -> int:
             set_meta_val(n, fake_mode)
         replace_uses(weights_out, w, fake_mode)
         replace_uses(ids_out, i, fake_mode)
-        absorbed_cast = next(n for n in nodes if is_call(n, aten.sigmoid.default)).args[0]
         erase_subgraph(gm, nodes)
-        erase_if_dead(gm, [absorbed_cast])
+        erase_if_dead(gm, absorbed)
         matches += 1
     return matches
 

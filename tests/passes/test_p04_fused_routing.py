@@ -10,7 +10,10 @@ from k3compile.capture import capture_step
 from k3compile.model_def.init import init_random
 from k3compile.model_def.loader import build_model
 from k3compile.model_def.ops.moe_math import route
+from k3compile.passes.graph_utils import val_of
 from k3compile.passes.kernels import routing  # noqa: F401  (torch.ops.k3.fused_route)
+from k3compile.passes.p04_fused_routing import FusedRoutingConfig
+from k3compile.passes.registry import PassConfigError
 from k3compile.passes.verify import step_inputs
 
 from .helpers import (BF16_TOL, FP32_TOL, MODELS, MODES, assert_same_step, eager_step, graph, inputs_for,
@@ -22,32 +25,36 @@ FUSED = torch.ops.k3.fused_route.default
 
 
 def _fused_args(gm) -> list[tuple]:
-    return [tuple(n.args[2:]) for n in gm.graph.nodes if n.target == FUSED]
+    """The scalar arguments (the absorbed form's router weight, args[7], left out)."""
+    return [tuple(a for i, a in enumerate(n.args) if i >= 2 and i != 7) for n in gm.graph.nodes if n.target == FUSED]
 
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("mode", MODES)
-def test_one_fused_route_per_moe_layer(name, mode):
+@pytest.mark.parametrize("absorb", [0, 16])
+def test_one_fused_route_per_moe_layer(name, mode, absorb):
     cfg = model(name).config
     n = layer_counts(cfg)
     gm = graph(name, mode)
     before = op_counts(gm)
     nodes0 = len(gm.graph.nodes)
-    assert run_pass(gm, P4) == n["moe"]
+    assert run_pass(gm, P4, absorb_router_max_tokens=absorb) == n["moe"]
     after = op_counts(gm)
     assert after[FUSED] == n["moe"]
     for op in (aten.topk.default, aten.gather.default):
         assert before[op] == n["moe"] and after[op] == 0
     assert after[aten.sigmoid.default] == before[aten.sigmoid.default] - n["moe"]
-    # per layer: sigmoid, add, topk, 2 getitems, gather, sum, add(eps), div, mul -> fused_route + 2 getitems
-    assert len(gm.graph.nodes) == nodes0 - 7 * n["moe"]
+    # per layer: sigmoid, add, topk, 2 getitems, gather, sum, add(eps), div, mul -> fused_route + 2 getitems;
+    # absorbing (the raw fp32 capture: P1 has not merged the router GEMM) also takes the router's mm and t
+    assert len(gm.graph.nodes) == nodes0 - (9 if absorb else 7) * n["moe"]
+    assert after[aten.mm.default] == before[aten.mm.default] - (n["moe"] if absorb else 0)
     expected = (cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor, 1, 1)
-    assert _fused_args(gm) == [expected] * n["moe"]
+    assert _fused_args(gm) == [expected + ((absorb,) if absorb else ())] * n["moe"]
     for node in gm.graph.nodes:  # the bias is the router's correction-bias buffer
         if node.target == FUSED:
             assert node.args[1].op == "get_attr" and node.args[1].target.endswith("e_score_correction_bias")
     code = gm.code
-    assert run_pass(gm, P4) == 0
+    assert run_pass(gm, P4, absorb_router_max_tokens=absorb) == 0
     assert gm.code == code
 
 
@@ -82,7 +89,7 @@ def test_group_limit_and_no_renorm_are_read_off_the_graph():
     before = capture_step(m, "decode")
     assert op_counts(gm)[aten.masked_fill.Scalar] == 2
     assert run_pass(gm, P4) == 2
-    assert _fused_args(gm) == [(2, False, 1.5, 4, 2)] * 2
+    assert _fused_args(gm) == [(2, False, 1.5, 4, 2, 16)] * 2  # router GEMM absorbed (raw fp32 capture)
     counts = op_counts(gm)
     for op in (aten.topk.default, aten.masked_fill.Scalar, aten.scatter_.value, aten.bitwise_not.default):
         assert counts[op] == 0, op
@@ -146,3 +153,71 @@ def test_other_constants_do_not_match():
     for fn in (other_eps, smallest):
         gm = _trace(fn, torch.randn(4, 8), torch.randn(8))
         assert run_pass(gm, P4) == 0, fn.__name__
+
+
+def _absorbed(gm) -> list:
+    return [n for n in gm.graph.nodes if n.target == FUSED and len(n.args) == 9]
+
+
+@pytest.mark.parametrize("name,mode", [("kimi-linear-tiny", "decode"), ("k3-tiny", "prefill")])
+def test_bf16_router_gemm_is_absorbed(name, mode):
+    """bf16 models: the router's fp32 GEMM (on x.float(), with the fp32 weight) goes into the node."""
+    n = layer_counts(model(name).config)["moe"]
+    before, gm = graph(name, mode, torch.bfloat16), graph(name, mode, torch.bfloat16)
+    counts0 = op_counts(gm)
+    assert run_pass(gm, P4) == n
+    counts = op_counts(gm)
+    absorbed = _absorbed(gm)
+    assert len(absorbed) == n and counts[FUSED] == n
+    for op in (aten.mm.default, aten.t.default):  # one router GEMM per MoE layer gone
+        assert counts[op] == counts0[op] - n, op
+    for node in absorbed:
+        x, weight = node.args[0], node.args[7]
+        assert node.args[8] == 16  # the config's default absorb_router_max_tokens
+        assert val_of(x).dtype == torch.bfloat16 and val_of(x).shape[-1] == model(name).config.hidden_size
+        assert weight.op == "get_attr" and weight.target.endswith("gate_weight")  # the cast went too
+    x = inputs_for(name, mode, torch.bfloat16)
+    got, want = run_graph(gm, x), run_graph(before, x)
+    assert_same_step(got, want, 0.0, "absorbed router vs unpassed graph (CPU: the same ops)")
+
+
+def test_absorbing_off_keeps_the_router_gemm():
+    name, n = "kimi-linear-tiny", layer_counts(model("kimi-linear-tiny").config)["moe"]
+    gm = graph(name, "decode", torch.bfloat16)
+    counts0 = op_counts(gm)
+    assert run_pass(gm, P4, absorb_router_max_tokens=0) == n
+    counts = op_counts(gm)
+    assert not _absorbed(gm) and counts[FUSED] == n
+    assert counts[aten.mm.default] == counts0[aten.mm.default]
+    with pytest.raises(PassConfigError, match="absorb_router_max_tokens"):
+        FusedRoutingConfig(absorb_router_max_tokens=-1).validate()
+
+
+def test_fp32_merged_router_gemm_is_not_absorbed():
+    """fp32 models: after P1 the router logits are a column block of the MoE front's merged GEMM: kept."""
+    gm = graph("kimi-linear-tiny", "decode")
+    assert run_pass(gm, "p01_gemm_merge") > 0
+    mm0 = op_counts(gm)[aten.mm.default]
+    assert run_pass(gm, P4) == layer_counts(model("kimi-linear-tiny").config)["moe"]
+    assert not _absorbed(gm) and op_counts(gm)[aten.mm.default] == mm0
+
+
+def _router(x, w, bias, leak: bool):
+    logits = torch.mm(x.float(), w.float().t())
+    weights, ids = route(logits, bias, 2, True, 2.0)
+    return (weights, ids, logits.sum()) if leak else (weights, ids)
+
+
+def test_router_gemm_read_elsewhere_is_not_absorbed():
+    args = (torch.randn(4, 16).bfloat16(), torch.randn(8, 16).bfloat16(), torch.randn(8))
+    gm = _trace(lambda x, w, b: _router(x, w, b, True), *args)
+    assert run_pass(gm, P4) == 1 and not _absorbed(gm)
+    clean = _trace(lambda x, w, b: _router(x, w, b, False), *args)
+    assert run_pass(clean, P4) == 1 and len(_absorbed(clean)) == 1
+    assert op_counts(clean)[aten.mm.default] == 0 and op_counts(clean)[aten._to_copy.default] == 0
+    fused = _absorbed(clean)[0]
+    assert [a.op for a in (fused.args[0], fused.args[7])] == ["placeholder"] * 2  # bf16 x and W: casts absorbed
+    for t in (4, 7):
+        args = (torch.randn(t, 16).bfloat16(), args[1], args[2])
+        (w, i), (w0, i0) = clean(*args), _router(*args, False)
+        assert torch.equal(i, i0) and torch.equal(w, w0)
