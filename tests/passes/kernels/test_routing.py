@@ -229,3 +229,101 @@ def test_cuda_kernel_ties_and_fallback():
     logits = torch.randn(5, 2048)  # beyond the kernel: the op falls back to the reference on the GPU
     weights, ids = FUSED_ROUTE(logits.cuda(), torch.zeros(2048, device="cuda"), 16, True, 1.0, 1, 1)
     _assert_equivalent_routing(weights, ids, logits, torch.zeros(2048), 16, True, 1.0, 1, 1)
+
+
+# --------------------------------------------------------------- the absorbed form (router GEMM + routing)
+
+def _router_case(tokens, num_experts, hidden, x_dtype=torch.bfloat16, w_dtype=torch.float32, seed=8):
+    """x, the router weight and bias at a trained router's scale (logits of order 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(x_dtype)
+    w = (torch.randn(num_experts, hidden, generator=gen) / hidden ** 0.5).to(w_dtype)
+    return x, w, 0.01 * torch.randn(num_experts, generator=gen)
+
+
+def test_absorbed_op_on_cpu_is_the_unfused_composition():
+    x, w, bias = _router_case(6, 64, 48)
+    for absorb in (0, 4, 16):  # the threshold only picks the CUDA kernel; on CPU every batch is the reference
+        weights, ids = FUSED_ROUTE(x, bias, 8, True, 2.446, 4, 2, w, absorb)
+        logits = torch.mm(x.float(), w.float().t())  # what the graph ran before P4
+        ref_weights, ref_ids = route_reference(logits, bias, 8, True, 2.446, 4, 2)
+        assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+
+
+def test_absorbed_op_passes_opcheck_and_checks_its_arguments():
+    x, w, bias = _router_case(5, 32, 24)
+    for args in ((x, bias, 4, True, 2.446, 1, 1, w, 16), (x.float(), bias, 2, False, 1.0, 4, 2, w.bfloat16(), 1)):
+        torch.library.opcheck(FUSED_ROUTE, args)
+    with pytest.raises(ValueError, match=r"router_weight must be \[experts, hidden = 24\]"):
+        FUSED_ROUTE(x, bias, 4, True, 1.0, 1, 1, w[:, :20], 16)
+    with pytest.raises(ValueError, match="must be fp32, bf16 or fp16"):
+        FUSED_ROUTE(x.double(), bias, 4, True, 1.0, 1, 1, w, 16)
+    with pytest.raises(ValueError, match=r"bias must be \[experts\] = \[32\]"):
+        FUSED_ROUTE(x, bias[:16], 4, True, 1.0, 1, 1, w, 16)
+
+
+def _assert_close_routing(weights, ids, x, w, bias, top_k, renormalize, scaling, groups, topk_group):
+    """Against the CPU reference from the same x and W. The kernel's fp32 dot products sum in another order
+    than cuBLAS / the CPU's mm, so two experts whose choice scores agree to a few ulps may swap: the picked
+    experts' reference choice scores must equal the reference top-k's slot by slot (atol 2e-6), weights by
+    relative error against the reference scores of the experts actually picked."""
+    ids, weights = ids.cpu(), weights.cpu()
+    logits = torch.mm(x.float().cpu(), w.float().cpu().t())
+    ref_weights, ref_ids = route_reference(logits, bias.cpu(), top_k, renormalize, scaling, groups, topk_group)
+    scores = logits.sigmoid()
+    choice = scores + bias.cpu().float()
+    torch.testing.assert_close(choice.gather(1, ids), choice.gather(1, ref_ids), rtol=0, atol=2e-6)
+    expected = scores.gather(1, ids)
+    if renormalize:
+        expected = expected / (expected.sum(-1, keepdim=True) + 1e-20)
+    torch.testing.assert_close(weights, expected * scaling, rtol=1e-5, atol=0)
+    mismatched_rows = (ids != ref_ids).any(-1).sum().item()
+    assert mismatched_rows <= max(1, ids.shape[0] // 50), f"{mismatched_rows} tokens routed differently"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens,num_experts,hidden,top_k,groups,topk_group", [
+    (1, 256, 2304, 8, 1, 1),    # Kimi-Linear-48B decode
+    (3, 256, 2304, 8, 1, 1),
+    (16, 256, 2304, 8, 1, 1),   # the default absorbing threshold
+    (1, 96, 2048, 8, 1, 1),     # k3-mini-6b
+    (8, 256, 2304, 8, 8, 4),    # group limiting
+])
+def test_cuda_absorbed_kernel_matches_reference(tokens, num_experts, hidden, top_k, groups, topk_group):
+    from k3compile.passes.kernels.routing import linear_route_triton
+    x, w, bias = (t.cuda() for t in _router_case(tokens, num_experts, hidden))
+    for _ in range(2):  # the second launch relies on the arrival counters having been zeroed again
+        weights, ids = linear_route_triton(x, w, bias, top_k, True, 2.446, groups, topk_group)
+        _assert_close_routing(weights, ids, x, w, bias, top_k, True, 2.446, groups, topk_group)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_absorbed_op_replays_from_a_cuda_graph_and_switches_at_the_threshold():
+    x, w, bias = (t.cuda() for t in _router_case(4, 256, 2304))
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        FUSED_ROUTE(static_x, bias, 8, True, 2.446, 1, 1, w, 16)  # warm-up: compiles, allocates the counters
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = FUSED_ROUTE(static_x, bias, 8, True, 2.446, 1, 1, w, 16)
+    for seed in range(3):  # replays start from zeroed counters each time
+        new_x = _router_case(4, 256, 2304, seed=seed)[0].cuda()
+        static_x.copy_(new_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close_routing(weights, ids, new_x, w, bias, 8, True, 2.446, 1, 1)
+
+    def kernels(tokens, absorb):
+        xs = x[:1].expand(tokens, -1).contiguous()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            FUSED_ROUTE(xs, bias, 8, True, 2.446, 1, 1, w, absorb)
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    absorbed, split = kernels(4, 16), kernels(32, 16)
+    assert [n for n in absorbed if "route" in n] == ["_linear_route_kernel"] and len(absorbed) == 1
+    assert "_fused_route_kernel" in split and "_linear_route_kernel" not in split and len(split) >= 2
