@@ -19,9 +19,10 @@ intermediates are read elsewhere, whose sigmoid is not computed in fp32, or that
 form above in any way (other dims, other eps, other constants) is left alone.
 
 Router GEMM absorbed (config `absorb_router_max_tokens` > 0, default 16): when L is the router's own
-fp32 GEMM `mm(x', t(W'))` read by nothing else (a bf16 model: x' = _to_copy(x, fp32), W' the fp32
-weight P3 folded; an fp32 model's router GEMM is P1's merged MoE-front GEMM and stays), the node
-becomes `k3.fused_route(x, bias, ..., W, absorb_max_tokens)` and the mm, t and casts go: at batch <=
+fp32 GEMM `mm(x, t(W))` read by nothing else (a bf16 model: x = _to_copy(h, fp32), which P7's norm
+kernel later writes as a second output, and W the fp32 weight P3 folded; an fp32 model's router GEMM
+is P1's merged MoE-front GEMM and stays), the node becomes
+`k3.fused_route(x, bias, ..., W, absorb_max_tokens)` and the mm and t go: at batch <=
 absorb_max_tokens one kernel computes the logits (fp32, as the graph's casts did) and routes; above
 it the op runs the same cuBLAS GEMM and the routing kernel (the graph's batch is symbolic, so the
 choice is the op's, per call; each captured CUDA graph holds one). On CPU the op is the exact
@@ -197,31 +198,21 @@ def _match(topk: Node):
     return nodes, logits, bias, (top_k, renormalize, scaling, num_groups, topk_group), out, ids
 
 
-def _fp32_upcast_source(node: Node) -> Node:
-    """x of `_to_copy(x, dtype=fp32)` when x is a narrower-or-equal float (an exact cast the kernel repeats
-    on load), else the node itself."""
-    if is_call(node, aten._to_copy.default) and set(node.kwargs) == {"dtype"} and node.kwargs["dtype"] == torch.float32:
-        src = val_of(node.args[0])
-        if src is not None and src.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            return node.args[0]
-    return node
-
-
 def _router_gemm(logits: Node, owned_by: set):
-    """(x, W, dead-after nodes) when `logits` is the router's fp32 GEMM `mm(x', t(W'))` read only by the
-    pattern (x', W' possibly exact fp32 upcasts of x, W), else None."""
+    """(x, W, dead-after nodes) when `logits` is the router's fp32 GEMM `mm(x, t(W))` read only by the
+    pattern, else None. x and W stay as the graph has them (in a bf16 model x = _to_copy(h, fp32), which
+    P7's norm kernel then writes for free, and W the fp32 weight P3 folded): same operands, same dtypes."""
     if not (is_call(logits, aten.mm.default) and all(u in owned_by for u in logits.users)):
         return None
-    a, t = logits.args
+    x, t = logits.args
     if not (is_call(t, aten.t.default) and len(t.users) == 1):
         return None
-    a_val, w_val, out_val = val_of(a), val_of(t.args[0]), val_of(logits)
-    if a_val is None or w_val is None or out_val is None or out_val.dtype != torch.float32:
+    x_val, w_val, out_val = val_of(x), val_of(t.args[0]), val_of(logits)
+    if x_val is None or w_val is None or out_val is None or out_val.dtype != torch.float32:
         return None
-    if a_val.dim() != 2 or w_val.dim() != 2 or a_val.dtype != torch.float32 or w_val.dtype != torch.float32:
+    if x_val.dim() != 2 or w_val.dim() != 2 or x_val.dtype != torch.float32 or w_val.dtype != torch.float32:
         return None
-    x, w = _fp32_upcast_source(a), _fp32_upcast_source(t.args[0])
-    return x, w, [logits, t, a, t.args[0]]
+    return x, t.args[0], [logits, t]
 
 
 @register_pass("p04_fused_routing", FusedRoutingConfig)

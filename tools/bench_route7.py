@@ -1,11 +1,11 @@
 """Router GEMM absorbed into fused_route (issue 9, P4's absorb_router_max_tokens; run by tools/gpu_route7.sh).
 
 Per shape (one MoE layer's router: Kimi-Linear-48B E=256 D=2304 top-8; k3-mini-6b E=96 D=2048 top-8; fp32
-router weight as P3 folds it, bf16 hidden state) and batch 1, 2, 4, 8, 16, 64, each arm replayed from a CUDA
+router weight as P3 folds it; x32 = the fp32 copy of the bf16 hidden state, which P4 leaves in the graph and
+P7's norm kernel writes) and batch 1, 2, 4, 8, 16, 64, each arm replayed from a CUDA
 graph (kernels.moe_decode._time_us, 50 calls per replay):
 
-  split     what P4 without absorbing leaves: cuBLAS mm(x32, W32^T) + the routing kernel (x32 = the fp32 copy
-            of the hidden state, which P7's norm kernel writes in the engine: its cast is not timed here)
+  split     what P4 without absorbing leaves: cuBLAS mm(x32, W32^T) + the routing kernel
   absorbed  routing.linear_route_triton with its default blocks (default_linear_route_blocks): one launch
   be=N      the absorbed kernel with BLOCK_E = N experts per program (the sweep that sets the defaults)
 
@@ -42,7 +42,7 @@ def main(out: str) -> None:
                 return routing.route_triton(torch.mm(x32, w32.t()), *args)
 
             def absorbed(block_e=None):
-                return routing.linear_route_triton(x, w32, *args, block_e=block_e)
+                return routing.linear_route_triton(x32, w32, *args, block_e=block_e)
 
             ref_w, ref_ids = split()
             got_w, got_ids = absorbed()

@@ -1,6 +1,7 @@
 """P4 fused routing: one k3.fused_route per MoE layer with the config's knobs read off the graph,
 group limiting, renorm off, the bf16 graphs, refusals, numerics vs the unpassed graph and eager."""
 import functools
+import operator
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from k3compile.capture import capture_step
 from k3compile.model_def.init import init_random
 from k3compile.model_def.loader import build_model
 from k3compile.model_def.ops.moe_math import route
-from k3compile.passes.graph_utils import val_of
+from k3compile.passes.graph_utils import is_call, val_of
 from k3compile.passes.kernels import routing  # noqa: F401  (torch.ops.k3.fused_route)
 from k3compile.passes.p04_fused_routing import FusedRoutingConfig
 from k3compile.passes.registry import PassConfigError
@@ -171,11 +172,13 @@ def test_bf16_router_gemm_is_absorbed(name, mode):
     assert len(absorbed) == n and counts[FUSED] == n
     for op in (aten.mm.default, aten.t.default):  # one router GEMM per MoE layer gone
         assert counts[op] == counts0[op] - n, op
-    for node in absorbed:
+    cfg = model(name).config
+    for node in absorbed:  # the GEMM's own operands: x = _to_copy(h, fp32), W upcast to fp32
         x, weight = node.args[0], node.args[7]
         assert node.args[8] == 16  # the config's default absorb_router_max_tokens
-        assert val_of(x).dtype == torch.bfloat16 and val_of(x).shape[-1] == model(name).config.hidden_size
-        assert weight.op == "get_attr" and weight.target.endswith("gate_weight")  # the cast went too
+        assert is_call(x, aten._to_copy.default) and val_of(x.args[0]).dtype == torch.bfloat16
+        assert val_of(x).dtype == val_of(weight).dtype == torch.float32
+        assert tuple(val_of(weight).shape) == (cfg.num_experts, cfg.hidden_size)
     x = inputs_for(name, mode, torch.bfloat16)
     got, want = run_graph(gm, x), run_graph(before, x)
     assert_same_step(got, want, 0.0, "absorbed router vs unpassed graph (CPU: the same ops)")
@@ -214,10 +217,26 @@ def test_router_gemm_read_elsewhere_is_not_absorbed():
     assert run_pass(gm, P4) == 1 and not _absorbed(gm)
     clean = _trace(lambda x, w, b: _router(x, w, b, False), *args)
     assert run_pass(clean, P4) == 1 and len(_absorbed(clean)) == 1
-    assert op_counts(clean)[aten.mm.default] == 0 and op_counts(clean)[aten._to_copy.default] == 0
+    assert op_counts(clean)[aten.mm.default] == 0 and op_counts(clean)[aten._to_copy.default] == 2
     fused = _absorbed(clean)[0]
-    assert [a.op for a in (fused.args[0], fused.args[7])] == ["placeholder"] * 2  # bf16 x and W: casts absorbed
+    assert all(is_call(a, aten._to_copy.default) for a in (fused.args[0], fused.args[7]))  # the mm's operands
     for t in (4, 7):
         args = (torch.randn(t, 16).bfloat16(), args[1], args[2])
         (w, i), (w0, i0) = clean(*args), _router(*args, False)
         assert torch.equal(i, i0) and torch.equal(w, w0)
+
+
+def test_p7_still_writes_the_routers_fp32_input():
+    """P4 leaves the router's x = _to_copy(h, fp32) in place, so P7's norm kernel writes that copy as its
+    second output (attn_res_norm_f32, one per MoE layer) and the absorbed node reads it: no cast kernel."""
+    name = "kimi-linear-tiny"
+    moe = layer_counts(model(name).config)["moe"]
+    before, gm = graph(name, "decode", torch.bfloat16), graph(name, "decode", torch.bfloat16)
+    assert run_pass(gm, P4) == moe
+    run_pass(gm, "p07_attn_res_norm")
+    f32 = torch.ops.k3.attn_res_norm_f32.default
+    assert op_counts(gm)[f32] == moe
+    for node in _absorbed(gm):
+        assert node.args[0].target is operator.getitem and node.args[0].args[0].target == f32
+    x = inputs_for(name, "decode", torch.bfloat16)
+    assert_same_step(run_graph(gm, x), run_graph(before, x), BF16_TOL, "P4 + P7 vs unpassed graph")
