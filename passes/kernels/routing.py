@@ -34,6 +34,15 @@ topk_group)` is the single graph node a pass targets: all knobs are plain scalar
 schema, the tensors are exactly the router logits and the bias buffer. CPU (and any device
 without a kernel) runs the reference; CUDA runs the Triton kernel.
 
+Absorbed form (P4 with absorb_router_max_tokens > 0): `fused_route(x, bias, ..., router_weight=W,
+absorb_max_tokens=N)` takes the router's input x [T, D] and weight W [E, D] (fp32 / bf16 / fp16) and
+computes logits = mm(x.float(), W.float().t()) itself (`router_logits`; CPU: exactly that op, then the
+reference). On CUDA, T <= N runs `_linear_route_kernel`: a grid over (expert block, token) computes fp32
+logits into a workspace (fp32 multiply-adds, no TF32) and the token's last program to arrive (acq_rel
+counter, zeroed again by it, so CUDA-graph replays start clean) routes the row; T > N runs cuBLAS, then
+the routing kernel. The kernel's dot products sum in another order than cuBLAS, so experts whose choice
+scores agree to a few ulps may swap (tests allow exactly that).
+
 Testing the kernel without a GPU: with TRITON_INTERPRET=1 in the environment *before this module
 is imported* (the flag is read when the kernel is decorated), `route_triton` runs on CPU tensors.
 """
@@ -297,22 +306,27 @@ def _route_constants(num_experts: int, top_k: int, renormalize: bool, num_expert
                 GROUP_SIZE_PAD=triton.next_power_of_2(group_size), TOP_K_PAD=triton.next_power_of_2(top_k))
 
 
+def _kernel_outputs(num_tokens: int, num_experts: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Refuse what the kernels do not cover; allocate (weights fp32, ids int64) [T, k]."""
+    if triton is None:
+        raise RuntimeError("fused_route: triton is not installed")
+    if not kernel_supports(num_experts, top_k):
+        raise ValueError(f"fused_route kernel: supports up to {KERNEL_MAX_EXPERTS} experts and top_k "
+                         f"{KERNEL_MAX_TOP_K}, got {num_experts} experts and top_k {top_k}")
+    return (torch.empty(num_tokens, top_k, dtype=torch.float32, device=device),
+            torch.empty(num_tokens, top_k, dtype=torch.int64, device=device))
+
+
 def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
                  scaling: float, num_expert_group: int = 1, topk_group: int = 1,
                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
     check_route_args(logits, bias, top_k, num_expert_group, topk_group)
     num_tokens, num_experts = logits.shape
-    if triton is None:
-        raise RuntimeError("fused_route: triton is not installed")
-    if not kernel_supports(num_experts, top_k):
-        raise ValueError(f"fused_route kernel: supports up to {KERNEL_MAX_EXPERTS} experts and top_k "
-                         f"{KERNEL_MAX_TOP_K}, got {num_experts} experts and top_k {top_k}")
+    weights, ids = _kernel_outputs(num_tokens, num_experts, top_k, logits.device)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     bias = bias.contiguous()
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     if num_tokens == 0:
         return weights, ids
     const = _route_constants(num_experts, top_k, renormalize, num_expert_group, topk_group)
@@ -371,20 +385,14 @@ def linear_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """The router GEMM and the routing in one launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
     block_e / block_d / num_warps override `default_linear_route_blocks` (benchmarks)."""
     check_linear_route_args(x, weight, bias, top_k, num_expert_group, topk_group)
-    if triton is None:
-        raise RuntimeError("fused_route: triton is not installed")
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
-    if not kernel_supports(num_experts, top_k):
-        raise ValueError(f"fused_route kernel: supports up to {KERNEL_MAX_EXPERTS} experts and top_k "
-                         f"{KERNEL_MAX_TOP_K}, got {num_experts} experts and top_k {top_k}")
+    weights, ids = _kernel_outputs(num_tokens, num_experts, top_k, x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     bias = bias.contiguous()
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
     if num_tokens == 0:
         return weights, ids
     be, bd, nw = default_linear_route_blocks(num_tokens, num_experts, hidden)
