@@ -265,18 +265,19 @@ def test_absorbed_op_passes_opcheck_and_checks_its_arguments():
 def _assert_close_routing(weights, ids, x, w, bias, top_k, renormalize, scaling, groups, topk_group):
     """Against the CPU reference from the same x and W. The kernel's fp32 dot products sum in another order
     than cuBLAS / the CPU's mm, so two experts whose choice scores agree to a few ulps may swap: the picked
-    experts' reference choice scores must equal the reference top-k's slot by slot (atol 2e-6), weights by
-    relative error against the reference scores of the experts actually picked."""
+    experts' reference choice scores must equal the reference top-k's slot by slot (atol 1e-5: a 2304-long
+    fp32 dot product's rounding, through the sigmoid), weights by relative error (2e-5) against the
+    reference scores of the experts actually picked."""
     ids, weights = ids.cpu(), weights.cpu()
     logits = torch.mm(x.float().cpu(), w.float().cpu().t())
     ref_weights, ref_ids = route_reference(logits, bias.cpu(), top_k, renormalize, scaling, groups, topk_group)
     scores = logits.sigmoid()
     choice = scores + bias.cpu().float()
-    torch.testing.assert_close(choice.gather(1, ids), choice.gather(1, ref_ids), rtol=0, atol=2e-6)
+    torch.testing.assert_close(choice.gather(1, ids), choice.gather(1, ref_ids), rtol=0, atol=1e-5)
     expected = scores.gather(1, ids)
     if renormalize:
         expected = expected / (expected.sum(-1, keepdim=True) + 1e-20)
-    torch.testing.assert_close(weights, expected * scaling, rtol=1e-5, atol=0)
+    torch.testing.assert_close(weights, expected * scaling, rtol=2e-5, atol=0)
     mismatched_rows = (ids != ref_ids).any(-1).sum().item()
     assert mismatched_rows <= max(1, ids.shape[0] // 50), f"{mismatched_rows} tokens routed differently"
 
