@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import torch
 
+from .arrivals import arrival_counters
+
 try:
     import triton
     import triton.language as tl
@@ -345,6 +347,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormali
 LINEAR_ROUTE_TARGET_PROGRAMS = 128
 LINEAR_ROUTE_MAX_BLOCK_E = 16
 LINEAR_ROUTE_MAX_TILE = 8192  # fp32 elements of the [BLOCK_E, BLOCK_D] accumulator
+ARRIVALS_OWNER = "fused_route"  # the absorbed kernel's own arrival counters (arrivals.py)
 
 
 def default_linear_route_blocks(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, int]:
@@ -357,25 +360,6 @@ def default_linear_route_blocks(num_tokens: int, num_experts: int, hidden: int) 
     block_d = max(16, min(triton.next_power_of_2(hidden), LINEAR_ROUTE_MAX_TILE // block_e))
     num_warps = 8 if block_e * block_d >= 4096 else 4
     return block_e, block_d, num_warps
-
-
-_arrivals: dict = {}  # device -> int32 counters, zero between launches (a token's last program re-zeroes its own)
-_outgrown: list = []  # smaller counter buffers that captured graphs may still use: never freed
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Per-token arrival counters of the absorbed kernel. Its own buffer (not the KDA kernel's): kernels on
-    other streams of one graph must never share a counter. Same policy as kda_decode's (to be shared)."""
-    buf = _arrivals.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # zeroed by a memset node of this graph only, so no other graph may share it
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    if buf is not None:
-        _outgrown.append(buf)
-    buf = _arrivals[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
 
 
 def linear_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
@@ -401,7 +385,7 @@ def linear_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         raise ValueError(f"fused_route kernel: block_e ({be}) and block_d ({bd}) must be powers of two")
     expert_blocks = triton.cdiv(num_experts, be)
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)  # workspace
-    arrivals = _arrival_counters(x.device, num_tokens) if expert_blocks > 1 else logits  # (unused at 1)
+    arrivals = arrival_counters(x.device, num_tokens, ARRIVALS_OWNER) if expert_blocks > 1 else logits  # (unused at 1)
     _linear_route_kernel[(expert_blocks, num_tokens)](
         x, weight, bias, logits, arrivals, weights, ids, x.stride(0), weight.stride(0), hidden, float(scaling),
         NUM_EXPERTS=num_experts, BLOCK_E=be, BLOCK_D=bd, EXPERT_BLOCKS=expert_blocks,

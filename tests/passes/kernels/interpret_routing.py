@@ -12,7 +12,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import torch  # noqa: E402
 
-from k3compile.passes.kernels import routing  # noqa: E402
+from k3compile.passes.kernels import arrivals, routing  # noqa: E402
 from interpreted import report  # noqa: E402  (this folder is sys.path[0] when run as a script)
 
 WEIGHT_ATOL = 1e-6
@@ -79,7 +79,7 @@ def check_linear(failures: list) -> int:
             n += 1
             weights, ids = routing.linear_route_triton(x, w, bias, k, renorm, scale, groups, topk_group,
                                                        block_e=block_e, block_d=block_d)
-            counters = routing._arrivals.get(x.device)
+            counters = arrivals.current(x.device, routing.ARRIVALS_OWNER)
             if counters is not None and counters.any():
                 failures.append(f"linear {name} launch {launch}: arrival counters not zeroed again")
             elif not torch.equal(ids, ref_ids):
