@@ -43,11 +43,11 @@ Triton kernels:
     GEMV on the normalized row, the shared expert's GEMV; one store.
 
 A and B each come in two designs, picked per batch by `kernel_designs` from measured H200 times (the
-table above ROWS_DOWN_FROM_BATCH): "tiles" (the kernels described here) and, for dense weights, "rows"
+table above DENSE_DESIGNS): "tiles" (the kernels described here) and, for dense weights, "rows"
 (`_expert_up_rows_kernel` / `_expert_down_rows_kernel`: a row block per program reduced every K step, the
 design before issue 9, faster for the bf16 up-projection at every batch and the down-projection from batch 8);
-B also has "split" (B' above). The choice is a static per-batch table (DENSE_DESIGNS / MXFP4_DESIGNS; "split"
-is in neither until it is measured: `designs=` selects it).
+B also has "split" (B' above), which the H200 measurement made the down-projection of every batch below the
+grouped-GEMM crossover. The choice is a static per-batch table (DENSE_DESIGNS / MXFP4_DESIGNS).
 
 MXFP4 weights are decoded in registers (E2M1 code -> value, times 2^(scale - 127)); the fp32
 accumulation is the same as for bf16 weights. Under TRITON_INTERPRET=1 (set before import) the
@@ -541,6 +541,9 @@ TUNED: dict[tuple, tuple[int, int, int]] = {
     ("down", 1, 2304, 1024, False): (8, 128, 4),
     ("down", 1, 2304, 1024, True): (4, 512, 4),
     ("up", 8, 1024, 2304, True): (16, 256, 4),
+    # split down, 48B bf16 batch 1 (8 experts + the shared one = 9 slots): rule [32,256,4] 15.6 -> [64,128,4] 14.5
+    # (traces/h200_s7/moe7.md; at batch 8 and for MXFP4 the rule's tile was the best swept)
+    ("split", 9, 2304, 1024, False): (64, 128, 4),
 }
 
 # Which design runs each kernel: "tiles" (the kernels above with a [rows, K] tile summed in place; MXFP4 and,
@@ -551,16 +554,22 @@ TUNED: dict[tuple, tuple[int, int, int]] = {
 #   up,   k3-mini: batch 1 5.8 / 8.3, batch 8 26 / 59                         -> rows at every batch
 #   down, 48B:     batch 1 32.2 / 24.9 (24.3 with the TUNED tile), batch 8 84 / 137 (109), batch 64 524 / 750
 #   down, k3-mini: batch 1 9.0 / 5.5, batch 8 22.8 / 20.9, batch 64 75.7 / 126.9
-#                                                                              -> tiles below batch 8, rows from 8
+#   (session 4; for the down-projection superseded by "split", table below)   -> tiles below batch 8, rows from 8
 # (k3-mini batch 8 loses ~2 µs to the one-threshold rule.) MXFP4: tiles won every measured case (48B batch 1
 # up 28.3 vs 30.0, down 16.0 vs 23.1; batch 8 up 164 vs 198, down 101 vs 143).
-ROWS_DOWN_FROM_BATCH = 8
 DESIGNS = ("rows", "tiles")  # kernel A's designs (and kernel B's, which also has "split")
-DOWN_DESIGNS = DESIGNS + ("split",)  # "split": _expert_down_split_kernel, dense and MXFP4, not yet measured
+DOWN_DESIGNS = DESIGNS + ("split",)  # "split": _expert_down_split_kernel, dense and MXFP4
 # The static per-batch choice (CUDA-graph safe): {from batch: (up design, down design)}, a batch taking the entry
-# of the largest key <= it. Edit after measuring (tools/bench_moe7.py prints the per-design kernel times).
-DENSE_DESIGNS: dict[int, tuple[str, str]] = {1: ("rows", "tiles"), ROWS_DOWN_FROM_BATCH: ("rows", "rows")}
-MXFP4_DESIGNS: dict[int, tuple[str, str]] = {1: ("tiles", "tiles")}
+# of the largest key <= it. Session 7's H200 run of tools/bench_moe7.py (traces/h200_s7/moe7.md; down kernel µs,
+# tiles / rows / split, CUDA-graph replays over 4 cycled routings):
+#   48B bf16:       batch 1 24.6 / 32.8 / 15.7 (14.5 TUNED), 2: 47.3 / 31.0 / 24.8, 4: 91.6 / 55.8 / 44.7, 8: 137.5 / 84.4 / 80.7
+#   k3-mini bf16:   batch 1 6.3 / 12.9 / 6.8, 2: 11.6 / 13.6 / 10.7, 4: 17.3 / 21.0 / 12.8, 8: 21.6 / 23.7 / 20.3
+#   48B MXFP4:      batch 1 17.4 / - / 16.2, 2: 39.1 / - / 27.3, 4: 62.6 / - / 45.8, 8: 101.9 / - / 87.0
+#   k3-mini MXFP4:  batch 1 7.3 / - / 5.6, 2: 9.5 / - / 9.5, 4: 12.0 / - / 13.9, 8: 21.5 / - / 20.2
+# -> split everywhere (k3-mini loses 0.5 us at bf16 batch 1 and 2 us at MXFP4 batch 4 to the one-table rule; the
+# 48B layer gains 9 us at batch 1). Batches from 16 up to the grouped-GEMM crossover were not measured.
+DENSE_DESIGNS: dict[int, tuple[str, str]] = {1: ("rows", "split")}
+MXFP4_DESIGNS: dict[int, tuple[str, str]] = {1: ("tiles", "split")}
 
 
 def kernel_designs(tokens: int, quantized: bool) -> tuple[str, str]:
