@@ -4,8 +4,10 @@
     k3compile bench cache-pressure --seeds 1,2,3 --out traces/cache_pressure  # report these
 
 Replays parameterized traces (bench/cache_traces.py: chat sessions with minutes of think time,
-agent tool loops over a long shared prefix, tree-of-thought forks, one-off traffic with repeats,
-all interleaved in simulated time; 24 roots give 110-140 requests) through LLMEngine at the
+agent tool loops over a long shared prefix, tree-of-thought as prompted BFS (`tot`: template +
+question + steps + suffix, thousands of short calls) and as whole-context forks (`tot_fork`),
+one-off traffic with repeats, all interleaved in simulated time; 24 roots give 105-161 requests,
+2000-3500 for `tot`) through LLMEngine at the
 engine's default chunk size and track interval, once per (trace, seed, memory budget, policy).
 Same engine, same budget for every policy: checkpoints compete with running requests for the
 memory, so at tight budgets eviction decides the result.
@@ -204,8 +206,8 @@ def _relate(group: list[dict]) -> list[dict]:
 
 
 def goals(rows: list[dict], policy: str = "valued") -> list[dict]:
-    """Issue 15's goals for the agent and tree-of-thought traces (GOAL_TRACES), per seed and budget (the issue states them at
-    tight memory; every budget is listed so the reader sees where they hold). Bytes are judged on
+    """Issue 15's goals for the agent and tree-of-thought traces (GOAL_TRACES), per seed and budget
+    (the issue states them at tight memory; every budget is listed so the reader sees where they hold). Bytes are judged on
     the mean checkpoint bytes held over the run (the memory states occupy; written and peak ride
     along)."""
     out = []
