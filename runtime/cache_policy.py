@@ -27,13 +27,14 @@ of 1 gains 8 points of hit rate (9.4 of the KV-only bound) on the agent trace at
 evict a live session's newest leaf, whose recompute saved over the prompt-tail checkpoint just
 above it is small, ahead of stale leaves) and loses nothing elsewhere; 4 is worse still, so 0.25.
 A per-path cap of 1 instead of 2 holds ~35% fewer checkpoint bytes but costs the tree-of-thought
-trace 12-13 points of hit rate and the agent trace at 8 MiB 6.5, so 2 stays. (On the earlier short-prompt
+(`tot_fork`) trace 12-13 points of hit rate and the agent trace at 8 MiB 6.5, so 2 stays. (On the earlier short-prompt
 traces a global cap of 10% of the state slots lost most agent hits; no global cap by default.)
 
 Checkpoint bytes. With production-length prompts (multi-thousand-token shared prefixes, tool
 outputs of hundreds of tokens) `every_chunk` at the default chunk of 256 stores a state every 256
 prefilled tokens: on the agent trace 2-5.5x as many states as `sparse` (on tree-of-thought, where
-`sparse` keeps a state per branch, fewer); on the earlier short-prompt traces it stored about as
+`sparse` keeps a state per branch, fewer; on prompted ToT, whose prompts are 300-600 tokens behind 265-360-token shared templates, its
+state at 256 is one per template, so it stores few and hits little more than the template); on the earlier short-prompt traces it stored about as
 few as `end`, which is why the bytes goal looked unreachable there. With split pools (the default)
 the state pool is reserved, so states a policy does not keep leave slots idle rather than freeing
 KV; with the unified arena they compete with KV directly.

@@ -4,8 +4,10 @@
     k3compile bench cache-pressure --seeds 1,2,3 --out traces/cache_pressure  # report these
 
 Replays parameterized traces (bench/cache_traces.py: chat sessions with minutes of think time,
-agent tool loops over a long shared prefix, tree-of-thought forks, one-off traffic with repeats,
-all interleaved in simulated time; 24 roots give 110-140 requests) through LLMEngine at the
+agent tool loops over a long shared prefix, tree-of-thought as prompted BFS (`tot`: template +
+question + steps + suffix, thousands of short calls) and as whole-context forks (`tot_fork`),
+one-off traffic with repeats, all interleaved in simulated time; 24 roots give 105-161 requests,
+2000-3500 for `tot`) through LLMEngine at the
 engine's default chunk size and track interval, once per (trace, seed, memory budget, policy).
 Same engine, same budget for every policy: checkpoints compete with running requests for the
 memory, so at tight budgets eviction decides the result.
@@ -28,7 +30,7 @@ stored x slot bytes), mean / p90 TTFT, how many exact repeats and shared-stem ro
 retractions, whether greedy outputs equal the no-cache run's, and the hit rate of a KV-only
 radix cache with LRU at the engine's page count (cache_replay.kv_only_lru: the equal-memory
 reference the unlimited bound is not). Results: OUT/cache_pressure.json and .md; issue 15's goals
-are evaluated for every budget of the agent and tot traces (`goals`).
+are evaluated for every budget of the agent and both tree-of-thought traces (`goals`).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from dataclasses import asdict, replace
 
 DEFAULT_POLICIES = "none,end,every_chunk,sparse,valued"
 GOAL_OF_BOUND, GOAL_ABOVE_END, GOAL_BYTES_VS_DENSE = 0.90, 0.10, 0.25
+GOAL_TRACES = ("agent", "tot", "tot_fork")  # issue 15's agentic and tree-of-thought traces (both ToT shapes)
 
 
 def register(sub, name: str = "cache-pressure", help: str = "cache policies on realistic traces under memory "
@@ -53,7 +56,7 @@ def register(sub, name: str = "cache-pressure", help: str = "cache policies on r
     p.add_argument("--byte-ratio", default="tiny", choices=["tiny", "k3", "k3-mini"],
                    help="with --forward cost: state slot / KV page bytes of k3-tiny, K3 (TP 8) or k3-mini-6b")
     p.add_argument("--unified", action="store_true", help="one unified arena instead of split pools")
-    p.add_argument("--traces", default="agent,tot", help="presets from cache_traces.PRESETS")
+    p.add_argument("--traces", default="agent,tot,tot_fork", help="presets from cache_traces.PRESETS")
     p.add_argument("--seeds", default="1,2,3", help="trace seeds to report (tune on another: 0)")
     p.add_argument("--budgets-kib", default="65536,16384,8192", help="KV + state memory budgets, generous to tight")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="names or name:key=val (see bench cache)")
@@ -203,12 +206,12 @@ def _relate(group: list[dict]) -> list[dict]:
 
 
 def goals(rows: list[dict], policy: str = "valued") -> list[dict]:
-    """Issue 15's goals for the agent and tot traces, per seed and budget (the issue states them at
-    tight memory; every budget is listed so the reader sees where they hold). Bytes are judged on
+    """Issue 15's goals for the agent and tree-of-thought traces (GOAL_TRACES), per seed and budget
+    (the issue states them at tight memory; every budget is listed so the reader sees where they hold). Bytes are judged on
     the mean checkpoint bytes held over the run (the memory states occupy; written and peak ride
     along)."""
     out = []
-    for trace in ("agent", "tot"):
+    for trace in GOAL_TRACES:
         mine = [r for r in rows if r["trace"] == trace]
         for seed, budget in sorted({(r["seed"], r["budget_bytes"]) for r in mine}, key=lambda k: (k[0], -k[1])):
             at = {r["policy"]: r for r in mine if r["seed"] == seed and r["budget_bytes"] == budget}

@@ -4,7 +4,8 @@ KV-only bound on the same requests, and the stand-in forward for long sweeps. Sh
 
 Simulated time: every engine step costs `step_ms + token_ms * tokens computed in it` (a relative
 cost model, not a measurement); an idle engine jumps to the next arrival. A child request arrives
-`think` seconds after its parent finished, with the parent's prompt + answer + its own tokens.
+`think` seconds after its parent finished, with the parent's prompt + answer + its own tokens (a
+`standalone` child: its own tokens only).
 
 Forward `model` runs the model (greedy). Forward `cost` keeps everything else of the engine path --
 the scheduler's admission, chunking, snapshots, retractions; the radix cache; the request table;
@@ -147,7 +148,7 @@ def replay(engine, roots, step_ms: float, token_ms: float) -> dict:
             now = pending[0][0]  # idle: jump to the next arrival
         while pending and pending[0][0] <= now:
             t, _, req, ctx = heapq.heappop(pending)
-            prompt = ctx + req.user
+            prompt = list(req.user) if getattr(req, "standalone", False) else ctx + req.user
             engine.add_request(req.tid, prompt, SamplingParams(max_new_tokens=req.max_new_tokens, ignore_eos=True))
             live[req.tid] = (req, prompt, [])
             arrival[req.tid], arrival_step[req.tid], tags[req.tid] = t, step, req.tags

@@ -2,12 +2,19 @@
 
 A trace is a forest of requests. A root arrives at a time (seconds, Poisson); a child arrives
 `think` seconds after its parent finishes, with the parent's prompt + answer + its own `user`
-tokens as its prompt. Four kinds of traffic, mixed by weight and interleaved in time:
+tokens as its prompt (a `standalone` request: its own `user` tokens only, the parent is only
+when it is sent). Five kinds of traffic, mixed by weight and interleaved in time:
 
 * chat: sessions over a few shared system prompts; turns with think time of minutes.
 * agent: tool loops over a long shared tool/system prefix: many steps, each appending a short
   tool result to the whole context so far; think time = tool latency (seconds).
-* tot: tree-of-thought: a problem, a first answer, then forks into branches that share a lead-in
+* tot: tree-of-thought as Yao et al.'s BFS sends it (princeton-nlp/tree-of-thought-llm, src/tot/methods/
+  bfs.py): per level, a propose call for each kept state, then a value call (n samples) for each
+  candidate; the best `tot_breadth` candidates go on (`_prompted_tot`). Every prompt is a few-shot template + the
+  problem + the steps so far + an instruction suffix (`_prompted_tot`), so two prompts of a problem
+  share template + problem + common steps and part inside a prompt, before the suffix.
+* tot_fork: tree-of-thought as SGLang's tree_of_thought_deep benchmark sends it: a problem, a first
+  answer, then forks into branches that extend the parent's whole context with a shared lead-in
   and diverge; branches go on a few levels; submitted together (think time ~0).
 * oneoff: unrelated single requests (noise that competes for memory); a share of them are exact
   repeats of an earlier one-off (retries, evaluation harnesses, n samples).
@@ -25,7 +32,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-KINDS = ("chat", "agent", "tot", "oneoff")
+KINDS = ("chat", "agent", "tot", "tot_fork", "oneoff")
 
 
 @dataclass
@@ -36,6 +43,7 @@ class Req:
     think: float = 0.0  # seconds after the parent finishes
     children: list["Req"] = field(default_factory=list)
     tags: tuple[str, ...] = ()
+    standalone: bool = False  # the prompt is `user` alone (not the parent's prompt + answer + `user`)
 
 
 @dataclass
@@ -83,7 +91,26 @@ class TraceSpec:
     tool_result: Length = (300.0, 1.0, 16, 4000)
     agent_answer: Length = (60.0, 0.6, 8, 300)
     tool_latency: float = 7.0  # mean seconds
-    # tree of thought
+    # tree of thought, prompted BFS (`tot`): Yao et al. 2023, princeton-nlp/tree-of-thought-llm. Search
+    # settings from scripts/game24/bfs.sh and the tasks' `steps`; prompt layout and lengths from the
+    # math-reasoning task's prompts (commit 84f2bb6, src/tot/prompts/math_reasoning.py: template,
+    # "Question: {question}", "Steps: {steps}", instruction suffix), tokens ~ characters / 4
+    tot_depth_bfs: int = 4  # levels (Game24Task.steps = MathTask.steps = 4)
+    tot_breadth: int = 5  # states kept per level (bfs.sh --n_select_sample 5)
+    tot_proposals: Length = (1, 8)  # candidates per propose call (math: one next step; game24's example: 8)
+    tot_gen_samples: int = 1  # propose calls per state (bfs.get_proposals: n=1)
+    tot_value_samples: int = 3  # identical value requests per candidate (bfs.sh --n_evaluate_sample 3)
+    tot_first_template: int = 265  # propose_first_step_prompt before the question: 1058 chars
+    tot_next_template: int = 360  # propose_next_step_prompt before the question: 1434 chars
+    tot_value_template: int = 275  # value_prompt before the question: 1096 chars
+    tot_question: Length = (40.0, 0.8, 8, 400)  # the templates' example questions: ~83, 9, 31 tokens
+    tot_steps_label: int = 5  # "\nSteps until now: " / "\nSteps: " between the question and the steps
+    tot_step: Length = (24.0, 0.5, 4, 200)  # one thought: the templates' example steps, 26-130 chars
+    tot_gen_suffix: int = 5  # "\nNext step: \n</Task>\n" (20 chars)
+    tot_value_suffix: int = 8  # "\nReasoning: \nEvaluation: \n</Task>\n" (33 chars)
+    tot_value_answer: Length = (14.0, 0.4, 4, 64)  # "Reasoning: ... Evaluation: likely": examples 49-77 chars
+    tot_think: float = 0.0  # seconds between calls: the reference client sends its next call at once
+    # tree of thought, forks of the whole context (`tot_fork`): SGLang's tree_of_thought_deep shape
     problem_len: Length = (1500.0, 0.5, 400, 4000)
     tot_answer: Length = (120.0, 0.6, 16, 400)
     branches: Length = (2, 3)
@@ -127,8 +154,9 @@ class TraceSpec:
 PRESETS = {  # named mixes the benchmark reports
     "agent": (("agent", 1.0), ("oneoff", 1.0)),
     "tot": (("tot", 1.0), ("oneoff", 1.0)),
+    "tot_fork": (("tot_fork", 1.0), ("oneoff", 1.0)),
     "chat": (("chat", 1.0), ("oneoff", 0.5)),
-    "mixed": (("chat", 1.0), ("agent", 1.0), ("tot", 1.0), ("oneoff", 1.0)),
+    "mixed": (("chat", 1.0), ("agent", 1.0), ("tot", 1.0), ("tot_fork", 1.0), ("oneoff", 1.0)),
 }
 
 
@@ -139,6 +167,8 @@ def make_trace(spec: TraceSpec) -> list[Root]:
     rint = lambda d: draw_length(rng, d)  # noqa: E731
     systems = [toks(rint(spec.system_len)) for _ in range(spec.systems)]
     tool_prefixes = [toks(rint(spec.tool_prefix_len)) for _ in range(spec.tool_prefixes)]
+    # the ToT app's few-shot templates (drawn lazily, so traces without `tot` keep their random draws)
+    tot_templates: list[list[int]] = []
     kinds, weights = zip(*spec.mix)
     stems_seen: dict[str, int] = {}  # roots seen per shared prefix
     oneoffs: list[list[int]] = []
@@ -158,6 +188,12 @@ def make_trace(spec: TraceSpec) -> list[Root]:
             _chain(rng, toks, rint, req, rint(spec.agent_steps), spec.tool_result, spec.agent_answer, spec.tool_latency)
             stem = f"tools{k}"
         elif kind == "tot":
+            if not tot_templates:
+                tot_templates += [toks(n) for n in (spec.tot_first_template, spec.tot_next_template,
+                                                     spec.tot_value_template)]
+            req, *samples = _prompted_tot(rng, toks, rint, spec, rid, *tot_templates)
+            stem = "tot_template"
+        elif kind == "tot_fork":
             req = Req(rid, toks(rint(spec.problem_len)), rint(spec.tot_answer))
             _fork(rng, toks, rint, spec, req, spec.tot_depth)
             stem = None
@@ -174,6 +210,8 @@ def make_trace(spec: TraceSpec) -> list[Root]:
                 req.tags += ("stem",)
             stems_seen[stem] = stems_seen.get(stem, 0) + 1
         roots.append(Root(t, kind, req))
+        if kind == "tot":
+            roots += [Root(t, kind, q) for q in samples]  # the other samples of its first call
         t += rng.expovariate(rate) if rate > 0 else 0.0
     return roots
 
@@ -196,6 +234,49 @@ def _fork(rng, toks, rint, spec, node: Req, depth: int) -> None:
                     think=rng.uniform(0.0, 1.0))
         node.children.append(child)
         _fork(rng, toks, rint, spec, child, depth - 1)
+
+
+def _prompted_tot(rng, toks, rint, spec, rid: str, first: list[int], nxt: list[int], value: list[int]) -> Req:
+    """One problem solved by BFS as bfs.solve sends it: the calls one after the other (each waits
+    for the previous: the reference client is sequential), the `tot_value_samples` samples of a
+    value call together (an API call with n samples, which a server expands into n requests of the
+    same prompt). Level 0 proposes from the question alone (propose_first_step_prompt); later levels
+    propose from each kept state's steps (propose_next_step_prompt); every candidate (kept steps +
+    one new step) gets a value call. The kept states are a seeded random choice (the values are the
+    model's; which candidates win does not change the traffic's shape). Returns the first call;
+    the rest hang off it as a chain of `standalone` requests."""
+    question = toks(rint(spec.tot_question))
+    gen_label, value_label = toks(spec.tot_steps_label), toks(spec.tot_steps_label)
+    gen_suffix, value_suffix = toks(spec.tot_gen_suffix), toks(spec.tot_value_suffix)
+    first_suffix = toks(spec.tot_gen_suffix)
+    calls: list[tuple[list[int], int, int, str]] = []  # (prompt, answer length, samples, label)
+    frontier: list[list[list[int]]] = [[]]  # kept states: their steps so far
+    for level in range(spec.tot_depth_bfs):
+        candidates = []
+        for s, state in enumerate(frontier):
+            if level == 0:
+                prompt = first + question + first_suffix
+            else:
+                prompt = nxt + question + gen_label + [t for step in state for t in step] + gen_suffix
+            new = [toks(rint(spec.tot_step)) for _ in range(spec.tot_gen_samples * rint(spec.tot_proposals))]
+            # the proposals are this call's answer (one line each); the samples split them
+            per_sample = max(1, sum(map(len, new)) // spec.tot_gen_samples)
+            calls.append((prompt, per_sample, spec.tot_gen_samples, f"p{level}.{s}"))
+            candidates += [state + [step] for step in new]
+        for c, cand in enumerate(candidates):
+            prompt = value + question + value_label + [t for step in cand for t in step] + value_suffix
+            calls.append((prompt, rint(spec.tot_value_answer), spec.tot_value_samples, f"v{level}.{c}"))
+        frontier = rng.sample(candidates, min(spec.tot_breadth, len(candidates)))
+    first_group, tail = None, None
+    for prompt, answer, samples, label in calls:
+        group = [Req(f"{rid}.{label}" + (f"#{k}" if samples > 1 else ""), list(prompt), answer,
+                     think=spec.tot_think, standalone=True) for k in range(samples)]
+        if tail is None:
+            first_group = group  # the problem's first call: its samples arrive together, as roots
+        else:
+            tail.children = group  # the next call waits for the previous call's last sample
+        tail = group[-1]
+    return first_group
 
 
 def count(roots: list[Root]) -> int:

@@ -1,6 +1,7 @@
 """bench cache-pressure: the trace generator's shapes, a tiny replay through the real engine, and
 the goal evaluation."""
 import argparse
+from dataclasses import replace
 
 import pytest
 
@@ -27,14 +28,14 @@ def test_traces_are_seeded_and_shaped():
     assert [r.req.user for r in a] != [r.req.user for r in c]
     assert [r.arrival for r in a] == sorted(r.arrival for r in a)
     kinds = {r.kind for r in a}
-    assert kinds == {"chat", "agent", "tot", "oneoff"}
+    assert kinds == {"chat", "agent", "tot", "tot_fork", "oneoff"}
     spec = TraceSpec()
     agents = [r.req.user for r in a if r.kind == "agent"]
     for r in a:
         if r.kind == "agent":  # every agent task starts with one of the shared tool prefixes and loops
             assert len(r.req.user) >= spec.tool_prefix_len[2] and r.req.children
             assert sum(u[:spec.tool_prefix_len[2]] == r.req.user[:spec.tool_prefix_len[2]] for u in agents) >= 2
-        if r.kind == "tot":  # a fork: siblings share the lead-in
+        if r.kind == "tot_fork":  # a fork: siblings share the lead-in
             kids = r.req.children
             assert len(kids) >= 2 and all(k.user[:spec.branch_lead] == kids[0].user[:spec.branch_lead] for k in kids)
     oneoffs = [r.req.user for r in a if r.kind == "oneoff" and "repeat" not in r.req.tags]
@@ -42,6 +43,97 @@ def test_traces_are_seeded_and_shaped():
         if "repeat" in r.req.tags:
             assert r.req.user in oneoffs
     assert count(a) > len(a)
+
+
+TOT = TraceSpec(mix=(("tot", 1.0),), roots=3, duration=10.0, seed=7)
+
+
+def tot_calls(root_req):
+    """A prompted-ToT problem's calls in the order they are sent: (tid, prompt, answer length, samples);
+    the n samples of a call must be identical requests sent together."""
+    calls, group = [], [root_req]
+    while group:
+        assert all(g.user == group[0].user and g.max_new_tokens == group[0].max_new_tokens and g.standalone
+                   for g in group)
+        calls.append((group[0].tid.split("#")[0], group[0].user, group[0].max_new_tokens, len(group)))
+        assert all(not g.children for g in group[:-1])  # the next call waits for the last sample
+        group = group[-1].children
+    return calls
+
+
+def common(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_prompted_tot_is_seeded_and_within_its_clips():
+    a, b = make_trace(TOT), make_trace(TOT)
+    assert [(r.arrival, [c[1] for c in tot_calls(r.req)]) for r in a] == \
+        [(r.arrival, [c[1] for c in tot_calls(r.req)]) for r in b]
+    assert [c[1] for c in tot_calls(make_trace(replace(TOT, seed=8))[0].req)] != [c[1] for c in tot_calls(a[0].req)]
+    s = TOT
+    for root in a:
+        calls = tot_calls(root.req)
+        first = calls[0][1]
+        q = len(first) - s.tot_first_template - s.tot_gen_suffix
+        assert s.tot_question[2] <= q <= s.tot_question[3]
+        levels = {int(tid.split(".")[1][1:]) for tid, *_ in calls}
+        assert levels == set(range(s.tot_depth_bfs))
+        for level in levels:
+            props = [c for c in calls if c[0].split(".")[1] == f"p{level}"]
+            values = [c for c in calls if c[0].split(".")[1] == f"v{level}"]
+            assert 1 <= len(props) <= (1 if level == 0 else s.tot_breadth)
+            assert all(n == s.tot_gen_samples for *_, n in props)
+            assert all(n == s.tot_value_samples and s.tot_value_answer[2] <= ans <= s.tot_value_answer[3]
+                       for _, _, ans, n in values)
+            # every propose call yields 1-8 candidates, each of which gets one value call
+            assert len(props) * s.tot_proposals[0] <= len(values) <= len(props) * s.tot_proposals[1]
+            for _, _, ans, _ in props:  # its answer: the proposals, each a step within the clip
+                assert s.tot_step[2] <= ans <= s.tot_proposals[1] * s.tot_step[3]
+
+
+def test_prompted_tot_prompts_share_template_input_steps_and_part_before_the_suffix():
+    """template + question + steps so far is shared; the suffix comes after the part where two
+    prompts differ, so the state `end` keeps (after a request's answer) is never on a later prompt's path."""
+    s = TOT
+    roots = make_trace(s)
+    per_problem = [tot_calls(r.req) for r in roots]
+    for calls in per_problem:
+        q = len(calls[0][1]) - s.tot_first_template - s.tot_gen_suffix
+        head_v = s.tot_value_template + q + s.tot_steps_label  # template + question + label
+        head_p = s.tot_next_template + q + s.tot_steps_label
+        values = [(tid, p) for tid, p, _, _ in calls if ".v" in tid]
+        props = [(tid, p) for tid, p, _, _ in calls if ".p" in tid and not tid.endswith(".p0.0")]
+        assert len({tuple(p[:head_v]) for _, p in values}) == 1 and len({tuple(p[:head_p]) for _, p in props}) == 1
+        assert len({tuple(p[-s.tot_value_suffix:]) for _, p in values}) == 1
+        steps = lambda p, head, suffix: p[head:len(p) - suffix]  # noqa: E731
+        for level in range(s.tot_depth_bfs):
+            parents = [steps(p, head_p, s.tot_gen_suffix) for tid, p in props if f".p{level}." in tid] or [[]]
+            mine = [steps(p, head_v, s.tot_value_suffix) for tid, p in values if f".v{level}." in tid]
+            for st in mine:  # a candidate = a kept state's steps + one new step
+                (parent,) = [x for x in parents if st[:len(x)] == x and len(st) > len(x)]
+                assert s.tot_step[2] <= len(st) - len(parent) <= s.tot_step[3]
+            for tid, p in values:
+                if f".v{level}." not in tid:
+                    continue
+                for tid2, p2 in values:  # siblings: shared up to their parent's steps, apart before the suffix
+                    if tid2 > tid and f".v{level}." in tid2:
+                        n = common(p, p2)
+                        assert head_v <= n < min(len(p), len(p2)) - s.tot_value_suffix
+            if level + 1 < s.tot_depth_bfs:  # the next level extends candidates: part where the suffix begins
+                kept = [steps(p, head_p, s.tot_gen_suffix) for tid, p in props if f".p{level + 1}." in tid]
+                assert kept and all(k in mine for k in kept)
+                for tid, p in values:
+                    if f".v{level}." in tid and steps(p, head_v, s.tot_value_suffix) in kept:
+                        child = next(p2 for t2, p2 in values if f".v{level + 1}." in t2
+                                     and p2[:len(p) - s.tot_value_suffix] == p[:len(p) - s.tot_value_suffix])
+                        assert common(p, child) == len(p) - s.tot_value_suffix  # (the draws part at once here)
+    # the app's templates are the same for every problem; the questions differ
+    a, b = per_problem[0], per_problem[1]
+    assert a[0][1][:s.tot_first_template] == b[0][1][:s.tot_first_template] and a[0][1] != b[0][1]
+    assert sum("stem" in r.req.tags for r in roots) == max(0, len(roots) - 2)
 
 
 def test_lengths_follow_their_distributions():
@@ -93,6 +185,28 @@ def test_tiny_replay_hits_and_keeps_outputs(forward):
     assert valued["ttft_mean_s"] > 0 and valued["ttft_mean_steps"] >= 1
     md = render_markdown({"args": vars(args) | {"roots": 3, "duration": 10.0}, "rows": rows, "goals": goals(rows)})
     assert "| agent | 5 | 8192 KiB" in md and "| valued |" in md
+
+
+def test_prompted_tot_replays_standalone_prompts():
+    """A prompted-ToT call's prompt is its own tokens (not the previous call's context + them): the
+    engine sees exactly the generator's prompts. Prompts of ~300-400 tokens finish before their
+    second 256-token boundary, so `end` keeps the state at 256 (inside the template + question);
+    `valued` pays one miss per new prefix (the second request plants the branch point after the
+    steps they share) and then restores there, past 256."""
+    spec = replace(TOT, mix=(("tot", 1.0),), roots=1, tot_question=(8, 16), tot_depth_bfs=3, tot_breadth=3,
+                   tot_proposals=(4, 6), tot_value_samples=2, tot_value_answer=(2, 4))
+    roots = make_trace(spec)
+    prompts = [p for r in roots for _, p, _, n in tot_calls(r.req) for _ in range(n)]
+    args = pressure_args()  # the engine's chunk (256): `end` keeps a request's newest boundary state
+    group = []
+    for name in ("none", "end", "valued"):
+        res = run_one(args, StandInModel(), parse_policy(name), roots, 8 << 20)
+        res.update(trace="tot", seed=spec.seed)
+        group.append(res)
+    none, end, valued = _relate(group)
+    assert valued["requests"] == len(prompts) and valued["prompt_tokens"] == sum(map(len, prompts))
+    assert valued["outputs_match"] and end["outputs_match"]
+    assert end["hit_rate"] < valued["hit_rate"] <= valued["kv_only_bound"]
 
 
 STEM = list(range(1, 65))  # 64 tokens: four pages
