@@ -761,32 +761,10 @@ def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
 # --------------------------------------------------------------------------- build-time crossover
 
 def _time_us(fn, iters: int = 20) -> float:
-    """Mean µs per call of `fn` replayed from a CUDA graph (what the engine runs); eager if capture fails."""
-    fn()
-    torch.cuda.synchronize()
-    graph = None
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(iters):
-                fn()
-    except RuntimeError:
-        graph = None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    if graph is not None:
-        graph.replay()
-    else:
-        for _ in range(iters):
-            fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    """Mean µs per call of `fn`, `iters` calls replayed from one CUDA graph (what the engine runs; graph_timing)."""
+    from .graph_timing import replay_us
+
+    return replay_us([fn] * iters)
 
 
 def random_routing(n: int, num_experts: int, top_k: int, device, seed: int = 0):
