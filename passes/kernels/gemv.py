@@ -16,8 +16,8 @@ build time (and into which P11 folds the add that follows):
   fp32 accumulation. With split_k > 1 each program stores
   its partial sums in an fp32 workspace and bumps a per-column-tile counter; the program that arrives
   last sums the partials, rounds, adds c, writes y and resets the counter, so the GEMV stays one launch (no
-  zero-fill, no second reduction kernel). The counters are one int32 buffer per device, zero between
-  launches; two split-K launches running at once on two streams would share them (no pass does that).
+  zero-fill, no second reduction kernel). The counters are kernels.arrivals' buffer for owner "gemv", zero
+  between launches; two split-K launches running at once on two streams would share them (no pass does that).
 * Two designs (`design`), chosen per shape by P8's measurement:
   0 "dot": the kernel above, rows padded to 16 for tensor cores; any M <= 16.
   1 "rows" (M <= ROWS_MAX_M): no tensor cores; each program multiplies a [BLOCK_N, BLOCK_K] weight tile
@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from . import arrivals
+
 try:
     import triton
     import triton.language as tl
@@ -44,7 +46,6 @@ ROWS_MAX_M = 4  # the "rows" design keeps M_PAD x BLOCK_N x BLOCK_K fp32 product
 DESIGNS = {"dot": 0, "rows": 1}
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 COUNTER_SLOTS = 1 << 16  # column tiles one split-K launch may use
-_counters: dict[torch.device, torch.Tensor] = {}
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -181,13 +182,6 @@ def kernel_supports(x: torch.Tensor, w: torch.Tensor, max_m: int, design: int = 
             and w.dtype == x.dtype)
 
 
-def _counter_buffer(device: torch.device) -> torch.Tensor:
-    buf = _counters.get(device)
-    if buf is None:  # allocated on first use (the executor's warm-up runs come before any graph capture)
-        buf = _counters[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return buf
-
-
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None, block_n: int = 64,
                 block_k: int = 128, split_k: int = 1, num_warps: int = 4, design: int = 0) -> torch.Tensor:
     """Launch the kernel of `design` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
@@ -214,7 +208,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
             raise ValueError(f"gemv kernel: {tiles} column tiles exceed the {COUNTER_SLOTS} split-K counters")
         ws = torch.empty(split_k, triton.next_power_of_2(m) if rows else BLOCK_M, n, dtype=torch.float32,
                          device=x.device)
-        cnt = _counter_buffer(x.device)
+        cnt = arrivals.arrival_counters(x.device, tiles, owner="gemv")
     else:
         ws = cnt = y  # unused
     if c is None:

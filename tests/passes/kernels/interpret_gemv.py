@@ -10,7 +10,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import torch  # noqa: E402
 
-from k3compile.passes.kernels import gemv  # noqa: E402
+from k3compile.passes.kernels import arrivals, gemv  # noqa: E402
 
 TOL = 1e-2  # 16-bit output: two roundings (product, then + c) of an fp32 sum
 
@@ -57,7 +57,8 @@ for name, x, w, c, bn, bk, split, *design in cases():
         if got.dtype != want.dtype or got.shape != want.shape or not err <= TOL:
             failed += 1
             print(f"FAIL {name} (launch {rep + 1}): rel err {err:.3g}, {got.dtype} {tuple(got.shape)}")
-    if gemv._counters and int(next(iter(gemv._counters.values())).abs().sum()) != 0:
+    counters = arrivals.current(torch.device("cpu"), "gemv")
+    if counters is not None and int(counters.abs().sum()) != 0:
         failed += 1
         print(f"FAIL {name}: split-K counters not reset")
 print(f"{n - failed}/{n} cases match")
