@@ -88,6 +88,31 @@ def gemv_reference(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = No
 if triton is not None:
 
     @triton.jit
+    def _finish(acc, rm, rn, m_ok, n_ok, pid_n, pid_k, c_ptr, y_ptr, ws_ptr, cnt_ptr, N, scm, scn, sym, syn,
+                HAS_C: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+        """Both designs' epilogue: store y (+ c after rounding the product, as mm then add does), or with split-K
+        store the partial to the workspace [SPLIT_K, ROWS, N] and let the column tile's last program sum the
+        partials in split order (the sum does not depend on which split arrived last), store y and zero its counter."""
+        out_mask = m_ok[:, None] & n_ok[None, :]
+        last = True
+        if SPLIT_K > 1:
+            tile = rm[:, None] * N + rn[None, :]
+            tl.store(ws_ptr + pid_k * ROWS * N + tile, acc, mask=out_mask)
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            last = arrived == SPLIT_K - 1
+            if last:
+                acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+                for s in range(SPLIT_K):
+                    acc += tl.load(ws_ptr + s * ROWS * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # zero again for the next launch
+        if last:
+            if HAS_C:
+                c = tl.load(c_ptr + rm[:, None] * scm + rn[None, :] * scn, mask=out_mask, other=0.0)
+                acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + c.to(tl.float32)
+            tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
                      sxm, sxk, swn, swk, scm, scn, sym, syn,
                      HAS_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -108,27 +133,8 @@ if triton is not None:
             # bf16/fp16 values are exact in tf32: the tensor-core product equals the 16-bit one (and the
             # CPU interpreter, whose 16-bit dot is wrong, computes the same thing)
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="tf32")
-        out_mask = m_ok[:, None] & n_ok[None, :]
-        if SPLIT_K > 1:
-            # partials -> workspace [SPLIT_K, BLOCK_M, N]; the last program of this column tile reduces
-            tile = rm[:, None] * N + rn[None, :]
-            tl.store(ws_ptr + pid_k * BLOCK_M * N + tile, acc, mask=out_mask)
-            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for s in range(SPLIT_K):
-                    acc += tl.load(ws_ptr + s * BLOCK_M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if HAS_C:  # round the product first, as mm then add does
-                    c = tl.load(c_ptr + rm[:, None] * scm + rn[None, :] * scn, mask=out_mask, other=0.0)
-                    acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + c.to(tl.float32)
-                tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # zero again for the next launch
-        else:
-            if HAS_C:
-                c = tl.load(c_ptr + rm[:, None] * scm + rn[None, :] * scn, mask=out_mask, other=0.0)
-                acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + c.to(tl.float32)
-            tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-
+        _finish(acc, rm, rn, m_ok, n_ok, pid_n, pid_k, c_ptr, y_ptr, ws_ptr, cnt_ptr, N, scm, scn, sym, syn,
+                HAS_C, BLOCK_M, BLOCK_N, SPLIT_K)
 
     @triton.jit
     def _gemv_rows_kernel(x_ptr, w_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
@@ -155,25 +161,8 @@ if triton is not None:
                         mask=xmask, other=0.0)
             acc3 += w.to(tl.float32)[None, :, :] * x.to(tl.float32)
         acc = tl.sum(acc3, axis=2)  # [M_PAD, BLOCK_N]
-        out_mask = m_ok[:, None] & n_ok[None, :]
-        if SPLIT_K > 1:
-            tile = rm[:, None] * N + rn[None, :]
-            tl.store(ws_ptr + pid_k * M_PAD * N + tile, acc, mask=out_mask)
-            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:
-                acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-                for s in range(SPLIT_K):  # fixed order: the sum does not depend on which split arrived last
-                    acc += tl.load(ws_ptr + s * M_PAD * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if HAS_C:
-                    c = tl.load(c_ptr + rm[:, None] * scm + rn[None, :] * scn, mask=out_mask, other=0.0)
-                    acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + c.to(tl.float32)
-                tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0)
-        else:
-            if HAS_C:
-                c = tl.load(c_ptr + rm[:, None] * scm + rn[None, :] * scn, mask=out_mask, other=0.0)
-                acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + c.to(tl.float32)
-            tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        _finish(acc, rm, rn, m_ok, n_ok, pid_n, pid_k, c_ptr, y_ptr, ws_ptr, cnt_ptr, N, scm, scn, sym, syn,
+                HAS_C, M_PAD, BLOCK_N, SPLIT_K)
 
 
 def kernel_supports(x: torch.Tensor, w: torch.Tensor, max_m: int, design: int = 0) -> bool:
