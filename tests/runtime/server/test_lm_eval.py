@@ -60,12 +60,14 @@ def test_lm_eval_local_completions_against_serve(server, ref_logits, tmp_path, m
     monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # only this test's two tasks: indexing lm_eval's thousands of bundled task YAMLs took most of the test's time
+    tasks = TaskManager(include_path=write_tasks(tmp_path), include_defaults=False)
     before = server.front.metrics()
     out = simple_evaluate(
         model="local-completions",
         model_args={"model": MODEL, "base_url": f"{server.base_url}/v1/completions", "auth_token": API_KEY,
                     "num_concurrent": 1, "max_retries": 1, "tokenized_requests": True, "max_length": 512},
-        tasks=["k3_mc", "k3_gen"], task_manager=TaskManager(include_path=write_tasks(tmp_path)), limit=None,
+        tasks=["k3_mc", "k3_gen"], task_manager=tasks, limit=None,
         log_samples=True)
     res = out["results"]
     # every loglikelihood lm_eval got is the CPU reference model's, for the exact (context, continuation)
