@@ -2,6 +2,8 @@
 the one under test, copied, the pass applied to the copy; then both run over gloo on the same inputs."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from k3compile.capture import capture_step
@@ -26,14 +28,21 @@ def run_passes(gm, names, mode):
     return PassManager(pipeline_from_flags(passes=",".join(names))).run(gm, graph_name=mode).matches()
 
 
-def _captured_ranks(model_name: str, mode: str, experts: str):
-    """(cfg, [(rank model, its captured `mode` step)]) for each rank of tp2 (routed experts placed as `experts`
-    says: auto = whole experts per rank on the tiny presets, tp = sliced)."""
+@functools.lru_cache(maxsize=None)
+def _captured_ranks_cached(model_name: str, mode: str, experts: str):
     cfg = wide_config(model_name, 2)
     whole = whole_model(cfg)
     topology = parse_topology(TOPOLOGY, experts)
     models = [shard_model(whole, RankShard.of(cfg, topology, r)) for r in range(topology.world)]
     return cfg, [(m, capture_step(m, mode)) for m in models]
+
+
+def _captured_ranks(model_name: str, mode: str, experts: str):
+    """(cfg, [(rank model, a private copy of its captured `mode` step)]) for each rank of tp2 (routed experts
+    placed as `experts` says: auto = whole experts per rank on the tiny presets, tp = sliced). Captured once per
+    process (two ranks: ~15 CPU s); the copies share weights, which passes never write in place."""
+    cfg, ranks = _captured_ranks_cached(model_name, mode, experts)
+    return cfg, [(m, snapshot(gm)) for m, gm in ranks]
 
 
 def rank_graphs(model_name: str, mode: str, pass_name: str, skip=(), experts: str = "auto"):

@@ -5,22 +5,17 @@ import json
 import re
 
 import pytest
-import torch
 
 from .conftest import MODEL, start_server
 
 
 @pytest.fixture(scope="module", params=["unified-overlap", "engine-unified"])
-def variant(request, tmp_path_factory):
+def variant(request, built_engine):
     if request.param == "unified-overlap":
         s = start_server(enable_unified_memory=True, overlap=True)
     else:
-        from k3compile.engine.build import BuildOptions, build_engine
-        from k3compile.passes.pipeline import PipelineConfig
-        out = tmp_path_factory.mktemp("engines") / MODEL
-        build_engine(BuildOptions(MODEL, dtype=torch.float32, pipeline=PipelineConfig.default()), str(out),
-                     log=lambda m: None)
-        s = start_server(model=None, engine_dir=str(out), enable_unified_memory=True)
+        _, engine_dir = built_engine(MODEL)  # the engine tests' build (tests/conftest.py), read only here
+        s = start_server(model=None, engine_dir=engine_dir, enable_unified_memory=True)
     yield s
     s.stop()
 
