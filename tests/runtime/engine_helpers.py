@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import weakref
 
 import torch
 
@@ -23,9 +24,23 @@ def one_request_cache(model, n_tokens: int, page: int = 16):
     return cache, list(range(1, n_pages + 1)), page, dev
 
 
-@torch.no_grad()
+# (prompt, max_new_tokens) -> tokens, per model object: the engine tests compare many engine configs with the
+# reference of the same prompts (the model fixture's weights never change under a test)
+_REFERENCE = weakref.WeakKeyDictionary()
+
+
 def reference_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """The plain model.step loop: the whole prompt in one prefill, then one decode step per token."""
+    """The plain model.step loop: the whole prompt in one prefill, then one decode step per token
+    (computed once per model, prompt and length)."""
+    memo = _REFERENCE.setdefault(model, {})
+    key = (tuple(prompt), max_new_tokens)
+    if key not in memo:
+        memo[key] = _reference_generate(model, prompt, max_new_tokens)
+    return list(memo[key])
+
+
+@torch.no_grad()
+def _reference_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     cache, table, page, dev = one_request_cache(model, len(prompt) + max_new_tokens)
     slot = 1
     logits = model.step(ForwardBatch.build("prefill", [prompt], [0], [table], [slot], page, device=dev), cache)[0]
