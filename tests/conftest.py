@@ -21,18 +21,26 @@ SHARED_WORKER = {
 _GROUP_OF = {path: group for group, paths in SHARED_WORKER.items() for path in paths}
 
 
-def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile with the SHARED_WORKER groups as single units (test ids stay as they are)."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
+class SharedWorkerGroups:
+    """xdist's --dist loadfile with the SHARED_WORKER groups as single units (test ids stay as they are)."""
 
-    class SharedWorkerScheduling(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = super()._split_scope(nodeid)
-            return _GROUP_OF.get(path, path)
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getvalue("dist") != "loadfile":
+            return None
+        from xdist.scheduler import LoadFileScheduling
 
-    return SharedWorkerScheduling(config, log)
+        class SharedWorkerScheduling(LoadFileScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                path = super()._split_scope(nodeid)
+                return _GROUP_OF.get(path, path)
+
+        return SharedWorkerScheduling(config, log)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):  # the hook exists only with xdist (not under -p no:xdist)
+        config.pluginmanager.register(SharedWorkerGroups(), "shared-worker-groups")
 
 
 def pytest_collection_modifyitems(config, items):
