@@ -26,12 +26,12 @@ import sys
 
 import torch
 
-from k3compile.bench.timing import copy_bandwidth
 from k3compile.passes.kernels import moe_decode
 from k3compile.passes.kernels.graph_timing import replay_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe_kernels import kernel_bytes, kernel_rows, kernel_times, layer, op_args, rel_err  # noqa: E402
+from bench_moe_kernels import (bench_setup, kernel_bytes, kernel_rows, kernel_times, layer, op_args,  # noqa: E402
+                               rel_err)
 
 BATCHES = (1, 2, 4, 8)
 ROUTINGS = 4
@@ -131,11 +131,7 @@ def tables(bandwidth, rows, sweep) -> str:
 
 
 def main(out_dir: str) -> None:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    bw = copy_bandwidth(1 << 30, torch.device("cuda"))
-    bandwidth = bw["bytes_per_s"] / 1e9
-    print(f"copy bandwidth {bandwidth:.1f} GB/s", flush=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    bw, bandwidth, gen = bench_setup()
     os.makedirs(out_dir, exist_ok=True)
     rows, sweep = [], []
 

@@ -178,12 +178,17 @@ def tile_sweep(spec, bandwidth, gen) -> list[dict]:
     return out
 
 
-def main(out_dir: str) -> None:
+def bench_setup() -> tuple[dict, float, torch.Generator]:
+    """Exact fp32 GEMMs; the same-run copy bandwidth (its record, and GB/s, printed); a seeded CUDA generator."""
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth(1 << 30, torch.device("cuda"))
     bandwidth = bw["bytes_per_s"] / 1e9
     print(f"copy bandwidth {bandwidth:.1f} GB/s", flush=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    return bw, bandwidth, torch.Generator(device="cuda").manual_seed(0)
+
+
+def main(out_dir: str) -> None:
+    bw, bandwidth, gen = bench_setup()
     rows, sweep = [], []
     for name in ("kimi-linear-48b", "k3-mini-6b"):
         spec = layer(name, gen)
