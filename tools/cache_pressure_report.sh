@@ -10,7 +10,7 @@
 #   defaults: traces/cache_pressure, 24, "tune report"; extra phases: tot (the prompted
 #   tree-of-thought trace, seeds 1-3, budgets chosen on seed 0: tot_tune_seed0), tot_tune, k3 (K3's
 #   state/KV byte ratio, seed 1), unified (the agent trace on the unified arena) and unified_tot
-#   (the prompted ToT trace on it), e.g. PHASES="k3 unified"
+#   (the prompted ToT trace on it), unified_tot_fork (the tot_fork trace on it), e.g. PHASES="k3 unified"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-traces/cache_pressure}
@@ -53,4 +53,7 @@ if [[ " $PHASES " == *" unified "* ]]; then
 fi
 if [[ " $PHASES " == *" unified_tot "* ]]; then
   $BENCH --unified --traces tot --seeds 1,2,3 --budgets-kib 16384,4096 --out "$OUT/unified_tot"
+fi
+if [[ " $PHASES " == *" unified_tot_fork "* ]]; then  # the whole-context-fork ToT shape on the unified arena
+  $BENCH --unified --traces tot_fork --seeds 1,2,3 --budgets-kib 16384,8192 --out "$OUT/unified_tot_fork"
 fi
