@@ -38,6 +38,7 @@ from .registry import PassConfig, PassConfigError, register_pass
 aten = torch.ops.aten
 CHOICES = ("auto", "gemv", "cublas")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_DESIGN_NAMES = {v: name for name, v in gemv_kernels.DESIGNS.items()}
 
 
 @dataclass
@@ -113,7 +114,8 @@ def _measure(w: torch.Tensor, buckets, bench_ms: float) -> dict:
     dev = torch.device("cuda")
     sm = torch.cuda.get_device_properties(dev).multi_processor_count
     copies = copies_to_overflow_l2(w.numel() * w.element_size(), dev)
-    weights = [w.to(dev)] + [w.to(dev).clone() for _ in range(copies - 1)]
+    w = w.to(dev)
+    weights = [w] + [w.clone() for _ in range(copies - 1)]
     gen = torch.Generator(device=dev).manual_seed(0)
     out = {}
     for m in buckets:
@@ -194,9 +196,8 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
             max_m, cfg = 0, None
         rec["choice"] = "gemv" if max_m else "cublas"
         rec["max_m"] = max_m
-        design_names = {v: name for name, v in gemv_kernels.DESIGNS.items()}
         rec["config"] = None if cfg is None else {"block_n": cfg[0], "block_k": cfg[1], "split_k": cfg[2],
-                                                  "design": design_names[cfg[3]]}
+                                                  "design": _DESIGN_NAMES[cfg[3]]}
         details["nodes"].append(rec)
         if not max_m:
             continue

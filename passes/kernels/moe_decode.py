@@ -62,6 +62,7 @@ from k3compile.model_def.ops import mxfp4
 from k3compile.model_def.ops.moe_math import glu_act, moe_experts_gather, moe_experts_grouped, moe_experts_loop
 
 from .arrivals import arrival_counters
+from .graph_timing import replay_us
 from .kda_decode import pdl_available  # the one PDL capability check (Triton >= 3.4, sm90+, not interpreted)
 
 try:
@@ -680,18 +681,19 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     sw2 = shared_w2.contiguous() if shared else h
     shared_width = sw2.shape[-1] if shared else 0
     latent = latent_up_w is not None
+    shared_in_b = shared and not latent  # kernel B adds the shared expert (latent: kernel C does, after the up-projection)
     routed_width = w2.shape[1]
     # latent: B leaves u in fp32 for C; the shared expert joins in C, on the output side of the up-projection
     u = torch.empty(n, routed_width, dtype=torch.float32, device=x.device) if latent else out
     if down_design == "split":
-        slots = k + (shared and not latent)
+        slots = k + int(shared_in_b)
         bn, bk, warps = config("split", n * slots, routed_width, inter)
         groups = n * triton.cdiv(routed_width, bn)
         partials = torch.empty(groups * slots * bn, dtype=torch.float32, device=x.device)
         _expert_down_split_kernel[(groups, slots)](
             h, ids, wts, w2, s2, sin, sup, sw2, u, partials, arrival_counters(x.device, groups, ARRIVALS_OWNER),
             inter, routed_width, shared_width, sin.stride(0), sup.stride(0), u.stride(0), float(beta),
-            float(linear_beta), TOP_K=k, SLOTS=slots, ACT=act_id, MXFP4=quantized, SHARED=shared and not latent,
+            float(linear_beta), TOP_K=k, SLOTS=slots, ACT=act_id, MXFP4=quantized, SHARED=shared_in_b,
             SHARED_GLU=shared_up is not None, BLOCK_N=bn, BLOCK_K=bk,
             BLOCK_KS=block_k or shared_block_k(bn, max(shared_width, 1)), USE_PDL=pdl, num_warps=warps, **launch)
     elif down_design == "rows":
@@ -699,7 +701,7 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
         _expert_down_rows_kernel[(n, triton.cdiv(routed_width, bn))](
             h, ids, wts, w2, sin, sup, sw2, u, inter, routed_width, shared_width,
             sin.stride(0), sup.stride(0), u.stride(0), float(beta), float(linear_beta),
-            TOP_K=k, ACT=act_id, SHARED=shared and not latent, SHARED_GLU=shared_up is not None,
+            TOP_K=k, ACT=act_id, SHARED=shared_in_b, SHARED_GLU=shared_up is not None,
             BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, **launch)
     else:
         bn, bk, warps = config("down", n, routed_width, inter, down_design)
@@ -707,7 +709,7 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
             h, ids, wts, w2, s2, sin, sup, sw2, u, inter, routed_width, shared_width,
             sin.stride(0), sup.stride(0), u.stride(0), float(beta), float(linear_beta),
             TOP_K=k, TOP_K_PAD=triton.next_power_of_2(k), ACT=act_id, MXFP4=quantized,
-            SHARED=shared and not latent, SHARED_GLU=shared_up is not None, BLOCK_N=bn, BLOCK_K=bk,
+            SHARED=shared_in_b, SHARED_GLU=shared_up is not None, BLOCK_N=bn, BLOCK_K=bk,
             BLOCK_KS=block_k or shared_block_k(bn, max(shared_width, 1)), USE_PDL=pdl, num_warps=warps, **launch)
     if latent:
         upw = latent_up_w.contiguous()
@@ -762,8 +764,6 @@ def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
 
 def _time_us(fn, iters: int = 20) -> float:
     """Mean µs per call of `fn`, `iters` calls replayed from one CUDA graph (what the engine runs; graph_timing)."""
-    from .graph_timing import replay_us
-
     return replay_us([fn] * iters)
 
 
