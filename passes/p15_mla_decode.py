@@ -16,12 +16,22 @@ Attention, anchored on `k3::mla_decode`:
     mla_decode(cat([q_nope_lat, q_rope], -1), kv, layer, page_table, seq_lens, scale, r)
 -> `k3.mla_decode_fused(q_nope_lat, q_rope, kv, layer, page_table, seq_lens, scale, pdl)`
 
-(the concatenation disappears: the kernel reads both halves where they are). The absorb GEMMs
-(W_UK before, W_UV after) stay cuBLAS batched GEMMs.
+(the concatenation disappears: the kernel reads both halves where they are). W_UK before stays a
+cuBLAS batched GEMM. W_UV after (`absorb_out`), anchored on the fused attention:
+
+    o = flatten(einsum("bhr,hdr->bhd", o_lat, W_UV))    W_UV = kv_b_proj.weight.unflatten(0, (H, -1))[:, nope:]
+      as make_fx spells it: view ops -> bmm(., view ops of the weight) -> view ops, clone, _unsafe_view
+-> `k3.mla_decode_fused_out(q_nope, q_rope, kv, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl)`
+   ([B, H * dv]: the merge kernel applies W_UV per (token, head) up to kernels.mla_decode.OUT_MAX_TOKENS
+   tokens, so the batched GEMM, the layout copy after it and one launch leave the decode step).
+
+The view chains are checked by evaluating them on concrete tensors (the left one must be the
+[B, H, r] -> [H, B, r] transpose, the weight one W_UV^T, the right one the [H, B, dv] -> [B, H * dv]
+flatten), so any other spelling of the same einsum is matched and nothing else is.
 
 Decode graphs only: a kv_write is fused only when an `mla_decode` of the same (pool, layer) follows,
-so prefill graphs are left unchanged (0 matches). Count per decode graph: 2 per MLA layer (one
-prologue, one attention). A chain whose intermediates are read elsewhere is left alone.
+so prefill graphs are left unchanged (0 matches). Count per decode graph: 3 per MLA layer (one
+prologue, one attention, one W_UV absorbed). A chain whose intermediates are read elsewhere is left alone.
 """
 from __future__ import annotations
 
@@ -31,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import erase_subgraph, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
+from .graph_utils import attr_tensor, erase_if_dead, erase_subgraph, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
 from .kernels import mla_decode as _kernels  # noqa: F401  (registers the k3.mla_decode_* ops)
 from .patterns import NoMatch, match_rms_norm, need
 from .registry import PassConfig, register_pass
@@ -41,6 +51,10 @@ KV_WRITE = torch.ops.k3.kv_write.default
 MLA_DECODE = torch.ops.k3.mla_decode.default
 PROLOGUE = torch.ops.k3.mla_decode_prologue.default
 FUSED = torch.ops.k3.mla_decode_fused.default
+FUSED_OUT = torch.ops.k3.mla_decode_fused_out.default
+VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+            aten.unsqueeze.default, aten.squeeze.dim, aten.transpose.int, aten.t.default, aten.clone.default,
+            aten.expand.default}  # layout-only ops of an einsum's make_fx spelling (clone: the flatten's copy)
 
 
 @dataclass
@@ -48,6 +62,7 @@ class MLADecodeConfig(PassConfig):
     prologue: bool = True  # fuse norms + KV write
     attention: bool = True  # replace mla_decode with the Triton split-K kernel
     pdl: bool = True  # prologue + attention kernels with programmatic dependent launch (where kernels/pdl.py allows)
+    absorb_out: bool = True  # W_UV (the einsum after the attention) into the attention's merge kernel
 
 
 _FULL = 2 ** 62  # make_fx spells `x[:, a:]` as slice(slice(x, 0, 0, INT64_MAX), 1, a, INT64_MAX)
@@ -170,6 +185,84 @@ def _match_attention(node: Node):
     return q_lat, q_nope, q_rope
 
 
+def _view_chain_forward(node: Node) -> list:
+    """The layout-only ops after `node`, each its predecessor's only user."""
+    chain = []
+    while len(node.users) == 1 and is_call(next(iter(node.users)), *VIEW_OPS):
+        node = next(iter(node.users))
+        chain.append(node)
+    return chain
+
+
+def _evaluate(chain: list, start: Node, value: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Run `chain` (ops reading `start` or each other, sizes maybe symbolic) on a concrete tensor; every
+    symbolic size is the token count (the only one a decode graph has; another would fail the caller's check)."""
+    env = {start: value}
+
+    def arg(a):
+        if isinstance(a, Node):
+            return env[a] if a in env else tokens
+        if isinstance(a, (list, tuple)):
+            return type(a)(arg(x) for x in a)
+        return a
+    for n in chain:
+        env[n] = n.target(*arg(n.args), **arg(n.kwargs))
+    return env[chain[-1]] if chain else value
+
+
+def _match_out(gm: GraphModule, fused: Node):
+    """fused -> views -> bmm(., views(W)) -> views ending in [B, H * dv]: (bmm, chains, W node, nope)."""
+    left = _view_chain_forward(fused)
+    tail = left[-1] if left else fused
+    need(len(tail.users) == 1)
+    bmm = next(iter(tail.users))
+    need(is_call(bmm, aten.bmm.default) and bmm.args[0] is tail)
+    w_chain, w = [], bmm.args[1]
+    while isinstance(w, Node) and is_call(w, *(VIEW_OPS | {aten.slice.Tensor})):  # views of a weight: may be shared
+        w_chain.insert(0, w)
+        w = w.args[0]
+    need(isinstance(w, Node) and w.op == "get_attr" and w_chain)
+    right = _view_chain_forward(bmm)
+    need(right)
+    B, H, R = val_of(fused).shape
+    out_shape = val_of(right[-1]).shape
+    need(len(out_shape) == 2 and out_shape[0] == B and out_shape[1] % H == 0)
+    dv = out_shape[1] // H
+    weight = attr_tensor(gm, w)
+    need(weight.dim() == 2 and weight.shape[1] == R and weight.shape[0] % H == 0 and weight.shape[0] // H > dv)
+    nope = weight.shape[0] // H - dv
+    tokens = 3 if H != 3 else 5  # a concrete token count unlike every other size here
+    x = torch.arange(tokens * H * R, dtype=torch.float32).view(tokens, H, R)
+    need(torch.equal(_evaluate(left, fused, x, tokens), x.transpose(0, 1)))
+    need(torch.equal(_evaluate(w_chain[1:], w_chain[0], _evaluate(w_chain[:1], w, weight, tokens), tokens),
+                     kernels_w_uv_t(weight, H, nope)))
+    y = torch.arange(H * tokens * dv, dtype=torch.float32).view(H, tokens, dv)
+    need(torch.equal(_evaluate(right, bmm, y, tokens), y.transpose(0, 1).reshape(tokens, H * dv)))
+    return dict(nodes=set(left) | {bmm} | set(right), w_chain=w_chain, w=w, nope=nope, out=right[-1])
+
+
+def kernels_w_uv_t(weight: torch.Tensor, heads: int, nope: int) -> torch.Tensor:
+    return _kernels.w_uv_of(weight, heads, nope).transpose(1, 2)
+
+
+def _absorb_out(gm: GraphModule, fused: Node, fake_mode) -> bool:
+    try:
+        m = _match_out(gm, fused)
+    except NoMatch:
+        return False
+    g = gm.graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    if not _hoist_weight(m["w"], fused, order):
+        return False
+    with g.inserting_after(fused):
+        new = g.call_function(FUSED_OUT, (*fused.args[:7], m["w"], m["nope"], fused.args[7]))
+    set_meta_val(new, fake_mode)
+    replace_uses(m["out"], new, fake_mode)
+    erase_subgraph(gm, m["nodes"] | {fused})
+    erase_if_dead(gm, m["w_chain"])  # W_UK's slice may still read the same view of kv_b_proj's weight
+    return True
+
+
 @register_pass("p15_mla_decode", MLADecodeConfig)
 def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
     """MLA decode: norms + KV write -> one prologue kernel; latent attention -> a Triton split-K kernel."""
@@ -204,4 +297,6 @@ def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
             replace_uses(node, fused, fake_mode)
             erase_subgraph(gm, [node, q_lat])
             matches += 1
+            if config.absorb_out and _absorb_out(gm, fused, fake_mode):
+                matches += 1
     return matches

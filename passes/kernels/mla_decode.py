@@ -50,6 +50,9 @@ except ImportError:  # CPU-only install: the ops still work through the referenc
 
 BLOCK_N = 32  # cache rows per tile
 TARGET_PROGRAMS = 264  # split until the grid fills ~2 waves of an H200's 132 SMs
+BLOCK_DV = 64  # W_UV rows per program of the merge kernel that applies it (64 x 512 bf16: 64 KB of weight)
+OUT_MAX_TOKENS = 4  # up to this many tokens the merge kernel applies W_UV; above, cuBLAS's batched GEMM (W_UV read
+                    # once per head rather than once per token and head) after the plain merge
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -105,6 +108,27 @@ def prologue_reference(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_lo
     if q_a is None:
         return ckv.new_empty(0)
     return _rms_norm(q_a, q_norm_weight, q_eps)
+
+
+def check_w_uv(w_uv, heads: int, r: int) -> None:
+    if w_uv.dim() != 3 or w_uv.shape[0] != heads or w_uv.shape[2] != r or w_uv.stride(-1) != 1:
+        raise ValueError(f"mla_decode_fused_out: W_UV must be [H={heads}, dv, r={r}] with contiguous rows, got "
+                         f"{tuple(w_uv.shape)} (strides {w_uv.stride()})")
+
+
+def w_uv_of(kv_b_weight: torch.Tensor, heads: int, nope: int) -> torch.Tensor:
+    """W_UV [H, dv, r] as a view of kv_b_proj's weight [H * (nope + dv), r] (what MLAMixer slices)."""
+    if kv_b_weight.dim() != 2 or kv_b_weight.shape[0] % heads or not 0 <= nope < kv_b_weight.shape[0] // heads:
+        raise ValueError(f"mla_decode_fused_out: kv_b_proj weight {tuple(kv_b_weight.shape)} is not "
+                         f"[{heads} heads x (nope={nope} + dv), r]")
+    return kv_b_weight.unflatten(0, (heads, -1))[:, nope:]
+
+
+def decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, w_uv) -> torch.Tensor:
+    """The decode attention, then MLAMixer's einsum("bhr,hdr->bhd", o_lat, W_UV) and flatten: [B, H * dv]."""
+    o_lat = decode_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale)
+    check_w_uv(w_uv, o_lat.shape[1], o_lat.shape[2])
+    return torch.einsum("bhr,hdr->bhd", o_lat, w_uv).flatten(-2)
 
 
 def decode_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale) -> torch.Tensor:
@@ -208,30 +232,70 @@ if triton is not None:
             m_i = m_new
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        out = b * H * NUM_SPLITS + heads * NUM_SPLITS + split  # [B, H, NUM_SPLITS] flattened
-        empty = l_i == 0.0
-        o = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-        tl.store(part_ptr + out[:, None] * R + rcols[None, :], o, mask=hm[:, None])
-        tl.store(lse_ptr + out, lse, mask=hm)
+        if start < end:  # a split past the context stores nothing: the merge reads only the used ones
+            out = b * H * NUM_SPLITS + heads * NUM_SPLITS + split  # [B, H, NUM_SPLITS] flattened
+            o = acc / l_i[:, None]
+            tl.store(part_ptr + out[:, None] * R + rcols[None, :], o, mask=hm[:, None])
+            tl.store(lse_ptr + out, m_i + tl.log(l_i), mask=hm)
 
     @triton.jit
-    def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                             SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr):
-        bh = tl.program_id(0).to(tl.int64)  # one (request, head)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
+    def _used_splits(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """How many of a request's splits hold rows (the split kernel's chunking): the others stored nothing."""
+        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        return tl.where(seq_len > 0, tl.cdiv(seq_len, tl.maximum(chunk, 1)), 0)
+
+    @triton.jit
+    def _merged_row(part_ptr, lse_ptr, bh, used, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    SPLITS_PAD: tl.constexpr):
+        """The exact merge of one (request, head)'s used splits (spec §6.3), fp32 [R]; 0 when none is used."""
         sp = tl.arange(0, SPLITS_PAD)
-        sm = sp < NUM_SPLITS
+        sm = sp < used
         lse = tl.load(lse_ptr + bh * NUM_SPLITS + sp, mask=sm, other=float("-inf"))
         top = tl.max(lse, axis=0)
-        top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: weights 0, output 0
-        w = tl.where(sm & (lse > float("-inf")), tl.exp(lse - top), 0.0)
+        top = tl.where(top == float("-inf"), 0.0, top)  # no split used: weights 0, output 0
+        w = tl.where(sm, tl.exp(lse - top), 0.0)
         total = tl.sum(w, axis=0)
         w = w / tl.where(total == 0.0, 1.0, total)
         rcols = tl.arange(0, R)
-        o = tl.load(part_ptr + (bh * NUM_SPLITS + sp)[:, None] * R + rcols[None, :], mask=sm[:, None], other=0.0)
-        tl.store(out_ptr + bh * R + rcols, tl.sum(o * w[:, None], axis=0).to(out_ptr.dtype.element_ty))
+        o = tl.zeros([R], tl.float32)
+        for s in range(0, used):  # fixed order: the result does not depend on which split finished first
+            w_s = tl.sum(tl.where(sp == s, w, 0.0), axis=0)
+            o += w_s * tl.load(part_ptr + (bh * NUM_SPLITS + s) * R + rcols)
+        return o
+
+    @triton.jit
+    def _decode_merge_kernel(part_ptr, lse_ptr, seq_ptr, out_ptr, H, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                             SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+        bh = tl.program_id(0).to(tl.int64)  # one (request, head)
+        used = _used_splits(tl.load(seq_ptr + bh // H).to(tl.int32), NUM_SPLITS, BLOCK_N)  # a step input
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        o = _merged_row(part_ptr, lse_ptr, bh, used, R, NUM_SPLITS, SPLITS_PAD)
+        tl.store(out_ptr + bh * R + tl.arange(0, R), o.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _decode_merge_out_kernel(part_ptr, lse_ptr, seq_ptr, w_ptr, w_sh, w_sd, out_ptr, H,
+                                 R: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                                 SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, LAT_DTYPE: tl.constexpr,
+                                 USE_PDL: tl.constexpr):
+        # Program (request x head, block of W_UV's output rows): the merge above, rounded to the latent output's
+        # dtype as mla_decode_fused returns it, then o[b, h, d] = sum_r o_lat[r] W_UV[h, d, r] (fp32 sums),
+        # stored at out[b, h * DV + d]: the einsum "bhr,hdr->bhd" and the flatten after it, in one kernel.
+        bh = tl.program_id(0).to(tl.int64)
+        h = bh % H
+        d = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        dm = d < DV
+        rcols = tl.arange(0, R)
+        # W_UV is a weight: with PDL its block loads while the split kernel finishes
+        w = tl.load(w_ptr + h * w_sh + d[:, None] * w_sd + rcols[None, :], mask=dm[:, None], other=0.0)
+        used = _used_splits(tl.load(seq_ptr + bh // H).to(tl.int32), NUM_SPLITS, BLOCK_N)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        o = _merged_row(part_ptr, lse_ptr, bh, used, R, NUM_SPLITS, SPLITS_PAD).to(LAT_DTYPE).to(tl.float32)
+        y = tl.sum(w.to(tl.float32) * o[None, :], axis=1)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.store(out_ptr + (bh // H) * H * DV + h * DV + d, y.to(out_ptr.dtype.element_ty), mask=dm)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton else {}
@@ -251,8 +315,9 @@ def num_splits_for(batch: int, heads: int, capacity: int, block_h: int, block_n:
 
 def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl: bool = False,
                   num_splits: int | None = None, block_h: int | None = None, block_n: int = BLOCK_N,
-                  num_warps: int = 4) -> torch.Tensor:
-    """Launch the split and merge kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+                  num_warps: int = 4, w_uv: torch.Tensor | None = None, block_dv: int = BLOCK_DV) -> torch.Tensor:
+    """Launch the split and merge kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1): o_lat [B, H, r];
+    with `w_uv` [H, dv, r] (rows contiguous) the merge kernel also applies it: [B, H * dv] (`decode_out_reference`).
     num_splits / block_h / block_n / num_warps override the defaults (tools/bench_p07_p15.py sweeps them)."""
     check_decode_args(q_nope, q_rope, kv_pool, layer, page_table, seq_lens)
     if triton is None:
@@ -261,6 +326,8 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
     rope = q_rope.shape[-1]
     if not kernel_supports_decode(R, rope):
         raise ValueError(f"mla_decode_fused kernel: needs a power-of-two latent width >= 16, got {R}")
+    if w_uv is not None:
+        check_w_uv(w_uv, H, R)
     if q_nope.stride(-1) != 1:
         q_nope = q_nope.contiguous()
     if q_rope.stride(-1) != 1:
@@ -270,7 +337,10 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
     if kv_pool.stride(-1) != 1:
         raise ValueError("mla_decode_fused: the pool's rows must be contiguous")
     page = kv_pool.shape[2]
-    out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
+    if w_uv is None:
+        out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
+    else:
+        out = torch.empty(B, H * w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
     if B == 0:
         return out
     if block_h is None:  # 16 heads x 512 latent fp32 accumulator = 64 registers a thread at 4 warps
@@ -289,9 +359,17 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
         BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), USE_PDL=pdl,
         DOT_PRECISION="ieee" if q_nope.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=2,
         **extra)
-    _decode_merge_kernel[(B * H,)](part, lse, out, R=R, NUM_SPLITS=splits,
-                                   SPLITS_PAD=max(2, triton.next_power_of_2(splits)), USE_PDL=pdl,
-                                   num_warps=4, **extra)
+    pad = max(2, triton.next_power_of_2(splits))
+    if w_uv is None:
+        _decode_merge_kernel[(B * H,)](part, lse, seq_lens, out, H, R=R, NUM_SPLITS=splits, SPLITS_PAD=pad,
+                                       BLOCK_N=block_n, USE_PDL=pdl, num_warps=4, **extra)
+    else:
+        dv = w_uv.shape[1]
+        block_dv = min(block_dv, triton.next_power_of_2(dv))
+        _decode_merge_out_kernel[(B * H, triton.cdiv(dv, block_dv))](
+            part, lse, seq_lens, w_uv, w_uv.stride(0), w_uv.stride(1), out, H, R=R, DV=dv, BLOCK_DV=block_dv,
+            NUM_SPLITS=splits, SPLITS_PAD=pad, BLOCK_N=block_n, LAT_DTYPE=_TL_DTYPES[q_nope.dtype], USE_PDL=pdl,
+            num_warps=8, **extra)
     return out
 
 
@@ -378,3 +456,31 @@ def _decode_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pd
 @mla_decode_fused.register_fake
 def _decode_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl):
     return q_nope.new_empty(q_nope.shape)
+
+
+@torch.library.custom_op("k3::mla_decode_fused_out", mutates_args=())
+def mla_decode_fused_out(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                         page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, kv_b_weight: torch.Tensor,
+                         nope: int, pdl: bool) -> torch.Tensor:
+    """mla_decode_fused, then W_UV (the v rows of kv_b_proj's weight, per head) and the flatten: [B, H * dv]."""
+    return decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale,
+                                w_uv_of(kv_b_weight, q_nope.shape[1], nope))
+
+
+@mla_decode_fused_out.register_kernel("cuda")
+def _decode_out_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl):
+    w_uv = w_uv_of(kv_b_weight, q_nope.shape[1], nope)
+    if not kernel_supports_decode(q_nope.shape[-1], q_rope.shape[-1]):
+        return decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, w_uv)
+    use_pdl = pdl and pdl_available(q_nope.device.index)
+    with torch.cuda.device(q_nope.device):
+        if q_nope.shape[0] <= OUT_MAX_TOKENS:  # a static shape: a captured graph always takes the same branch
+            return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl, w_uv=w_uv)
+        o_lat = decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl)
+        return torch.einsum("bhr,hdr->bhd", o_lat, w_uv).flatten(-2)
+
+
+@mla_decode_fused_out.register_fake
+def _decode_out_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl):
+    heads = q_nope.shape[1]
+    return q_nope.new_empty(q_nope.shape[0], heads * (kv_b_weight.shape[0] // heads - nope))

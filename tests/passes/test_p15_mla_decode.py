@@ -1,5 +1,5 @@
-"""P15 MLA decode: one prologue (norms + KV write) and one fused attention per MLA layer in decode
-graphs, nothing in prefill; K3's q_a norm joins the prologue after P1's merged GEMM; numerics vs
+"""P15 MLA decode: one prologue (norms + KV write) and one fused attention (W_UV absorbed after it) per
+MLA layer in decode graphs, nothing in prefill; K3's q_a norm joins the prologue after P1's merged GEMM; numerics vs
 the unpassed graph and the eager model, pools included."""
 import pytest
 import torch
@@ -13,19 +13,23 @@ aten = torch.ops.aten
 P15 = "p15_mla_decode"
 PROLOGUE = torch.ops.k3.mla_decode_prologue.default
 FUSED = torch.ops.k3.mla_decode_fused.default
+FUSED_OUT = torch.ops.k3.mla_decode_fused_out.default
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_two_rewrites_per_mla_layer_in_decode(name):
+def test_three_rewrites_per_mla_layer_in_decode(name):
     cfg = model(name).config
     n = layer_counts(cfg)
     gm = graph(name, "decode")
     before = op_counts(gm)
     assert before[torch.ops.k3.kv_write.default] == before[torch.ops.k3.mla_decode.default] == n["mla"]
     assert run_pass(gm, "p01_gemm_merge") > 0  # the merged input GEMM puts q_a next to the kv columns
-    assert run_pass(gm, P15) == 2 * n["mla"]
+    assert run_pass(gm, P15) == 3 * n["mla"]
     after = op_counts(gm)
-    assert after[PROLOGUE] == after[FUSED] == n["mla"]
+    assert after[PROLOGUE] == after[FUSED_OUT] == n["mla"] and after[FUSED] == 0
+    # W_UK's batched GEMM stays, W_UV's and the flatten's copy go
+    assert after[aten.bmm.default] == before[aten.bmm.default] - n["mla"]
+    assert after[aten.clone.default] == before[aten.clone.default] - n["mla"]
     assert after[torch.ops.k3.kv_write.default] == after[torch.ops.k3.mla_decode.default] == 0
     assert after[aten.cat.default] == before[aten.cat.default] - 2 * n["mla"]
     # kv norm (and K3's q_a norm) gone: 1 or 2 rsqrt per MLA layer
@@ -36,8 +40,9 @@ def test_two_rewrites_per_mla_layer_in_decode(name):
             assert (node.args[6] is None) == (cfg.q_lora_rank is None)
             assert node.args[2] == 1e-6 and node.args[4] in range(n["mla"])
             assert node.args[9] is True  # PDL is on by default
-        if node.target == FUSED:
-            assert node.args[7] is True
+        if node.target == FUSED_OUT:
+            assert node.args[9] is True and node.args[8] == cfg.qk_nope_head_dim
+            assert node.args[7].op == "get_attr" and node.args[7].target.endswith("kv_b_proj_weight")
     code = gm.code
     assert run_pass(gm, P15) == 0 and gm.code == code
 
@@ -58,7 +63,7 @@ def test_numerics_vs_unpassed_graph_and_eager(name, dtype, merged):
     before, gm = graph(name, "decode", dtype), graph(name, "decode", dtype)
     if merged:
         run_pass(gm, "p01_gemm_merge")
-    assert run_pass(gm, P15, pdl=not merged) == 2 * layer_counts(model(name).config)["mla"]  # either way on CPU
+    assert run_pass(gm, P15, pdl=not merged) == 3 * layer_counts(model(name).config)["mla"]  # either way on CPU
     for x in (inputs_for(name, "decode", dtype), other_batch(model(name, dtype), "decode")):
         got = run_graph(gm, x)
         assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")  # KV pool included
@@ -70,5 +75,8 @@ def test_options_turn_each_half_off():
     n = layer_counts(model("kimi-linear-tiny").config)["mla"]
     assert run_pass(gm, P15, attention=False) == n
     assert op_counts(gm)[PROLOGUE] == n and op_counts(gm)[FUSED] == 0
-    assert run_pass(gm, P15, prologue=False) == n
-    assert op_counts(gm)[FUSED] == n
+    assert run_pass(gm, P15, prologue=False) == 2 * n
+    assert op_counts(gm)[FUSED_OUT] == n
+    gm = graph("kimi-linear-tiny", "decode")
+    assert run_pass(gm, P15, absorb_out=False) == 2 * n
+    assert op_counts(gm)[FUSED] == n and op_counts(gm)[FUSED_OUT] == 0

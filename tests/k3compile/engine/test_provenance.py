@@ -20,11 +20,11 @@ def test_pass_and_layer_of_every_node_round_trip(tiny):
     fused = [p for p in mem.values() if p["op"] == "k3.fused_route.default"]
     assert len(fused) == 8 and {p["pass"] for p in fused} == {"p04_fused_routing"}
     assert {p["pass"] for p in mem.values() if p["op"] == "k3.fused_kda_decode.default"} == {"p05_fused_kda_decode"}
-    assert {p["pass"] for p in mem.values() if p["op"] == "k3.mla_decode_fused.default"} == {"p15_mla_decode"}
+    assert {p["pass"] for p in mem.values() if p["op"] == "k3.mla_decode_fused_out.default"} == {"p15_mla_decode"}
     by_pass = Counter(p["pass"] for p in mem.values())
     assert by_pass["p01_gemm_merge"] > 0
     # one recurrent or attention core per layer: together they cover the 9 layers once each
     cores = [p["layer"] for p in mem.values()
-             if p["op"] in ("k3.fused_kda_decode.default", "k3.mla_decode_fused.default")]
+             if p["op"] in ("k3.fused_kda_decode.default", "k3.mla_decode_fused_out.default")]
     assert sorted(cores, key=lambda s: int(s[1:])) == [f"L{i}" for i in range(9)]
     assert {p["layer"] for p in mem.values() if p["op"] == "aten.embedding.default"} == {"embed"}

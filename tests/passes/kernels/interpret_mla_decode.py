@@ -25,7 +25,7 @@ def randn(*shape, dtype=torch.float32):
     return torch.randn(*shape, generator=GEN).to(dtype)
 
 
-def attention_case(lens, page, heads=2, r=16, rope=8, splits=None, layers=2, layer=1):
+def attention_case(lens, page, heads=2, r=16, rope=8, splits=None, layers=2, layer=1, dv=None):
     """Requests with different lengths, pages scattered over the pool (non-contiguous page tables),
     q_rope a strided view (as in the graph), the pool's page stride padded like a unified arena."""
     b = len(lens)
@@ -38,8 +38,14 @@ def attention_case(lens, page, heads=2, r=16, rope=8, splits=None, layers=2, lay
     q_nope = randn(b, heads, r)
     q_rope = randn(b, heads, rope + 5)[..., 5:]
     scale = (r + rope) ** -0.5
-    got = mla.decode_triton(q_nope, q_rope, kv, layer, table, seq, scale, num_splits=splits)
-    want = mla.decode_reference(q_nope, q_rope, kv, layer, table, seq, scale)
+    if dv is None:
+        got = mla.decode_triton(q_nope, q_rope, kv, layer, table, seq, scale, num_splits=splits)
+        want = mla.decode_reference(q_nope, q_rope, kv, layer, table, seq, scale)
+    else:  # W_UV applied by the merge kernel: a view of kv_b_proj's weight, as the op passes it (block_dv < dv)
+        nope = 8
+        w_uv = mla.w_uv_of(randn(heads * (nope + dv), r), heads, nope)
+        got = mla.decode_triton(q_nope, q_rope, kv, layer, table, seq, scale, num_splits=splits, w_uv=w_uv, block_dv=8)
+        want = mla.decode_out_reference(q_nope, q_rope, kv, layer, table, seq, scale, w_uv)
     return ((got - want).abs().max() / want.abs().max()).item(), 1e-5
 
 
@@ -76,6 +82,8 @@ def cases():
             for page in (1, 16):
                 yield (f"prologue {dtype} q={with_q} page {page}",
                        lambda d=dtype, q=with_q, p=page: prologue_case(d, 5, q, p))
+    yield "W_UV in the merge, dv 12, 3 splits", lambda: attention_case([70, 17, 3], 16, splits=3, dv=12)
+    yield "W_UV in the merge, 3 heads, 1 token", lambda: attention_case([5], 4, heads=3, dv=16)
 
 
 def main() -> int:

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from k3compile.model_def.ops import library  # noqa: F401  (torch.ops.k3.kv_write / mla_decode)
-from k3compile.passes.kernels.mla_decode import decode_reference, decode_triton, prologue_reference
+from k3compile.passes.kernels.mla_decode import decode_reference, decode_triton, prologue_reference, w_uv_of
 
 from .interpreted import run_interpreted
 
 PROLOGUE = torch.ops.k3.mla_decode_prologue.default
 FUSED = torch.ops.k3.mla_decode_fused.default
+FUSED_OUT = torch.ops.k3.mla_decode_fused_out.default
 
 
 def _rms(x, w, eps):
@@ -80,6 +81,9 @@ def test_ops_pass_opcheck():
     table = torch.randperm(7, generator=gen)[:6].view(2, 3).int() + 1
     seq = torch.tensor([5, 12], dtype=torch.int32)
     torch.library.opcheck(FUSED, (torch.randn(2, 2, 16), torch.randn(2, 2, 8), kv, 1, table, seq, 0.2, False))
+    w_kv_b = torch.randn(2 * (4 + 8), 16)  # kv_b_proj: 2 heads x (nope 4 + dv 8) rows, r = 16
+    torch.library.opcheck(FUSED_OUT, (torch.randn(2, 2, 16), torch.randn(2, 2, 8), kv, 1, table, seq, 0.2, w_kv_b, 4,
+                                      False))
     torch.library.opcheck(PROLOGUE, (torch.randn(2, 24), torch.randn(16), 1e-6, kv, 0, torch.tensor([1, 6]),
                                      torch.randn(2, 8), torch.randn(8), 1e-6))
 
@@ -121,6 +125,29 @@ def test_cuda_decode_matches_reference(batch, context, page):
     assert _rel(got, want) <= _rel(decode_reference(q_nope, q_rope, kv, 0, table, seq, 192 ** -0.5), want) + 2e-3
     if torch.cuda.get_device_capability()[0] >= 9:
         assert torch.equal(FUSED(q_nope, q_rope, kv, 0, table, seq, 192 ** -0.5, True), got)  # PDL changes no value
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 4, 8])  # 1 and 4: the merge kernel applies W_UV; 8: cuBLAS after the merge
+def test_cuda_decode_with_w_uv_matches_reference_in_a_cuda_graph(batch):
+    q_nope, q_rope, kv, table, seq = _decode_inputs(batch, 512, 16, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    w_kv_b = (torch.randn(32 * 256, 512, generator=gen) * 512 ** -0.5).bfloat16().cuda()  # 48B: nope 128 + dv 128
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    args = (q_nope, q_rope, kv, 0, table, seq, 192 ** -0.5, w_kv_b, 128)
+    out = FUSED_OUT(*args, pdl)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = FUSED_OUT(*args, pdl)
+    q_nope.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    # the unfused decode step's arithmetic: latent output in bf16, then the bf16 batched GEMM
+    want = torch.einsum("bhr,hdr->bhd", FUSED(*args[:7], False), w_uv_of(w_kv_b, 32, 128)).flatten(-2)
+    assert out.shape == (batch, 32 * 128) and _rel(out, want) <= 1e-2
 
 
 @pytest.mark.gpu
