@@ -156,15 +156,18 @@ class K3ForCausalLM(nn.Module):
         """The step as a function of tensors only: this is what the compiler captures. `window`: the
         draft window's tensors in verify modes."""
         s = StepInputs(mode, cu_seqlens, seq_lens, page_table, state_slots, out_cache_loc, ssm, conv, kv, window)
+        # a decode step has one token per request and wants every row's logits (ForwardBatch checks both), so
+        # its gather would be the identity: left out, it is one launch fewer in the captured decode step
+        rows = (lambda h: h) if mode == "decode" else (lambda h: h[logits_indices])
         if not feature_layers:
-            logits = self.lm_head(self.model(input_ids, s)[logits_indices]).float()
+            logits = self.lm_head(rows(self.model(input_ids, s))).float()
             if self.shard is None:
                 return logits
             return torch.ops.k3.all_gather(logits, "world", self.shard.world, -1)
         if self.shard is not None:
             raise NotImplementedError("drafter feature layers are not supported on a rank of a parallel model yet")
         h, feats = self.model(input_ids, s, feature_layers)
-        return self.lm_head(h[logits_indices]).float(), feats
+        return self.lm_head(rows(h)).float(), feats
 
     def train_forward(self, input_ids: torch.Tensor, feature_layers: tuple[int, ...] = ()):
         """Differentiable full-sequence forward for training: input_ids [B, T] -> logits [B, T, V] (fp32),
