@@ -18,6 +18,9 @@ latent_norm_w=None, latent_eps=1e-5)`:
     [E, 2I, D/32] / [E, Do, I/32] (layout: `model_def.ops.mxfp4`).
   * shared_w2 [Do, Is] with shared_in [N, Is] and shared_up [N, Is]: the shared expert's gate and
     up pre-activations, activated here; shared_up None: shared_in is already activated.
+  * shared_w13 [2 Is, D] (rows [0, Is) gate, [Is, 2Is) up; dense, x's width) instead of shared_in /
+    shared_up: the shared expert's gate/up GEMM on x itself, which kernel A then runs as one more slot
+    (full-width MoE only: a latent MoE's shared expert reads the hidden state, not the op's x).
   * act "silu" or "situ" with its beta / linear_beta (model_def.ops.moe_math.glu_act).
   * latent_up_w [D, Do] (K3's routed_expert_up_proj) and optionally latent_norm_w [Do] (its
     routed_expert_norm, eps latent_eps; RMSNorm as model_def.layers.common.RMSNorm); the shared
@@ -30,7 +33,11 @@ CPU (the reference) is the exact composition of the unfused graph: moe_experts_l
 Triton kernels:
 
   A `_expert_up_kernel`, one program per (token, expert slot, column block of I): GEMV of x[t]
-    with the gate and up rows of the expert, activation in registers, h [N, k, I] in fp32.
+    with the gate and up rows of the expert, activation in registers, h [N, k, I] in fp32. With
+    shared_w13, N more programs per column block (the shared slot, grid rows N k .. N (k+1)) run the
+    shared expert's gate/up rows and store its activated input hs [N, Is] (fp32), which B reads as an
+    already activated shared input: the shared gate/up GEMM is no separate kernel. Under PDL the
+    shared slot loads its first weight tile (static) before waiting for x.
   B `_expert_down_kernel`, one program per (token, column block of Do): for each of the token's k
     experts the GEMV of W2's block with h, scaled by its routing weight and summed in registers;
     then the shared expert's GEMV over the same block; one store.
@@ -81,7 +88,7 @@ ARRIVALS_OWNER = "moe_decode"  # the split down-projection's counters in kernels
 # --------------------------------------------------------------------------- argument checks
 
 def check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2,
-               act, latent_up_w=None, latent_norm_w=None) -> tuple[int, int, int, int]:
+               act, latent_up_w=None, latent_norm_w=None, shared_w13=None) -> tuple[int, int, int, int]:
     """Raise ValueError naming the first thing wrong; returns (E, I, D, output width)."""
     if act not in ACTS:
         raise ValueError(f"fused_moe_decode: unknown activation {act!r} (known: {', '.join(ACTS)})")
@@ -116,11 +123,23 @@ def check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_i
         out_width = latent_up_w.shape[0]
     if latent_norm_w is not None and (latent_up_w is None or tuple(latent_norm_w.shape) != (s2[1],)):
         raise ValueError(f"fused_moe_decode: latent_norm_w must be [Do = {s2[1]}] and come with latent_up_w")
+    if shared_w13 is not None:
+        if shared_in is not None or shared_up is not None:
+            raise ValueError("fused_moe_decode: give the shared expert's gate/up as shared_w13 or as "
+                             "shared_in / shared_up, not both")
+        if shared_w2 is None or latent_up_w is not None:
+            raise ValueError("fused_moe_decode: shared_w13 needs shared_w2 and a full-width MoE (no latent_up_w: "
+                             "a latent MoE's shared expert does not read the op's x)")
+        want = [2 * shared_w2.shape[1], x.shape[1]] if shared_w2.dim() == 2 else None
+        if shared_w13.dtype != x.dtype or list(shared_w13.shape) != want:
+            raise ValueError(f"fused_moe_decode: shared_w13 must be [2 Is, D] = {want} in x's dtype {x.dtype} (gate "
+                             f"rows then up rows), got {shared_w13.dtype} {list(shared_w13.shape)}")
+        shared_in = x  # stands for the [tokens, Is] gate rows in the checks below
     if shared_w2 is not None:
         if shared_in is None or shared_w2.dim() != 2 or shared_w2.shape[0] != out_width:
             raise ValueError(f"fused_moe_decode: shared_w2 must be [{out_width}, Is] and come with shared_in")
         want = (x.shape[0], shared_w2.shape[1])
-        for name, t in (("shared_in", shared_in), ("shared_up", shared_up)):
+        for name, t in (("shared_in", shared_in if shared_w13 is None else None), ("shared_up", shared_up)):
             if t is not None and tuple(t.shape) != want:
                 raise ValueError(f"fused_moe_decode: {name} must be {list(want)}, got {list(t.shape)}")
     elif shared_in is not None or shared_up is not None:
@@ -145,6 +164,13 @@ def _latent(u, latent_up_w, latent_norm_w, eps):
     return F.linear(u, latent_up_w)
 
 
+def _shared_gate_up(x, shared_in, shared_up, shared_w13):
+    """(shared_in, shared_up): given, or the shared_w13 GEMM's gate and up columns (as P1's merged GEMM + split)."""
+    if shared_w13 is None:
+        return shared_in, shared_up
+    return F.linear(x, shared_w13).split(shared_w13.shape[0] // 2, dim=1)
+
+
 def _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta):
     if shared_w2 is None:
         return y
@@ -156,10 +182,11 @@ def _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta):
 
 def fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scale=None, shared_in=None,
                         shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
-                        latent_norm_w=None, latent_eps=1e-5):
+                        latent_norm_w=None, latent_eps=1e-5, shared_w13=None):
     """The unfused graph's computation, op for op (MXFP4 weights dequantized to x's dtype first)."""
     check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act,
-               latent_up_w, latent_norm_w)
+               latent_up_w, latent_norm_w, shared_w13)
+    shared_in, shared_up = _shared_gate_up(x, shared_in, shared_up, shared_w13)
     w13, w2 = _dense_weights(w13, w2, w13_scale, w2_scale, x.dtype)
     y = moe_experts_loop(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta)
     y = _latent(y, latent_up_w, latent_norm_w, latent_eps)
@@ -168,8 +195,9 @@ def fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_s
 
 def fused_moe_grouped(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scale=None, shared_in=None,
                       shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
-                      latent_norm_w=None, latent_eps=1e-5):
+                      latent_norm_w=None, latent_eps=1e-5, shared_w13=None):
     """Above the crossover on CUDA: grouped GEMM (sm90, bf16) or the gather path, shared expert in torch."""
+    shared_in, shared_up = _shared_gate_up(x, shared_in, shared_up, shared_w13)
     w13, w2 = _dense_weights(w13, w2, w13_scale, w2_scale, x.dtype, check_nan_scales=False)  # no host sync
     grouped = (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
                and torch.cuda.get_device_capability(x.device)[0] >= 9)
@@ -259,10 +287,50 @@ if triton is not None:
         return tl.sum(acc, axis=1)
 
     @triton.jit
-    def _expert_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, x_row_stride, D, I, beta, linear_beta,
-                          TOP_K: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-        pair = tl.program_id(0).to(tl.int64)  # token * TOP_K + slot
+    def _shared_up_slot(x_row, sw13_ptr, hs_row, col_block, D, IS, beta, linear_beta, ACT: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+        """Kernel A's shared slot: hs[cols] = act(Wg[cols] . x, Wu[cols] . x) for one column block of the shared
+        expert's [2 Is, D] gate/up weight (dense). Its weights are static, so under PDL the first K tile of both
+        halves is loaded before waiting for x (the previous kernel's output); one loop, gate and up tiles in
+        flight together, products summed in place and reduced once after the loop."""
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < IS
+        kk = tl.arange(0, BLOCK_K)
+        gate_rows = sw13_ptr + cols[:, None].to(tl.int64) * D
+        up_rows = gate_rows + IS * D
+        kmask = kk < D
+        wmask = cmask[:, None] & kmask[None, :]
+        wg = tl.load(gate_rows + kk[None, :], mask=wmask, other=0.0).to(tl.float32)
+        wu = tl.load(up_rows + kk[None, :], mask=wmask, other=0.0).to(tl.float32)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # x comes from an earlier kernel
+        v = tl.load(x_row + kk, mask=kmask, other=0.0).to(tl.float32)
+        acc_g = wg * v[None, :]
+        acc_u = wu * v[None, :]
+        for k0 in range(BLOCK_K, D, BLOCK_K):
+            k = k0 + kk
+            kmask = k < D
+            wmask = cmask[:, None] & kmask[None, :]
+            v = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)
+            acc_g += tl.load(gate_rows + k[None, :], mask=wmask, other=0.0).to(tl.float32) * v[None, :]
+            acc_u += tl.load(up_rows + k[None, :], mask=wmask, other=0.0).to(tl.float32) * v[None, :]
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        hs = _glu(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), beta, linear_beta, ACT)
+        tl.store(hs_row + cols, hs, mask=cmask)
+
+    @triton.jit
+    def _expert_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, sw13_ptr, hs_ptr, x_row_stride, D, I, IS,
+                          PAIRS, beta, linear_beta, TOP_K: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
+                          SHARED_SLOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+        pair = tl.program_id(0).to(tl.int64)  # token * TOP_K + slot; from PAIRS on (SHARED_SLOT) the shared slot
+        if SHARED_SLOT:
+            if pair >= PAIRS:
+                token = pair - PAIRS
+                _shared_up_slot(x_ptr + token * x_row_stride, sw13_ptr, hs_ptr + token * IS, tl.program_id(1), D,
+                                IS, beta, linear_beta, ACT, BLOCK_N, BLOCK_K, USE_PDL)
+                return
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < I
         if USE_PDL:
@@ -444,10 +512,16 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _expert_up_rows_kernel(x_ptr, ids_ptr, w13_ptr, h_ptr, x_row_stride, D, I, beta, linear_beta,
-                               TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-        pair = tl.program_id(0).to(tl.int64)  # token * TOP_K + slot
+    def _expert_up_rows_kernel(x_ptr, ids_ptr, w13_ptr, h_ptr, sw13_ptr, hs_ptr, x_row_stride, D, I, IS, PAIRS,
+                               beta, linear_beta, TOP_K: tl.constexpr, ACT: tl.constexpr, SHARED_SLOT: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+        pair = tl.program_id(0).to(tl.int64)  # token * TOP_K + slot; from PAIRS on (SHARED_SLOT) the shared slot
+        if SHARED_SLOT:
+            if pair >= PAIRS:
+                token = pair - PAIRS
+                _shared_up_slot(x_ptr + token * x_row_stride, sw13_ptr, hs_ptr + token * IS, tl.program_id(1), D,
+                                IS, beta, linear_beta, ACT, BLOCK_N, BLOCK_K, USE_PDL)
+                return
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < I
         if USE_PDL:
@@ -619,7 +693,7 @@ def _pow2(name: str, value: int, least: int) -> None:
 
 def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scale=None, shared_in=None,
                      shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
-                     latent_norm_w=None, latent_eps=1e-5, block_k: int | None = None,
+                     latent_norm_w=None, latent_eps=1e-5, shared_w13=None, block_k: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
                      use_pdl: bool = False, designs: tuple[str, str] | None = None) -> torch.Tensor:
     """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n / block_k
@@ -631,7 +705,7 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
         raise RuntimeError("fused_moe_decode: triton is not installed")
     num_experts, inter, width, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
                                                       shared_in, shared_up, shared_w2, act, latent_up_w,
-                                                      latent_norm_w)
+                                                      latent_norm_w, shared_w13)
     n, k = topk_ids.shape
     quantized = w13_scale is not None
     if block_k is not None:
@@ -664,15 +738,26 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     s2 = w2_scale.contiguous() if quantized else w2
     h = torch.empty(n * k, inter, dtype=torch.float32, device=x.device)
     act_id = ACTS[act]
+    # the routed slots' tile (the rule counts them only); the shared slot (shared_w13) adds n programs per column
+    # block, over max(I, Is) columns, each slot masking what lies past its own width
     bn, bk, warps = config("up", n * k, inter, width, up_design)
+    slot_a = shared_w13 is not None
+    shared_width_a = shared_w13.shape[0] // 2 if slot_a else 0
+    hs = torch.empty(n, shared_width_a, dtype=torch.float32, device=x.device) if slot_a else h
+    sw13 = shared_w13.contiguous() if slot_a else h  # unused pointer without the shared slot
+    grid_a = (n * (k + int(slot_a)), triton.cdiv(max(inter, shared_width_a), bn))
     if up_design == "rows":
-        _expert_up_rows_kernel[(n * k, triton.cdiv(inter, bn))](
-            x, ids, w13, h, x.stride(0), width, inter, float(beta), float(linear_beta),
-            TOP_K=k, ACT=act_id, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, **launch)
+        _expert_up_rows_kernel[grid_a](
+            x, ids, w13, h, sw13, hs, x.stride(0), width, inter, shared_width_a, n * k, float(beta),
+            float(linear_beta), TOP_K=k, ACT=act_id, SHARED_SLOT=slot_a, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
+            num_warps=warps, **launch)
     else:
-        _expert_up_kernel[(n * k, triton.cdiv(inter, bn))](
-            x, ids, w13, s13, h, x.stride(0), width, inter, float(beta), float(linear_beta),
-            TOP_K=k, ACT=act_id, MXFP4=quantized, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, **launch)
+        _expert_up_kernel[grid_a](
+            x, ids, w13, s13, h, sw13, hs, x.stride(0), width, inter, shared_width_a, n * k, float(beta),
+            float(linear_beta), TOP_K=k, ACT=act_id, MXFP4=quantized, SHARED_SLOT=slot_a, BLOCK_N=bn, BLOCK_K=bk,
+            USE_PDL=pdl, num_warps=warps, **launch)
+    if slot_a:  # B (any design) reads the shared expert's input already activated, from kernel A
+        shared_in, shared_up = hs, None
     shared = shared_w2 is not None
     sin = shared_in if shared else h
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
@@ -733,18 +818,18 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      shared_w2: torch.Tensor | None, act: str, beta: float, linear_beta: float,
                      crossover: int, latent_up_w: torch.Tensor | None = None,
                      latent_norm_w: torch.Tensor | None = None, latent_eps: float = 1e-5,
-                     use_pdl: bool = False) -> torch.Tensor:
+                     use_pdl: bool = False, shared_w13: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc."""
     return fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
-                               shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps)
+                               shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
 
 
 @fused_moe_decode.register_kernel("cuda")
 def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
-                           latent_eps=1e-5, use_pdl=False):
+                           latent_eps=1e-5, use_pdl=False, shared_w13=None):
     args = (x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
-            linear_beta, latent_up_w, latent_norm_w, latent_eps)
+            linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
     if triton is None or x.shape[0] >= crossover:
         return fused_moe_grouped(*args)
     with torch.cuda.device(x.device):  # Triton launches on the current device
@@ -754,9 +839,9 @@ def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
 @fused_moe_decode.register_fake
 def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
-                           latent_eps=1e-5, use_pdl=False):
+                           latent_eps=1e-5, use_pdl=False, shared_w13=None):
     _, _, _, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
-                                    shared_w2, act, latent_up_w, latent_norm_w)
+                                    shared_w2, act, latent_up_w, latent_norm_w, shared_w13)
     return x.new_empty(x.shape[0], out_width)
 
 
@@ -777,33 +862,35 @@ def random_routing(n: int, num_experts: int, top_k: int, device, seed: int = 0):
 
 def crossover_case(n: int, w13, w2, w13_scale, w2_scale, shared_w2, shared_glu: bool, top_k: int, act: str,
                    beta: float, linear_beta: float, dtype, latent_up_w=None, latent_norm_w=None,
-                   latent_eps: float = 1e-5) -> tuple:
+                   latent_eps: float = 1e-5, shared_w13=None) -> tuple:
     """Random op arguments for a batch of n tokens on this layer's weights. The shared expert's input is
     as wide as shared_w2's columns (not the experts' width: in a latent MoE they differ), and the latent
-    tail comes along, so the measured op has the layer's shapes (and check_args accepts it)."""
+    tail comes along, so the measured op has the layer's shapes (and check_args accepts it); with shared_w13
+    the op computes the shared expert's gate/up itself (kernel A's shared slot)."""
     width = w13.shape[2] * (2 if w13_scale is not None else 1)
     ids, wts = random_routing(n, w13.shape[0], top_k, w13.device, seed=n)
     x = torch.randn(n, width, device=w13.device, dtype=dtype)
     shared = (None, None)
-    if shared_w2 is not None:
+    if shared_w2 is not None and shared_w13 is None:
         s = torch.randn(n, shared_w2.shape[1], device=w13.device, dtype=dtype)
         shared = (s, s if shared_glu else None)
     return (x, ids, wts, w13, w2, w13_scale, w2_scale, *shared, shared_w2, act, beta, linear_beta, latent_up_w,
-            latent_norm_w, latent_eps)
+            latent_norm_w, latent_eps, shared_w13)
 
 
 @torch.no_grad()
 def measure_crossover(w13, w2, w13_scale=None, w2_scale=None, shared_w2=None, top_k: int = 8, act: str = "silu",
                       beta: float = 4.0, linear_beta: float = 25.0, dtype=torch.bfloat16,
                       batches=CROSSOVER_BATCHES, shared_glu: bool = True, latent_up_w=None, latent_norm_w=None,
-                      latent_eps: float = 1e-5) -> tuple[int, dict]:
+                      latent_eps: float = 1e-5, shared_w13=None) -> tuple[int, dict]:
     """Smallest batch in `batches` at which the grouped path is at least as fast as the GEMV kernels,
     timed on this layer's weights (CUDA) with the same tail the layer's op has (latent up-projection and
-    norm, shared expert with or without its GLU); NO_CROSSOVER if it never is. Returns (crossover, timings µs)."""
+    norm, shared expert with or without its GLU, its gate/up in the op with shared_w13); NO_CROSSOVER if it
+    never is. Returns (crossover, timings µs)."""
     timings = {}
     for n in batches:
         args = crossover_case(n, w13, w2, w13_scale, w2_scale, shared_w2, shared_glu, top_k, act, beta,
-                              linear_beta, dtype, latent_up_w, latent_norm_w, latent_eps)
+                              linear_beta, dtype, latent_up_w, latent_norm_w, latent_eps, shared_w13)
         fused = _time_us(lambda: fused_moe_triton(*args))
         grouped = _time_us(lambda: fused_moe_grouped(*args))
         timings[n] = {"fused_us": round(fused, 2), "grouped_us": round(grouped, 2)}
