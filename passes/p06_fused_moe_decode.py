@@ -18,7 +18,15 @@ into the layer's input GEMM):
           | anything else                                           -> shared_in=a (already activated)]
 
 and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
-act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps)`. Each part is optional:
+act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps, use_pdl, shared_w13)`.
+
+Shared gate/up into kernel A (`fuse_shared_up`): when the GLU's g and up are column blocks of constant-weight
+GEMMs on z itself (P1's merged mm(z, t(W)) + split, or two plain mms), read by nothing but the GLU, and the
+MoE is full width (a latent MoE's shared expert reads the hidden state, not z: it keeps its GEMM), their weight
+rows [g; up] become the op's shared_w13 (P1's merged weight itself when it is exactly [g; up]) and the op runs
+them as one more slot of its up-projection kernel. The GEMM loses those columns at build time
+(gemm_columns.drop_column_blocks: what else it computes, e.g. an fp32 model's router logits, stays a GEMM).
+Each part is optional:
 a layer whose tail deviates from these forms keeps that tail in ATen and fuses what comes before.
 A layer whose matched shapes the op's argument check refuses is left unfused (never an error), and
 counted in the config's `skipped_layers`.
@@ -36,7 +44,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import attr_tensor, erase_if_dead, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
+from .gemm_columns import column_block, drop_column_blocks, record_merge, source_name
+from .graph_utils import (add_constant, attr_tensor, drop_unused_constants, erase_if_dead, fake_mode_of, is_call,
+                          replace_uses, set_meta_val, val_of)
 from .kernels import moe_decode  # noqa: F401  (registers torch.ops.k3.fused_moe_decode)
 from .patterns import NoMatch, is_cast, match_rms_norm
 from .registry import PassConfig, PassConfigError, register_pass
@@ -52,6 +62,7 @@ class FusedMoEDecodeConfig(PassConfig):
     crossover_batch: int | None = None
     fuse_shared: bool = True  # fold the shared expert's down-projection (+ its GLU) and the add into the op
     fuse_latent: bool = True  # fold the latent MoE's RMSNorm and up-projection (K3) into the op
+    fuse_shared_up: bool = True  # the shared expert's gate/up GEMM as a slot of the op's up-projection kernel
     use_pdl: bool = False  # launch the GEMV kernels with programmatic dependent launch (sm90+, Triton >= 3.4)
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
@@ -178,9 +189,47 @@ def _match_latent(moe: Node):
     return up[0], up[1], weight, eps, chain + up[2]
 
 
+def _shared_gate_up(gm: GraphModule, z: Node, shared_in: Node, shared_up: Node, width: int, dead: list[Node]):
+    """The column blocks (gate, up) behind the shared GLU's inputs when the op can compute them from z: both
+    [*, width] blocks of constant-weight GEMMs on z, read only by the matched GLU (`dead`); else None."""
+    inside = set(dead)
+    blocks = []
+    for node in (shared_in, shared_up):
+        block = column_block(gm, node)
+        if block is None or block.x is not z or block.width != width or not all(u in inside for u in node.users):
+            return None
+        blocks.append(block)
+    return blocks
+
+
+def _shared_w13_node(gm: GraphModule, gate, up, shared_w2: Node, before: Node, fake_mode) -> Node:
+    """get_attr of the [2 Is, D] gate/up weight: the GEMM's own weight when it is exactly [gate; up], else a new
+    constant of those rows (the GEMM then drops them: gemm_columns.drop_column_blocks)."""
+    weight = attr_tensor(gm, gate.weight)
+    if gate.weight is up.weight and gate.start == 0 and up.start == gate.width and weight.shape[0] == 2 * gate.width:
+        return gate.weight
+    rows = torch.cat([gate.rows(gm), up.rows(gm)]).contiguous()
+    node = add_constant(gm, shared_w2.target.replace("down_proj", "gate_up_proj"), rows, before=before,
+                        fake_mode=fake_mode)
+    record_merge(gm, node, [(source_name(gm, gate), gate.width), (source_name(gm, up), up.width)])
+    return node
+
+
+def _drop_gate_up_gemms(gm: GraphModule, blocks, fake_mode) -> None:
+    """After the fused op took over the shared gate/up: the GEMMs lose those columns (a P1 merged GEMM keeps its
+    other blocks; a plain GEMM whose output is no longer read goes, with its weight)."""
+    for block in {(b.split if b.split is not None else b.mm): b for b in blocks}.values():
+        if block.split is not None:
+            drop_column_blocks(gm, block.split, fake_mode)
+        else:
+            erase_if_dead(gm, [block.mm, block.mm.args[1], block.weight])
+            drop_unused_constants(gm, [block.weight.target])
+
+
 def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor], top_k: int,
-                       act, beta, linear_beta, dtype, shared_w2, shared_glu, latent) -> int:
-    """latent: (up-projection weight, norm weight, eps) tensors of the layer's latent tail (Nones without)."""
+                       act, beta, linear_beta, dtype, shared_w2, shared_glu, latent, shared_w13=None) -> int:
+    """latent: (up-projection weight, norm weight, eps) tensors of the layer's latent tail (Nones without);
+    shared_w13: the shared expert's gate/up weight when the op computes them (kernel A's shared slot)."""
     if config.crossover_batch is not None:
         if not config.crossover_source:
             config.crossover_source = "config"
@@ -191,7 +240,8 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
         w2 = weights[1]
         crossover, timings = moe_decode.measure_crossover(
             w13, w2, *scales, shared_w2=shared_w2, top_k=top_k, act=act, beta=beta, linear_beta=linear_beta,
-            dtype=dtype, shared_glu=shared_glu, latent_up_w=latent[0], latent_norm_w=latent[1], latent_eps=latent[2])
+            dtype=dtype, shared_glu=shared_glu, latent_up_w=latent[0], latent_norm_w=latent[1], latent_eps=latent[2],
+            shared_w13=shared_w13)
         summary = ", ".join(f"{n}: {t['fused_us']}/{t['grouped_us']} us" for n, t in timings.items())
         config.crossover_source = (f"measured on {torch.cuda.get_device_name(w13.device)} "
                                    f"(batch: fused/grouped per layer) {summary}")
@@ -243,15 +293,23 @@ def fused_moe_decode(gm: GraphModule, config: FusedMoEDecodeConfig) -> int:
             config.skipped_layers += 1
             continue
         fake_mode = fake_mode or fake_mode_of(gm)
+        shared_glu, gate_up, shared_w13 = shared_up is not None, None, None
+        if config.fuse_shared_up and shared_glu and up_w is None:
+            gate_up = _shared_gate_up(gm, z, shared_in, shared_up, weights[4].shape[1], dead)
+        if gate_up is not None:
+            shared_w13 = _shared_w13_node(gm, *gate_up, shared_w2, out, fake_mode)
+            shared_in = shared_up = None
         crossover = _resolve_crossover(
             config, [w for w in weights[:4] if w is not None], val_of(ids).shape[1], act, beta, linear_beta,
-            val_of(z).dtype, weights[4], shared_up is not None, (weights[5], weights[6], eps))
+            val_of(z).dtype, weights[4], shared_glu, (weights[5], weights[6], eps), tensor(shared_w13))
         with gm.graph.inserting_before(out):
             fused = gm.graph.call_function(FUSED, (z, ids, wts, w13, w2, s13, s2, shared_in, shared_up, shared_w2,
                                                    act, beta, linear_beta, crossover, up_w, norm_w, eps,
-                                                   bool(config.use_pdl)))
+                                                   bool(config.use_pdl), shared_w13))
         set_meta_val(fused, fake_mode)
         replace_uses(out, fused, fake_mode)
         erase_if_dead(gm, [out, moe] + dead)
+        if gate_up is not None:
+            _drop_gate_up_gemms(gm, gate_up, fake_mode)
         matches += 1
     return matches

@@ -2,6 +2,7 @@
 expert folded in where the MoE is full width), none in prefill, the crossover decided and recorded,
 MXFP4 experts, the SiTU shared GLU, numerics vs the unpassed graph and the eager model."""
 import functools
+import operator
 
 import pytest
 import torch
@@ -46,20 +47,29 @@ def test_one_fused_op_per_moe_layer_in_decode(name):
     latent = cfg.latent_size is not None
     for node in _fused_nodes(gm):
         (x, ids, wts, w13, w2, s13, s2, shared_in, shared_up, shared_w2, act, beta, linear_beta, crossover, up_w,
-         norm_w, eps, use_pdl) = node.args
+         norm_w, eps, use_pdl, shared_w13) = node.args
         assert use_pdl is False  # the config's default; P6's use_pdl turns it on
         assert ids.args[0].target == torch.ops.k3.fused_route.default  # P4's outputs, consumed directly
         assert (act, beta, linear_beta) == (cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
         assert s13 is None and s2 is None and crossover == moe_decode.CPU_CROSSOVER
-        assert shared_w2.target.endswith("shared_experts_down_proj_weight") and shared_up is not None
-        if latent:  # K3: the latent RMSNorm and up-projection went in too
+        assert shared_w2.target.endswith("shared_experts_down_proj_weight")
+        if latent:  # K3: the latent RMSNorm and up-projection went in too; the shared gate/up (on the hidden
+            # state, not the op's latent x) stay columns of P1's merged GEMM
             assert up_w.target.endswith("routed_expert_up_proj_weight") and eps == cfg.rms_norm_eps
             assert norm_w.target.endswith("routed_expert_norm_weight")
-        else:
+            assert shared_up is not None and shared_w13 is None
+        else:  # full width: the shared gate/up rows are the op's (kernel A's shared slot)
             assert up_w is None and norm_w is None
+            assert shared_in is None and shared_up is None
+            assert shared_w13.target.endswith("shared_experts_gate_up_proj_weight")
+            assert tuple(gm.get_buffer(shared_w13.target).shape) == (2 * shared_w2.meta["val"].shape[1],
+                                                                      x.meta["val"].shape[1])
     # per layer: the shared down GEMM, its t, the combining add and the GLU are gone (SiLU: silu + mul;
-    # SiTU: 2 div, 2 tanh, 4 mul, sigmoid); latent: also the norm (pow, mean, add, rsqrt, 2 mul) and up GEMM
+    # SiTU: 2 div, 2 tanh, 4 mul, sigmoid); latent: also the norm (pow, mean, add, rsqrt, 2 mul) and up GEMM;
+    # full width: the merged GEMM's split and its 3 getitems (fp32: the router's logits stay, one plain GEMM)
     gone = {aten.mm.default: 1, aten.t.default: 1, aten.add.Tensor: 1}
+    if not latent:
+        gone.update({aten.split_with_sizes.default: 1, operator.getitem: 3})
     gone.update({aten.silu.default: 1, aten.mul.Tensor: 1} if cfg.hidden_act == "silu" else
                 {aten.tanh.default: 2, aten.sigmoid.default: 1, aten.div.Tensor: 2, aten.mul.Tensor: 4})
     if latent:
@@ -81,7 +91,8 @@ def test_prefill_is_left_alone(name):
     assert gm.code == code
 
 
-@pytest.mark.parametrize("name,dtype", [("kimi-linear-tiny", torch.float32), ("k3-tiny", torch.bfloat16)])
+@pytest.mark.parametrize("name,dtype", [("kimi-linear-tiny", torch.float32), ("k3-tiny", torch.bfloat16),
+                                        ("kimi-linear-tiny", torch.bfloat16)])
 def test_numerics_vs_unpassed_graph_and_eager(name, dtype):
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     before, gm = _after_p1_p4(graph(name, "decode", dtype)), _after_p1_p4(graph(name, "decode", dtype))
@@ -121,6 +132,50 @@ def test_disabled_tail_fusion_keeps_the_shared_expert_and_latent_tail(name):
     assert all(n.args[9] is None and n.args[14] is None for n in _fused_nodes(gm))
 
 
+def test_bf16_shared_gate_up_gemm_leaves_the_graph():
+    """bf16 (the 48B engine's dtype): the router runs in fp32 apart, so P1's merged GEMM on the MoE input is
+    exactly [shared gate; shared up]; its weight becomes the op's shared_w13 as it is (no copy) and the GEMM
+    goes: per MoE layer 2 GEMMs (that one and the shared down-projection) fewer."""
+    name, n = "kimi-linear-tiny", layer_counts(model("kimi-linear-tiny").config)["moe"]
+    gm = _after_p1_p4(graph(name, "decode", torch.bfloat16))
+    merged = {k for k in gm.meta["k3"]["merged_weights"] if "shared_experts" in k and k.endswith("up_proj")}
+    assert len(merged) == n
+    before = op_counts(gm)
+    assert run_pass(gm, P6) == n
+    after = op_counts(gm)
+    assert after[aten.mm.default] == before[aten.mm.default] - 2 * n
+    assert after[aten.split_with_sizes.default] == before[aten.split_with_sizes.default] - n
+    assert {node.args[18].target for node in _fused_nodes(gm)} == merged
+    assert set(gm.meta["k3"]["merged_weights"]) >= merged  # P1's provenance of the weight stays
+
+
+@pytest.mark.parametrize("name,dtype", [("kimi-linear-tiny", torch.float32), ("kimi-linear-tiny", torch.bfloat16)])
+def test_shared_gate_up_left_out_keeps_the_gemm(name, dtype):
+    gm = _after_p1_p4(graph(name, "decode", dtype))
+    before = op_counts(gm)
+    n = layer_counts(model(name).config)["moe"]
+    assert run_pass(gm, P6, fuse_shared_up=False) == n
+    assert op_counts(gm)[aten.mm.default] == before[aten.mm.default] - n  # only the shared down GEMM
+    assert all(node.args[8] is not None and node.args[18] is None for node in _fused_nodes(gm))
+
+
+def test_fp32_router_keeps_its_rows_of_the_merged_gemm():
+    """fp32: P1 merged [router; shared gate; shared up]; P6 takes the shared rows into a new constant and the
+    router's logits come from a GEMM on its own rows again (named as before P1), numerics unchanged."""
+    gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
+    assert run_pass(gm, P6) == layer_counts(model("kimi-linear-tiny").config)["moe"]
+    for node in gm.graph.nodes:
+        if node.target == torch.ops.k3.fused_route.default:
+            logits = node.args[0]
+            assert logits.target == aten.mm.default and logits.args[1].args[0].target.endswith("moe_gate_weight")
+    merged = gm.meta["k3"]["merged_weights"]
+    for node in _fused_nodes(gm):
+        parts = merged[node.args[18].target]
+        assert [p["source"].rsplit("_experts_", 1)[1] for p in parts] == ["gate_proj_weight", "up_proj_weight"]
+        assert parts[1]["rows"] == [parts[0]["rows"][1], 2 * parts[0]["rows"][1]]
+    assert not [k for k in merged if "moe__gate__shared" in k]  # the old merge is gone from the record too
+
+
 @functools.lru_cache(maxsize=None)
 def _small_model(kind: str):
     """3 layers (dense, 2 MoE). 'mxfp4': K3-like with MXFP4 experts; 'situ': Kimi-Linear-like (full width,
@@ -150,8 +205,8 @@ def test_mxfp4_experts_and_situ_shared_glu(kind):
         for n in fused:
             assert n.args[3].target.endswith("w13_packed") and n.args[5].target.endswith("w13_scale")
             assert n.args[4].target.endswith("w2_packed") and n.args[6].target.endswith("w2_scale")
-    else:  # the SiTU chain (2 div, 2 tanh, 4 mul, sigmoid) of each shared GLU went into the op
-        assert all(n.args[8] is not None for n in fused)
+    else:  # the SiTU chain (2 div, 2 tanh, 4 mul, sigmoid) of each shared GLU went into the op, its gate/up too
+        assert all(n.args[18] is not None for n in fused)
         assert after[aten.tanh.default] == counts[aten.tanh.default] - 4
         assert after[aten.sigmoid.default] == counts[aten.sigmoid.default] - 2
     x = randomized_inputs(step_inputs(m, "decode"), 3)
