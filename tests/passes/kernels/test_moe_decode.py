@@ -86,6 +86,34 @@ def test_bad_arguments_raise_clear_errors():
         fused_moe_reference(p["x"], p["topk_ids"], p["topk_weights"], w13p, w2p, w13s[..., :1], w2s)
 
 
+def test_shared_gate_up_weight_is_the_merged_gemm_then_split():
+    """shared_w13 [2 Is, D]: the op computes the shared expert's gate/up as P1's merged GEMM + split would."""
+    p = _problem()
+    gen = torch.Generator().manual_seed(3)
+    sw13 = torch.randn(2 * p["shared_w2"].shape[1], p["x"].shape[1], generator=gen) * 0.1
+    gate, up = (p["x"] @ sw13.t()).split(sw13.shape[0] // 2, dim=1)
+    for act in ("silu", "situ"):
+        want = FUSED(*_op_args(dict(p, shared_in=gate, shared_up=up), act))
+        got = FUSED(*_op_args(dict(p, shared_in=None, shared_up=None), act), None, None, 1e-5, False, sw13)
+        assert torch.equal(got, want)
+    torch.library.opcheck(FUSED, (*_op_args(dict(p, shared_in=None, shared_up=None)), None, None, 1e-5, False, sw13))
+    bad = [(dict(shared_in=p["shared_in"]), sw13, "shared_w13 or as shared_in / shared_up, not both"),
+           (dict(shared_w2=None), sw13, "shared_w13 needs shared_w2"),
+           ({}, sw13[:, :32], "shared_w13 must be \\[2 Is, D\\] = \\[32, 64\\]"),
+           ({}, sw13.double(), "in x's dtype torch.float32")]
+    for change, weight, message in bad:
+        q = {**p, "shared_in": None, "shared_up": None, **change}
+        with pytest.raises(ValueError, match=message):
+            FUSED(*_op_args(q), None, None, 1e-5, False, weight)
+    with pytest.raises(ValueError, match="full-width MoE"):  # a latent MoE's shared expert does not read x
+        fused_moe_reference(p["x"], p["topk_ids"], p["topk_weights"], p["w13"], p["w2"], shared_w2=p["shared_w2"],
+                            latent_up_w=torch.randn(48, 48), shared_w13=sw13)
+
+
+def test_shared_slot_of_kernel_a_under_interpreter_matches_reference():
+    run_interpreted("interpret_moe_shared_slot.py", timeout=600)
+
+
 def test_triton_kernels_under_interpreter_match_reference():
     run_interpreted("interpret_moe_decode.py", timeout=900)
 
@@ -304,4 +332,67 @@ def test_cuda_split_down_projection_replays_from_a_cuda_graph():
         graph.replay()
         f32 = {key: (v.float() if v.dtype == torch.bfloat16 else v) for key, v in p.items()}
         ref = fused_moe_reference(*_op_args(f32, "silu", 0)[:13])
+        assert _rel(out, ref) < 1e-2, (seed, _rel(out, ref))
+
+
+def _with_shared_w13(p, seed):
+    """p with the shared expert's gate/up as a [2 Is, D] weight for kernel A's shared slot (no shared_in/up)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    s, d = p["shared_w2"].shape[1], p["x"].shape[1]
+    sw13 = (torch.randn(2 * s, d, generator=gen, device="cuda") * d ** -0.5).bfloat16()
+    return dict(p, shared_in=None, shared_up=None), sw13
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1, 8])
+def test_cuda_shared_slot_of_kernel_a_at_the_48b_shape(n):
+    """The shared expert's gate/up in kernel A (shared_w13) at the 48B shape: every (up, down) design pair with
+    bf16 experts and the MXFP4 tiles design, PDL off and on, SiLU and SiTU, vs the fp32 reference."""
+    p, sw13 = _with_shared_w13(_cuda_problem(n, 400 + n, **_shape_48b()), n)
+    (w13p, w13s), (w2p, w2s) = mxfp4.quantize(p["w13"]), mxfp4.quantize(p["w2"])
+    for quant in (False, True):
+        q = dict(p, w13=w13p, w2=w2p) if quant else p
+        scales = (w13s, w2s) if quant else (None, None)
+        f32 = {key: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
+               for key, v in q.items()}
+        designs = [("tiles", d) for d in ("tiles", "split")] if quant else \
+            [(u, d) for u in moe_decode.DESIGNS for d in moe_decode.DOWN_DESIGNS]
+        for act in ("silu", "situ"):
+            ref = fused_moe_reference(*_op_args(f32, act, 0, *scales)[:13], shared_w13=sw13.float())
+            got = FUSED(*_op_args(q, act, 1 << 30, *scales), None, None, 1e-5, True, sw13)  # the op, PDL on
+            assert _rel(got, ref) < 1e-2, ("op", quant, act, _rel(got, ref))
+            for up, down in designs:
+                for pdl in (False, True):
+                    got = moe_decode.fused_moe_triton(*_op_args(q, act, 0, *scales)[:13], shared_w13=sw13,
+                                                      designs=(up, down), use_pdl=pdl)
+                    assert _rel(got, ref) < 1e-2, (quant, act, up, down, pdl, _rel(got, ref))
+            got = FUSED(*_op_args(q, act, 1, *scales), None, None, 1e-5, False, sw13)  # the grouped-GEMM path
+            assert _rel(got, ref) < 1e-2, ("grouped", quant, act, _rel(got, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1, 8])
+def test_cuda_shared_slot_with_pdl_replays_from_a_cuda_graph(n):
+    """Kernel A with the shared slot and B' launched with PDL, captured once in a CUDA graph (as the engine
+    runs them) and replayed on new routings and inputs: each replay matches the reference."""
+    shape = _shape_48b()
+    p, sw13 = _with_shared_w13(_cuda_problem(n, 500 + n, **shape), 7)
+    args = list(_op_args(p, "silu", 0)[:13])
+    fn = lambda: moe_decode.fused_moe_triton(*args, shared_w13=sw13, use_pdl=True)  # noqa: E731
+    fn()  # warm-up: compiles and allocates the shared counters outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    for seed in (1, 2, 3):
+        ids, wts = random_routing(n, shape["e"], shape["k"], "cuda", seed)
+        p["topk_ids"].copy_(ids)
+        p["topk_weights"].copy_(wts)
+        p["x"].copy_(torch.randn_like(p["x"], dtype=torch.float32).bfloat16())
+        graph.replay()
+        f32 = {key: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
+               for key, v in p.items()}
+        ref = fused_moe_reference(*_op_args(f32, "silu", 0)[:13], shared_w13=sw13.float())
         assert _rel(out, ref) < 1e-2, (seed, _rel(out, ref))
