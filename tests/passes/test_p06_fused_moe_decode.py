@@ -305,6 +305,24 @@ def test_k3_mini_like_on_cuda_measures_and_fuses():
     assert_same_step(run_graph(gm, x), run_graph(before, x), BF16_TOL, "k3-mini-like on CUDA vs unpassed graph")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kimi_like_on_cuda_runs_the_shared_gate_up_in_kernel_a_with_pdl():
+    """Full-width MoE (Kimi-Linear-like, SiTU) in bf16 on CUDA: the shared gate/up GEMM leaves the graph, the op
+    runs it in kernel A (Triton path: crossover above the batch), PDL on; the step matches the unpassed graph."""
+    m = _small_model("situ")
+    gpu = build_model(m.config)
+    gpu.load_state_dict(m.state_dict())
+    gpu = gpu.to("cuda", torch.bfloat16)
+    gm, before = _after_p1_p4(capture_step(gpu, "decode")), _after_p1_p4(capture_step(gpu, "decode"))
+    mms = op_counts(gm)[aten.mm.default]
+    assert run_pass(gm, P6, use_pdl=True, crossover_batch=1 << 20) == 2
+    assert op_counts(gm)[aten.mm.default] == mms - 2 * 2  # per MoE layer: the shared gate/up and down GEMMs
+    assert all(n.args[17] is True and n.args[18] is not None for n in _fused_nodes(gm))
+    x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 5)]
+    assert_same_step(run_graph(gm, x), run_graph(before, x), BF16_TOL, "kimi-like on CUDA vs unpassed graph")
+
+
 @pytest.mark.parametrize("name,mode,dtype", [("kimi-linear-tiny", "verify", torch.float32),
                                              ("k3-tiny", "verify", torch.bfloat16),
                                              ("k3-tiny", "verify_snapshot", torch.float32)])
