@@ -114,13 +114,14 @@ def _k3_cost(name: str, args: tuple, out) -> tuple[int, int] | None:
                 2 * ids.numel() * (w13[0].numel() + w2[0].numel()))
     if name == "fused_moe_decode":  # P6: routed experts touched + shared expert + latent tail, one layer
         x, ids, weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2 = args[:10]
-        latent = [w for w in args[14:16] if isinstance(w, torch.Tensor)]
+        # the latent tail's weights and shared_w13 (the shared expert's gate/up, when kernel A runs them): GEMVs
+        tail = [w for w in args[14:16] + args[18:19] if isinstance(w, torch.Tensor)]
         experts = int(torch.unique(ids).numel())
         per_expert = sum(_nbytes(w[0]) for w in (w13, w2, w13_scale, w2_scale) if isinstance(w, torch.Tensor))
         dense = [t for t in (x, ids, weights, shared_in, shared_up, shared_w2) if isinstance(t, torch.Tensor)]
         b = x.shape[0]
-        gemv = sum(2 * b * w.numel() for w in [shared_w2] + latent if isinstance(w, torch.Tensor))
-        return (_sum(dense + latent) + out_b + experts * per_expert,
+        gemv = sum(2 * b * w.numel() for w in [shared_w2] + tail if isinstance(w, torch.Tensor))
+        return (_sum(dense + tail) + out_b + experts * per_expert,
                 2 * ids.numel() * (w13[0].numel() + w2[0].numel()) + gemv)
     return None
 

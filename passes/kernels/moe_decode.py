@@ -272,9 +272,16 @@ if triton is not None:
         """The shared expert's down-projection for a block of output columns: W[cols] · act(in, up)
         (GLU) or W[cols] · in (already activated). Products accumulate in a [BLOCK_N, BLOCK_K] tile, reduced
         once after the loop (a reduction per iteration costs shuffles and a barrier on every tile)."""
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc = _shared_acc(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), 0, in_row, up_row, w_ptr, cols, cmask, IS,
+                          beta, linear_beta, ACT, GLU, BLOCK_K)
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _shared_acc(acc, k_start, in_row, up_row, w_ptr, cols, cmask, IS, beta, linear_beta, ACT: tl.constexpr,
+                    GLU: tl.constexpr, BLOCK_K: tl.constexpr):
+        """_shared_block's loop from k_start on, products summed into the [BLOCK_N, BLOCK_K] tile acc."""
         kk = tl.arange(0, BLOCK_K)
-        for k0 in range(0, IS, BLOCK_K):
+        for k0 in range(k_start, IS, BLOCK_K):
             k = k0 + kk
             kmask = k < IS
             w = tl.load(w_ptr + cols[:, None] * IS + k[None, :], mask=cmask[:, None] & kmask[None, :],
@@ -284,6 +291,23 @@ if triton is not None:
                 up = tl.load(up_row + k, mask=kmask, other=0.0).to(tl.float32)
                 a = _glu(a, up, beta, linear_beta, ACT)
             acc += w * a[None, :]
+        return acc
+
+    @triton.jit
+    def _shared_block_pdl(in_row, up_row, w_ptr, cols, cmask, IS, beta, linear_beta, ACT: tl.constexpr,
+                          GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """_shared_block launched with PDL: its first weight tile (static) is loaded before gdc_wait, while the
+        previous kernel (the one writing the shared input) still runs; the rest after."""
+        kk = tl.arange(0, BLOCK_K)
+        kmask = kk < IS
+        w = tl.load(w_ptr + cols[:, None] * IS + kk[None, :], mask=cmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        tl.extra.cuda.gdc_wait()
+        a = tl.load(in_row + kk, mask=kmask, other=0.0).to(tl.float32)
+        if GLU:
+            a = _glu(a, tl.load(up_row + kk, mask=kmask, other=0.0).to(tl.float32), beta, linear_beta, ACT)
+        acc = _shared_acc(w * a[None, :], BLOCK_K, in_row, up_row, w_ptr, cols, cmask, IS, beta, linear_beta, ACT,
+                          GLU, BLOCK_K)
         return tl.sum(acc, axis=1)
 
     @triton.jit
@@ -469,16 +493,23 @@ if triton is not None:
         lanes = tl.arange(0, BLOCK_N)
         cols = (group - token * blocks) * BLOCK_N + lanes
         cmask = cols < DO
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()  # h (kernel A), the routing and the shared expert's input
+        # under PDL every slot waits for the previous kernels (h from kernel A; the routing; the shared input) before
+        # reading them; the shared slot loads its first weight tile (static) before that
         if SHARED:
             if slot < TOP_K:
+                if USE_PDL:
+                    tl.extra.cuda.gdc_wait()
                 part = _routed_part(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, token * TOP_K + slot, cols, cmask, I,
                                     DO, beta, linear_beta, ACT, MXFP4, BLOCK_N, BLOCK_K)
+            elif USE_PDL:
+                part = _shared_block_pdl(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr,
+                                         cols, cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS)
             else:
                 part = _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr,
                                      cols, cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS)
         else:
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
             part = _routed_part(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, token * TOP_K + slot, cols, cmask, I, DO,
                                 beta, linear_beta, ACT, MXFP4, BLOCK_N, BLOCK_K)
         if USE_PDL:

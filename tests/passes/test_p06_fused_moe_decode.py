@@ -48,7 +48,7 @@ def test_one_fused_op_per_moe_layer_in_decode(name):
     for node in _fused_nodes(gm):
         (x, ids, wts, w13, w2, s13, s2, shared_in, shared_up, shared_w2, act, beta, linear_beta, crossover, up_w,
          norm_w, eps, use_pdl, shared_w13) = node.args
-        assert use_pdl is False  # the config's default; P6's use_pdl turns it on
+        assert use_pdl is True  # the config's default (a no-op where PDL is not available); use_pdl=False: off
         assert ids.args[0].target == torch.ops.k3.fused_route.default  # P4's outputs, consumed directly
         assert (act, beta, linear_beta) == (cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
         assert s13 is None and s2 is None and crossover == moe_decode.CPU_CROSSOVER
