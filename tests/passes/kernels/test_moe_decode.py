@@ -312,6 +312,17 @@ def test_cuda_split_down_projection_at_the_48b_shape(n):
                 assert not arrivals.current(got.device, moe_decode.ARRIVALS_OWNER).any()
 
 
+def _graphed(fn):
+    """(CUDA graph of fn, its output buffer); fn runs once first: compiles and allocates the shared counters
+    outside the capture."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_split_down_projection_replays_from_a_cuda_graph():
@@ -319,12 +330,7 @@ def test_cuda_split_down_projection_replays_from_a_cuda_graph():
     shape = _shape_48b()
     p = _cuda_problem(2, 300, **shape)
     args = list(_op_args(p, "silu", 0)[:13])
-    fn = lambda: moe_decode.fused_moe_triton(*args, designs=("rows", "split"), use_pdl=True)  # noqa: E731
-    fn()  # warm-up: compiles and allocates the shared counters outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = _graphed(lambda: moe_decode.fused_moe_triton(*args, designs=("rows", "split"), use_pdl=True))
     for seed in (1, 2, 3):
         ids, wts = random_routing(2, shape["e"], shape["k"], "cuda", seed)
         p["topk_ids"].copy_(ids)
@@ -380,12 +386,7 @@ def test_cuda_shared_slot_with_pdl_replays_from_a_cuda_graph(n):
     shape = _shape_48b()
     p, sw13 = _with_shared_w13(_cuda_problem(n, 500 + n, **shape), 7)
     args = list(_op_args(p, "silu", 0)[:13])
-    fn = lambda: moe_decode.fused_moe_triton(*args, shared_w13=sw13, use_pdl=True)  # noqa: E731
-    fn()  # warm-up: compiles and allocates the shared counters outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = _graphed(lambda: moe_decode.fused_moe_triton(*args, shared_w13=sw13, use_pdl=True))
     for seed in (1, 2, 3):
         ids, wts = random_routing(n, shape["e"], shape["k"], "cuda", seed)
         p["topk_ids"].copy_(ids)
