@@ -24,7 +24,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import add_constant, attr_tensor, drop_unused_constants, fake_mode_of, is_call, set_meta_val
+from .graph_utils import add_constant, attr_tensor, drop_unused_constants, fake_mode_of, is_call, set_meta_val, val_of
 from .kernels import norm_route as _kernel  # noqa: F401  (registers torch.ops.k3.norm_route)
 from .p06_fused_moe_decode import TOKEN_STEP_MODES
 from .registry import PassConfig, register_pass
@@ -80,7 +80,8 @@ def _router_weight(gm: GraphModule, weight: Node, dtype: torch.dtype, anchor: No
     narrow = w.detach().to(dtype)
     if not torch.equal(narrow.to(w.dtype), w):
         return weight
-    return add_constant(gm, f"{weight.target}_{str(dtype).split('.')[-1]}", narrow.contiguous(), anchor, fake_mode)
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).split(".")[-1])
+    return add_constant(gm, f"{weight.target.removesuffix('_fp32')}_{short}", narrow.contiguous(), anchor, fake_mode)
 
 
 @register_pass("p07_norm_route", PassConfig)
@@ -101,7 +102,7 @@ def norm_route(gm: GraphModule, config: PassConfig) -> int:
         _, bias, top_k, renormalize, scaling, groups, topk_group, weight, max_tokens = route.args
         if bias.op == "get_attr" and order[bias] > order[norm]:
             norm.prepend(bias)  # a weight read: it may move before the fused node
-        w = _router_weight(gm, weight, x.meta["val"].dtype, norm, fake_mode)
+        w = _router_weight(gm, weight, val_of(x).dtype, norm, fake_mode)
         with g.inserting_before(norm):
             fused = g.call_function(FUSED, (bank, x, delta, query, norm_w, res_eps, norm_eps, pdl, bias, w, top_k,
                                              renormalize, scaling, groups, topk_group, max_tokens))

@@ -33,16 +33,16 @@ def cases():
 
     bf = torch.bfloat16
     # Kimi-Linear: residual add + RMSNorm, bf16 router weight (the checkpoint's), E=64 top-8, groups
-    for n in (1, 3):
+    for n, block_e in ((1, None), (3, 4)):  # default blocks (1 expert/program here), then 4 experts/program
         yield (f"kimi-like N={n}", [], randn(n, 96, dtype=bf), randn(n, 96, dtype=bf), None, randn(96, dtype=bf),
-               0.1 * randn(64), randn(64, 96, dtype=bf), 8, True, 2.446, 1, 1, None)
+               0.1 * randn(64), randn(64, 96, dtype=bf), 8, True, 2.446, 1, 1, block_e)
     yield ("groups 4 keep 2, no renorm, 8 experts/program", [], randn(2, 64, dtype=bf), randn(2, 64, dtype=bf), None,
            randn(64, dtype=bf), 0.1 * randn(64), randn(64, 64, dtype=bf), 6, False, 1.5, 4, 2, 8)
     # K3: AttnRes bank (1 and 3 rows), block boundary (delta None)
-    for n, rows in ((1, 1), (3, 3)):
+    for n, rows, block_e in ((1, 1, None), (3, 3, 8)):
         yield (f"k3-like bank={rows} N={n}", [randn(n, 64, dtype=bf) * (j + 1) for j in range(rows)],
                randn(n, 64, dtype=bf), randn(n, 64, dtype=bf), 0.05 * randn(64), randn(64, dtype=bf), 0.1 * randn(32),
-               randn(32, 64, dtype=bf), 4, True, 1.0, 1, 1, None)
+               randn(32, 64, dtype=bf), 4, True, 1.0, 1, 1, block_e)
     yield ("k3-like bank=2 delta None, 1 program/token", [randn(2, 64, dtype=bf) for _ in range(2)],
            randn(2, 64, dtype=bf), None, 0.05 * randn(64), randn(64, dtype=bf), 0.1 * randn(32),
            randn(32, 64, dtype=bf), 4, True, 1.0, 1, 1, 32)
