@@ -141,7 +141,10 @@ def default_blocks(num_tokens: int, num_experts: int, dim: int, num_bank: int) -
            and num_tokens * triton.cdiv(num_experts, block_e * 2) >= TARGET_PROGRAMS):
         block_e *= 2
     rows = block_e + (triton.next_power_of_2(num_bank) if num_bank else 0) + 1  # W rows + bank tile + the row
-    return block_e, max(4, min(16, rows * block_d // 1024))
+    warps = 4  # ~32 register elements per thread of each, in a power of two of warps
+    while warps < 16 and warps * 2 * 1024 <= rows * block_d:
+        warps *= 2
+    return block_e, warps
 
 
 def norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight, top_k,

@@ -2,6 +2,7 @@
 Kimi-Linear's plain residual), none in prefill or fp32 graphs; the fp32 router copies leave the weights for bf16
 ones; numerics exactly those of the graph before the pass (CPU: the same references), close to the eager model;
 the op's checks and registration; the kernel under the interpreter; on CUDA the kernel at the 48B shape."""
+import functools
 import operator
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from k3compile.passes.kernels import norm_route as nr
+from k3compile.passes.manager import snapshot
 
 from .helpers import BF16_TOL, MODELS, assert_same_step, eager_step, graph, inputs_for, layer_counts, model, \
     op_counts, run_graph, run_pass
@@ -22,11 +24,17 @@ NORM_F32 = torch.ops.k3.attn_res_norm_f32.default
 ROUTE = torch.ops.k3.fused_route.default
 
 
-def _after_p7(name, mode, dtype=torch.bfloat16):
+@functools.lru_cache(maxsize=None)
+def _after_p7_once(name, mode, dtype):
     gm = graph(name, mode, dtype)
     for p in BEFORE:
         run_pass(gm, p)
     return gm
+
+
+def _after_p7(name, mode, dtype=torch.bfloat16):
+    """A private copy of the graph after P1-P7 (the passes run once per graph and session)."""
+    return snapshot(_after_p7_once(name, mode, dtype))
 
 
 def _weights(gm) -> dict:
@@ -61,7 +69,7 @@ def test_one_fused_node_per_moe_layer_in_bf16_decode(name):
 
 
 @pytest.mark.parametrize("name,mode,dtype", [(n, "prefill", torch.bfloat16) for n in MODELS]
-                         + [(n, "decode", torch.float32) for n in MODELS])
+                         + [("k3-tiny", "decode", torch.float32)])
 def test_prefill_and_fp32_graphs_are_left_alone(name, mode, dtype):
     gm = _after_p7(name, mode, dtype)
     code = gm.code
