@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from k3compile.passes.kernels import arrivals
 from k3compile.passes.kernels import norm_route as nr
 from k3compile.passes.manager import snapshot
 
@@ -166,7 +167,7 @@ def test_cuda_kernel_at_real_shapes(tokens, shape):
     args = (bank, x, delta, query, norm_w, 1e-5, 1e-6, True, bias, router_w, *route, 16)
     for _ in range(2):  # the second launch finds the counters zeroed again
         _check_cuda(FUSED(*args), bank, x, delta, query, norm_w, bias, router_w, route)
-    assert not nr.arrivals.current(x.device, nr.ARRIVALS_OWNER).any()
+    assert not arrivals.current(x.device, nr.ARRIVALS_OWNER).any()
     # above max_tokens the op runs today's pair: the same h / p, the same ids up to near-ties
     _check_cuda(FUSED(*args[:-1], 0), bank, x, delta, query, norm_w, bias, router_w, route)
 
