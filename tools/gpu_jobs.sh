@@ -11,7 +11,7 @@
 #   prefill    tools/gpu_prefill6.sh: batched prefill ops vs CPU on the GPU, prefill time vs requests (issue 14)
 #   twogpu     the two-GPU parallel engine test (issue 16; needs nvidia-h200-x2)
 #   gemv       tools/bench_gemv.py (P8's candidates vs cuBLAS at 48B shapes) + P8's GPU tests (issue 9)
-#   moe7       tools/gpu_moe7.sh; route7: tools/gpu_route7.sh (issue 9 kernels)
+#   moe7       tools/gpu_moe7.sh; route7: tools/gpu_route7.sh; route8: tools/gpu_route8.sh (issue 9 kernels)
 #   moe8       tools/gpu_moe8.sh: the shared gate/up GEMM in MoE kernel A, today vs new, PDL off/on (issue 9)
 #   p16        tools/gpu_p16.sh: P16's verify-graph bit-identity and its P16-off control (issue 13)
 #   run: JOBS="spec servecheck" bash tools/gpu_jobs.sh   (carry .whl/)
@@ -83,6 +83,7 @@ job_gemv() {  # cuBLAS vs P8's Triton GEMV candidates (dot and rows designs) at 
 job_moe7() { bash tools/gpu_moe7.sh; }     # moe7's MoE kernel designs (bench + GPU tests)
 job_moe8() { bash tools/gpu_moe8.sh; }     # moe8: kernel A's shared slot (bench + GPU tests)
 job_route7() { bash tools/gpu_route7.sh; } # route7's router-in-routing kernel (bench + GPU tests)
+job_route8() { bash tools/gpu_route8.sh; } # route8's norm + router kernel (bench + GPU tests)
 job_p16() { bash tools/gpu_p16.sh; }   # P16 bit-identity through the verify graph, with its off-control
 job_serve() { SERVE_BUDGET=$((DEADLINE - 20)) bash tools/gpu_serve15.sh; }
 job_ladder() { bash tools/gpu_ladder3.sh; }

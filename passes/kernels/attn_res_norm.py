@@ -119,26 +119,46 @@ if triton is not None:
             return b7
 
     @triton.jit
-    def _residual_add(x_ptr, delta_ptr, p_ptr, base, m, HAS_DELTA: tl.constexpr):
-        """p = x + delta rounded to x's dtype (x alone without delta), stored; returns p."""
+    def _residual_add(x_ptr, delta_ptr, p_ptr, base, m, store_m, HAS_DELTA: tl.constexpr):
+        """p = x + delta rounded to x's dtype (x alone without delta), stored where store_m; returns p."""
         x = tl.load(x_ptr + base, mask=m, other=0.0)
         if HAS_DELTA:
             dl = tl.load(delta_ptr + base, mask=m, other=0.0)
             p = (x.to(tl.float32) + dl.to(tl.float32)).to(x.dtype)  # the residual add, rounded like torch
         else:
             p = x
-        tl.store(p_ptr + base, p, mask=m)
+        tl.store(p_ptr + base, p, mask=store_m)
         return p
 
     @triton.jit
-    def _norm_store(mix, p, w, D, norm_eps, h_ptr, h32_ptr, base, m, WRITE_H32: tl.constexpr):
-        """h = w * RMSNorm(mix) with torch's roundings to p's dtype; stores h (and its fp32 copy)."""
+    def _rms_norm_row(mix, p, w, D, norm_eps, OUT_DTYPE: tl.constexpr):
+        """h = w * RMSNorm(mix) with torch's roundings (normed to p's dtype, the product to OUT_DTYPE)."""
         inv = tl.rsqrt(tl.sum(mix * mix, axis=0) / D + norm_eps)
         normed = (mix * inv).to(p.dtype).to(tl.float32)
-        h = (w * normed).to(h_ptr.dtype.element_ty)
+        return (w * normed).to(OUT_DTYPE)
+
+    @triton.jit
+    def _norm_store(mix, p, w, D, norm_eps, h_ptr, h32_ptr, base, m, WRITE_H32: tl.constexpr):
+        """h = w * RMSNorm(mix) (`_rms_norm_row`); stores h (and its fp32 copy)."""
+        h = _rms_norm_row(mix, p, w, D, norm_eps, h_ptr.dtype.element_ty)
         tl.store(h_ptr + base, h, mask=m)
         if WRITE_H32:  # h's fp32 copy for a consumer that casts it (the router's fp32 GEMM)
             tl.store(h32_ptr + base, h.to(tl.float32), mask=m)
+
+    @triton.jit
+    def _tile_mix(r, live, p, q, D, res_eps):
+        """The AttnRes read over a bank tile r [rows, D] (fp32, rows past `live` masked) plus the partial sum p:
+        softmax over the rows' rms-normed logits, the weighted sum rounded to p's dtype; returned in fp32."""
+        pf = p.to(tl.float32)
+        inv_r = tl.rsqrt(tl.sum(r * r, axis=1) / D + res_eps)
+        logit_r = tl.where(live, tl.sum(r * q[None, :], axis=1) * inv_r, float("-inf"))
+        logit_p = tl.sum(pf * q, axis=0) * tl.rsqrt(tl.sum(pf * pf, axis=0) / D + res_eps)
+        top = tl.maximum(tl.max(logit_r, axis=0), logit_p)
+        e_r = tl.exp(logit_r - top)
+        e_p = tl.exp(logit_p - top)
+        den = tl.sum(e_r, axis=0) + e_p
+        acc = tl.sum(r * (e_r / den)[:, None], axis=0) + pf * (e_p / den)
+        return acc.to(p.dtype).to(tl.float32)
 
     @triton.jit
     def _bank_tile_ptrs(ridx, NUM_BANK: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7):
@@ -170,19 +190,10 @@ if triton is not None:
         rows = tl.multiple_of(_bank_tile_ptrs(ridx[:, None], NUM_BANK, b0, b1, b2, b3, b4, b5, b6, b7), [16, 1])
         live = ridx < NUM_BANK
         r = tl.load(rows + base[None, :], mask=live[:, None] & m[None, :], other=0.0).to(tl.float32)
-        p = _residual_add(x_ptr, delta_ptr, p_ptr, base, m, HAS_DELTA)
-        pf = p.to(tl.float32)
+        p = _residual_add(x_ptr, delta_ptr, p_ptr, base, m, m, HAS_DELTA)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()  # inputs read
-        inv_r = tl.rsqrt(tl.sum(r * r, axis=1) / D + res_eps)
-        logit_r = tl.where(live, tl.sum(r * q[None, :], axis=1) * inv_r, float("-inf"))
-        logit_p = tl.sum(pf * q, axis=0) * tl.rsqrt(tl.sum(pf * pf, axis=0) / D + res_eps)
-        top = tl.maximum(tl.max(logit_r, axis=0), logit_p)
-        e_r = tl.exp(logit_r - top)
-        e_p = tl.exp(logit_p - top)
-        den = tl.sum(e_r, axis=0) + e_p
-        acc = tl.sum(r * (e_r / den)[:, None], axis=0) + pf * (e_p / den)
-        mix = acc.to(p.dtype).to(tl.float32)
+        mix = _tile_mix(r, live, p, q, D, res_eps)
         _norm_store(mix, p, w, D, norm_eps, h_ptr, h32_ptr, base, m, WRITE_H32)
 
     @triton.jit
@@ -204,7 +215,7 @@ if triton is not None:
             q = tl.load(query_ptr + cols, mask=m, other=0.0).to(tl.float32)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # x, delta and the bank rows come from earlier kernels
-        p = _residual_add(x_ptr, delta_ptr, p_ptr, base, m, HAS_DELTA)
+        p = _residual_add(x_ptr, delta_ptr, p_ptr, base, m, m, HAS_DELTA)
         pf = p.to(tl.float32)
         if NUM_BANK > 0:
             idx = tl.arange(0, ROWS_PAD)

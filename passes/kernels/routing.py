@@ -279,8 +279,20 @@ if triton is not None:
             wv = tl.load(w_ptr + e[:, None].to(tl.int64) * w_row_stride + d[None, :],
                          mask=e_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             acc += wv * xv[None, :]
+        _store_logits_and_route(tl.sum(acc, axis=1), e, e_ok, token, logits_ptr, arrivals_ptr, bias_ptr,
+                                weights_ptr, ids_ptr, scaling, NUM_EXPERTS, EXPERT_BLOCKS, GROUP_SIZE, NUM_GROUPS,
+                                TOPK_GROUP, TOP_K, RENORMALIZE, GROUPS_PAD, GROUP_SIZE_PAD, TOP_K_PAD)
+
+    @triton.jit
+    def _store_logits_and_route(logits, e, e_ok, token, logits_ptr, arrivals_ptr, bias_ptr, weights_ptr, ids_ptr,
+                                scaling, NUM_EXPERTS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr,
+                                GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                                TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, GROUPS_PAD: tl.constexpr,
+                                GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr):
+        # A program's block of a token's fp32 logits goes to the workspace row; the token's last program to
+        # arrive (acq_rel counter, zeroed again by it: CUDA-graph replays start from zero) routes the row.
         row = logits_ptr + token * NUM_EXPERTS
-        tl.store(row + e, tl.sum(acc, axis=1), mask=e_ok)
+        tl.store(row + e, logits, mask=e_ok)
         tl.debug_barrier()  # every thread's logits are stored before this program arrives
         if EXPERT_BLOCKS == 1:
             _route_row(row, bias_ptr, weights_ptr + token * TOP_K, ids_ptr + token * TOP_K, scaling,

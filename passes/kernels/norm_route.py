@@ -1,0 +1,228 @@
+"""P7's residual add + AttnRes read + RMSNorm and P4's absorbed router in one op (pass p07_norm_route).
+
+`torch.ops.k3.norm_route(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight,
+top_k, renormalize, scaling, num_expert_group, topk_group, max_tokens) -> (h, p, topk_weights, topk_ids)`
+is exactly the composition the graph runs before the MoE once P4 and P7 have fused it:
+
+    h, p, h32 = k3.attn_res_norm_f32(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl)
+    w, ids    = k3.fused_route(h32, bias, top_k, renormalize, scaling, G, topk_group, W, max_tokens)
+
+(h32 = h.float(): the router's logits are mm(h.float(), W.float().t()), fp32.) The router weight W may be
+kept in its checkpoint dtype (bf16): W.float() is exact, so the logits are the same as from P3's fp32 copy
+and the op reads half the bytes. CPU (and any device without the kernel) runs the two references one after
+the other, so an engine with the pass computes bit for bit what one without it does.
+
+CUDA, T <= max_tokens: one launch, `_norm_route_kernel`, grid (expert block, token). Every program loads its
+BLOCK_E rows of W and the norm's weights first (static: with PDL this overlaps the previous kernel), waits
+for the previous kernel (`gdc_wait`), recomputes the token's h (the row is a few KB, L2-hot after the first
+program; every program runs the same code on the same inputs, so each gets the same bits) and releases its
+dependents; the expert block 0 program stores h and p; each computes its experts' fp32 logits into a
+workspace row and the token's last program to arrive (kernels.arrivals counters, acq_rel, zeroed again by
+it) routes the row as `k3::fused_route` does (routing._store_logits_and_route). The bank is read as one
+register tile (P7's one-pass form), so the fused kernel covers banks that fit it (`bank_fits_tile`: every
+k3-mini and Kimi-Linear shape) and no bank at all; other shapes, and T > max_tokens, run today's pair
+(P7's kernel with its fp32 copy, then the router GEMM on cuBLAS and the routing kernel).
+
+Testing without a GPU: TRITON_INTERPRET=1 in the environment before this module is imported makes
+`norm_route_triton` run on CPU tensors (tests/passes/kernels/interpret_norm_route.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import attn_res_norm as arn
+from . import routing
+from .arrivals import arrival_counters
+from .pdl import pdl_available
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the op still works through the references
+    triton = None
+
+ARRIVALS_OWNER = "norm_route"  # this kernel's own arrival counters (arrivals.py)
+TARGET_PROGRAMS = 128  # as P4's absorbed kernel: enough programs to keep the SMs reading W at batch 1
+MAX_BLOCK_E = 16
+MAX_TILE = 16384  # router-weight elements of one program's [BLOCK_E, BLOCK_D] tile, held in registers
+
+
+def check_args(bank, x, delta, query, norm_weight, bias, router_weight, top_k, num_expert_group,
+               topk_group) -> None:
+    """Raise ValueError naming the first thing wrong with a call (both halves' checks)."""
+    arn.check_args(bank, x, delta, query, norm_weight)
+    routing.check_linear_route_args(x, router_weight, bias, top_k, num_expert_group, topk_group)
+
+
+# --------------------------------------------------------------------------- CPU reference
+
+def norm_route_reference(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight, top_k,
+                         renormalize, scaling, num_expert_group=1, topk_group=1):
+    """(h, p, topk_weights, topk_ids): P7's reference, then P4's absorbed reference on h.float()."""
+    check_args(bank, x, delta, query, norm_weight, bias, router_weight, top_k, num_expert_group, topk_group)
+    h, p = arn.attn_res_norm_reference(bank, x, delta, query, norm_weight, res_eps, norm_eps)
+    weights, ids = routing.linear_route_reference(h.float(), router_weight, bias, top_k, renormalize, scaling,
+                                                  num_expert_group, topk_group)
+    return h, p, weights, ids
+
+
+# --------------------------------------------------------------------------- Triton kernel
+
+if triton is not None:
+    from .attn_res_norm import _bank_tile_ptrs, _residual_add, _rms_norm_row, _tile_mix
+    from .routing import _store_logits_and_route
+
+    @triton.jit
+    def _norm_route_kernel(
+        b0, b1, b2, b3, b4, b5, b6, b7,
+        x_ptr, delta_ptr, query_ptr, norm_w_ptr, h_ptr, p_ptr,
+        router_w_ptr, bias_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr,
+        D, res_eps, norm_eps, scaling,
+        NUM_BANK: tl.constexpr, BANK_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DELTA: tl.constexpr,
+        USE_PDL: tl.constexpr,
+        NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, EXPERT_BLOCKS: tl.constexpr,
+        GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+        TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+        GROUPS_PAD: tl.constexpr, GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr,
+    ):
+        block = tl.program_id(0)
+        token = tl.program_id(1).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        m = cols < D
+        base = token * D + cols  # every [N, D] tensor is contiguous (the wrapper makes sure)
+        e = block * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_ok = e < NUM_EXPERTS
+        # static weights first: with PDL these loads overlap the previous kernel's tail
+        wr = tl.load(router_w_ptr + e[:, None].to(tl.int64) * D + cols[None, :],
+                     mask=e_ok[:, None] & m[None, :], other=0.0)
+        nw = tl.load(norm_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if NUM_BANK > 0:
+            q = tl.load(query_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # x, delta and the bank rows come from earlier kernels
+        if NUM_BANK > 0:
+            ridx = tl.arange(0, BANK_PAD)
+            rows = tl.multiple_of(_bank_tile_ptrs(ridx[:, None], NUM_BANK, b0, b1, b2, b3, b4, b5, b6, b7), [16, 1])
+            live = ridx < NUM_BANK
+            r = tl.load(rows + base[None, :], mask=live[:, None] & m[None, :], other=0.0).to(tl.float32)
+        owner = m & ((block + cols * 0) == 0)  # one program per token stores h and p (a [BLOCK_D] mask)
+        p = _residual_add(x_ptr, delta_ptr, p_ptr, base, m, owner, HAS_DELTA)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()  # inputs read
+        if NUM_BANK > 0:
+            mix = _tile_mix(r, live, p, q, D, res_eps)
+        else:
+            mix = p.to(tl.float32)
+        h = _rms_norm_row(mix, p, nw, D, norm_eps, h_ptr.dtype.element_ty)
+        tl.store(h_ptr + base, h, mask=owner)
+        # the router reads h.float() (the graph's cast) and W.float(): fp32 multiply-adds, no TF32
+        logits = tl.sum(wr.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+        _store_logits_and_route(logits, e, e_ok, token, logits_ptr, arrivals_ptr, bias_ptr, weights_ptr, ids_ptr,
+                                scaling, NUM_EXPERTS, EXPERT_BLOCKS, GROUP_SIZE, NUM_GROUPS, TOPK_GROUP, TOP_K,
+                                RENORMALIZE, GROUPS_PAD, GROUP_SIZE_PAD, TOP_K_PAD)
+
+
+def kernel_supports(bank, x, router_weight, top_k) -> bool:
+    """Shapes the fused kernel covers: P7's one-pass bank tile (or no bank) and the routing tile's limits."""
+    if triton is None or not routing.kernel_supports(router_weight.shape[0], top_k):
+        return False
+    d = x.shape[1]
+    if d > arn.KERNEL_MAX_DIM or triton.next_power_of_2(d) > MAX_TILE:
+        return False
+    return not bank or arn.one_pass_applies(bank, x)
+
+
+def default_blocks(num_tokens: int, num_experts: int, dim: int, num_bank: int) -> tuple[int, int]:
+    """(BLOCK_E, num_warps) from static shapes only (a CUDA graph replays one grid per batch size): experts per
+    program doubled while the grid keeps >= TARGET_PROGRAMS programs and the W tile fits MAX_TILE."""
+    block_d = triton.next_power_of_2(dim)
+    block_e = 1
+    while (block_e * 2 <= MAX_BLOCK_E and block_e * 2 <= num_experts and block_e * 2 * block_d <= MAX_TILE
+           and num_tokens * triton.cdiv(num_experts, block_e * 2) >= TARGET_PROGRAMS):
+        block_e *= 2
+    rows = block_e + (triton.next_power_of_2(num_bank) if num_bank else 0) + 1  # W rows + bank tile + the row
+    warps = 4  # ~32 register elements per thread of each, in a power of two of warps
+    while warps < 16 and warps * 2 * 1024 <= rows * block_d:
+        warps *= 2
+    return block_e, warps
+
+
+def norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight, top_k,
+                      renormalize, scaling, num_expert_group=1, topk_group=1, pdl: bool = False,
+                      block_e: int | None = None, num_warps: int | None = None):
+    """Launch the fused kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1): (h, p, weights, ids).
+    block_e / num_warps override `default_blocks` (benchmarks)."""
+    check_args(bank, x, delta, query, norm_weight, bias, router_weight, top_k, num_expert_group, topk_group)
+    if triton is None:
+        raise RuntimeError("norm_route: triton is not installed")
+    bank = [r.contiguous() for r in bank]
+    x = x.contiguous()
+    if not kernel_supports(bank, x, router_weight, top_k):
+        raise ValueError(f"norm_route kernel: no fused kernel for dim {x.shape[1]}, {len(bank)} bank rows, "
+                         f"{router_weight.shape[0]} experts, top_k {top_k} (bank tile too large, a row not "
+                         f"16-byte aligned, or past the routing kernel's limits)")
+    n, d = x.shape
+    num_experts = router_weight.shape[0]
+    delta = x if delta is None else delta.contiguous()  # delta None: unused pointer slot
+    h = torch.empty(n, d, dtype=arn._out_dtype(x, norm_weight), device=x.device)
+    p = torch.empty_like(x)
+    weights = torch.empty(n, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(n, top_k, dtype=torch.int64, device=x.device)
+    if n == 0:
+        return h, p, weights, ids
+    be, nw = default_blocks(n, num_experts, d, len(bank))
+    be, nw = block_e or be, num_warps or nw
+    if be & (be - 1):
+        raise ValueError(f"norm_route kernel: block_e ({be}) must be a power of two")
+    expert_blocks = triton.cdiv(num_experts, be)
+    logits = torch.empty(n, num_experts, dtype=torch.float32, device=x.device)  # workspace
+    arrivals = arrival_counters(x.device, n, ARRIVALS_OWNER) if expert_blocks > 1 else logits  # (unused at 1)
+    pdl = bool(pdl) and x.is_cuda and pdl_available(x.device.index)
+    extra = {"launch_pdl": True} if pdl else {}
+    rows = bank + [x] * (arn.MAX_BANK - len(bank))  # unused pointer slots: any valid tensor
+    _norm_route_kernel[(expert_blocks, n)](
+        *rows, x, delta, query.contiguous() if query is not None else norm_weight, norm_weight.contiguous(), h, p,
+        router_weight.contiguous(), bias.contiguous(), logits, arrivals, weights, ids,
+        d, float(res_eps), float(norm_eps), float(scaling),
+        NUM_BANK=len(bank), BANK_PAD=triton.next_power_of_2(max(len(bank), 1)), BLOCK_D=triton.next_power_of_2(d),
+        HAS_DELTA=delta is not x, USE_PDL=pdl, NUM_EXPERTS=num_experts, BLOCK_E=be, EXPERT_BLOCKS=expert_blocks,
+        **routing._route_constants(num_experts, top_k, renormalize, num_expert_group, topk_group),
+        num_warps=nw, **extra)
+    return h, p, weights, ids
+
+
+# --------------------------------------------------------------------------- the k3 op
+
+@torch.library.custom_op("k3::norm_route", mutates_args=())
+def norm_route(bank: list[torch.Tensor], x: torch.Tensor, delta: torch.Tensor | None, query: torch.Tensor | None,
+               norm_weight: torch.Tensor, res_eps: float, norm_eps: float, pdl: bool, bias: torch.Tensor,
+               router_weight: torch.Tensor, top_k: int, renormalize: bool, scaling: float, num_expert_group: int,
+               topk_group: int, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, p, topk_weights, topk_ids): k3::attn_res_norm then k3::fused_route on h.float(). See module doc."""
+    return norm_route_reference(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight, top_k,
+                                renormalize, scaling, num_expert_group, topk_group)
+
+
+@norm_route.register_kernel("cuda")
+def _norm_route_cuda(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
+                     renormalize, scaling, num_expert_group, topk_group, max_tokens):
+    route = (top_k, renormalize, scaling, num_expert_group, topk_group)
+    with torch.cuda.device(x.device):  # Triton launches on the current device
+        if x.shape[0] <= max_tokens and kernel_supports([r.contiguous() for r in bank], x.contiguous(),
+                                                        router_weight, top_k):
+            return norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight,
+                                     *route, pdl=pdl)
+        # today's pair: P7's kernel with h's fp32 copy, then the router GEMM (cuBLAS) and the routing kernel
+        check_args(bank, x, delta, query, norm_weight, bias, router_weight, top_k, num_expert_group, topk_group)
+        h, p, h32 = torch.ops.k3.attn_res_norm_f32(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl)
+        weights, ids = torch.ops.k3.fused_route(h32, bias, *route, router_weight, 0)
+        return h, p, weights, ids
+
+
+@norm_route.register_fake
+def _norm_route_fake(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
+                     renormalize, scaling, num_expert_group, topk_group, max_tokens):
+    check_args(bank, x, delta, query, norm_weight, bias, router_weight, top_k, num_expert_group, topk_group)
+    n = x.shape[0]
+    return (x.new_empty(x.shape, dtype=arn._out_dtype(x, norm_weight)), torch.empty_like(x),
+            x.new_empty(n, top_k, dtype=torch.float32), x.new_empty(n, top_k, dtype=torch.int64))

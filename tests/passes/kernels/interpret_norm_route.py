@@ -1,0 +1,100 @@
+"""Run the fused norm + router Triton kernel under TRITON_INTERPRET=1 on CPU and compare with the references.
+
+Started in a subprocess by test_norm_route.py (TRITON_INTERPRET is read when the kernel is decorated). Per
+case and per launch (two launches: the second finds the arrival counters zeroed again):
+  * h and p are bit-equal to P7's own kernel on the same inputs (same code, same roundings), and h is within
+    the normwise tolerance of the CPU reference (the interpreter rounds fp32 -> bf16 by truncation, so bf16
+    cases get 3e-2 as in interpret_attn_res_norm.py);
+  * the routing equals P4's absorbed reference on the kernel's h: ids equal (or swapped only between experts
+    whose choice scores agree to 1e-6: the kernel sums the dot products in another order than torch.mm),
+    weights to 1e-5.
+Prints one line per failing case and exits 1 if any failed.
+"""
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("interpret_norm_route.py: run with TRITON_INTERPRET=1 in the environment")
+
+import torch  # noqa: E402
+
+from k3compile.passes.kernels import arrivals, norm_route, routing  # noqa: E402
+from k3compile.passes.kernels import attn_res_norm as arn  # noqa: E402
+from interpreted import report  # noqa: E402  (this folder is sys.path[0] when run as a script)
+
+
+def cases():
+    """(name, bank, x, delta, query, norm_weight, bias, router_weight, top_k, renorm, scaling, groups, topk_group,
+    block_e)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    bf = torch.bfloat16
+    # Kimi-Linear: residual add + RMSNorm, bf16 router weight (the checkpoint's), E=64 top-8, groups
+    for n, block_e in ((1, None), (3, 4)):  # default blocks (1 expert/program here), then 4 experts/program
+        yield (f"kimi-like N={n}", [], randn(n, 96, dtype=bf), randn(n, 96, dtype=bf), None, randn(96, dtype=bf),
+               0.1 * randn(64), randn(64, 96, dtype=bf), 8, True, 2.446, 1, 1, block_e)
+    yield ("groups 4 keep 2, no renorm, 8 experts/program", [], randn(2, 64, dtype=bf), randn(2, 64, dtype=bf), None,
+           randn(64, dtype=bf), 0.1 * randn(64), randn(64, 64, dtype=bf), 6, False, 1.5, 4, 2, 8)
+    # K3: AttnRes bank (1 and 3 rows), block boundary (delta None)
+    for n, rows, block_e in ((1, 1, None), (3, 3, 8)):
+        yield (f"k3-like bank={rows} N={n}", [randn(n, 64, dtype=bf) * (j + 1) for j in range(rows)],
+               randn(n, 64, dtype=bf), randn(n, 64, dtype=bf), 0.05 * randn(64), randn(64, dtype=bf), 0.1 * randn(32),
+               randn(32, 64, dtype=bf), 4, True, 1.0, 1, 1, block_e)
+    yield ("k3-like bank=2 delta None, 1 program/token", [randn(2, 64, dtype=bf) for _ in range(2)],
+           randn(2, 64, dtype=bf), None, 0.05 * randn(64), randn(64, dtype=bf), 0.1 * randn(32),
+           randn(32, 64, dtype=bf), 4, True, 1.0, 1, 1, 32)
+    # fp32 everything, a width that is not a power of two, fp32 router weight (P3's copy, when kept)
+    yield ("fp32 D=100", [], randn(2, 100), randn(2, 100), None, randn(100), 0.1 * randn(16), randn(16, 100),
+           2, True, 1.0, 1, 1, None)
+    yield "no tokens", [], randn(0, 64, dtype=bf), randn(0, 64, dtype=bf), None, randn(64, dtype=bf), \
+        0.1 * randn(16), randn(16, 64, dtype=bf), 2, True, 1.0, 1, 1, None
+
+
+def check(name, bank, x, delta, query, nw, bias, w, k, renorm, scale, groups, topk_group, block_e, failures):
+    route = (k, renorm, scale, groups, topk_group)
+    h0, p0, _, _ = norm_route.norm_route_reference(bank, x, delta, query, nw, 1e-5, 1e-6, bias, w, *route)
+    h7, p7 = arn.attn_res_norm_triton(bank, x, delta, query, nw, 1e-5, 1e-6)  # P7's kernel
+    for launch in range(2):
+        h, p, weights, ids = norm_route.norm_route_triton(bank, x, delta, query, nw, 1e-5, 1e-6, bias, w, *route,
+                                                          block_e=block_e)
+        tag = f"{name} launch {launch}"
+        counters = arrivals.current(x.device, norm_route.ARRIVALS_OWNER)
+        if counters is not None and counters.any():
+            failures.append(f"{tag}: arrival counters not zeroed again")
+            continue
+        if not (torch.equal(h, h7) and torch.equal(p, p7)):
+            failures.append(f"{tag}: h / p differ from P7's kernel")
+            continue
+        if x.shape[0]:
+            tol = 1e-5 if x.dtype == torch.float32 else 3e-2
+            err = ((h.float() - h0.float()).abs().max() / h0.float().abs().max()).item()
+            if err > tol:
+                failures.append(f"{tag}: h rel err {err:.2e} vs the reference > {tol}")
+        ref_w, ref_ids = routing.linear_route_reference(h.float(), w, bias, *route)
+        if ids.dtype != torch.int64 or weights.dtype != torch.float32:
+            failures.append(f"{tag}: dtypes {weights.dtype}, {ids.dtype}")
+        elif not torch.equal(ids, ref_ids):
+            choice = routing.router_logits(h.float(), w).sigmoid() + bias.float()
+            if not torch.allclose(choice.gather(1, ids), choice.gather(1, ref_ids), rtol=0, atol=1e-6):
+                failures.append(f"{tag}: ids differ\n kernel {ids.tolist()}\n ref    {ref_ids.tolist()}")
+        else:
+            try:
+                torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+            except AssertionError as err:
+                failures.append(f"{tag}: weights differ: {err}")
+    return 2
+
+
+def main() -> int:
+    assert type(norm_route._norm_route_kernel).__name__ == "InterpretedFunction", "interpreter not active"
+    failures, n = [], 0
+    for case in cases():
+        n += check(*case, failures)
+    return report(failures, n)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
