@@ -361,8 +361,8 @@ if triton is not None:
         v_end = v_begin + V_PER
         ov = v_begin + tl.arange(0, BV)
         mv = (ov < V) & (ov < v_end)
-        taps = _v_block_taps(s_base, xv_row_ptr, wv_ptr, v_win, normw_ptr, wgb_ptr, head, ok, mk, ov, mv,
-                             V, WIDTH, WPAD, G_RANK, G_TILE if V_SPLIT > 1 else 0)
+        s_raw, v_hist, v_w, v_w_last, nw, gw = _v_block_taps(s_base, xv_row_ptr, wv_ptr, v_win, normw_ptr, wgb_ptr,
+                                                             head, ok, mk, ov, mv, V, WIDTH, WPAD, G_RANK, G_TILE)
         if USE_PDL and PREFETCH:
             tl.extra.cuda.gdc_wait()
 
@@ -398,20 +398,20 @@ if triton is not None:
         for blk in tl.static_range(N_BLOCKS):
             ov = v_begin + blk * BV + tl.arange(0, BV)
             mv = (ov < V) & (ov < v_end)
-            s_raw, v_hist, v_w, v_w_last, nw, gw = taps
+            s_cur, hist_cur, w_cur, w_last_cur, nw_cur, gw_cur = s_raw, v_hist, v_w, v_w_last, nw, gw
             if blk + 1 < N_BLOCKS:  # the next block's loads overlap this block's arithmetic
                 ov_next = ov + BV
-                taps = _v_block_taps(s_base, xv_row_ptr, wv_ptr, v_win, normw_ptr, wgb_ptr, head, ok, mk, ov_next,
-                                     (ov_next < V) & (ov_next < v_end), V, WIDTH, WPAD, G_RANK,
-                                     G_TILE if V_SPLIT > 1 else 0)
-            v, v_x = _conv_apply(xv_row_ptr, head * V + ov, mv, v_hist, v_w, v_w_last)
+                s_raw, v_hist, v_w, v_w_last, nw, gw = _v_block_taps(
+                    s_base, xv_row_ptr, wv_ptr, v_win, normw_ptr, wgb_ptr, head, ok, mk, ov_next,
+                    (ov_next < V) & (ov_next < v_end), V, WIDTH, WPAD, G_RANK, G_TILE)
+            v, v_x = _conv_apply(xv_row_ptr, head * V + ov, mv, hist_cur, w_cur, w_last_cur)
             s_ptrs = s_base + ok[:, None] * V + ov[None, :]
             m2 = mk[:, None] & mv[None, :]
-            s = s_raw * decay[:, None]
+            s = s_cur * decay[:, None]
             kv_mem = tl.sum(s * k[:, None], axis=0)  # S^T k: [BV]
             s += k[:, None] * ((v - kv_mem) * beta)[None, :]
             tl.debug_barrier()  # all copies of this block (and of v's window) are read before any is overwritten
-            _short_conv_write(v_win, head * V + ov, mv, v_hist, v_x, WIDTH, WPAD)
+            _short_conv_write(v_win, head * V + ov, mv, hist_cur, v_x, WIDTH, WPAD)
             tl.store(s_ptrs, s, mask=m2)
             o = tl.sum(s * q[:, None], axis=0).to(out_dtype)  # k3::kda_decode returns v's dtype
             of = o.to(tl.float32)
@@ -419,8 +419,8 @@ if triton is not None:
             if V_SPLIT == 1:
                 tl.store(out_row + ov, o, mask=mv)
             else:
-                gain = _gain(gate_ptr + req * gate_row, gate_head, wgb_ptr, head, ov, mv, nw, gw, V, G_RANK, G_TILE,
-                             BV, BR)
+                gain = _gain(gate_ptr + req * gate_row, gate_head, wgb_ptr, head, ov, mv, nw_cur, gw_cur, V, G_RANK,
+                             G_TILE, BV, BR)
                 tl.store(part_ptr + bh * V + ov, of * gain, mask=mv)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -535,8 +535,9 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
     if bv < 1 or bv & (bv - 1):
         raise ValueError(f"fused_kda_decode kernel: block_v {bv} must be a power of 2")
     # the low-rank weights load as one tile (before gdc_wait) while it is small; else in chunks after it
+    # (g_b_proj's rows are read inside the V loop only when the head is split; else in the norm's loop, in chunks)
     f_tile, g_tile = (triton.next_power_of_2(r) if r and rows * triton.next_power_of_2(r) <= LOW_RANK_TILE_MAX
-                      else 0 for r, rows in ((f_rank, bk), (g_rank, bv)))
+                      else 0 for r, rows in ((f_rank, bk), (g_rank if split > 1 else 0, bv)))
     if num_warps is None:
         num_warps = 4 if bk * bv >= 64 * 32 else 1
     extra = {"launch_pdl": True} if use_pdl else {}
