@@ -434,8 +434,8 @@ if triton is not None:
                 mv = ov < V
                 gain = _norm_gate(gate_ptr + req * gate_row, gate_head, wgb_ptr, normw_ptr, head, ov, mv, V, G_RANK, BV,
                                   BR)
-                o = tl.load(out_row + ov, mask=mv, other=0.0).to(tl.float32)
-                y = o * inv_rms * gain
+                o_blk = tl.load(out_row + ov, mask=mv, other=0.0).to(tl.float32)  # not `o`: that one is v's dtype
+                y = o_blk * inv_rms * gain                                         # (Triton 3.6: one type per name)
                 tl.debug_barrier()
                 tl.store(out_row + ov, y.to(out_dtype), mask=mv)
         else:
