@@ -13,7 +13,7 @@ Matched (the ATen form of `KDAMixer.forward` in decode mode), anchored on `k3.kd
 
 where any operand may sit behind a cast to fp32 (bf16 graphs; the fused op upcasts itself), and is
 replaced by `out = k3.fused_kda_decode(x_q, x_k, x_v, w_q, w_k, w_v, f, dt_bias, A_log, b, gate,
-w_norm, conv, ssm, layer, slots, lower_bound | None, eps, f_b, g_b, use_pdl)`. With
+w_norm, conv, ssm, layer, slots, lower_bound | None, eps, f_b, g_b, use_pdl, prefetch)`. With
 `absorb_low_rank` (default), an `f` that is `mm(f_a, t(W_fb))` (f_b_proj) and a `gate` that is
 `view(mm(g_a, t(W_gb)), [B, H, V])` (Kimi Linear's g_b_proj) enter the op as their low-rank inputs
 and weights, so the kernel does those GEMVs too at small batch. Only decode graphs have
@@ -44,6 +44,9 @@ class FusedKDADecodeConfig(PassConfig):
     # programmatic dependent launch (where kernels/pdl.py says the GPU and Triton have it): the kernel's
     # prologue overlaps the previous kernel's tail; False launches it plainly
     use_pdl: bool = True
+    # with PDL, load everything the previous kernel does not write (slot, conv windows, the first fp32 state
+    # block, all weights) before gdc_wait; False waits first (the schedule before; kept for the bench)
+    prefetch: bool = True
     absorb_low_rank: bool = True  # take f_b_proj / g_b_proj (mm of a low-rank input) into the fused op
 
 
@@ -235,7 +238,7 @@ def fused_kda_decode(gm: GraphModule, config: FusedKDADecodeConfig) -> int:
         # before the norm's last node: every input is an ancestor of it, so already defined; no other
         # node reads this layer's pool slices, so moving the in-place writes here keeps the semantics
         with g.inserting_before(end):
-            fused = g.call_function(torch.ops.k3.fused_kda_decode.default, (*args, bool(config.use_pdl)))
+            fused = g.call_function(torch.ops.k3.fused_kda_decode.default, (*args, bool(config.use_pdl), bool(config.prefetch)))
         set_meta_val(fused, fake_mode)
         replace_uses(end, fused, fake_mode)
         erase_subgraph(gm, nodes)

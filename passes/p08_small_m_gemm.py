@@ -3,7 +3,7 @@
 
 Matched (decode graphs only; the weight a constant of a 16-bit dtype the kernel takes):
 
-    mm(x, t(W))              ->  k3.gemv(x, W, None, max_m, block_n, block_k, split_k, design)
+    mm(x, t(W))              ->  k3.gemv(x, W, None, max_m, block_n, block_k, split_k, design, use_pdl)
 
 (P11 later folds an add that reads the result into k3.gemv's c. An addmm is left alone: it rounds
 once, k3.gemv's c is added after the product is rounded.)
@@ -51,6 +51,10 @@ class SmallMGemmConfig(PassConfig):
     # the kernel must beat cuBLAS by this fraction: near-ties stay cuBLAS, so two builds (the engine and
     # the ladder's in-process rungs) rarely decide a node differently on timing noise
     min_gain: float = 0.03
+    # programmatic dependent launch for the kernels it emits (kernels/gemv.py: the first K step's weights load
+    # before gdc_wait, dependents launch once x is read); the choice is timed without it (no PDL overlap in
+    # the build-time graph of back-to-back GEMVs flatters the kernel)
+    use_pdl: bool = True
 
     def validate(self) -> None:
         if self.choice not in CHOICES:
@@ -162,7 +166,7 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
     """Small-M GEMMs: cuBLAS or the Triton split-K GEMV per shape, measured at build time."""
     config.validate()
     meta = gm.meta.setdefault("k3", {})
-    details = {"choice": config.choice, "measured_on": None, "nodes": []}
+    details = {"choice": config.choice, "measured_on": None, "use_pdl": bool(config.use_pdl), "nodes": []}
     meta.setdefault("pass_details", {})["p08_small_m_gemm"] = details
     modes = {m.strip() for m in config.modes.split(",") if m.strip()}
     if meta.get("mode", "decode") not in modes or config.choice == "cublas":
@@ -202,7 +206,7 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
         if not max_m:
             continue
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch.ops.k3.gemv.default, (x, w, None, max_m, *cfg))
+            new = gm.graph.call_function(torch.ops.k3.gemv.default, (x, w, None, max_m, *cfg, bool(config.use_pdl)))
         set_meta_val(new, fake_mode)
         replace_uses(node, new, fake_mode)
         wt = node.args[-1]

@@ -4,12 +4,21 @@
 
 Prints, per (N, K) and M, the microseconds of cuBLAS and of each candidate (block_n x block_k x split_k x
 design; design 0 = dot, 1 = rows), with the bandwidth of the best, as % of a same-run copy's. P8 makes
-the same measurement at build (passes/p08_small_m_gemm.py `_measure`), so this is what it will choose from."""
+the same measurement at build (passes/p08_small_m_gemm.py `_measure`), so this is what it will choose from.
+
+    python3 tools/bench_gemv.py --pdl-chain [--json OUT]   (CUDA; ~1-2 min)
+
+The PDL question instead (issue 9, kda8): at the KDA o_proj and in_proj shapes, a graph of `CHAIN` GEMVs back
+to back (distinct weight copies, L2 overflowed), µs per GEMV for cuBLAS and for Triton configurations with
+PDL off and on (with PDL the next GEMV's launch and first weight tile overlap this one's tail): the rows
+design's tile (block_n x block_k) and warps swept at M = 1, the dot design at M = 1, 4, 8."""
 import argparse
 import json
 
 import torch
 
+from k3compile.passes.kernels import gemv as gemv_kernels
+from k3compile.passes.kernels.graph_timing import copies_to_overflow_l2, replay_us
 from k3compile.passes.p08_small_m_gemm import _measure
 
 SHAPES = {  # (N, K): what the GEMM is
@@ -37,13 +46,69 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() * 20 / (s.elapsed_time(e) * 1e-3)
 
 
+PDL_SHAPES = {(2304, 4096): "48B KDA o_proj", (12576, 2304): "48B KDA merged in-proj"}
+CHAIN = 24  # GEMVs per timed graph
+
+
+def pdl_configs(n: int, k: int, m: int):
+    """(block_n, block_k, split_k, design, num_warps): the rows design's tiles and warps at M = 1 (split-K as P8's
+    rows_configs picks it), the dot design's default and a wide-K tile at every M."""
+    out = []
+    if m <= gemv_kernels.ROWS_MAX_M and m == 1:
+        for block_n in (4, 16):
+            for tile in (4096, 8192):
+                block_k = max(16, min(tile // block_n, 1 << (k - 1).bit_length()))
+                tiles, split = -(-n // block_n), 1
+                while tiles * split < gemv_kernels.ROWS_TARGET_PROGRAMS and k // (split * 2) >= block_k and split < 32:
+                    split *= 2
+                out += [(block_n, block_k, split, gemv_kernels.DESIGNS["rows"], w) for w in (2, 4, 8)]
+    bn, bk, split = gemv_kernels.default_config(n, k)
+    out += [(bn, bk, split, gemv_kernels.DESIGNS["dot"], 4), (32, 256, split, gemv_kernels.DESIGNS["dot"], 4)]
+    return out
+
+
+def pdl_chain(buckets) -> dict:
+    out = {}
+    for (n, k), what in PDL_SHAPES.items():
+        assert CHAIN >= copies_to_overflow_l2(2 * n * k), "the chain's weights must overflow L2"
+        weights = [(0.02 * torch.randn(n, k, device="cuda")).bfloat16() for _ in range(CHAIN)]
+        res = out[f"{n}x{k}"] = {"what": what, "us": {}}
+        for m in buckets:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            row = res["us"][m] = {"cublas": replay_us([lambda w=w: torch.mm(x, w.t()) for w in weights])}
+            for bn, bk, split, design, warps in pdl_configs(n, k, m):
+                for pdl in (False, True):
+                    name = f"{bn}x{bk}x{split}x{design} w{warps} pdl {'on' if pdl else 'off'}"
+                    try:
+                        row[name] = replay_us([lambda w=w: gemv_kernels.gemv_triton(
+                            x, w, None, bn, bk, split, num_warps=warps, design=design, use_pdl=pdl) for w in weights])
+                    except Exception as e:  # a configuration the device cannot run: reported, not fatal
+                        row[name] = f"{type(e).__name__}: {str(e)[:120]}"
+            best = min(((v, c) for c, v in row.items() if c != "cublas" and isinstance(v, float)), default=None)
+            byts = 2 * n * k
+            print(f"{what:24s} N={n:6d} K={k:5d} M={m:2d} chain of {CHAIN}: cublas {row['cublas']:6.2f} us"
+                  + (f"  best triton {best[0]:6.2f} us ({best[1]}), {byts / best[0] / 1e3:.0f} GB/s" if best else ""))
+            for c, v in row.items():
+                if c != "cublas":
+                    print(f"    {c:32s} {v:6.2f} us" if isinstance(v, float) else f"    {c:32s} {v}")
+        del weights
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--buckets", default="1,2,4,8")
+    p.add_argument("--pdl-chain", action="store_true", help="the PDL chain sweep instead (see the module doc)")
     a = p.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    if a.pdl_chain:
+        out = pdl_chain([1, 4, 8])
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"copy_gbs": bw / 1e9, "chain": CHAIN, "shapes": out}, f, indent=1)
+        return
     buckets = [int(b) for b in a.buckets.split(",")]
     out = {}
     for (n, k), what in SHAPES.items():

@@ -25,14 +25,16 @@ from k3compile.passes.kernels import kda_decode
 from k3compile.passes.kernels.pdl import pdl_available
 
 
-def make_layer_inputs(batch, heads, head_dim, lower_bound, full_rank_gate, layers, dtype, gen, dev="cuda"):
+def make_layer_inputs(batch, heads, head_dim, lower_bound, full_rank_gate, layers, dtype, gen, dev="cuda",
+                      num_slots=None):
     """Post-GEMM activations as column blocks of one merged output (as in the captured graph), per-layer
-    weights, pools of `layers` KDA layers with random contents and the batch in a shuffled slot order.
-    f (and the gate, unless full rank) come as low-rank inputs of rank head_dim plus their weights."""
+    weights, pools of `layers` KDA layers and `num_slots` slots (default batch + 16) with random contents and
+    the batch in a shuffled slot order. f (and the gate, unless full rank) come as low-rank inputs of rank
+    head_dim plus their weights."""
     c = heads * head_dim
     rank = head_dim  # f_a_proj / g_a_proj: hidden -> head_dim
-    slots = torch.randperm(batch + 16, generator=gen)[:batch].to(dev)
-    num_slots = batch + 16
+    num_slots = max(num_slots or 0, batch + 16)
+    slots = torch.randperm(num_slots, generator=gen)[:batch].to(dev)
     ssm = 0.3 * torch.randn(num_slots, layers, heads, head_dim, head_dim, device=dev)
     conv = torch.randn(num_slots, layers, 3 * c, 3, device=dev, dtype=dtype)
     per_layer = []
@@ -60,18 +62,18 @@ def unfused(args, use_pdl=False, v_split=None):
     return kda_decode.fused_kda_decode_reference(*args)  # the unfused ops, dispatched to their CUDA kernels
 
 
-def fused(args, use_pdl=False, v_split=None):
+def fused(args, use_pdl=False, v_split=None, **launch):
     """What P5's graphs run: the CUDA registration (cuBLAS up-projections above the absorb batch), with the
     kernel's V split forced to `v_split` (None: the default heuristic; 1: one program per (request, head),
-    the schedule before the split)."""
-    if v_split is None:
+    the schedule before the split) and `launch` (prefetch, block_v, num_warps of fused_kda_decode_triton)."""
+    if v_split is None and not launch:
         return torch.ops.k3.fused_kda_decode(*args, use_pdl=use_pdl)
     args = list(args)
     if args[0].shape[0] > kda_decode.LOW_RANK_IN_KERNEL_MAX_BATCH:
         h = args[8].shape[0]
         args[6], args[10] = kda_decode.expand_low_rank(args[6], args[10], args[18], args[19], h)
         args[18] = args[19] = None
-    return kda_decode.fused_kda_decode_triton(*args, use_pdl=use_pdl, v_split=v_split)
+    return kda_decode.fused_kda_decode_triton(*args, use_pdl=use_pdl, v_split=v_split, **launch)
 
 
 def time_graph(fn, layer_args, use_pdl, replays, v_split=None):
@@ -108,13 +110,13 @@ def kernels_per_layer(fn, args) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def check_split(args, v_split) -> float:
+def check_split(args, v_split, **launch) -> float:
     """Normwise relative error of the forced-split kernel's output vs the reference (private pool copies)."""
     def private(a):
         a = list(a)
         a[12], a[13] = a[12].clone(), a[13].clone()
         return a
-    got = fused(private(args), False, v_split).float()
+    got = fused(private(args), False, v_split, **launch).float()
     want = kda_decode.fused_kda_decode_reference(*private(args)).float()
     return ((got - want).abs().max() / want.abs().max()).item()
 

@@ -25,6 +25,10 @@ build time (and into which P11 folds the add that follows):
     padding to 16 rows, no layout change of the weights through shared memory). At batch 1-4 a
     decode GEMV is bound by the bytes in flight, not by FLOPs, so this is the design that can approach
     the copy bandwidth; split-K and the last-arrival reduction are as in "dot".
+* PDL (`use_pdl`, P8's option): launched with programmatic dependent launch (kernels/pdl.py), a program
+  loads its first K step's weight tile before `gdc_wait()` (x comes from the previous kernel) and calls
+  `gdc_launch_dependents()` once its x is read, so the next kernel's launch overlaps the epilogue. The
+  accumulation order is the same with and without it.
 * max_m / block_n / block_k / split_k / design are plain ints in the schema: the pass records the tuned
   configuration per node, and the serialized engine carries it.
 """
@@ -33,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from . import arrivals
+from .pdl import pdl_available
 
 try:
     import triton
@@ -112,10 +117,35 @@ if triton is not None:
 
 
     @triton.jit
+    def _w_tile(w_ptr, rn, n_ok, k_start, k0, k_per_split, K, swn, swk, BLOCK_K: tl.constexpr):
+        """The [BLOCK_N, BLOCK_K] weight tile of K step k0 (and rk, k_ok): constants, loadable before gdc_wait."""
+        kk = tl.arange(0, BLOCK_K)
+        rk = k_start + k0 + kk
+        k_ok = (rk < K) & (k0 + kk < k_per_split)
+        return tl.load(w_ptr + rn[:, None] * swn + rk[None, :] * swk, mask=n_ok[:, None] & k_ok[None, :], other=0.0), \
+            rk, k_ok
+
+    @triton.jit
+    def _dot_step(acc, w, x_ptr, rm, m_ok, rk, k_ok, sxm, sxk):
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        # bf16/fp16 values are exact in tf32: the tensor-core product equals the 16-bit one (and the
+        # CPU interpreter, whose 16-bit dot is wrong, computes the same thing)
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="tf32")
+
+    @triton.jit
+    def _rows_step(acc3, w, x_ptr, rm, rn, m_ok, n_ok, rk, k_ok, sxm, sxk):
+        # x through a pointer tile shaped like the products (same register layout as w's: no shuffle
+        # through shared memory); the repeated reads of a row come from L1
+        xmask = m_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
+        x = tl.load(x_ptr + rm[:, None, None] * sxm + rk[None, None, :] * sxk + 0 * rn[None, :, None],
+                    mask=xmask, other=0.0)
+        return acc3 + w.to(tl.float32)[None, :, :] * x.to(tl.float32)
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
                      sxm, sxk, swn, swk, scm, scn, sym, syn,
                      HAS_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
+                     SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, PEEL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -124,14 +154,18 @@ if triton is not None:
         n_ok = rn < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         k_start = pid_k * k_per_split
-        for k0 in range(0, k_per_split, BLOCK_K):
-            rk = k_start + k0 + tl.arange(0, BLOCK_K)
-            k_ok = (rk < K) & (k0 + tl.arange(0, BLOCK_K) < k_per_split)
-            x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + rn[:, None] * swn + rk[None, :] * swk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            # bf16/fp16 values are exact in tf32: the tensor-core product equals the 16-bit one (and the
-            # CPU interpreter, whose 16-bit dot is wrong, computes the same thing)
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="tf32")
+        k_first = 0
+        if PEEL:  # the first K step's weights load while the previous kernel (x's producer) finishes
+            w, rk, k_ok = _w_tile(w_ptr, rn, n_ok, k_start, 0, k_per_split, K, swn, swk, BLOCK_K)
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
+            acc = _dot_step(acc, w, x_ptr, rm, m_ok, rk, k_ok, sxm, sxk)
+            k_first = BLOCK_K
+        for k0 in range(k_first, k_per_split, BLOCK_K):
+            w, rk, k_ok = _w_tile(w_ptr, rn, n_ok, k_start, k0, k_per_split, K, swn, swk, BLOCK_K)
+            acc = _dot_step(acc, w, x_ptr, rm, m_ok, rk, k_ok, sxm, sxk)
+        if USE_PDL:  # x is read: the next kernel may launch (it waits for this one before reading y)
+            tl.extra.cuda.gdc_launch_dependents()
         _finish(acc, rm, rn, m_ok, n_ok, pid_n, pid_k, c_ptr, y_ptr, ws_ptr, cnt_ptr, N, scm, scn, sym, syn,
                 HAS_C, BLOCK_M, BLOCK_N, SPLIT_K)
 
@@ -139,26 +173,27 @@ if triton is not None:
     def _gemv_rows_kernel(x_ptr, w_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
                           sxm, sxk, swn, swk, scm, scn, sym, syn,
                           HAS_C: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SPLIT_K: tl.constexpr):
+                          SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, PEEL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, M_PAD)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        kk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
         acc3 = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
         k_start = pid_k * k_per_split
-        for k0 in range(0, k_per_split, BLOCK_K):
-            rk = k_start + k0 + kk
-            k_ok = (rk < K) & (k0 + kk < k_per_split)
-            w = tl.load(w_ptr + rn[:, None] * swn + rk[None, :] * swk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            # x through a pointer tile shaped like the products (same register layout as w's: no shuffle
-            # through shared memory); the repeated reads of a row come from L1
-            xmask = m_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
-            x = tl.load(x_ptr + rm[:, None, None] * sxm + rk[None, None, :] * sxk + 0 * rn[None, :, None],
-                        mask=xmask, other=0.0)
-            acc3 += w.to(tl.float32)[None, :, :] * x.to(tl.float32)
+        k_first = 0
+        if PEEL:  # the first K step's weights load while the previous kernel (x's producer) finishes
+            w, rk, k_ok = _w_tile(w_ptr, rn, n_ok, k_start, 0, k_per_split, K, swn, swk, BLOCK_K)
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
+            acc3 = _rows_step(acc3, w, x_ptr, rm, rn, m_ok, n_ok, rk, k_ok, sxm, sxk)
+            k_first = BLOCK_K
+        for k0 in range(k_first, k_per_split, BLOCK_K):
+            w, rk, k_ok = _w_tile(w_ptr, rn, n_ok, k_start, k0, k_per_split, K, swn, swk, BLOCK_K)
+            acc3 = _rows_step(acc3, w, x_ptr, rm, rn, m_ok, n_ok, rk, k_ok, sxm, sxk)
+        if USE_PDL:  # x is read: the next kernel may launch (it waits for this one before reading y)
+            tl.extra.cuda.gdc_launch_dependents()
         acc = tl.sum(acc3, axis=2)  # [M_PAD, BLOCK_N]
         _finish(acc, rm, rn, m_ok, n_ok, pid_n, pid_k, c_ptr, y_ptr, ws_ptr, cnt_ptr, N, scm, scn, sym, syn,
                 HAS_C, M_PAD, BLOCK_N, SPLIT_K)
@@ -171,8 +206,11 @@ def kernel_supports(x: torch.Tensor, w: torch.Tensor, max_m: int, design: int = 
 
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None, block_n: int = 64,
-                block_k: int = 128, split_k: int = 1, num_warps: int = 4, design: int = 0) -> torch.Tensor:
-    """Launch the kernel of `design` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+                block_k: int = 128, split_k: int = 1, num_warps: int = 4, design: int = 0,
+                use_pdl: bool = False) -> torch.Tensor:
+    """Launch the kernel of `design` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). use_pdl: launch
+    with programmatic dependent launch where kernels/pdl.py says it exists; the first K step is peeled (its weights
+    load before the wait) whenever it is asked for, so the interpreter runs that code too."""
     rows = design == DESIGNS["rows"]
     most = ROWS_MAX_M if rows else MAX_M
     check_gemv_args(x, w, c, most, block_n, block_k, split_k, design)
@@ -204,12 +242,15 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
         scm, scn = (0, c.stride(0)) if c.dim() == 1 else (c.stride(0), c.stride(1))
     args = (x, w, c_arg, y, ws, cnt, m, n, k, k_per_split,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), scm, scn, y.stride(0), y.stride(1))
+    pdl = use_pdl and x.is_cuda and pdl_available(x.device.index)
+    extra = {"launch_pdl": True} if pdl else {}
     if rows:
         _gemv_rows_kernel[(tiles, split_k)](*args, HAS_C=c is not None, M_PAD=triton.next_power_of_2(m),
-                                            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps)
+                                            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=pdl, PEEL=bool(use_pdl),
+                                            num_warps=num_warps, **extra)
     else:
         _gemv_kernel[(tiles, split_k)](*args, HAS_C=c is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                                       SPLIT_K=split_k, num_warps=num_warps)
+                                       SPLIT_K=split_k, USE_PDL=pdl, PEEL=bool(use_pdl), num_warps=num_warps, **extra)
     return y
 
 
@@ -245,22 +286,22 @@ def rows_configs(n: int, k: int) -> list[tuple[int, int, int, int]]:
 
 @torch.library.custom_op("k3::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, max_m: int, block_n: int, block_k: int,
-         split_k: int, design: int = 0) -> torch.Tensor:
+         split_k: int, design: int = 0, use_pdl: bool = False) -> torch.Tensor:
     """y = x @ w.T (then + c): the aten calls (CPU, or rows > max_m); see the module doc."""
     check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design)
     return gemv_reference(x, w, c)
 
 
 @gemv.register_kernel("cuda")
-def _gemv_cuda(x, w, c, max_m, block_n, block_k, split_k, design=0):
+def _gemv_cuda(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False):
     check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design)
     if kernel_supports(x, w, max_m, design):
         with torch.cuda.device(x.device):  # Triton launches on the current device
-            return gemv_triton(x, w, c, block_n, block_k, split_k, design=design)
+            return gemv_triton(x, w, c, block_n, block_k, split_k, design=design, use_pdl=use_pdl)
     return gemv_reference(x, w, c)
 
 
 @gemv.register_fake
-def _gemv_fake(x, w, c, max_m, block_n, block_k, split_k, design=0):
+def _gemv_fake(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False):
     check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design)
     return x.new_empty(x.shape[0], w.shape[0])

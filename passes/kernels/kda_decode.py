@@ -33,9 +33,12 @@ arrive (an atomic counter that it zeroes again) scales the head and writes the o
 kernel, no zero fill).
 
 Programmatic dependent launch: the op's `use_pdl` argument (P5's option, so an engine records it)
-launches the kernel with `launch_pdl=True` where Triton and the GPU support it (sm90+); the kernel
-then loads its weights before `gdc_wait()` (overlapping the previous kernel's tail) and calls
-`gdc_launch_dependents()` once its inputs are read. The CPU reference ignores it.
+launches the kernel with `launch_pdl=True` where Triton and the GPU support it (sm90+); with `prefetch`
+(P5's option too) the kernel then loads everything the previous kernel does not write before
+`gdc_wait()` -- slot index, conv windows, its first fp32 state block, all weights including the
+low-rank up-projections' -- overlapping the previous kernel's tail (why reading the state early is
+safe: the comment in the kernel), and calls `gdc_launch_dependents()` once its inputs are read. The
+CPU reference ignores both.
 
 Testing without a GPU: with TRITON_INTERPRET=1 in the environment *before this module is imported*,
 `fused_kda_decode_triton` runs on CPU tensors (see tests/passes/kernels/interpret_kda_decode.py).
@@ -67,6 +70,10 @@ SOFTPLUS_THRESHOLD = 20.0  # torch's softplus(beta=1, threshold=20), as kda_gate
 # the kernel: inside it every (request, head) program re-reads its weight rows, which pays at small
 # batch (two launches saved) and costs L2 traffic at large batch.
 LOW_RANK_IN_KERNEL_MAX_BATCH = 16
+# A program holds f_b_proj's rows for its K channels (and g_b_proj's for a V block) as one register tile
+# loaded before gdc_wait up to this many elements (128 x 128: K = rank = 128, the 48B shape); larger ranks
+# load in chunks after the wait.
+LOW_RANK_TILE_MAX = 128 * 128
 # At small batch a head's V columns are split over several programs (one per
 # [K, V / split] slice of the state), down to MIN_V_PER_PROGRAM columns each: at batch 1 one program
 # per (request, head) leaves 100 of 132 SMs idle and the kernel latency-bound.
@@ -190,20 +197,50 @@ if triton is not None:
         return acc.to(x_row_ptr.dtype.element_ty).to(tl.float32)
 
     @triton.jit
+    def _low_rank_tile(w_ptr, rows, row_mask, RANK: tl.constexpr, RPAD: tl.constexpr):
+        """W[rows, :] as one [rows, RPAD] tile (W is [*, RANK] row-major): loadable before gdc_wait."""
+        r = tl.arange(0, RPAD)
+        return tl.load(w_ptr + rows[:, None] * RANK + r[None, :], mask=row_mask[:, None] & (r[None, :] < RANK),
+                       other=0.0)
+
+    @triton.jit
+    def _low_rank_apply(x_row_ptr, w, RANK: tl.constexpr, RPAD: tl.constexpr):
+        """(w @ x) for one token with a tile from `_low_rank_tile`, fp32 accumulation, rounded to x's dtype."""
+        r = tl.arange(0, RPAD)
+        x = tl.load(x_row_ptr + r, mask=r < RANK, other=0.0).to(tl.float32)
+        return tl.sum(w.to(tl.float32) * x[None, :], axis=1).to(x_row_ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _conv_taps(x_row_ptr, w_ptr, win_ptr, chans, mask, WIDTH: tl.constexpr, WPAD: tl.constexpr):
+        """What one short-conv step needs besides this token's x: the window [chans, WIDTH-1] at win_ptr
+        (cast to x's dtype, as the unfused op does) and the conv weights. Nothing here comes from the
+        previous kernel, so it may load before gdc_wait."""
+        x_dtype = x_row_ptr.dtype.element_ty
+        j = tl.arange(0, WPAD)
+        mj = mask[:, None] & (j[None, :] < WIDTH - 1)
+        hist = tl.load(win_ptr + chans[:, None] * (WIDTH - 1) + j[None, :], mask=mj, other=0.0).to(x_dtype)
+        w = tl.load(w_ptr + chans[:, None] * WIDTH + j[None, :], mask=mj, other=0.0).to(tl.float32)
+        w_last = tl.load(w_ptr + chans * WIDTH + WIDTH - 1, mask=mask, other=0.0).to(tl.float32)
+        return hist, w, w_last
+
+    @triton.jit
+    def _conv_apply(x_row_ptr, chans, mask, hist, w, w_last):
+        """The conv step + SiLU from `_conv_taps` and this token's x: (output rounded to x's dtype as
+        k3::short_conv_decode does, in fp32; x)."""
+        x_dtype = x_row_ptr.dtype.element_ty
+        x = tl.load(x_row_ptr + chans, mask=mask, other=0.0)
+        acc = tl.sum(w * hist.to(tl.float32), axis=1)
+        acc += w_last * x.to(tl.float32)
+        return (acc * tl.sigmoid(acc)).to(x_dtype).to(tl.float32), x
+
+    @triton.jit
     def _short_conv_read(x_row_ptr, w_ptr, win_ptr, chans, mask, WIDTH: tl.constexpr, WPAD: tl.constexpr):
         """One causal depthwise conv step + SiLU for channels `chans` from the window [chans, WIDTH-1] at
         win_ptr and this token's x. Returns (output rounded to x's dtype as k3::short_conv_decode does, in
         fp32; the window as read; x): `_short_conv_write` later shifts the window in place."""
-        x_dtype = x_row_ptr.dtype.element_ty
-        j = tl.arange(0, WPAD)
-        mj = mask[:, None] & (j[None, :] < WIDTH - 1)
-        # the window is cast to x's dtype before the multiply, as the unfused op does
-        hist = tl.load(win_ptr + chans[:, None] * (WIDTH - 1) + j[None, :], mask=mj, other=0.0).to(x_dtype)
-        w = tl.load(w_ptr + chans[:, None] * WIDTH + j[None, :], mask=mj, other=0.0).to(tl.float32)
-        x = tl.load(x_row_ptr + chans, mask=mask, other=0.0)
-        acc = tl.sum(w * hist.to(tl.float32), axis=1)
-        acc += tl.load(w_ptr + chans * WIDTH + WIDTH - 1, mask=mask, other=0.0).to(tl.float32) * x.to(tl.float32)
-        return (acc * tl.sigmoid(acc)).to(x_dtype).to(tl.float32), hist, x
+        hist, w, w_last = _conv_taps(x_row_ptr, w_ptr, win_ptr, chans, mask, WIDTH, WPAD)
+        out, x = _conv_apply(x_row_ptr, chans, mask, hist, w, w_last)
+        return out, hist, x
 
     @triton.jit
     def _short_conv_write(win_ptr, chans, mask, hist, x, WIDTH: tl.constexpr, WPAD: tl.constexpr):
@@ -226,6 +263,41 @@ if triton is not None:
         return tl.load(normw_ptr + ov, mask=mv, other=0.0).to(tl.float32) * tl.sigmoid(gate)
 
     @triton.jit
+    def _gain_weights(normw_ptr, wgb_ptr, head, ov, mv, V: tl.constexpr, G_RANK: tl.constexpr,
+                      G_TILE: tl.constexpr):
+        """The gated norm's weights for columns `ov` of head `head`: (norm weight, g_b_proj's rows as a tile
+        when G_TILE > 0, else the norm weight again as a placeholder). Loadable before gdc_wait."""
+        nw = tl.load(normw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
+        if G_TILE > 0:
+            gw = _low_rank_tile(wgb_ptr, head * V + ov, mv, G_RANK, G_TILE)
+        else:
+            gw = nw
+        return nw, gw
+
+    @triton.jit
+    def _gain(gate_row_ptr, gate_head, wgb_ptr, head, ov, mv, nw, gw, V: tl.constexpr, G_RANK: tl.constexpr,
+              G_TILE: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+        """norm_weight * sigmoid(gate) for columns `ov` from `_gain_weights` (G_RANK > 0: g_b_proj's GEMV here)."""
+        if G_TILE > 0:
+            gate = _low_rank_apply(gate_row_ptr, gw, G_RANK, G_TILE)
+        elif G_RANK > 0:
+            gate = _low_rank_rows(gate_row_ptr, wgb_ptr, head * V + ov, mv, G_RANK, BV, BR)
+        else:
+            gate = tl.load(gate_row_ptr + head * gate_head + ov, mask=mv, other=0.0).to(tl.float32)
+        return nw * tl.sigmoid(gate)
+
+    @triton.jit
+    def _v_block_taps(s_base, xv_row_ptr, wv_ptr, v_win, normw_ptr, wgb_ptr, head, ok, mk, ov, mv,
+                      V: tl.constexpr, WIDTH: tl.constexpr, WPAD: tl.constexpr, G_RANK: tl.constexpr,
+                      G_TILE: tl.constexpr):
+        """Everything a V block needs that the previous kernel does not write: the [K, BV] state block (this
+        kernel's own output one step earlier), v's conv window and weights, the gated norm's weights."""
+        s = tl.load(s_base + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        hist, w, w_last = _conv_taps(xv_row_ptr, wv_ptr, v_win, head * V + ov, mv, WIDTH, WPAD)
+        nw, gw = _gain_weights(normw_ptr, wgb_ptr, head, ov, mv, V, G_RANK, G_TILE)
+        return s, hist, w, w_last, nw, gw
+
+    @triton.jit
     def _fused_kda_decode_kernel(
         xq_ptr, xk_ptr, xv_ptr, xq_row, xk_row, xv_row,
         wq_ptr, wk_ptr, wv_ptr,
@@ -239,17 +311,27 @@ if triton is not None:
         lower_bound, norm_eps, scale,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr, WPAD: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, V_SPLIT: tl.constexpr, V_PER: tl.constexpr, SPLIT_PAD: tl.constexpr,
-        SOFTPLUS_GATE: tl.constexpr, USE_PDL: tl.constexpr,
-        F_RANK: tl.constexpr, G_RANK: tl.constexpr, BR: tl.constexpr, L2EPS: tl.constexpr,
+        N_BLOCKS: tl.constexpr, SOFTPLUS_GATE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        F_RANK: tl.constexpr, F_TILE: tl.constexpr, G_RANK: tl.constexpr, G_TILE: tl.constexpr, BR: tl.constexpr,
+        L2EPS: tl.constexpr,
     ):
         # Program (request, head, part): the head's q/k conv channels, V_PER = V / V_SPLIT of its V
-        # columns (their conv channels, the [K, V_PER] slice of the state, walked in [K, BV] blocks).
+        # columns (their conv channels, the [K, V_PER] slice of the state, walked in N_BLOCKS [K, BV] blocks,
+        # unrolled, each block's loads issued one block ahead).
         # V_SPLIT == 1: the whole head, gated RMSNorm in place at the end. V_SPLIT > 1: each part stores
         # o * norm_weight * sigmoid(gate) in fp32 and its sum of o^2; the last part of the head to arrive
         # (an acq_rel counter, zeroed again by it) shifts the q/k windows (every part has read them by
         # then), and scales the whole head by the RMS into `out`.
         # Conv pool per (slot, layer): [3 * H * K channels, WIDTH - 1] (q, k, v streams stacked, window
         # oldest first); state per (slot, layer): [H, K, V] row-major.
+        #
+        # PDL (USE_PDL): with PREFETCH everything the previous kernel does not write loads before gdc_wait:
+        # the slot index (the step's input buffer, written before the graph), the conv windows, the
+        # first state block, all weights. The windows and the state are written only by this same kernel
+        # one step (one layer's chain) earlier, which has finished: every kernel of the chain calls
+        # gdc_wait before gdc_launch_dependents, so a kernel's start implies all kernels two back have
+        # finished, and graph replays are serialized. Without PREFETCH the wait comes first (after A_log
+        # and dt_bias): the schedule before the prefetch, kept as the bench's baseline.
         pid = tl.program_id(0)
         part = tl.program_id(1)
         req = (pid // H).to(tl.int64)
@@ -259,19 +341,34 @@ if triton is not None:
         mk = ok < K
         ch = head * K + ok  # channel within a stream
 
-        # Constants first: with PDL these loads overlap the previous kernel's tail.
         a = tl.exp(tl.load(alog_ptr + head).to(tl.float32))
         dt = tl.load(dt_ptr + ch, mask=mk, other=0.0).to(tl.float32)
-        if USE_PDL:
+        if USE_PDL and not PREFETCH:
             tl.extra.cuda.gdc_wait()
 
         slot = tl.load(slots_ptr + req).to(tl.int64)
         conv_base = conv_ptr + slot * conv_slot_stride + conv_layer_offset
+        q_win, k_win = conv_base, conv_base + C * (WIDTH - 1)
+        v_win = conv_base + 2 * C * (WIDTH - 1)
+        q_hist, q_w, q_w_last = _conv_taps(xq_ptr, wq_ptr, q_win, ch, mk, WIDTH, WPAD)
+        k_hist, k_w, k_w_last = _conv_taps(xk_ptr, wk_ptr, k_win, ch, mk, WIDTH, WPAD)
+        if F_TILE > 0:
+            wf = _low_rank_tile(wfb_ptr, ch, mk, F_RANK, F_TILE)
+        bh = req * H + head
+        s_base = ssm_ptr + slot * ssm_slot_stride + ssm_layer_offset + head * K * V
+        xv_row_ptr = xv_ptr + req * xv_row
+        v_begin = part * V_PER
+        v_end = v_begin + V_PER
+        ov = v_begin + tl.arange(0, BV)
+        mv = (ov < V) & (ov < v_end)
+        s_raw, v_hist, v_w, v_w_last, nw, gw = _v_block_taps(s_base, xv_row_ptr, wv_ptr, v_win, normw_ptr, wgb_ptr,
+                                                             head, ok, mk, ov, mv, V, WIDTH, WPAD, G_RANK, G_TILE)
+        if USE_PDL and PREFETCH:
+            tl.extra.cuda.gdc_wait()
 
         # ---- q, k: short conv + SiLU, L2 norm (epsilon inside the sqrt, as fla)
-        q_win, k_win = conv_base, conv_base + C * (WIDTH - 1)
-        q, q_hist, q_x = _short_conv_read(xq_ptr + req * xq_row, wq_ptr, q_win, ch, mk, WIDTH, WPAD)
-        k, k_hist, k_x = _short_conv_read(xk_ptr + req * xk_row, wk_ptr, k_win, ch, mk, WIDTH, WPAD)
+        q, q_x = _conv_apply(xq_ptr + req * xq_row, ch, mk, q_hist, q_w, q_w_last)
+        k, k_x = _conv_apply(xk_ptr + req * xk_row, ch, mk, k_hist, k_w, k_w_last)
         if V_SPLIT == 1:
             tl.debug_barrier()  # every thread holding a copy of these channels has read the window
             _short_conv_write(q_win, ch, mk, q_hist, q_x, WIDTH, WPAD)
@@ -280,7 +377,9 @@ if triton is not None:
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + L2EPS)
 
         # ---- decay gate (F_RANK > 0: f_b_proj's GEMV here) and beta
-        if F_RANK > 0:
+        if F_TILE > 0:
+            f_raw = _low_rank_apply(f_ptr + req * f_row, wf, F_RANK, F_TILE)
+        elif F_RANK > 0:
             f_raw = _low_rank_rows(f_ptr + req * f_row, wfb_ptr, ch, mk, F_RANK, BK, BR)
         else:
             f_raw = tl.load(f_ptr + req * f_row + ch, mask=mk, other=0.0).to(tl.float32)
@@ -293,24 +392,26 @@ if triton is not None:
         beta = tl.sigmoid(tl.load(b_ptr + req * b_row + head * b_col).to(tl.float32))
 
         # ---- per V block: v's conv, the delta rule on the fp32 state in place, o = S^T q
-        bh = req * H + head
-        s_base = ssm_ptr + slot * ssm_slot_stride + ssm_layer_offset + head * K * V
         out_row = out_ptr + bh * V
         out_dtype = out_ptr.dtype.element_ty
-        v_end = part * V_PER + V_PER
         sum_sq = tl.zeros([BV], dtype=tl.float32)
-        for v0 in range(part * V_PER, v_end, BV):
-            ov = v0 + tl.arange(0, BV)
+        for blk in tl.static_range(N_BLOCKS):
+            ov = v_begin + blk * BV + tl.arange(0, BV)
             mv = (ov < V) & (ov < v_end)
-            v_win = conv_base + 2 * C * (WIDTH - 1)
-            v, v_hist, v_x = _short_conv_read(xv_ptr + req * xv_row, wv_ptr, v_win, head * V + ov, mv, WIDTH, WPAD)
+            s_cur, hist_cur, w_cur, w_last_cur, nw_cur, gw_cur = s_raw, v_hist, v_w, v_w_last, nw, gw
+            if blk + 1 < N_BLOCKS:  # the next block's loads overlap this block's arithmetic
+                ov_next = ov + BV
+                s_raw, v_hist, v_w, v_w_last, nw, gw = _v_block_taps(
+                    s_base, xv_row_ptr, wv_ptr, v_win, normw_ptr, wgb_ptr, head, ok, mk, ov_next,
+                    (ov_next < V) & (ov_next < v_end), V, WIDTH, WPAD, G_RANK, G_TILE)
+            v, v_x = _conv_apply(xv_row_ptr, head * V + ov, mv, hist_cur, w_cur, w_last_cur)
             s_ptrs = s_base + ok[:, None] * V + ov[None, :]
             m2 = mk[:, None] & mv[None, :]
-            s = tl.load(s_ptrs, mask=m2, other=0.0) * decay[:, None]
+            s = s_cur * decay[:, None]
             kv_mem = tl.sum(s * k[:, None], axis=0)  # S^T k: [BV]
             s += k[:, None] * ((v - kv_mem) * beta)[None, :]
             tl.debug_barrier()  # all copies of this block (and of v's window) are read before any is overwritten
-            _short_conv_write(v_win, head * V + ov, mv, v_hist, v_x, WIDTH, WPAD)
+            _short_conv_write(v_win, head * V + ov, mv, hist_cur, v_x, WIDTH, WPAD)
             tl.store(s_ptrs, s, mask=m2)
             o = tl.sum(s * q[:, None], axis=0).to(out_dtype)  # k3::kda_decode returns v's dtype
             of = o.to(tl.float32)
@@ -318,8 +419,8 @@ if triton is not None:
             if V_SPLIT == 1:
                 tl.store(out_row + ov, o, mask=mv)
             else:
-                gain = _norm_gate(gate_ptr + req * gate_row, gate_head, wgb_ptr, normw_ptr, head, ov, mv, V, G_RANK, BV,
-                                  BR)
+                gain = _gain(gate_ptr + req * gate_row, gate_head, wgb_ptr, head, ov, mv, nw_cur, gw_cur, V, G_RANK,
+                             G_TILE, BV, BR)
                 tl.store(part_ptr + bh * V + ov, of * gain, mask=mv)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -333,8 +434,8 @@ if triton is not None:
                 mv = ov < V
                 gain = _norm_gate(gate_ptr + req * gate_row, gate_head, wgb_ptr, normw_ptr, head, ov, mv, V, G_RANK, BV,
                                   BR)
-                o = tl.load(out_row + ov, mask=mv, other=0.0).to(tl.float32)
-                y = o * inv_rms * gain
+                o_blk = tl.load(out_row + ov, mask=mv, other=0.0).to(tl.float32)  # not `o`: that one is v's dtype
+                y = o_blk * inv_rms * gain                                         # (Triton 3.6: one type per name)
                 tl.debug_barrier()
                 tl.store(out_row + ov, y.to(out_dtype), mask=mv)
         else:
@@ -387,9 +488,14 @@ def default_v_split(batch: int, heads: int, value_dim: int) -> int:
 def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                             beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound,
                             norm_eps, f_b_weight=None, g_b_weight=None, use_pdl: bool = False,
-                            num_warps: int | None = None, v_split: int | None = None) -> torch.Tensor:
+                            num_warps: int | None = None, v_split: int | None = None, prefetch: bool = True,
+                            block_v: int | None = None) -> torch.Tensor:
     """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). v_split: parts
-    per head along V (default `default_v_split`; 1 = one program per (request, head))."""
+    per head along V (default `default_v_split`; 1 = one program per (request, head)). prefetch: with PDL,
+    load what the previous kernel does not write before gdc_wait (False: wait first). block_v: columns
+    per state block (a power of 2; default min(next_pow2(V / v_split), V_BLOCK)); num_warps: default
+    4 for a block of >= 64 x 32, else 1. The defaults are what runtime/spec/fold_kernel.py's `p5_block`
+    mirrors: changing them changes the reduction layout the fold must reproduce bit for bit."""
     if triton is None:
         raise RuntimeError("fused_kda_decode: triton is not installed")
     b, h, kd, vd, width = check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias,
@@ -425,7 +531,13 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
     use_pdl = use_pdl and v_in.is_cuda and pdl_available(v_in.device.index)
     v_per = vd // split
     bk = triton.next_power_of_2(kd)
-    bv = min(triton.next_power_of_2(v_per), V_BLOCK)
+    bv = min(triton.next_power_of_2(v_per), V_BLOCK) if block_v is None else int(block_v)
+    if bv < 1 or bv & (bv - 1):
+        raise ValueError(f"fused_kda_decode kernel: block_v {bv} must be a power of 2")
+    # the low-rank weights load as one tile (before gdc_wait) while it is small; else in chunks after it
+    # (g_b_proj's rows are read inside the V loop only when the head is split; else in the norm's loop, in chunks)
+    f_tile, g_tile = (triton.next_power_of_2(r) if r and rows * triton.next_power_of_2(r) <= LOW_RANK_TILE_MAX
+                      else 0 for r, rows in ((f_rank, bk), (g_rank if split > 1 else 0, bv)))
     if num_warps is None:
         num_warps = 4 if bk * bv >= 64 * 32 else 1
     extra = {"launch_pdl": True} if use_pdl else {}
@@ -441,9 +553,10 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
         slots, out, part, sumsq, arrivals,
         float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps), kd ** -0.5,
         H=h, K=kd, V=vd, WIDTH=width, WPAD=triton.next_power_of_2(max(width - 1, 1)), BK=bk, BV=bv,
-        V_SPLIT=split, V_PER=v_per, SPLIT_PAD=max(2, triton.next_power_of_2(split)),
-        SOFTPLUS_GATE=lower_bound is None, USE_PDL=bool(use_pdl),
-        F_RANK=f_rank, G_RANK=g_rank, BR=min(32, triton.next_power_of_2(max(f_rank, g_rank, 1))), L2EPS=L2_EPS,
+        V_SPLIT=split, V_PER=v_per, SPLIT_PAD=max(2, triton.next_power_of_2(split)), N_BLOCKS=-(-v_per // bv),
+        SOFTPLUS_GATE=lower_bound is None, USE_PDL=bool(use_pdl), PREFETCH=bool(prefetch),
+        F_RANK=f_rank, F_TILE=f_tile, G_RANK=g_rank, G_TILE=g_tile,
+        BR=min(32, triton.next_power_of_2(max(f_rank, g_rank, 1))), L2EPS=L2_EPS,
         num_warps=num_warps, enable_fp_fusion=False, **extra,  # see NO_FMA_WHY
     )
     return out
@@ -458,7 +571,7 @@ def fused_kda_decode(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
                      norm_weight: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, layer: int,
                      slots: torch.Tensor, lower_bound: float | None, norm_eps: float,
                      f_b_weight: torch.Tensor | None = None, g_b_weight: torch.Tensor | None = None,
-                     use_pdl: bool = False) -> torch.Tensor:
+                     use_pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
     """A KDA layer's decode step after its input GEMM: [B, H, V] gated-norm output. See module doc."""
     return fused_kda_decode_reference(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias,
                                       a_log, beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots,
@@ -468,7 +581,7 @@ def fused_kda_decode(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
 @fused_kda_decode.register_kernel("cuda")
 def _fused_kda_decode_cuda(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                            beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps,
-                           f_b_weight=None, g_b_weight=None, use_pdl=False):
+                           f_b_weight=None, g_b_weight=None, use_pdl=False, prefetch=True):
     h = a_log.shape[0]
     if q_in.shape[0] > LOW_RANK_IN_KERNEL_MAX_BATCH:  # cuBLAS reads each weight once for the whole batch
         f, gate = expand_low_rank(f, gate, f_b_weight, g_b_weight, h)
@@ -478,14 +591,14 @@ def _fused_kda_decode_cuda(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_con
     vd = gate.shape[-1] if g_b_weight is None else g_b_weight.shape[0] // h
     if kernel_supports(q_in.shape[-1] // h, vd):
         with torch.cuda.device(q_in.device):  # Triton launches on the current device
-            return fused_kda_decode_triton(*args, use_pdl=use_pdl)
+            return fused_kda_decode_triton(*args, use_pdl=use_pdl, prefetch=prefetch)
     return fused_kda_decode_reference(*args)
 
 
 @fused_kda_decode.register_fake
 def _fused_kda_decode_fake(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                            beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps,
-                           f_b_weight=None, g_b_weight=None, use_pdl=False):
+                           f_b_weight=None, g_b_weight=None, use_pdl=False, prefetch=True):
     b, h, _, vd, _ = check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                                 beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, f_b_weight,
                                 g_b_weight)

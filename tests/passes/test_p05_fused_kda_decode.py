@@ -75,8 +75,8 @@ def test_one_fused_op_per_kda_layer_in_decode_only(name, mode, dtype):
     fused = _fused_nodes(gm)
     # layer index, gate variant and eps as the config says; weights are the layer's own
     assert [n.args[14] for n in fused] == list(range(n_kda))
-    assert all(n.args[16] == cfg.gate_lower_bound and n.args[17] == cfg.rms_norm_eps and n.args[20] is True
-               for n in fused)
+    assert all(n.args[16] == cfg.gate_lower_bound and n.args[17] == cfg.rms_norm_eps and n.args[20:] == (True, True)
+               for n in fused)  # use_pdl, prefetch
     for i, node in enumerate(fused):
         layer = cfg.kda_layers[i]
         a_log, norm_weight = node.args[8], node.args[11]
@@ -111,8 +111,8 @@ def test_options_use_pdl_and_no_low_rank_absorption():
     n_kda = len(cfg.kda_layers)
     gm = _upstream("kimi-linear-tiny", "decode")
     mm0 = op_counts(gm)[torch.ops.aten.mm.default]
-    assert run_pass(gm, P5, use_pdl=False, absorb_low_rank=False) == n_kda
-    assert all(n.args[18:] == (None, None, False) for n in _fused_nodes(gm))
+    assert run_pass(gm, P5, use_pdl=False, absorb_low_rank=False, prefetch=False) == n_kda
+    assert all(n.args[18:] == (None, None, False, False) for n in _fused_nodes(gm))
     assert op_counts(gm)[torch.ops.aten.mm.default] == mm0  # f_b_proj and g_b_proj stay GEMMs
     absorbed = _upstream("kimi-linear-tiny", "decode")
     run_pass(absorbed, P5)

@@ -47,7 +47,9 @@ def test_forced_rewrite_takes_every_16bit_weight_gemm(name):
     for node in gm.graph.nodes:
         if node.target == GEMV:
             assert node.args[1].op == "get_attr" and node.args[3] == gemv_kernels.MAX_M
+            assert node.args[8] is True  # use_pdl, P8's default
     details = gm.meta["k3"]["pass_details"][P8]
+    assert details["use_pdl"] is True
     assert [r["choice"] for r in details["nodes"]] == ["gemv"] * want
     got = run_graph(gm, inputs_for(name, "decode", torch.bfloat16))
     for a, b in zip(got[0] + got[1], ref[0] + ref[1]):

@@ -51,12 +51,19 @@ for name, x, w, c, bn, bk, split, *design in cases():
     # the exact result (fp64): kernel and aten both round the product, then the sum, to 16 bits; their
     # roundings may differ by an ulp where K is summed in another order, so both are held to the exact one
     exact = x.double() @ w.double().t() + (0 if c is None else c.double())
-    for rep in range(2):  # twice: the split-K counters must be back at zero after a launch
-        got = gemv.gemv_triton(x, w, c, bn, bk, split, design=design[0] if design else 0)
+    # twice: the split-K counters must be back at zero after a launch; the second launch asks for PDL (here: the
+    # first K step peeled off, its weights loaded first), which must not change a bit
+    first = None
+    for rep, pdl in enumerate((False, True)):
+        got = gemv.gemv_triton(x, w, c, bn, bk, split, design=design[0] if design else 0, use_pdl=pdl)
         err = max(rel(got, exact), rel(want, exact))
         if got.dtype != want.dtype or got.shape != want.shape or not err <= TOL:
             failed += 1
             print(f"FAIL {name} (launch {rep + 1}): rel err {err:.3g}, {got.dtype} {tuple(got.shape)}")
+        elif first is not None and not torch.equal(got, first):
+            failed += 1
+            print(f"FAIL {name}: the peeled (PDL) launch differs from the plain one")
+        first = got
     counters = arrivals.current(torch.device("cpu"), "gemv")
     if counters is not None and int(counters.abs().sum()) != 0:
         failed += 1

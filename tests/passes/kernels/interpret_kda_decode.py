@@ -18,6 +18,7 @@ from interpreted import report  # noqa: E402  (this folder is sys.path[0] when r
 from kda_decode_cases import make_case, rel_err  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+TILE_MAX = kda_decode.LOW_RANK_TILE_MAX
 
 
 def cases():
@@ -56,6 +57,19 @@ def cases():
     yield "V split 8 (2 columns a part), conv width 2", dict(batch=2, heads=2, head_dim=16, lower_bound=None,
                                                              width=2, slots=[1, 0], v_split=8)
     yield "V split 2, no requests", dict(batch=0, heads=2, head_dim=16, lower_bound=-5.0, v_split=2)
+    # launch choices the bench sweeps: the wait-first schedule, other state block widths, chunked low rank
+    yield "wait first (no prefetch), low-rank f and gate, V split 2", dict(
+        batch=2, heads=2, head_dim=16, lower_bound=None, f_rank=16, g_rank=16, slots=[1, 0], v_split=2,
+        launch=dict(prefetch=False))
+    yield "block_v 8: 4 blocks per part of K=32, V split 1, low-rank f and gate", dict(
+        batch=2, heads=1, head_dim=32, lower_bound=None, f_rank=32, g_rank=32, slots=[1, 0],
+        launch=dict(block_v=8, num_warps=2))
+    yield "block_v 4 within V split 2 of K=16, bf16", dict(
+        batch=3, heads=2, head_dim=16, lower_bound=-5.0, dtype=torch.bfloat16, slots=[4, 0, 2], v_split=2,
+        launch=dict(block_v=4))
+    yield "low-rank weights in chunks (tile cap 0), V split 2", dict(
+        batch=2, heads=2, head_dim=16, lower_bound=None, f_rank=40, g_rank=40, slots=[0, 2], v_split=2,
+        tile_max=0)
 
 
 def main() -> int:
@@ -64,10 +78,12 @@ def main() -> int:
     for name, kw in cases():
         n += 1
         v_split = kw.pop("v_split", None)
+        launch = kw.pop("launch", {})
+        kda_decode.LOW_RANK_TILE_MAX = kw.pop("tile_max", TILE_MAX)
         case = make_case(seed=n, **kw)
         ref_args, ker_args = case.args(), case.args()
         want = kda_decode.fused_kda_decode_reference(*ref_args)
-        got = kda_decode.fused_kda_decode_triton(*ker_args, v_split=v_split)
+        got = kda_decode.fused_kda_decode_triton(*ker_args, v_split=v_split, **launch)
         tol = TOL[case.dtype]
         problems = []
         if got.dtype != want.dtype or got.shape != want.shape:

@@ -229,3 +229,82 @@ def test_cuda_graph_replays_of_the_split_kernel_match_eager_steps():
         want = fused_kda_decode_reference(*b)
         torch.cuda.synchronize()
         assert rel_err(out, want) <= 3e-2 and rel_err(a[13], b[13]) <= 3e-2 and rel_err(a[12], b[12]) <= 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 8])
+def test_pdl_chain_in_a_cuda_graph_matches_the_reference(batch):
+    """48B shape, bf16: x -> P8's GEMV (in_proj, PDL) -> P5's kernel (PDL, prefetch before gdc_wait: pools and
+    weights early, the GEMV's output only after the wait) -> P8's GEMV (o_proj, PDL), captured once and replayed
+    for three steps with new x; each step's output and pools vs the reference ops (cuBLAS mm + the unfused
+    KDA ops) on their own pool copies. A read of the GEMV's output before the wait, or of a pool row the step
+    writes, would show as a mismatch."""
+    from k3compile.passes.kernels.gemv import default_config, gemv_triton
+
+    heads, head_dim, lower_bound = _real_shape("kimi-linear-48b")
+    cfg = get_preset("kimi-linear-48b")
+    c, d = heads * head_dim, cfg.hidden_size
+    slots = torch.randperm(batch + 5, generator=torch.Generator().manual_seed(3))[:batch].tolist()
+    case = make_case(batch=batch, heads=heads, head_dim=head_dim, lower_bound=lower_bound, dtype=torch.bfloat16,
+                     layer=1, slots=slots, seed=13, device="cuda", **_low_rank("kimi-linear-48b", True))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n_in = 3 * c + 2 * head_dim + heads  # q, k, v, f_a, g_a, beta columns of the merged in-proj
+    w_in = (torch.randn(n_in, d, device="cuda", generator=gen) / d ** 0.5).bfloat16()
+    w_out = (torch.randn(d, c, device="cuda", generator=gen) / c ** 0.5).bfloat16()
+    x = torch.empty(batch, d, device="cuda", dtype=torch.bfloat16)
+    graph_pools, ref_pools = case.args()[12:14], case.args()[12:14]
+    cfg_in, cfg_out = default_config(n_in, d), default_config(d, c)
+
+    def kda_args(y, pools):
+        xq, xk, xv = (y[:, i * c:(i + 1) * c] for i in range(3))
+        f, g = y[:, 3 * c:3 * c + head_dim], y[:, 3 * c + head_dim:3 * c + 2 * head_dim]
+        beta = y[:, 3 * c + 2 * head_dim:]
+        return (xq, xk, xv, *case.conv_weights, f, case.dt_bias, case.a_log, beta, g, case.norm_weight, *pools,
+                case.layer, case.slots, case.lower_bound, case.norm_eps, case.f_b_weight, case.g_b_weight)
+
+    def step():
+        y = gemv_triton(x, w_in, None, *cfg_in, use_pdl=True)
+        o = FUSED(*kda_args(y, graph_pools), True, True)  # use_pdl, prefetch
+        return gemv_triton(o.flatten(1), w_out, None, *cfg_out, use_pdl=True)
+
+    x.copy_(torch.randn(batch, d, device="cuda", generator=gen).bfloat16())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up step (compiles, allocates the shared counters), then capture
+        step()
+        fused_kda_decode_reference(*kda_args(torch.mm(x, w_in.t()), ref_pools))  # the same step on the reference
+        side.synchronize()
+        assert rel_err(graph_pools[1], ref_pools[1]) <= 3e-2
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):
+        x.copy_(torch.randn(batch, d, device="cuda", generator=gen).bfloat16())
+        graph.replay()
+        want = torch.mm(fused_kda_decode_reference(*kda_args(torch.mm(x, w_in.t()), ref_pools)).flatten(1),
+                        w_out.t())
+        torch.cuda.synchronize()
+        for what, a, b in (("output", out, want), ("conv pool", graph_pools[0], ref_pools[0]),
+                           ("ssm pool", graph_pools[1], ref_pools[1])):
+            assert rel_err(a, b) <= 3e-2, f"{what}: rel err {rel_err(a, b):.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch,v_split,block_v,num_warps", [
+    (1, 4, 32, 2), (1, 2, 64, 8), (1, 8, 16, 4), (8, 1, 128, 16), (8, 1, 64, 8), (8, 2, 32, 4)])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_cuda_kernel_launch_choices_match_reference(batch, v_split, block_v, num_warps, prefetch):
+    """The launch choices tools/bench_kda8.py sweeps, at the 48B shape, bf16, PDL on, low-rank GEMVs absorbed."""
+    heads, head_dim, lower_bound = _real_shape("kimi-linear-48b")
+    slots = torch.randperm(batch + 5, generator=torch.Generator().manual_seed(9))[:batch].tolist()
+    case = make_case(batch=batch, heads=heads, head_dim=head_dim, lower_bound=lower_bound, dtype=torch.bfloat16,
+                     layer=1, slots=slots, seed=17, device="cuda", **_low_rank("kimi-linear-48b", True))
+    a, b = case.args(), case.args()
+    got = fused_kda_decode_triton(*a, use_pdl=True, v_split=v_split, block_v=block_v, num_warps=num_warps,
+                                  prefetch=prefetch)
+    want = fused_kda_decode_reference(*b)
+    for what, x, y in (("output", got, want), ("conv pool", a[12], b[12]), ("ssm pool", a[13], b[13])):
+        assert rel_err(x, y) <= 3e-2, f"{what}: rel err {rel_err(x, y):.3g}"
