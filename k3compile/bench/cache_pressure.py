@@ -112,7 +112,7 @@ def run(args) -> int:
 
     from .cache import parse_policy, split_policies
     from .cache_replay import StandInModel
-    from .cache_traces import PRESETS, TraceSpec, count, make_trace
+    from .cache_traces import PRESETS, TraceSpec, count, count_prompts, make_trace
     from .results import environment, fresh_out_dir, write_json
 
     traces = [t.strip() for t in args.traces.split(",") if t.strip()]
@@ -135,7 +135,7 @@ def run(args) -> int:
         for seed in seeds:
             spec = TraceSpec(mix=PRESETS[trace], roots=args.roots, duration=args.duration, seed=seed)
             roots = make_trace(spec)
-            print(f"{trace} seed {seed}: {count(roots)} requests", flush=True)
+            print(f"{trace} seed {seed}: {count(roots)} requests, {count_prompts(roots)} prompts", flush=True)
             for budget in budgets:
                 group = []
                 for policy in policies:
