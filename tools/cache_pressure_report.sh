@@ -43,7 +43,16 @@ if [[ " $PHASES " == *" tot_tune "* ]]; then
   $BENCH --traces tot --seeds 0 --budgets-kib 16384,8192,4096 --out "$OUT/tot_tune_seed0"
 fi
 if [[ " $PHASES " == *" tot "* ]]; then
-  $BENCH --traces tot --seeds 1,2,3 --budgets-kib 65536,16384,4096 --out "$OUT/tot_report"
+  # value calls as one request with n=3 (forked from one prefill); session 7's tot_report/ has them as
+  # 3 requests (TraceSpec.tot_samples_as_requests). One process per budget, then one report.
+  pids=()
+  for kib in 65536 16384 4096; do
+    $BENCH --traces tot --seeds 1,2,3 --budgets-kib $kib --out "$OUT/tot_n3_report_$kib" \
+        > "$OUT/tot_n3_report_$kib.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  $PY -c "from k3compile.bench.cache_pressure import merge; print(merge(['$OUT/tot_n3_report_65536', '$OUT/tot_n3_report_16384', '$OUT/tot_n3_report_4096'], '$OUT/tot_n3_report'))"
 fi
 if [[ " $PHASES " == *" k3 "* ]]; then
   $BENCH --byte-ratio k3 --seeds 1 --budgets-kib 65536,16384 --out "$OUT/byte_ratio_k3"

@@ -22,7 +22,8 @@ Simulated time: every engine step costs `step_ms + token_ms * tokens computed in
 cost model, not a measurement: the CPU's own timings are not used); an idle engine jumps to the
 next arrival. TTFT = first token's time - arrival time, in simulated seconds and in engine steps.
 
-Per row: token hit rate (prompt tokens served from the cache at first admission / prompt tokens),
+Per row: token hit rate (prompt tokens served from the cache at first admission / prompt tokens,
+counted per prompt: a request with n samples is one prompt, prefilled once; cache_replay.replay),
 the KV-only bound on the same request order (cache_replay.kv_only_bound: a pure-attention radix
 cache with unlimited memory) and the fraction of it reached, prefill tokens saved against no
 cache at the same budget, checkpoint bytes (mean held over steps, peak held, and written: states
@@ -112,7 +113,7 @@ def run(args) -> int:
 
     from .cache import parse_policy, split_policies
     from .cache_replay import StandInModel
-    from .cache_traces import PRESETS, TraceSpec, count, make_trace
+    from .cache_traces import PRESETS, TraceSpec, count, count_prompts, make_trace
     from .results import environment, fresh_out_dir, write_json
 
     traces = [t.strip() for t in args.traces.split(",") if t.strip()]
@@ -135,7 +136,7 @@ def run(args) -> int:
         for seed in seeds:
             spec = TraceSpec(mix=PRESETS[trace], roots=args.roots, duration=args.duration, seed=seed)
             roots = make_trace(spec)
-            print(f"{trace} seed {seed}: {count(roots)} requests", flush=True)
+            print(f"{trace} seed {seed}: {count(roots)} requests, {count_prompts(roots)} prompts", flush=True)
             for budget in budgets:
                 group = []
                 for policy in policies:
@@ -245,7 +246,9 @@ def render_markdown(doc: dict) -> str:
              f"{a['page_size']}, chunk {a['chunk_size'] or 'engine default'}, "
              f"track interval {a['track_interval'] or 'engine default'}; {a['roots']} roots over {a['duration']:.0f} s "
              f"simulated; step cost {a['step_ms']} ms + {a['token_ms']} ms/token (simulated, relative only).",
-             "Hit rate = prompt tokens served from the cache / prompt tokens; bound = KV-only radix cache with "
+             "Hit rate = prompt tokens served from the cache / prompt tokens, per prompt (a request with n samples "
+             "is one prompt, prefilled once and forked: its other samples count in `requests`, not in hits); bound "
+             "= KV-only radix cache with "
              "unlimited memory on the same request order; LRU-KV = KV-only radix cache with LRU at the engine's "
              "page count (optimistic: running requests' pages are evictable cache entries); checkpoint bytes: "
              "mean held over steps, peak held, and written (states stored in the tree x slot bytes); the ratios "

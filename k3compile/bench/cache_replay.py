@@ -63,7 +63,11 @@ class StandInRunner:
 
         tokens = [_next_token(r.req) if r.samples and not r.req.finished and r.req.params.max_new_tokens > 0
                   else None for r in batch.rows]
-        return BatchSample(tokens, [None] * len(tokens)), {}
+        # n > 1: the row that gives a leader its first token gives its followers theirs (the same
+        # context, so the same stand-in token); the scheduler then forks them from the leader's state
+        forks = {i: [(tok, None)] * len(r.req.followers) for i, (r, tok) in enumerate(zip(batch.rows, tokens))
+                 if tok is not None and r.req.followers and r.end == r.req.prefill_target}
+        return BatchSample(tokens, [None] * len(tokens), forks), {}
 
     def close(self) -> None:
         pass
@@ -130,15 +134,28 @@ def use_forward(engine, forward: str):
     return engine
 
 
+def fork_ids(tid: str, n: int) -> tuple[str, ...]:
+    """The ids of a request's samples 2..n (the server names them `rid-i`; `#` keeps them apart from
+    the trace's own `.`-separated ids)."""
+    return tuple(f"{tid}#{i}" for i in range(1, n))
+
+
 def replay(engine, roots, step_ms: float, token_ms: float) -> dict:
-    """Drive the engine through the trace in simulated time."""
+    """Drive the engine through the trace in simulated time. A request with n > 1 samples is
+    submitted as the server submits one (`add_request(..., fork_rids=...)`: one prefill, the state
+    forked n ways); its children arrive after its last sample finished (the client's call returns
+    then). Hit accounting is per prompt: `prompts` maps each submitted prompt's id (the first
+    sample's) to its length, and only those count in the hit rate and the KV-only bound's events
+    (one "submit" per prompt); the forked samples compute no prompt and hit nothing of their own.
+    Every sample's output and finish event is kept; TTFT is per prompt (the first sample's)."""
     from k3compile.runtime.sampling import SamplingParams
 
     pending, order = [], 0
     for r in roots:
         heapq.heappush(pending, (r.arrival, order, r.req, []))
         order += 1
-    live, events, outputs, cached, tags = {}, [], {}, {}, {}
+    live, events, outputs, cached, tags, prompts = {}, [], {}, {}, {}, {}
+    leader_of, samples_left = {}, {}
     arrival, arrival_step, first_time, first_step = {}, {}, {}, {}
     ckpt_bytes, now, step = [], 0.0, 0
     m = engine.metrics()
@@ -149,8 +166,12 @@ def replay(engine, roots, step_ms: float, token_ms: float) -> dict:
         while pending and pending[0][0] <= now:
             t, _, req, ctx = heapq.heappop(pending)
             prompt = list(req.user) if getattr(req, "standalone", False) else ctx + req.user
-            engine.add_request(req.tid, prompt, SamplingParams(max_new_tokens=req.max_new_tokens, ignore_eos=True))
-            live[req.tid] = (req, prompt, [])
+            forks = fork_ids(req.tid, getattr(req, "n", 1))
+            engine.add_request(req.tid, prompt, SamplingParams(max_new_tokens=req.max_new_tokens, ignore_eos=True),
+                               fork_rids=forks)
+            for rid in (req.tid, *forks):
+                live[rid], leader_of[rid] = (req, prompt, []), req.tid
+            samples_left[req.tid], prompts[req.tid] = 1 + len(forks), len(prompt)
             arrival[req.tid], arrival_step[req.tid], tags[req.tid] = t, step, req.tags
             events.append(("submit", req.tid, prompt))
         outs = engine.step()
@@ -162,18 +183,22 @@ def replay(engine, roots, step_ms: float, token_ms: float) -> dict:
         ckpt_bytes.append(m["checkpoint_bytes"])
         for o in outs:
             req, prompt, out = live[o.rid]
-            if o.new_token_ids and o.rid not in first_time:
+            if o.new_token_ids and o.rid in arrival and o.rid not in first_time:
                 first_time[o.rid], first_step[o.rid] = now, step - arrival_step[o.rid]  # steps it waited
             out.extend(o.new_token_ids)
             if o.finished:
                 del live[o.rid]
                 outputs[o.rid], cached[o.rid] = out, o.cached_tokens
                 events.append(("finish", o.rid, prompt + out))
-                for child in req.children:
-                    heapq.heappush(pending, (now + child.think, order, child, prompt + out))
-                    order += 1
+                lead = leader_of.pop(o.rid)
+                samples_left[lead] -= 1
+                if samples_left[lead] == 0:  # the call returns: its children may go
+                    del samples_left[lead]
+                    for child in req.children:
+                        heapq.heappush(pending, (now + child.think, order, child, prompt + outputs[lead]))
+                        order += 1
     ttft = sorted(first_time[r] - arrival[r] for r in first_time)
-    return {"events": events, "outputs": outputs, "cached": cached, "tags": tags, "ttft": ttft,
+    return {"events": events, "outputs": outputs, "cached": cached, "tags": tags, "prompts": prompts, "ttft": ttft,
             "ttft_steps": list(first_step.values()), "checkpoint_bytes": ckpt_bytes, "steps": step, "sim_seconds": now}
 
 
@@ -185,13 +210,18 @@ def summarize_replay(engine, r: dict, page_size: int) -> dict:
     tagged = lambda tag: [rid for rid, t in r["tags"].items() if tag in t]  # noqa: E731
     hits = lambda rids: sum(1 for rid in rids if r["cached"].get(rid, 0) > 0)  # noqa: E731
     ttft = r["ttft"]
+    # per prompt (a request with n samples: one prompt, one prefill), like the bound's events
+    prompt_tokens = sum(r["prompts"].values())
+    hit_tokens = sum(r["cached"][rid] for rid in r["prompts"])
+    hit_rate = hit_tokens / prompt_tokens if prompt_tokens else 0.0
     return {
-        "policy": engine.policy.name, "requests": len(r["outputs"]),
+        "policy": engine.policy.name, "requests": len(r["outputs"]), "prompts": len(r["prompts"]),
         "slots_total": m["slots_total"], "pages_total": m["pages_total"], "max_running": m["max_running"],
         "slot_bytes": engine.memory.spec.slot_bytes,
-        "prompt_tokens": m["prompt_tokens"], "hit_tokens": m["cache_hit_tokens"], "hit_rate": m["cache_hit_rate"],
+        "prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens, "hit_rate": hit_rate,
+        "forked_requests": m["forked_requests"],
         "kv_only_bound": bound["hit_rate"],
-        "fraction_of_bound": m["cache_hit_rate"] / bound["hit_rate"] if bound["hit_rate"] else 0.0,
+        "fraction_of_bound": hit_rate / bound["hit_rate"] if bound["hit_rate"] else 0.0,
         "kv_only_lru_equal_pages": lru["hit_rate"],
         "prefill_tokens_computed": m["prefill_tokens"], "retractions": m["retractions"],
         "checkpoint_bytes_mean": sum(r["checkpoint_bytes"]) / max(1, len(r["checkpoint_bytes"])),

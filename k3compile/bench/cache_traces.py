@@ -10,7 +10,8 @@ when it is sent). Five kinds of traffic, mixed by weight and interleaved in time
   tool result to the whole context so far; think time = tool latency (seconds).
 * tot: tree-of-thought as Yao et al.'s BFS sends it (princeton-nlp/tree-of-thought-llm, src/tot/methods/
   bfs.py): per level, a propose call for each kept state, then a value call (n samples) for each
-  candidate; the best `tot_breadth` candidates go on (`_prompted_tot`). Every prompt is a few-shot template + the
+  candidate (one request with n, as the reference client sends it); the best `tot_breadth`
+  candidates go on (`_prompted_tot`). Every prompt is a few-shot template + the
   problem + the steps so far + an instruction suffix (`_prompted_tot`), so two prompts of a problem
   share template + problem + common steps and part inside a prompt, before the suffix.
 * tot_fork: tree-of-thought as SGLang's tree_of_thought_deep benchmark sends it: a problem, a first
@@ -44,6 +45,7 @@ class Req:
     children: list["Req"] = field(default_factory=list)
     tags: tuple[str, ...] = ()
     standalone: bool = False  # the prompt is `user` alone (not the parent's prompt + answer + `user`)
+    n: int = 1  # samples of this one prompt (OpenAI `n`): the server prefills it once and forks n ways
 
 
 @dataclass
@@ -99,7 +101,11 @@ class TraceSpec:
     tot_breadth: int = 5  # states kept per level (bfs.sh --n_select_sample 5)
     tot_proposals: Length = (1, 8)  # candidates per propose call (math: one next step; game24's example: 8)
     tot_gen_samples: int = 1  # propose calls per state (bfs.get_proposals: n=1)
-    tot_value_samples: int = 3  # identical value requests per candidate (bfs.sh --n_evaluate_sample 3)
+    tot_value_samples: int = 3  # samples per value call (bfs.sh --n_evaluate_sample 3)
+    # how a call's n samples are sent: False = one request with n (get_values -> gpt(value_prompt, n=...):
+    # the reference client's shape, which a server prefills once and forks), True = n separate requests
+    # of the same prompt submitted together (the shape session 7's rows were run on)
+    tot_samples_as_requests: bool = False
     tot_first_template: int = 265  # propose_first_step_prompt before the question: 1058 chars
     tot_next_template: int = 360  # propose_next_step_prompt before the question: 1434 chars
     tot_value_template: int = 275  # value_prompt before the question: 1096 chars
@@ -132,7 +138,7 @@ class TraceSpec:
         if self.roots < 1 or self.duration < 0:
             raise ValueError(f"roots must be >= 1 and duration >= 0, got {self.roots}, {self.duration}")
         for name, v in vars(self).items():
-            if name in ("mix", "seed", "roots", "duration", "repeat_prob") or isinstance(v, float):
+            if name in ("mix", "seed", "roots", "duration", "repeat_prob") or isinstance(v, (float, bool)):
                 continue
             if isinstance(v, int):
                 if v < (0 if name == "tot_depth" else 1):
@@ -191,7 +197,7 @@ def make_trace(spec: TraceSpec) -> list[Root]:
             if not tot_templates:
                 tot_templates += [toks(n) for n in (spec.tot_first_template, spec.tot_next_template,
                                                      spec.tot_value_template)]
-            req, *samples = _prompted_tot(rng, toks, rint, spec, rid, *tot_templates)
+            req, *samples = _prompted_tot(rng, toks, rint, spec, rid, *tot_templates)  # samples: as requests
             stem = "tot_template"
         elif kind == "tot_fork":
             req = Req(rid, toks(rint(spec.problem_len)), rint(spec.tot_answer))
@@ -236,15 +242,17 @@ def _fork(rng, toks, rint, spec, node: Req, depth: int) -> None:
         _fork(rng, toks, rint, spec, child, depth - 1)
 
 
-def _prompted_tot(rng, toks, rint, spec, rid: str, first: list[int], nxt: list[int], value: list[int]) -> Req:
+def _prompted_tot(rng, toks, rint, spec, rid: str, first: list[int], nxt: list[int], value: list[int]) -> list[Req]:
     """One problem solved by BFS as bfs.solve sends it: the calls one after the other (each waits
-    for the previous: the reference client is sequential), the `tot_value_samples` samples of a
-    value call together (an API call with n samples, which a server expands into n requests of the
-    same prompt). Level 0 proposes from the question alone (propose_first_step_prompt); later levels
-    propose from each kept state's steps (propose_next_step_prompt); every candidate (kept steps +
-    one new step) gets a value call. The kept states are a seeded random choice (the values are the
-    model's; which candidates win does not change the traffic's shape). Returns the first call;
-    the rest hang off it as a chain of `standalone` requests."""
+    for the previous, all its samples: the reference client is sequential). A call with n samples
+    (`tot_value_samples` for a value call) is one request with n, as get_values sends it
+    (`gpt(value_prompt, n=n_evaluate_sample)`: an OpenAI-compatible server prefills it once and forks),
+    or with `tot_samples_as_requests` n identical requests submitted together. Level 0 proposes from
+    the question alone (propose_first_step_prompt); later levels propose from each kept state's steps
+    (propose_next_step_prompt); every candidate (kept steps + one new step) gets a value call. The
+    kept states are a seeded random choice (the values are the model's; which candidates win does not
+    change the traffic's shape). Returns the first call's request(s); the rest hang off the last of
+    them as a chain of `standalone` requests."""
     question = toks(rint(spec.tot_question))
     gen_label, value_label = toks(spec.tot_steps_label), toks(spec.tot_steps_label)
     gen_suffix, value_suffix = toks(spec.tot_gen_suffix), toks(spec.tot_value_suffix)
@@ -269,17 +277,31 @@ def _prompted_tot(rng, toks, rint, spec, rid: str, first: list[int], nxt: list[i
         frontier = rng.sample(candidates, min(spec.tot_breadth, len(candidates)))
     first_group, tail = None, None
     for prompt, answer, samples, label in calls:
-        group = [Req(f"{rid}.{label}" + (f"#{k}" if samples > 1 else ""), list(prompt), answer,
-                     think=spec.tot_think, standalone=True) for k in range(samples)]
-        if tail is None:
-            first_group = group  # the problem's first call: its samples arrive together, as roots
+        if spec.tot_samples_as_requests:
+            group = [Req(f"{rid}.{label}" + (f"#{k}" if samples > 1 else ""), list(prompt), answer,
+                         think=spec.tot_think, standalone=True) for k in range(samples)]
         else:
-            tail.children = group  # the next call waits for the previous call's last sample
+            group = [Req(f"{rid}.{label}", list(prompt), answer, think=spec.tot_think, standalone=True, n=samples)]
+        if tail is None:
+            first_group = group  # the problem's first call: arrives as root(s)
+        else:
+            tail.children = group  # the next call waits for the previous call (all its samples)
         tail = group[-1]
     return first_group
 
 
 def count(roots: list[Root]) -> int:
+    """Sequences the trace asks for: a request with n samples counts n (the engine runs n requests)."""
+    n, stack = 0, [r.req for r in roots]
+    while stack:
+        q = stack.pop()
+        n += q.n
+        stack.extend(q.children)
+    return n
+
+
+def count_prompts(roots: list[Root]) -> int:
+    """Prompts the trace sends (a request with n samples is one prompt, prefilled once)."""
     n, stack = 0, [r.req for r in roots]
     while stack:
         q = stack.pop()

@@ -9,7 +9,7 @@ import k3compile
 from k3compile.bench.cache import parse_policy
 from k3compile.bench.cache_pressure import _relate, goals, register, render_markdown, run_one
 from k3compile.bench.cache_replay import StandInModel
-from k3compile.bench.cache_traces import PRESETS, Req, Root, TraceSpec, count, make_trace
+from k3compile.bench.cache_traces import PRESETS, Req, Root, TraceSpec, count, count_prompts, make_trace
 
 
 def walk(roots):
@@ -48,14 +48,16 @@ def test_traces_are_seeded_and_shaped():
 TOT = TraceSpec(mix=(("tot", 1.0),), roots=3, duration=10.0, seed=7)
 
 
-def tot_calls(root_req):
-    """A prompted-ToT problem's calls in the order they are sent: (tid, prompt, answer length, samples);
-    the n samples of a call must be identical requests sent together."""
-    calls, group = [], [root_req]
+def tot_calls(root_req, first_group=None):
+    """A prompted-ToT problem's calls in the order they are sent: (tid, prompt, answer length, samples).
+    A call is one request with n samples, or (`tot_samples_as_requests`) n identical requests sent
+    together (`first_group`: the problem's first call's requests, all roots)."""
+    calls, group = [], first_group or [root_req]
     while group:
         assert all(g.user == group[0].user and g.max_new_tokens == group[0].max_new_tokens and g.standalone
                    for g in group)
-        calls.append((group[0].tid.split("#")[0], group[0].user, group[0].max_new_tokens, len(group)))
+        assert len(group) == 1 or all(g.n == 1 for g in group)  # n samples: one request or n, not both
+        calls.append((group[0].tid.split("#")[0], group[0].user, group[0].max_new_tokens, len(group) * group[0].n))
         assert all(not g.children for g in group[:-1])  # the next call waits for the last sample
         group = group[-1].children
     return calls
@@ -92,6 +94,26 @@ def test_prompted_tot_is_seeded_and_within_its_clips():
             assert len(props) * s.tot_proposals[0] <= len(values) <= len(props) * s.tot_proposals[1]
             for _, _, ans, _ in props:  # its answer: the proposals, each a step within the clip
                 assert s.tot_step[2] <= ans <= s.tot_proposals[1] * s.tot_step[3]
+
+
+def test_prompted_tot_sends_a_call_with_n_samples_as_one_request():
+    """The reference client's get_values sends gpt(value_prompt, n=n_evaluate_sample): one request
+    with n (default 3). `tot_value_samples` sets n; `tot_samples_as_requests` sends n separate
+    requests instead, with the same prompts and draws."""
+    for n in (3, 5):
+        one = make_trace(replace(TOT, tot_value_samples=n))
+        apart = make_trace(replace(TOT, tot_value_samples=n, tot_samples_as_requests=True))
+        for (r, prompt) in walk(one):
+            assert r.n == (n if ".v" in r.tid else TOT.tot_gen_samples) and "#" not in r.tid
+        assert all(r.n == 1 for r, _ in walk(apart))
+        calls_one = [tot_calls(r.req) for r in one]
+        calls_apart = [tot_calls(None, [r.req for r in apart if r.req.tid.split("#")[0] == root.req.tid])
+                       for root in one]
+        assert calls_one == calls_apart and any(c[3] == n for calls in calls_one for c in calls)
+        assert count(one) == count(apart) == sum(c[3] for calls in calls_one for c in calls)
+        assert count_prompts(one) == sum(map(len, calls_one)) < count_prompts(apart) == count(apart)
+        assert len(one) == TOT.roots  # the first call is one root, not n
+    assert [tot_calls(r.req) for r in make_trace(TOT)] == [tot_calls(r.req) for r in make_trace(TOT)]
 
 
 def test_prompted_tot_prompts_share_template_input_steps_and_part_before_the_suffix():
@@ -196,7 +218,8 @@ def test_prompted_tot_replays_standalone_prompts():
     spec = replace(TOT, mix=(("tot", 1.0),), roots=1, tot_question=(8, 16), tot_depth_bfs=3, tot_breadth=3,
                    tot_proposals=(4, 6), tot_value_samples=2, tot_value_answer=(2, 4))
     roots = make_trace(spec)
-    prompts = [p for r in roots for _, p, _, n in tot_calls(r.req) for _ in range(n)]
+    calls = [c for r in roots for c in tot_calls(r.req)]
+    prompts = [p for _, p, _, _ in calls]  # a value call's 2 samples: one prompt, forked
     args = pressure_args()  # the engine's chunk (256): `end` keeps a request's newest boundary state
     group = []
     for name in ("none", "end", "valued"):
@@ -204,7 +227,9 @@ def test_prompted_tot_replays_standalone_prompts():
         res.update(trace="tot", seed=spec.seed)
         group.append(res)
     none, end, valued = _relate(group)
-    assert valued["requests"] == len(prompts) and valued["prompt_tokens"] == sum(map(len, prompts))
+    assert valued["requests"] == sum(n for *_, n in calls) and valued["prompts"] == len(prompts)
+    assert valued["prompt_tokens"] == sum(map(len, prompts))
+    assert valued["forked_requests"] == sum(n - 1 for *_, n in calls)  # every follower forked, none prefilled
     assert valued["outputs_match"] and end["outputs_match"]
     assert end["hit_rate"] < valued["hit_rate"] <= valued["kv_only_bound"]
 
@@ -240,6 +265,30 @@ def test_repeats_and_shared_stems_hit_exactly(policy):
     # the branches part after 126 tokens: the branch point is at 112
     assert cached["t"] == 0 and cached["t.0"] == 80 and cached["t.1"] == 80 and cached["t.2"] == 112
     assert res["repeats_hit"] == res["repeats"] == 1
+
+
+@pytest.mark.parametrize("policy", ["none", "valued"])
+def test_replay_forks_a_request_with_n_samples_from_one_prefill(policy):
+    """A 100-token prompt with n=3, then (after all 3 samples finished) the same prompt again with
+    n=3, as the server submits them (add_request fork_rids). Each prompt is prefilled once and its 2
+    followers fork from it; the hit rate and the KV-only bound count each prompt once: the second
+    restores at the prompt tail (96 tokens: 99 page-aligned down) under `valued`, nothing under `none`."""
+    p = [200 + (j % 50) for j in range(100)]
+    first = Req("v", p, 4, n=3)
+    first.children = [Req("w", list(p), 4, think=1.0, standalone=True, n=3)]
+    res = run_one(pressure_args(), StandInModel(), parse_policy(policy), [Root(0.0, "tot", first)], 64 << 20)
+    hit = 96 if policy == "valued" else 0
+    assert (res["requests"], res["prompts"], res["forked_requests"]) == (6, 2, 4)
+    assert (res["prompt_tokens"], res["hit_tokens"]) == (200, hit)
+    assert res["prefill_tokens_computed"] == 100 + (100 - hit)  # no follower prefills
+    assert res["kv_only_bound"] == 96 / 200 and res["fraction_of_bound"] == hit / 96
+    out = res["_outputs"]
+    assert out["v"] == out["v#1"] == out["v#2"] and len(out["w#2"]) == 4
+    assert res["_cached"]["w#1"] == res["_cached"]["w"] == hit  # the engine reports the leader's hit
+    # sent as 3 requests instead, the bound would credit 2 of them with the first one's prompt
+    apart = [Root(0.0, "tot", Req(f"v#{k}", list(p), 4)) for k in range(3)]
+    res = run_one(pressure_args(), StandInModel(), parse_policy(policy), apart, 64 << 20)
+    assert (res["prompts"], res["forked_requests"], res["kv_only_bound"]) == (3, 0, 2 * 96 / 300)
 
 
 def test_goals_compare_with_end_and_every_chunk():
