@@ -13,6 +13,7 @@
 #   gemv       tools/bench_gemv.py (P8's candidates vs cuBLAS at 48B shapes) + P8's GPU tests (issue 9)
 #   moe7       tools/gpu_moe7.sh; route7: tools/gpu_route7.sh; route8: tools/gpu_route8.sh (issue 9 kernels)
 #   moe8       tools/gpu_moe8.sh: the shared gate/up GEMM in MoE kernel A, today vs new, PDL off/on (issue 9)
+#   kda8       tools/gpu_kda8.sh; mla8: P15's W_UV merge kernel + the pipeline's GPU tests (issue 9)
 #   p16        tools/gpu_p16.sh: P16's verify-graph bit-identity and its P16-off control (issue 13)
 #   run: JOBS="spec servecheck" bash tools/gpu_jobs.sh   (carry .whl/)
 # Each job has its own $OUT/<job>/ and is stopped at DEADLINE seconds into the call, so that the tars get made.
@@ -84,6 +85,11 @@ job_moe7() { bash tools/gpu_moe7.sh; }     # moe7's MoE kernel designs (bench + 
 job_moe8() { bash tools/gpu_moe8.sh; }     # moe8: kernel A's shared slot (bench + GPU tests)
 job_route7() { bash tools/gpu_route7.sh; } # route7's router-in-routing kernel (bench + GPU tests)
 job_route8() { bash tools/gpu_route8.sh; } # route8's norm + router kernel (bench + GPU tests)
+job_kda8() { bash tools/gpu_kda8.sh; }     # kda8: KDA kernel prefetch before gdc_wait, P8 GEMVs with PDL
+job_mla8() {  # P15's merge kernel with W_UV, and the whole pipeline's GPU tests
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 tests/passes/kernels/test_mla_decode.py \
+    tests/passes/test_gpu_pipeline.py 2>&1 | tee $OUT/mla8_tests.log | tail -15
+}
 job_p16() { bash tools/gpu_p16.sh; }   # P16 bit-identity through the verify graph, with its off-control
 job_serve() { SERVE_BUDGET=$((DEADLINE - 20)) bash tools/gpu_serve15.sh; }
 job_ladder() { bash tools/gpu_ladder3.sh; }
