@@ -43,7 +43,7 @@ try:
 except ImportError:  # CPU-only install: the op still works through the reference
     triton = None
 
-from .pdl import pdl_available
+from .pdl import pdl_for
 
 MAX_BANK = 8  # K3: ceil(93 / 12) bank rows; the kernel has one pointer argument per row
 KERNEL_MAX_DIM = 16384  # one token's row lives in registers
@@ -278,7 +278,7 @@ def attn_res_norm_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, 
     rows = bank + [x] * (MAX_BANK - len(bank))  # unused pointer slots: any valid tensor
     block = triton.next_power_of_2(d)
     has_delta = delta is not x
-    pdl = bool(pdl) and x.is_cuda and pdl_available(x.device.index)
+    pdl = pdl_for(pdl, x)
     extra = {"launch_pdl": True} if pdl else {}
     args = (*rows, x, delta, query.contiguous() if query is not None else norm_weight, norm_weight.contiguous(),
             h, p, h32, d, float(res_eps), float(norm_eps))

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from . import arrivals
-from .pdl import pdl_available
+from .pdl import pdl_for
 
 try:
     import triton
@@ -242,7 +242,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
         scm, scn = (0, c.stride(0)) if c.dim() == 1 else (c.stride(0), c.stride(1))
     args = (x, w, c_arg, y, ws, cnt, m, n, k, k_per_split,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), scm, scn, y.stride(0), y.stride(1))
-    pdl = use_pdl and x.is_cuda and pdl_available(x.device.index)
+    pdl = pdl_for(use_pdl, x)
     extra = {"launch_pdl": True} if pdl else {}
     if rows:
         _gemv_rows_kernel[(tiles, split_k)](*args, HAS_C=c is not None, M_PAD=triton.next_power_of_2(m),

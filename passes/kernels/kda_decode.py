@@ -52,7 +52,7 @@ from k3compile.model_def.ops import library as k3ops  # noqa: F401  (registers t
 from k3compile.model_def.ops.kda_math import L2_EPS, kda_gate
 
 from .arrivals import arrival_counters
-from .pdl import pdl_available
+from .pdl import pdl_for
 
 try:
     import triton
@@ -528,7 +528,7 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
         arrivals = arrival_counters(v_in.device, b * h, ARRIVALS_OWNER)
     else:
         part = sumsq = arrivals = out  # unused
-    use_pdl = use_pdl and v_in.is_cuda and pdl_available(v_in.device.index)
+    use_pdl = pdl_for(use_pdl, v_in)
     v_per = vd // split
     bk = triton.next_power_of_2(kd)
     bv = min(triton.next_power_of_2(v_per), V_BLOCK) if block_v is None else int(block_v)

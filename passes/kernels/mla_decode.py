@@ -40,7 +40,7 @@ import torch
 
 from k3compile.model_def.ops import attention_math
 
-from .pdl import pdl_available
+from .pdl import pdl_for
 
 try:
     import triton
@@ -349,7 +349,7 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
     part = torch.empty(B, H, splits, R, dtype=torch.float32, device=q_nope.device)
     lse = torch.empty(B, H, splits, dtype=torch.float32, device=q_nope.device)
     layer_view = kv_pool[:, layer]  # [P, page, W]: base pointer of this layer, strides of the pool
-    pdl = bool(pdl) and q_nope.is_cuda and pdl_available(q_nope.device.index)
+    pdl = pdl_for(pdl, q_nope)
     extra = {"launch_pdl": True} if pdl else {}
     _decode_split_kernel[(B, triton.cdiv(H, block_h), splits)](
         q_nope, q_nope.stride(0), q_nope.stride(1), q_rope, q_rope.stride(0), q_rope.stride(1),
@@ -395,7 +395,7 @@ def prologue_triton(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, 
         return q_out
     layer_view = kv_pool[:, layer]
     q_dim = q_a.shape[1] if has_q else 1
-    pdl = bool(pdl) and ckv.is_cuda and pdl_available(ckv.device.index)
+    pdl = pdl_for(pdl, ckv)
     extra = {"launch_pdl": True} if pdl else {}
     _prologue_kernel[(n,)](
         ckv, ckv.stride(0), kv_norm_weight, float(kv_eps), layer_view, layer_view.stride(0), layer_view.stride(1),
@@ -447,7 +447,7 @@ def mla_decode_fused(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.
 @mla_decode_fused.register_kernel("cuda")
 def _decode_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl):
     if kernel_supports_decode(q_nope.shape[-1], q_rope.shape[-1]):
-        use_pdl = pdl and pdl_available(q_nope.device.index)
+        use_pdl = pdl_for(pdl, q_nope)
         with torch.cuda.device(q_nope.device):
             return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl)
     return decode_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale)
@@ -472,7 +472,7 @@ def _decode_out_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale
     w_uv = w_uv_of(kv_b_weight, q_nope.shape[1], nope)
     if not kernel_supports_decode(q_nope.shape[-1], q_rope.shape[-1]):
         return decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, w_uv)
-    use_pdl = pdl and pdl_available(q_nope.device.index)
+    use_pdl = pdl_for(pdl, q_nope)
     with torch.cuda.device(q_nope.device):
         if q_nope.shape[0] <= OUT_MAX_TOKENS:  # a static shape: a captured graph always takes the same branch
             return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl, w_uv=w_uv)

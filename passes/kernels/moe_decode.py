@@ -70,7 +70,7 @@ from k3compile.model_def.ops.moe_math import glu_act, moe_experts_gather, moe_ex
 
 from .arrivals import arrival_counters
 from .graph_timing import replay_us
-from .kda_decode import pdl_available  # the one PDL capability check (Triton >= 3.4, sm90+, not interpreted)
+from .pdl import pdl_for
 
 try:
     import triton
@@ -752,7 +752,7 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     out = torch.empty(n, out_width, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    pdl = bool(use_pdl) and pdl_available()
+    pdl = pdl_for(use_pdl, x)
     launch = {"launch_pdl": True} if pdl else {}
 
     def config(kernel, programs, rows, kk, design="tiles"):

@@ -33,7 +33,7 @@ import torch
 from . import attn_res_norm as arn
 from . import routing
 from .arrivals import arrival_counters
-from .pdl import pdl_available
+from .pdl import pdl_for
 
 try:
     import triton
@@ -177,7 +177,7 @@ def norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bia
     expert_blocks = triton.cdiv(num_experts, be)
     logits = torch.empty(n, num_experts, dtype=torch.float32, device=x.device)  # workspace
     arrivals = arrival_counters(x.device, n, ARRIVALS_OWNER) if expert_blocks > 1 else logits  # (unused at 1)
-    pdl = bool(pdl) and x.is_cuda and pdl_available(x.device.index)
+    pdl = pdl_for(pdl, x)
     extra = {"launch_pdl": True} if pdl else {}
     rows = bank + [x] * (arn.MAX_BANK - len(bank))  # unused pointer slots: any valid tensor
     _norm_route_kernel[(expert_blocks, n)](

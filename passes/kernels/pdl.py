@@ -25,3 +25,9 @@ def pdl_available(device_index: int | None = None) -> bool:
     except ImportError:
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_for(requested: bool, tensor: torch.Tensor) -> bool:
+    """Whether a launch on `tensor`'s device uses PDL: asked for, a CUDA tensor, and `pdl_available` there.
+    (tools/aot_check.py replaces it to compile the PDL variants of the kernels without a GPU.)"""
+    return bool(requested) and tensor.is_cuda and pdl_available(tensor.device.index)

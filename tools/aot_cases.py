@@ -1,0 +1,75 @@
+"""The launcher calls tools/aot_check.py compiles: each kernel path the 48B decode step takes (real shapes,
+batch 1 and 8, PDL on), on CPU tensors (never run: JITFunction.run is replaced by a compile)."""
+from __future__ import annotations
+
+import torch
+
+from k3compile.passes.kernels import gemv, kda_decode, mla_decode, moe_decode, norm_route, pdl
+from k3compile.passes.kernels import attn_res_norm as arn
+
+for _mod in (gemv, kda_decode, mla_decode, moe_decode, norm_route, arn):
+    _mod.pdl_for = lambda requested, tensor: bool(requested)  # compile the PDL variants too
+G = torch.Generator().manual_seed(0)
+BF = torch.bfloat16
+
+
+def _randn(*shape, dtype=BF):
+    return torch.randn(*shape, generator=G).to(dtype)
+
+
+def kda(batch, **launch):
+    from bench_kda_decode import make_layer_inputs
+    args = make_layer_inputs(batch, 32, 128, None, False, 1, BF, G, dev="cpu")[0]
+    return lambda: kda_decode.fused_kda_decode_triton(*args, use_pdl=True, **launch)
+
+
+def gemv_case(m, n, k, block_n, block_k, split_k, design):
+    x, w = _randn(m, k), _randn(n, k)
+    return lambda: gemv.gemv_triton(x, w, None, block_n, block_k, split_k, design=design, use_pdl=True)
+
+
+def mla(batch, with_out):
+    page, r, rope, heads = 16, 512, 64, 32
+    kv = _randn(batch * 32 + 1, 1, page, r + rope)
+    table = torch.arange(1, batch * 32 + 1, dtype=torch.int32).view(batch, 32)
+    seq = torch.full((batch,), 500, dtype=torch.int32)
+    q_nope, q_rope = _randn(batch, heads, r), _randn(batch, heads, rope)
+    w_uv = mla_decode.w_uv_of(_randn(heads * 256, r), heads, 128) if with_out else None
+    return lambda: mla_decode.decode_triton(q_nope, q_rope, kv, 0, table, seq, 0.07, True, w_uv=w_uv)
+
+
+def route(batch):
+    x, delta, w = _randn(batch, 2304), _randn(batch, 2304), torch.ones(2304, dtype=BF)
+    router, bias = _randn(256, 2304), torch.zeros(256)
+    return lambda: norm_route.norm_route_triton([], x, delta, None, w, 1e-6, 1e-6, bias, router, 8, True, 2.446,
+                                                pdl=True)
+
+
+def moe(batch, shared_w13: bool):
+    e, k, i, d = 256, 8, 1024, 2304
+    x, w13, w2 = _randn(batch, d), _randn(e, 2 * i, d), _randn(e, d, i)
+    ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
+    sw13, sw2 = _randn(2 * i, d), _randn(d, i)
+    if shared_w13:
+        return lambda: moe_decode.fused_moe_triton(x, ids, wts, w13, w2, shared_w2=sw2, shared_w13=sw13, use_pdl=True)
+    g, u = _randn(batch, i), _randn(batch, i)
+    return lambda: moe_decode.fused_moe_triton(x, ids, wts, w13, w2, shared_in=g, shared_up=u, shared_w2=sw2,
+                                               use_pdl=True)
+
+
+CASES = [
+    ("kda 48B batch 1 (split 4, prefetch)", kda(1)),
+    ("kda 48B batch 1, wait first", kda(1, prefetch=False)),
+    ("kda 48B batch 8 (split 1)", kda(8)),
+    ("gemv rows o_proj M=1", gemv_case(1, 2304, 4096, 4, 1024, 1, gemv.DESIGNS["rows"])),
+    ("gemv rows in_proj M=1", gemv_case(1, 12576, 2304, 16, 256, 1, gemv.DESIGNS["rows"])),
+    ("gemv dot o_proj M=8", gemv_case(8, 2304, 4096, 64, 128, 8, gemv.DESIGNS["dot"])),
+    ("mla 48B batch 1 + W_UV", mla(1, True)),
+    ("mla 48B batch 8", mla(8, False)),
+    ("norm_route 48B batch 1", route(1)),
+    ("norm_route 48B batch 8", route(8)),
+    ("moe 48B batch 1", moe(1, False)),
+    ("moe 48B batch 8", moe(8, False)),
+]
+if "shared_w13" in moe_decode.fused_moe_triton.__code__.co_varnames:
+    CASES += [("moe 48B batch 1, shared slot in A", moe(1, True))]
