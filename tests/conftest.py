@@ -14,12 +14,12 @@ SHARED_WORKER = {
     "engine-k3-tiny": ("tests/k3compile/engine/test_engine.py", "tests/k3compile/engine/test_provenance.py",
                        "tests/k3compile/engine/test_generate_engine.py", "tests/k3compile/engine/test_open_engine.py",
                        "tests/runtime/server/test_openai_variants.py"),
-    # the pass tests' captured graphs: tests/passes/helpers.graph (k3-tiny and kimi-linear-tiny, decode and prefill,
-    # fp32 and bf16: 4-12 CPU s per capture, ~50 CPU s in all) and the tp2 rank graphs of
+    # the pass tests' captured graphs: tests/passes/helpers.graph (k3-tiny and kimi-linear-tiny; decode, prefill and
+    # verify, fp32 and bf16: 14 graphs, 3-13 CPU s each, ~100 CPU s in all) and the tp2 rank graphs of
     # tests/passes/parallel_helpers.py (~15 CPU s per model and mode), each captured once per process
     "pass-graphs": tuple(f"tests/passes/test_{name}.py" for name in (
         "manager", "p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing",
-        "p05_fused_kda_decode", "p06_fused_moe_decode", "p07_attn_res_norm", "p08_small_m_gemm",
+        "p05_fused_kda_decode", "p06_fused_moe_decode", "p07_attn_res_norm", "p07_norm_route", "p08_small_m_gemm",
         "p09_all_reduce_norm", "p11_copy_elision", "p12_moe_finalize_all_reduce", "p13_latent_up_column",
         "p15_mla_decode", "p16_kda_verify_inputs", "parallel_pipeline")) + (
         "tests/k3compile/engine/test_verify_graph.py",),  # k3-tiny's verify graph, as P16's tests
