@@ -14,9 +14,15 @@ SHARED_WORKER = {
     "engine-k3-tiny": ("tests/k3compile/engine/test_engine.py", "tests/k3compile/engine/test_provenance.py",
                        "tests/k3compile/engine/test_generate_engine.py", "tests/k3compile/engine/test_open_engine.py",
                        "tests/runtime/server/test_openai_variants.py"),
-    # tp2 rank graphs of tests/passes/parallel_helpers.py (captured once per process: ~15 CPU s per model and mode)
-    "tp2-rank-graphs": ("tests/passes/test_p09_all_reduce_norm.py", "tests/passes/test_p12_moe_finalize_all_reduce.py",
-                        "tests/passes/test_p13_latent_up_column.py", "tests/passes/test_parallel_pipeline.py"),
+    # the pass tests' captured graphs: tests/passes/helpers.graph (k3-tiny and kimi-linear-tiny; decode, prefill and
+    # verify, fp32 and bf16: 14 graphs, 3-13 CPU s each, ~100 CPU s in all) and the tp2 rank graphs of
+    # tests/passes/parallel_helpers.py (~15 CPU s per model and mode), each captured once per process
+    "pass-graphs": tuple(f"tests/passes/test_{name}.py" for name in (
+        "manager", "p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing",
+        "p05_fused_kda_decode", "p06_fused_moe_decode", "p07_attn_res_norm", "p07_norm_route", "p08_small_m_gemm",
+        "p09_all_reduce_norm", "p11_copy_elision", "p12_moe_finalize_all_reduce", "p13_latent_up_column",
+        "p15_mla_decode", "p16_kda_verify_inputs", "parallel_pipeline")) + (
+        "tests/k3compile/engine/test_verify_graph.py",),  # k3-tiny's verify graph, as P16's tests
 }
 _GROUP_OF = {path: group for group, paths in SHARED_WORKER.items() for path in paths}
 
@@ -39,6 +45,9 @@ class SharedWorkerGroups:
 
 
 def pytest_configure(config):
+    missing = [path for path in _GROUP_OF if not (config.rootpath / path).is_file()]
+    if missing:  # a renamed file would silently leave its group (and build its shared object again elsewhere)
+        raise pytest.UsageError(f"tests/conftest.py SHARED_WORKER lists files that do not exist: {missing}")
     if config.pluginmanager.hasplugin("xdist"):  # the hook exists only with xdist (not under -p no:xdist)
         config.pluginmanager.register(SharedWorkerGroups(), "shared-worker-groups")
 

@@ -2,18 +2,17 @@
 it computes the eager model's verify logits and fills the same draft window (k3-tiny, fp32, no passes)."""
 import torch
 
-from k3compile.capture import capture_step
 from k3compile.engine.emit import collect_weights
 from k3compile.engine.graph_io import graph_from_dict, graph_to_dict
 from k3compile.model_def.batch import ForwardBatch, step_args
 from k3compile.model_def.cache import CacheTensors
 from k3compile.model_def.draft_window import DraftWindow, DraftWindowSpec, step_input_names
-from k3compile.model_def.loader import load_model
+from tests.passes.helpers import graph, model as cached_model
 
 
 def test_verify_graph_round_trip_matches_the_model():
-    model = load_model("k3-tiny")
-    gm = capture_step(model, "verify")
+    # the pass tests' capture (P16's test captures the same graph; tests/conftest.py runs both files in one worker)
+    model, gm = cached_model("k3-tiny"), graph("k3-tiny", "verify")
     weights, keys = collect_weights({"verify": gm})
     loaded = graph_from_dict(graph_to_dict(gm, "verify", keys["verify"]), weights, step_input_names("verify"))
     spec = model.cache_spec()
