@@ -87,8 +87,9 @@ job_route7() { bash tools/gpu_route7.sh; } # route7's router-in-routing kernel (
 job_route8() { bash tools/gpu_route8.sh; } # route8's norm + router kernel (bench + GPU tests)
 job_kda8() { bash tools/gpu_kda8.sh; }     # kda8: KDA kernel prefetch before gdc_wait, P8 GEMVs with PDL
 job_mla8() {  # P15's merge kernel with W_UV, and the whole pipeline's GPU tests
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 tests/passes/kernels/test_mla_decode.py \
-    tests/passes/test_gpu_pipeline.py 2>&1 | tee $OUT/mla8_tests.log | tail -15
+  timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider --durations=5 tests/passes/kernels/test_mla_decode.py \
+    tests/passes/test_gpu_pipeline.py tests/passes/test_p08_small_m_gemm.py \
+    -k "not prefill" 2>&1 | tee $OUT/mla8_tests.log | tail -15
 }
 job_p16() { bash tools/gpu_p16.sh; }   # P16 bit-identity through the verify graph, with its off-control
 job_serve() { SERVE_BUDGET=$((DEADLINE - 20)) bash tools/gpu_serve15.sh; }
