@@ -23,10 +23,13 @@ sum went to the bank and the new one starts from zeros), the node takes `x = del
 (γ ⊙ w, a product of two weights) is folded into one fp32 buffer at build time when it is made of
 constants; otherwise its node is passed as is.
 
+Layer 0's first norm reads the embedding output with no residual add before it (`first_norm`): it
+becomes the same node with x = the embedding, delta = None (its p output, a copy of x, is unused).
+
 Counts (per captured step, decode and prefill alike since the read is token-local): K3-style
 configs (attn_res_block_size set) 2 per layer, minus layer 0's attention-side read (the bank is
-empty and no residual add precedes it), plus the final read = 2L. Plain residual: the same 2L
-(every pre-norm but layer 0's input norm follows a residual add). Of the K3 ones, ceil(L / block) (the
+empty and no residual add precedes it), plus the final read = 2L, plus that first norm = 2L + 1.
+Plain residual: the same 2L + 1 (every pre-norm but layer 0's input norm follows a residual add). Of the K3 ones, ceil(L / block) (the
 attention-side read after each block boundary, layer 0's included) take the zeros_like fold. A chain whose intermediates are
 read elsewhere, or that differs in any way from the form above, is left alone.
 """
@@ -55,6 +58,7 @@ class AttnResNormConfig(PassConfig):
     pdl: bool = True  # programmatic dependent launch of the kernel (where kernels/pdl.py allows)
     fp32_copy: bool = True  # h's fp32 casts (the router GEMM's input) written by the kernel, not a copy kernel
     fold_zeros: bool = True  # add(zeros_like(..), d) at block boundaries: p = d in the kernel, no fill kernel
+    first_norm: bool = True  # layer 0's norm of the embedding output (no residual add): x = embedding, delta None
 
 
 def _match_read(mix: Node):
@@ -113,10 +117,18 @@ def _const_value(gm: GraphModule, node: Node):
     return node.target(*args, **node.kwargs)
 
 
-def _match(out: Node):
+def _match(out: Node, first_norm: bool = True):
     x, weight, norm_eps, nodes = match_rms_norm(out)
     mix_in = x
     bank, query, res_eps, stack = [], None, 0.0, None
+    if first_norm and is_call(x, aten.embedding.default):  # layer 0's norm of the embedded tokens: no add before
+        xv, ov = val_of(x), val_of(out)
+        need(xv.dim() == 2 and ov is not None and ov.shape == xv.shape)
+        inner = set(nodes) - {out}
+        for n in inner:
+            need(all(u in inner or u is out for u in n.users))
+        return dict(nodes=inner | {out}, stack=None, bank=[], x=x, delta=None, p=None, query=None, weight=weight,
+                    res_eps=0.0, norm_eps=norm_eps, out=out)
     if not is_call(x, aten.add.Tensor):  # an AttnRes read: [cast back](sum(...))
         pre = strip_cast(x, None, nodes)
         need(pre is not x or val_of(x).dtype == torch.float32)
@@ -157,14 +169,14 @@ def attn_res_norm(gm: GraphModule, config: AttnResNormConfig) -> int:
         if out.graph is not g or getattr(out, "_erased", False):
             continue
         try:
-            m = _match(out)
+            m = _match(out, config.first_norm)
         except NoMatch:
             continue
         fake_mode = fake_mode or fake_mode_of(gm)
         order = {n: i for i, n in enumerate(g.nodes)}
         anchor = min(m["nodes"], key=order.__getitem__)  # the fused node takes the pattern's first slot
         # p's other users must all come after it, or rewiring them would break the order
-        if any(order[u] < order[anchor] for u in m["p"].users if u not in m["nodes"]):
+        if m["p"] is not None and any(order[u] < order[anchor] for u in m["p"].users if u not in m["nodes"]):
             continue
         query = m["query"]
         if query is not None and config.fold_query:
@@ -205,10 +217,10 @@ def attn_res_norm(gm: GraphModule, config: AttnResNormConfig) -> int:
                 if dim < 1:
                     raise RuntimeError("p07: sym_size over the stacked rows' axis cannot be rewired")
                 u.args = (x, dim - 1)  # the stack's row dims are x's dims
-        others = [u for u in m["p"].users if u not in m["nodes"]]
-        for u in others:
-            u.replace_input_with(m["p"], p)
-        erase_subgraph(gm, m["nodes"] | {m["p"]})
+        if m["p"] is not None:  # the first norm has no residual sum: its users keep reading the embedding
+            for u in [u for u in m["p"].users if u not in m["nodes"]]:
+                u.replace_input_with(m["p"], p)
+        erase_subgraph(gm, m["nodes"] | ({m["p"]} if m["p"] is not None else set()))
         if zeros is not None:
             erase_if_dead(gm, [zeros])
         dropped_weights += _erase_dead_query(gm, m["query"], query)

@@ -45,6 +45,7 @@ ARRIVALS_OWNER = "norm_route"  # this kernel's own arrival counters (arrivals.py
 TARGET_PROGRAMS = 128  # as P4's absorbed kernel: enough programs to keep the SMs reading W at batch 1
 MAX_BLOCK_E = 16
 MAX_TILE = 16384  # router-weight elements of one program's [BLOCK_E, BLOCK_D] tile, held in registers
+FUSED_MAX_TOKENS = 8  # above, today's pair: at 48B batch 16 the fused kernel lost (12.6 vs 11.7 us, H200 sweep)
 
 
 def check_args(bank, x, delta, query, norm_weight, bias, router_weight, top_k, num_expert_group,
@@ -140,11 +141,9 @@ def default_blocks(num_tokens: int, num_experts: int, dim: int, num_bank: int) -
     while (block_e * 2 <= MAX_BLOCK_E and block_e * 2 <= num_experts and block_e * 2 * block_d <= MAX_TILE
            and num_tokens * triton.cdiv(num_experts, block_e * 2) >= TARGET_PROGRAMS):
         block_e *= 2
-    rows = block_e + (triton.next_power_of_2(num_bank) if num_bank else 0) + 1  # W rows + bank tile + the row
-    warps = 4  # ~32 register elements per thread of each, in a power of two of warps
-    while warps < 16 and warps * 2 * 1024 <= rows * block_d:
-        warps *= 2
-    return block_e, warps
+    # 4 warps: best at every shape and batch the H200 sweep tried (48B and k3-mini-6b, batch 1-16, BLOCK_E 1-8;
+    # traces/h200_s8/route8.md), by up to 2.2x over the 8-16 warps the tile size would suggest
+    return block_e, 4
 
 
 def norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight, top_k,
@@ -208,7 +207,7 @@ def _norm_route_cuda(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl,
                      renormalize, scaling, num_expert_group, topk_group, max_tokens):
     route = (top_k, renormalize, scaling, num_expert_group, topk_group)
     with torch.cuda.device(x.device):  # Triton launches on the current device
-        if x.shape[0] <= max_tokens and kernel_supports([r.contiguous() for r in bank], x.contiguous(),
+        if x.shape[0] <= min(max_tokens, FUSED_MAX_TOKENS) and kernel_supports([r.contiguous() for r in bank], x.contiguous(),
                                                         router_weight, top_k):
             return norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight,
                                      *route, pdl=pdl)

@@ -27,26 +27,30 @@ def test_one_fused_norm_per_residual_prenorm(name, mode):
     n = layer_counts(cfg)
     gm = graph(name, mode)
     before = op_counts(gm)
-    assert run_pass(gm, P7) == 2 * n["layers"]
+    assert run_pass(gm, P7) == 2 * n["layers"] + 1
     after = op_counts(gm)
     fused = _fused(gm)
-    assert len(fused) == 2 * n["layers"]
-    # what remains: layer 0's input norm and the MLA/MoE inner norms; no softmax, no stack
+    assert len(fused) == 2 * n["layers"] + 1
+    # layer 0's first norm reads the embedding itself (no residual add): delta None
+    first = fused[0]
+    assert first.args[1].target == aten.embedding.default and first.args[2] is None and first.args[0] == []
+    # what remains: the MLA/MoE inner norms; no softmax, no stack
     assert after[aten._softmax.default] == after[aten.stack.default] == 0
-    assert after[aten.rsqrt.default] == before[aten.rsqrt.default] - 2 * n["layers"] - before[aten._softmax.default]
+    assert (after[aten.rsqrt.default]
+            == before[aten.rsqrt.default] - 2 * n["layers"] - 1 - before[aten._softmax.default])
     if cfg.attn_res_block_size is None:
         assert before[aten._softmax.default] == 0 and all(f.args[0] == [] and f.args[3] is None for f in fused)
     else:
         block = cfg.attn_res_block_size
         # bank size of each read, in graph order: attn read of layer i (i > 0), mlp read of layer i, final read
-        want = []
+        want = [0]  # the first norm
         for i in range(n["layers"]):
             if i > 0:
                 want.append((i - 1) // block + 1)
             want.append(i // block + 1)
         want.append((n["layers"] - 1) // block + 1)
         assert [len(f.args[0]) for f in fused] == want
-        for f in fused:  # γ ⊙ w folded into one fp32 buffer per read
+        for f in fused[1:]:  # γ ⊙ w folded into one fp32 buffer per read (the first norm reads nothing)
             q = f.args[3]
             assert q.op == "get_attr" and getattr(gm, q.target).dtype == torch.float32
         assert not any("res_proj" in k or "res_norm" in k for k in gm.state_dict())
@@ -54,6 +58,8 @@ def test_one_fused_norm_per_residual_prenorm(name, mode):
     assert all(f.args[7] is True for f in fused)  # PDL on by default (the kernel checks the GPU)
     code = gm.code
     assert run_pass(gm, P7) == 0 and gm.code == code
+    gm = graph(name, mode)
+    assert run_pass(gm, P7, first_norm=False) == 2 * n["layers"]
 
 
 @pytest.mark.parametrize("name,mode,dtype", [("k3-tiny", "decode", torch.float32),
@@ -63,7 +69,7 @@ def test_one_fused_norm_per_residual_prenorm(name, mode):
 def test_numerics_vs_unpassed_graph_and_eager(name, mode, dtype):
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     before, gm = graph(name, mode, dtype), graph(name, mode, dtype)
-    assert run_pass(gm, P7) == 2 * layer_counts(model(name).config)["layers"]
+    assert run_pass(gm, P7) == 2 * layer_counts(model(name).config)["layers"] + 1
     x = inputs_for(name, mode, dtype)
     got = run_graph(gm, x)
     assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")
@@ -72,7 +78,7 @@ def test_numerics_vs_unpassed_graph_and_eager(name, mode, dtype):
 
 def test_unfolded_query_still_matches_and_computes_the_same():
     before, gm = graph("k3-tiny", "decode"), graph("k3-tiny", "decode")
-    assert run_pass(gm, P7, fold_query=False) == 2 * layer_counts(model("k3-tiny").config)["layers"]
+    assert run_pass(gm, P7, fold_query=False) == 2 * layer_counts(model("k3-tiny").config)["layers"] + 1
     assert all(f.args[3].op == "call_function" for f in _fused(gm) if f.args[0])
     x = inputs_for("k3-tiny", "decode", seed=3)
     assert_same_step(run_graph(gm, x), run_graph(before, x), FP32_TOL, "unfolded query")
@@ -151,7 +157,7 @@ def test_block_boundary_zeros_fold_into_the_kernel(name):
     assert zeros0 >= want
     assert run_pass(gm, P7) == run_pass(kept, P7, fold_zeros=False)
     calls = [n for n in gm.graph.nodes if n.target in (FUSED, torch.ops.k3.attn_res_norm_f32.default)]
-    assert sum(n.args[2] is None for n in calls) == want
+    assert sum(n.args[2] is None for n in calls[1:]) == want  # calls[0]: the first norm (delta None too)
     assert op_counts(gm)[aten.zeros_like.default] == zeros0 - want
     assert op_counts(kept)[aten.zeros_like.default] == zeros0
     x = inputs_for(name, "decode", torch.bfloat16)
