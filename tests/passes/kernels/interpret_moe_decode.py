@@ -14,13 +14,8 @@ import torch  # noqa: E402
 
 from k3compile.model_def.ops import mxfp4  # noqa: E402
 from k3compile.passes.kernels import moe_decode  # noqa: E402
-from interpreted import report  # noqa: E402  (this script's folder is on sys.path)
+from interpreted import TOL, rel_err, report  # noqa: E402  (this script's folder is on sys.path)
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
 def cases():

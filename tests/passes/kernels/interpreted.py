@@ -9,6 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # the scripts' relative-error bounds per dtype
+
+
+def rel_err(a, b) -> float:
+    """max|a - b| / max|b|, in fp32."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
 
 def run_interpreted(script: str, timeout: int = 300) -> None:
     """Run tests/passes/kernels/<script> with TRITON_INTERPRET=1; fail with its output if any case failed."""
