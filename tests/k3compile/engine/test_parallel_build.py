@@ -65,8 +65,9 @@ def test_rank_engines_match_single_process(dcp2_engine):
         for mode in ("decode", "prefill"):
             ran = {p["name"]: p["matches"] for p in passes[mode]["passes"]}
             # 9 mixers + 1 dense MLP end in an all-reduce, and P9 fuses all 10 (the 3 at AttnRes block boundaries,
-            # where P7 folds the zero-filled partial sum, included); P12: the 8 latent MoE sums (no P6 here)
-            assert ran == {"p07_attn_res_norm": 18, "p09_all_reduce_norm": 10, "p12_moe_finalize_all_reduce": 8}
+            # where P7 folds the zero-filled partial sum, included); P12: the 8 latent MoE sums (no P6 here); P7: 2 per
+            # layer + layer 0's norm of the embedding
+            assert ran == {"p07_attn_res_norm": 19, "p09_all_reduce_norm": 10, "p12_moe_finalize_all_reduce": 8}
 
 
 def test_impossible_or_unverifiable_builds_are_clear_errors(tmp_path):
