@@ -64,7 +64,7 @@ class FusedMoEDecodeConfig(PassConfig):
     fuse_latent: bool = True  # fold the latent MoE's RMSNorm and up-projection (K3) into the op
     fuse_shared_up: bool = True  # the shared expert's gate/up GEMM as a slot of the op's up-projection kernel
     # launch the GEMV kernels with programmatic dependent launch (sm90+, Triton >= 3.4; elsewhere, the CPU and
-    # the interpreter included, the op runs exactly as without: kernels.kda_decode.pdl_available)
+    # the interpreter included, the op runs exactly as without: kernels.pdl.pdl_for)
     use_pdl: bool = True
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)

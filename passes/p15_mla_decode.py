@@ -234,15 +234,10 @@ def _match_out(gm: GraphModule, fused: Node):
     tokens = 3 if H != 3 else 5  # a concrete token count unlike every other size here
     x = torch.arange(tokens * H * R, dtype=torch.float32).view(tokens, H, R)
     need(torch.equal(_evaluate(left, fused, x, tokens), x.transpose(0, 1)))
-    need(torch.equal(_evaluate(w_chain[1:], w_chain[0], _evaluate(w_chain[:1], w, weight, tokens), tokens),
-                     kernels_w_uv_t(weight, H, nope)))
+    need(torch.equal(_evaluate(w_chain, w, weight, tokens), _kernels.w_uv_of(weight, H, nope).transpose(1, 2)))
     y = torch.arange(H * tokens * dv, dtype=torch.float32).view(H, tokens, dv)
     need(torch.equal(_evaluate(right, bmm, y, tokens), y.transpose(0, 1).reshape(tokens, H * dv)))
     return dict(nodes=set(left) | {bmm} | set(right), w_chain=w_chain, w=w, nope=nope, out=right[-1])
-
-
-def kernels_w_uv_t(weight: torch.Tensor, heads: int, nope: int) -> torch.Tensor:
-    return _kernels.w_uv_of(weight, heads, nope).transpose(1, 2)
 
 
 def _absorb_out(gm: GraphModule, fused: Node, fake_mode) -> bool:
