@@ -93,7 +93,8 @@ def _run(fn, feeds, batch_at, start_pos) -> list[torch.Tensor]:
 
 def run_gate(runners: dict[str, Callable], order: list[str], reference: str, first_ids: list[int], start_pos: int,
              steps: int, batch_at: Callable, restore: Callable, tolerance: float,
-             probes: dict[str, Callable] | None = None, calibrate: bool = False) -> dict[str, dict]:
+             probes: dict[str, Callable] | None = None, calibrate: bool = False,
+             parents: dict[str, str] | None = None) -> dict[str, dict]:
     """{runner name: comparison} for every name in `order` and `probes` (the reference's own entry has the
     token path and the tolerance used).
 
@@ -101,7 +102,9 @@ def run_gate(runners: dict[str, Callable], order: list[str], reference: str, fir
     token sequence; batch_at(ids, position) builds the decode batch of those tokens at that position;
     restore() resets the pools. A runner that raises gets {"error": ...} and is skipped as a reference.
     probes (gate_probes.probe_runners): compared with the reference itself, not chained, and run first:
-    with `calibrate`, the tolerance is calibrated_tolerance(tolerance, CALIBRATION_PROBE's error)."""
+    with `calibrate`, the tolerance is calibrated_tolerance(tolerance, CALIBRATION_PROBE's error).
+    parents: name -> the earlier runner in `order` it is compared with instead of the one just before it
+    (bench ladder's variants: each against the last rung)."""
     if steps < 1:
         raise ValueError(f"the accuracy gate needs >= 1 decode step, got {steps}")
     restore()
@@ -121,6 +124,7 @@ def run_gate(runners: dict[str, Callable], order: list[str], reference: str, fir
     result = {reference: {"tokens": feeds, "steps": steps, "start_position": start_pos, "tolerance": tol,
                           "tolerance_floor": tolerance, "calibrated": calibrate}}
     prev_name, prev_logits = reference, ref_logits
+    seen = {reference: ref_logits}
     for name in order:
         restore()
         try:
@@ -128,6 +132,10 @@ def run_gate(runners: dict[str, Callable], order: list[str], reference: str, fir
         except Exception as e:  # a broken rung must not hide the others' numbers
             result[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
             continue
+        seen[name] = logits
+        parent = (parents or {}).get(name)
+        if parent is not None and parent in seen:
+            prev_name, prev_logits = parent, seen[parent]
         vs_prev, vs_ref = _compare(logits, prev_logits), _compare(logits, ref_logits)
         result[name] = {"vs": prev_name, **vs_prev, "rel_err_vs_eager": vs_ref["rel_err"],
                         "token_agreement_vs_eager": vs_ref["token_agreement"], "tolerance": tol,

@@ -27,6 +27,11 @@ timing) and with free routing. Calibration probes (gate_probes.py; `--no-gate-pr
 with every GEMM's sum reordered sets the tolerance (2x its error, above the dtype's floor), eager with a
 deliberate bug in one MoE layer shows what a bug gives at this shape.
 
+Variants (`--variant NAME:PASS.OPT=VALUE[,PASS.OPT=VALUE...]`, repeatable): extra arms `v-NAME`, each the last
+rung's pipeline with those pass options changed (e.g. `--variant p8alone:p08_small_m_gemm.timing=alone`), built
+from the rung before the first pass whose options differ, timed interleaved with every other arm and gated
+against the last rung (engine-after): an A/B of whole engines in one run, for choosing a default.
+
 `--quick` is the GPU-budget protocol (40 steps x 5 reps, 20 warm-up steps, repetitions capped at
 0.5 s, 3 gate steps); without it the protocol is docs/BENCHMARKS.md's (200 x 5, 20 warm-up).
 
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -76,6 +82,8 @@ def register(sub) -> None:
                         "5 reps, --max-rep-seconds 0.5, 3 gate steps (the markdown says it is below docs/BENCHMARKS.md)")
     p.add_argument("--keep-traces", choices=["final", "all"], default="final",
                    help="profiler traces to keep: the last rung's and engine-before's (default) or every arm's")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:PASS.OPT=VALUE[,...]",
+                   help="an extra arm v-NAME: the last rung's pipeline with these pass options (repeatable)")
     p.add_argument("--out", default="traces/ladder", help="output folder for JSON, markdown, plot and traces")
     add_pipeline_args(p)
     p.set_defaults(func=run, engine=None, compile_static=False, bounded_autotune=False)
@@ -113,6 +121,43 @@ def rung_name(index: int, pass_name: str | None) -> str:
     return f"r{index:02d}-" + (pass_name or "captured")
 
 
+def parse_variants(specs, base) -> list[dict]:
+    """[{"name": "v-NAME", "options": [...], "pipeline": PipelineConfig}] from `--variant` values; the base pipeline
+    with each variant's options set (unknown passes / options / values are refused here, before any GPU work)."""
+    from k3compile.passes.pipeline import PassConfigError, resolve_pass_name
+
+    out, seen = [], set()
+    for spec in specs or ():
+        label, sep, opts = spec.partition(":")
+        label = label.strip()
+        if not sep or not label or not re.fullmatch(r"[A-Za-z0-9_.+-]+", label) or not opts.strip():
+            raise PassConfigError(f"--variant {spec!r}: expected NAME:PASS.OPT=VALUE[,PASS.OPT=VALUE...]")
+        if label in seen:
+            raise PassConfigError(f"--variant {spec!r}: the name {label!r} is used twice")
+        seen.add(label)
+        cfg, options = base.copy(), []
+        for opt in (o.strip() for o in opts.split(",") if o.strip()):
+            target, eq, value = opt.partition("=")
+            name, dot, key = target.strip().partition(".")
+            if not eq or not dot or not key:
+                raise PassConfigError(f"--variant {spec!r}: {opt!r} is not PASS.OPT=VALUE")
+            cfg.set_option(resolve_pass_name(name), key.strip(), value.strip(), source=f"--variant {label}")
+            options.append(opt)
+        cfg.validate()
+        out.append({"name": f"v-{label}", "options": options, "pipeline": cfg})
+    return out
+
+
+def first_difference(base, variant) -> int:
+    """How many of the base pipeline's enabled passes the variant shares, in order, with equal options: the
+    variant's graph is the base rung after that many passes, then the variant's remaining passes."""
+    a, b = base.enabled_passes(), variant.enabled_passes()
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n] and base.config(a[n]) == variant.config(b[n]):
+        n += 1
+    return n
+
+
 class LadderBench(DecodeBench):
     def __init__(self, args, batches, device):
         from k3compile.commands.build import pipeline_from_args
@@ -123,7 +168,9 @@ class LadderBench(DecodeBench):
         passes = self.pipeline.enabled_passes()
         self.rungs = [{"rung": 0, "name": rung_name(0, None), "passes": []}]
         self.rungs += [{"rung": i, "name": rung_name(i, p), "passes": passes[:i]} for i, p in enumerate(passes, 1)]
-        arms = ["eager"] + (["compile-reduce-overhead"] if args.compile else []) + [r["name"] for r in self.rungs]
+        self.variants = parse_variants(getattr(args, "variant", None), self.pipeline)
+        arms = (["eager"] + (["compile-reduce-overhead"] if args.compile else []) + [r["name"] for r in self.rungs]
+                + [v["name"] for v in self.variants])
         super().__init__(args, batches, arms, device)
         self.bench_name = "ladder"
         self.anchors = {"eager": "eager", "engine-after": self.rungs[-1]["name"]}
@@ -142,6 +189,9 @@ class LadderBench(DecodeBench):
             self.arm_table[r["name"]] = Arm(r["name"], "captured step, no passes" if not r["passes"] else
                                             f"passes {', '.join(r['passes'])}", None,
                                             lambda ctx, b, name=r["name"]: self._rung_arm(ctx, b, name))
+        for v in self.variants:
+            self.arm_table[v["name"]] = Arm(v["name"], "engine-after with " + ", ".join(v["options"]), None,
+                                            lambda ctx, b, name=v["name"]: self._rung_arm(ctx, b, name))
 
     # ---- the rungs ----
     def _build_rungs(self) -> None:
@@ -184,13 +234,40 @@ class LadderBench(DecodeBench):
             r["router_biases_read"] = bias_reads(gm, self.model)  # the pinned gate reaches this rung's routers
             self.rung_reports[r["name"]] = self.rung_reports[good] + [rep.to_dict()]
             good = r["name"]
+        self._build_variants(failed)
+
+    def _build_variants(self, failed: list[str]) -> None:
+        """Each variant from the rung before its first differing pass (a snapshot), through its own remaining
+        passes (less any that failed in the rungs). A variant that fails gets the error in its arm's row."""
+        from k3compile.passes.manager import PassError, PassManager, snapshot
+
+        for v in self.variants:
+            shared = first_difference(self.pipeline, v["pipeline"])
+            start = self.rungs[shared]["name"]
+            rest = [p for p in v["pipeline"].enabled_passes()[shared:] if p not in failed]
+            v["from_rung"], v["passes_run"] = start, rest
+            if start not in self.rung_graphs:
+                v["error"] = f"its starting rung {start} has no graph"
+                continue
+            gm = snapshot(self.rung_graphs[start])
+            try:
+                from k3compile.passes.pipeline import PipelineConfig
+                rep = PassManager(PipelineConfig(order=rest, configs={p: v["pipeline"].config(p) for p in rest})).run(
+                    gm, graph_name="decode")
+            except PassError as e:
+                v["error"] = str(e)
+                self.log(f"  {v['name']}: FAILED: {e}")
+                continue
+            self.rung_graphs[v["name"]] = gm
+            v["pass_reports"] = [rep.to_dict()]
+            self.log(f"  {v['name']}: from {start}, {len(rest)} passes ({', '.join(v['options'])})")
 
     def _rung_arm(self, ctx, batch, name: str):
         from .decode_arms import _executor
 
         if not self.rung_graphs:
             self._build_rungs()
-        rung = next(r for r in self.rungs if r["name"] == name)
+        rung = next(r for r in [*self.rungs, *self.variants] if r["name"] == name)
         if "error" in rung:  # the arm's row reports the pass's error
             raise RuntimeError(rung["error"])
         return _executor(ctx, batch, {"decode": self.rung_graphs[name]})
@@ -284,11 +361,13 @@ class LadderBench(DecodeBench):
             return
         runners = {"eager": lambda fb: ctx.model.step_tensors("decode", *step_args(fb, ctx.cache))}
         order = []
-        for r in self.rungs:
+        for r in [*self.rungs, *self.variants]:
             fn = fns.get(r["name"])
             if fn is not None and hasattr(fn, "executor"):
                 runners[r["name"]] = fn.executor.run
                 order.append(r["name"])
+        last = self.rungs[-1]["name"]
+        parents = {v["name"]: last for v in self.variants}  # a variant is judged against engine-after
         probes = probe_runners(self.model, runners["eager"]) if self.args.gate_probes else None
         start = max(0, self.args.context - steps)  # positions start .. context-1: inside the allocated pages
         tol = GATE_TOLERANCE[self.dtype]  # the floor; pinned + probes calibrate it, free uses pinned's
@@ -300,7 +379,8 @@ class LadderBench(DecodeBench):
             pinned = mode == "pinned"
             with pinned_routing(self.model) if pinned else nullcontext() as pins:
                 gate = run_gate(runners, order, "eager", self.first_tokens[:b], start, min(steps, self.args.context),
-                                self.batch_at, restore, tol, probes, calibrate=pinned and probes is not None)
+                                self.batch_at, restore, tol, probes, calibrate=pinned and probes is not None,
+                                parents=parents)
             if pinned:
                 gate["eager"]["pinned_experts"] = pins
                 tol = gate["eager"]["tolerance"]
@@ -362,6 +442,7 @@ class LadderBench(DecodeBench):
                           "command": " ".join(sys.argv)},
                **self._measured(),
                "rungs": [dict(r, pass_reports=self.rung_reports.get(r["name"], [])[-1:]) for r in self.rungs],
+               "variants": [{k: v for k, v in var.items() if k != "pipeline"} for var in self.variants],
                "anchors": self.anchors,
                "accuracy_gate": {"steps": a.gate_steps, "tolerance": self._gate_tolerance(),
                                  "modes": list(GATE_MODES), "verdict_mode": GATE_MODES[0],
@@ -418,6 +499,7 @@ def render_ladder_markdown(doc: dict) -> str:
                   if name != "engine-after" and after and (base := (_row(doc["results"], arm, b) or {}).get("median_ms"))]
         if ratios:
             lines.append(f"- batch {b}: " + ", ".join(ratios))
+    lines += _variant_notes(doc)
     lines += _anchor_notes(doc)
     lines += _gate_table(doc)
     lines += _time_table(doc)
@@ -440,6 +522,28 @@ def render_ladder_markdown(doc: dict) -> str:
                      f"{d['state_read_write'] / 1e6:.1f})")
     lines += ["", f"Command: `{cfg['command']}`", ""]
     return "\n".join(lines)
+
+
+def _variant_notes(doc: dict) -> list[str]:
+    """Each variant's options, where it was built from, and its step time against engine-after's."""
+    variants = doc.get("variants") or []
+    if not variants:
+        return []
+    out = ["", "Variants (the last rung's pipeline with other pass options; gated against engine-after):", ""]
+    after = doc["anchors"]["engine-after"]
+    for v in variants:
+        what = ", ".join(v["options"])
+        if v.get("error"):
+            out.append(f"- {v['name']} ({what}): FAILED: {v['error']}")
+            continue
+        cells = []
+        for b in doc["config"]["batches"]:
+            mine, base = (_row(doc["results"], v["name"], b) or {}), (_row(doc["results"], after, b) or {})
+            if mine.get("median_ms") and base.get("median_ms"):
+                cells.append(f"bs{b} {mine['median_ms']:.3f} ms = {mine['median_ms'] / base['median_ms']:.3f}x "
+                             "engine-after")
+        out.append(f"- {v['name']} ({what}; from {v.get('from_rung')}): " + ("; ".join(cells) or "no timing"))
+    return out
 
 
 def _anchor_notes(doc: dict) -> list[str]:
@@ -497,7 +601,7 @@ def _gate_table(doc: dict) -> list[str]:
            + f" | rel err vs eager ({modes[0]}; bs {', '.join(per_batch)}) |",
            "|---|---|---:|" + "---:|---:|" * len(per_batch) * len(modes) + "---:|"]
     reads = {r["name"]: r.get("router_biases_read") for r in doc["rungs"]}
-    for name in [r["name"] for r in doc["rungs"]]:
+    for name in [r["name"] for r in [*doc["rungs"], *doc.get("variants", [])]]:
         cells, vs, vs_eager = [], "", []
         for b, by_mode in per_batch.items():
             for m in modes:

@@ -49,17 +49,23 @@ def test_cpu_smoke_run(main, tmp_path, capsys):
     out = tmp_path / "ladder"
     rc = main(["bench", "ladder", "--model", "kimi-linear-tiny", "--batch", "1", "--steps", "1", "--warmup", "0",
                "--reps", "1", "--context", "8", "--dtype", "fp32", "--device", "cpu", "--copy-gib", "0.001",
-               "--passes", "p01,p04", "--gate-steps", "2", "--hf", "--hf-steps", "1", "--out", str(out)])
+               "--passes", "p01,p04", "--gate-steps", "2", "--hf", "--hf-steps", "1", "--out", str(out),
+               "--variant", "noabsorb:p04_fused_routing.absorb_router_max_tokens=0"])
     assert rc == 0
     doc = json.load(open(out / "ladder_kimi-linear-tiny_fp32.json"))
     rungs = [rung_name(0, None), rung_name(1, "p01_gemm_merge"), rung_name(2, "p04_fused_routing")]
     assert [r["name"] for r in doc["rungs"]] == rungs
-    assert doc["config"]["arms"] == ["eager"] + rungs + [HF_ARM]
+    assert doc["config"]["arms"] == ["eager"] + rungs + ["v-noabsorb", HF_ARM]
+    # the variant: the last rung's pipeline with P4's option changed, built from the rung before P4
+    (var,) = doc["variants"]
+    assert var["name"] == "v-noabsorb" and var["from_rung"] == rungs[1] and var["passes_run"] == ["p04_fused_routing"]
+    assert var["options"] == ["p04_fused_routing.absorb_router_max_tokens=0"] and "error" not in var
+    assert var["pass_reports"][0]["passes"][0]["matches"] > 0
     # engine-before: the rung after the pipeline's P1-P4 passes (here all of it)
     assert doc["anchors"] == {"eager": "eager", "engine-after": rungs[-1], "engine-before": rungs[-1],
                               "transformers+fla": HF_ARM}
     rows = {r["arm"]: r for r in doc["results"]}
-    assert set(rows) == {"eager", *rungs, HF_ARM}
+    assert set(rows) == {"eager", *rungs, "v-noabsorb", HF_ARM}
     hf = rows.pop(HF_ARM)  # transformers, its own process: timed, counted, its roofline from our bytes/step
     assert hf["status"] == "ok" and len(hf["samples_ms"]) == 1 and hf["steps_per_rep"] == 1, hf
     assert hf["roofline_pct"] > 0 and hf["cpu_ops_per_step"] > 0 and hf["cpu_ops_per_layer"] > 0
@@ -80,6 +86,7 @@ def test_cpu_smoke_run(main, tmp_path, capsys):
         gate = acc["per_batch"]["1"][mode]
         assert gate["eager"]["steps"] == 2 and len(gate["eager"]["tokens"]) == 2
         assert [gate[n]["vs"] for n in rungs] == ["eager"] + rungs[:-1]
+        assert gate["v-noabsorb"]["vs"] == rungs[-1] and gate["v-noabsorb"]["ok"]  # variants: vs engine-after
         for n in rungs:
             assert gate[n]["ok"] and gate[n]["rel_err"] < 1e-4 and gate[n]["token_agreement"] == 1.0, (mode, gate[n])
             assert rows[n]["gate"][mode]["rel_err"] == gate[n]["rel_err"]
@@ -105,6 +112,7 @@ def test_cpu_smoke_run(main, tmp_path, capsys):
     assert "- bs1, routing pinned: reordered-gemms " in md and "wrong_expert" in md
     assert "- tolerance used: bs1 0.0001 (probe " in md
     assert "Where the ops go, batch 1" in md
+    assert "- v-noabsorb (p04_fused_routing.absorb_router_max_tokens=0; from r01-p01_gemm_merge): bs1 " in md
     assert md in capsys.readouterr().out
     # a rung over tolerance is flagged in the table and listed
     doc["accuracy_gate"]["per_batch"]["1"]["pinned"][rungs[1]]["ok"] = False
@@ -184,6 +192,27 @@ def _ladder_args(*argv):
 
     from k3compile.bench import ladder
     return ladder.register(argparse.ArgumentParser().add_subparsers()).parse_args(["--model", "k3-tiny", *argv])
+
+
+def test_variant_flags_are_checked_before_any_work():
+    """A malformed, unknown or duplicate --variant is refused with the reason; where a variant starts."""
+    from k3compile.bench.ladder import first_difference, parse_variants
+    from k3compile.passes.pipeline import PassConfigError
+
+    base = PipelineConfig.default()
+    for spec, words in (("nocolon", "NAME:PASS.OPT=VALUE"), ("a:p08_small_m_gemm.nosuch=1", "no option 'nosuch'"),
+                        ("a:p99_nothing.x=1", "p99"), ("a:p08_small_m_gemm.min_gain=2", "min_gain"),
+                        ("a:p08_small_m_gemm", "not PASS.OPT=VALUE")):
+        with pytest.raises(PassConfigError, match=words):
+            parse_variants([spec], base)
+    with pytest.raises(PassConfigError, match="used twice"):
+        parse_variants(["a:p08_small_m_gemm.min_gain=0.1", "a:p08_small_m_gemm.min_gain=0.2"], base)
+    (v,) = parse_variants(["g:p08_small_m_gemm.choice=gemv"], base)
+    order = base.enabled_passes()
+    assert v["name"] == "v-g" and first_difference(base, v["pipeline"]) == order.index("p08_small_m_gemm")
+    assert base.config("p08_small_m_gemm").choice == "auto"  # the base pipeline is not touched
+    (off,) = parse_variants(["off:p15_mla_decode.enabled=false"], base)
+    assert first_difference(base, off["pipeline"]) == order.index("p15_mla_decode")
 
 
 def test_quick_changes_only_the_defaults():
