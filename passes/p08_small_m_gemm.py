@@ -3,15 +3,21 @@
 
 Matched (decode graphs only; the weight a constant of a 16-bit dtype the kernel takes):
 
-    mm(x, t(W))              ->  k3.gemv(x, W, None, max_m, block_n, block_k, split_k, design, use_pdl)
+    mm(x, t(W))              ->  k3.gemv(x, W, None, max_m, block_n, block_k, split_k, design, use_pdl, num_warps)
 
 (P11 later folds an add that reads the result into k3.gemv's c. An addmm is left alone: it rounds
 once, k3.gemv's c is added after the product is rounded.)
 
 The choice, per node (`choice` option):
 * "auto" (default): on a machine with CUDA, time cuBLAS (the node's own aten op) and the GEMV kernel
-  (a few block / split-K configurations) at the node's N, K for every decode bucket M <= 16
-  (`buckets`); shapes are measured once and shared by the nodes that have them. The node becomes
+  (a few block / split-K / warps configurations) at the node's N, K for every decode bucket M <= 16
+  (`buckets`); shapes are measured once and shared by the nodes that have them. `timing` says how a
+  candidate is timed: "pdl_chain" (default) the way the engine launches it, with use_pdl, so in the timed
+  chain over the weight copies each launch and first weight tile overlap the previous GEMV's tail (kda8:
+  this reorders the candidates: at the 48B KDA in_proj the rows design with PDL beats cuBLAS, without it it
+  loses); "alone" without PDL (the choice before kda8; for A/B). cuBLAS is timed the same way in both.
+  The rows design's warps (`rows_warps`) are swept at M = 1 and the best per tile goes on to the larger
+  buckets (a full sweep at every bucket would triple the Triton compiles of the build). The node becomes
   k3.gemv with max_m = the largest bucket up to which the kernel won at every bucket; rows above
   max_m run the aten op inside k3.gemv. If the kernel loses at M = 1 the node stays aten ('cublas').
   Without CUDA nothing is measured and every node stays aten.
@@ -37,6 +43,8 @@ from .registry import PassConfig, PassConfigError, register_pass
 
 aten = torch.ops.aten
 CHOICES = ("auto", "gemv", "cublas")
+TIMINGS = ("pdl_chain", "alone")
+DOT_WARPS = 4
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _DESIGN_NAMES = {v: name for name, v in gemv_kernels.DESIGNS.items()}
 
@@ -52,9 +60,10 @@ class SmallMGemmConfig(PassConfig):
     # the ladder's in-process rungs) rarely decide a node differently on timing noise
     min_gain: float = 0.03
     # programmatic dependent launch for the kernels it emits (kernels/gemv.py: the first K step's weights load
-    # before gdc_wait, dependents launch once x is read); the choice is timed without it (no PDL overlap in
-    # the build-time graph of back-to-back GEMVs flatters the kernel)
+    # before gdc_wait, dependents launch once x is read)
     use_pdl: bool = True
+    timing: str = "pdl_chain"  # pdl_chain (candidates timed with use_pdl, as the engine runs them) | alone (no PDL)
+    rows_warps: str = "2,4,8"  # warps per program tried for the rows design (the dot design keeps 4)
 
     def validate(self) -> None:
         if self.choice not in CHOICES:
@@ -72,6 +81,15 @@ class SmallMGemmConfig(PassConfig):
             raise PassConfigError("p08_small_m_gemm.bench_ms must be > 0")
         if not 0 <= self.min_gain < 1:
             raise PassConfigError(f"p08_small_m_gemm.min_gain must be in [0, 1), got {self.min_gain}")
+        if self.timing not in TIMINGS:
+            raise PassConfigError(f"p08_small_m_gemm.timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
+        try:
+            warps = [int(w) for w in self.rows_warps.split(",") if w.strip()]
+        except ValueError:
+            raise PassConfigError(f"p08_small_m_gemm.rows_warps: expected comma-separated ints, got {self.rows_warps!r}")
+        if not warps or any(w not in gemv_kernels.NUM_WARPS for w in warps):
+            raise PassConfigError(f"p08_small_m_gemm.rows_warps must be among {gemv_kernels.NUM_WARPS}, "
+                                  f"got {self.rows_warps!r}")
 
 
 def _weight_of(node: Node, gm: GraphModule, dtypes) -> Node | None:
@@ -99,19 +117,38 @@ def _match(node: Node, gm: GraphModule, dtypes):
 
 # --------------------------------------------------------------------------- measuring (CUDA)
 
-def _candidates(n: int, k: int, sm_count: int):
-    """(block_n, block_k, split_k, design): three of the dot design, two of the rows design (each a Triton
-    compile of ~1 s per row count: keep the set small)."""
+def _candidates(n: int, k: int, sm_count: int, rows_warps=(DOT_WARPS,)):
+    """(block_n, block_k, split_k, design, num_warps): three of the dot design (4 warps), the rows design's two
+    tiles at each of rows_warps (each a Triton compile of ~1 s per row count: keep the set small)."""
     base = gemv_kernels.default_config(n, k, sm_count)
     dot = gemv_kernels.DESIGNS["dot"]
-    out = {(*base, dot), (32, 256, base[2], dot), (64, 128, 1, dot), *gemv_kernels.rows_configs(n, k)}
+    out = {(*base, dot, DOT_WARPS), (32, 256, base[2], dot, DOT_WARPS), (64, 128, 1, dot, DOT_WARPS)}
+    out |= {(*cfg, w) for cfg in gemv_kernels.rows_configs(n, k) for w in rows_warps}
     return sorted(out)
 
 
-def _measure(w: torch.Tensor, buckets, bench_ms: float) -> dict:
+def config_label(cfg) -> str:
+    """'4x1024x1x1 w8': block_n x block_k x split_k x design, then warps (the labels of traces/h200_s8/kda8.md)."""
+    return f"{'x'.join(map(str, cfg[:4]))} w{cfg[4]}"
+
+
+def _pruned(candidates, first_row: dict) -> list:
+    """The candidates timed above the first bucket: of the rows design only the fastest warps per tile at the first
+    bucket (`first_row`, its timings; its warps sweep is not repeated at every row count), all the others."""
+    rows = gemv_kernels.DESIGNS["rows"]
+    best: dict[tuple, tuple] = {}
+    for cfg, t in first_row["gemv_us"].items():
+        if cfg[3] == rows and (cfg[:4] not in best or t < best[cfg[:4]][0]):
+            best[cfg[:4]] = (t, cfg)
+    keep = {cfg for _, cfg in best.values()}
+    return [c for c in candidates if c[3] != rows or c in keep]
+
+
+def _measure(w: torch.Tensor, buckets, bench_ms: float, use_pdl: bool = False, rows_warps=(DOT_WARPS,)) -> dict:
     """Microseconds of cuBLAS and of each kernel configuration for each M in buckets, replayed from a CUDA
     graph over enough weight copies that every read comes from HBM (kernels/graph_timing.py says why;
-    eager do_bench timed the host launch and made every Triton GEMV lose). bench_ms bounds the calls per graph."""
+    eager do_bench timed the host launch and made every Triton GEMV lose). bench_ms bounds the calls per graph.
+    use_pdl: the kernel's launches in the chain use PDL, as in the engine (cuBLAS's never do)."""
     from .kernels.graph_timing import copies_to_overflow_l2, replay_us
 
     n, k = w.shape
@@ -121,22 +158,23 @@ def _measure(w: torch.Tensor, buckets, bench_ms: float) -> dict:
     w = w.to(dev)
     weights = [w] + [w.clone() for _ in range(copies - 1)]
     gen = torch.Generator(device=dev).manual_seed(0)
+    candidates = _candidates(n, k, sm, rows_warps)
     out = {}
-    for m in buckets:
+    for m in sorted(buckets):
         x = torch.randn(m, k, device=dev, generator=gen).to(w.dtype)
         calls_per_copy = max(1, min(4, int(bench_ms) // copies))
 
         def bench(run):
             return replay_us([lambda wi=wi: run(wi) for wi in weights] * calls_per_copy)
         row = {"cublas_us": bench(lambda wi: gemv_kernels.gemv_reference(x, wi)), "gemv_us": {}}
-        for cfg in _candidates(n, k, sm):
+        for cfg in _pruned(candidates, out[min(buckets)]) if out else candidates:
             if cfg[3] == gemv_kernels.DESIGNS["rows"] and m > gemv_kernels.ROWS_MAX_M:
                 continue  # the rows design stops at ROWS_MAX_M rows: its reach ends there
             try:
                 row["gemv_us"][cfg] = bench(lambda wi, cfg=cfg: gemv_kernels.gemv_triton(
-                    x, wi, None, cfg[0], cfg[1], cfg[2], design=cfg[3]))
+                    x, wi, None, cfg[0], cfg[1], cfg[2], num_warps=cfg[4], design=cfg[3], use_pdl=use_pdl))
             except Exception as e:  # a configuration the device cannot run is simply not a candidate
-                row.setdefault("errors", {})[str(cfg)] = f"{type(e).__name__}: {str(e)[:200]}"
+                row.setdefault("errors", {})[config_label(cfg)] = f"{type(e).__name__}: {str(e)[:200]}"
         out[m] = row
     del weights
     return out
@@ -166,7 +204,8 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
     """Small-M GEMMs: cuBLAS or the Triton split-K GEMV per shape, measured at build time."""
     config.validate()
     meta = gm.meta.setdefault("k3", {})
-    details = {"choice": config.choice, "measured_on": None, "use_pdl": bool(config.use_pdl), "nodes": []}
+    details = {"choice": config.choice, "measured_on": None, "use_pdl": bool(config.use_pdl),
+               "timing": config.timing, "nodes": []}
     meta.setdefault("pass_details", {})["p08_small_m_gemm"] = details
     modes = {m.strip() for m in config.modes.split(",") if m.strip()}
     if meta.get("mode", "decode") not in modes or config.choice == "cublas":
@@ -174,6 +213,8 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
     dtypes = tuple(_DTYPES[d.strip()] for d in config.dtypes.split(",") if d.strip())
     buckets = sorted({int(b) for b in config.buckets.split(",") if b.strip()})
     measure = config.choice == "auto" and torch.cuda.is_available()
+    timed_pdl = config.timing == "pdl_chain" and bool(config.use_pdl)
+    rows_warps = tuple(int(w) for w in config.rows_warps.split(",") if w.strip())
     if measure:
         details["measured_on"] = torch.cuda.get_device_name()
     matches = [(n, m) for n in list(gm.graph.nodes) if (m := _match(n, gm, dtypes)) is not None]
@@ -186,27 +227,28 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
         rec = {"node": node.name, "op": str(node.target), "weight": w.target, "N": n, "K": k,
                "dtype": str(weight.dtype).removeprefix("torch.")}
         if config.choice == "gemv":
-            max_m, cfg = gemv_kernels.MAX_M, (*gemv_kernels.default_config(n, k), gemv_kernels.DESIGNS["dot"])
+            max_m, cfg = gemv_kernels.MAX_M, (*gemv_kernels.default_config(n, k), gemv_kernels.DESIGNS["dot"], DOT_WARPS)
         elif measure:
             key = (n, k, weight.dtype)
             if key not in shapes:
-                shapes[key] = _measure(weight, buckets, config.bench_ms)
+                shapes[key] = _measure(weight, buckets, config.bench_ms, timed_pdl, rows_warps)
             timings = shapes[key]
             max_m, cfg = _decide(timings, buckets, config.min_gain)
             rec["us"] = {str(m): {"cublas": round(t["cublas_us"], 2),
-                                  "gemv": {"x".join(map(str, c_)): round(v, 2) for c_, v in t["gemv_us"].items()}}
+                                  "gemv": {config_label(c_): round(v, 2) for c_, v in t["gemv_us"].items()}}
                          for m, t in timings.items()}
         else:
             max_m, cfg = 0, None
         rec["choice"] = "gemv" if max_m else "cublas"
         rec["max_m"] = max_m
         rec["config"] = None if cfg is None else {"block_n": cfg[0], "block_k": cfg[1], "split_k": cfg[2],
-                                                  "design": _DESIGN_NAMES[cfg[3]]}
+                                                  "design": _DESIGN_NAMES[cfg[3]], "num_warps": cfg[4]}
         details["nodes"].append(rec)
         if not max_m:
             continue
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch.ops.k3.gemv.default, (x, w, None, max_m, *cfg, bool(config.use_pdl)))
+            new = gm.graph.call_function(torch.ops.k3.gemv.default,
+                                         (x, w, None, max_m, *cfg[:4], bool(config.use_pdl), cfg[4]))
         set_meta_val(new, fake_mode)
         replace_uses(node, new, fake_mode)
         wt = node.args[-1]

@@ -23,9 +23,10 @@ def kda(batch, **launch):
     return lambda: kda_decode.fused_kda_decode_triton(*args, use_pdl=True, **launch)
 
 
-def gemv_case(m, n, k, block_n, block_k, split_k, design):
+def gemv_case(m, n, k, block_n, block_k, split_k, design, num_warps=4):
     x, w = _randn(m, k), _randn(n, k)
-    return lambda: gemv.gemv_triton(x, w, None, block_n, block_k, split_k, design=design, use_pdl=True)
+    return lambda: gemv.gemv_triton(x, w, None, block_n, block_k, split_k, num_warps=num_warps, design=design,
+                                    use_pdl=True)
 
 
 def mla(batch, with_out):
@@ -64,6 +65,11 @@ CASES = [
     ("gemv rows o_proj M=1", gemv_case(1, 2304, 4096, 4, 1024, 1, gemv.DESIGNS["rows"])),
     ("gemv rows in_proj M=1", gemv_case(1, 12576, 2304, 16, 256, 1, gemv.DESIGNS["rows"])),
     ("gemv dot o_proj M=8", gemv_case(8, 2304, 4096, 64, 128, 8, gemv.DESIGNS["dot"])),
+    # P8's rows warps candidates (kda8's best: 4x1024 w8 at o_proj, 16x256 w4 / w2 at in_proj)
+    ("gemv rows o_proj M=1 w8", gemv_case(1, 2304, 4096, 4, 1024, 1, gemv.DESIGNS["rows"], 8)),
+    ("gemv rows o_proj M=1 w2 split 4", gemv_case(1, 2304, 4096, 16, 256, 4, gemv.DESIGNS["rows"], 2)),
+    ("gemv rows in_proj M=4 w8", gemv_case(4, 12576, 2304, 16, 256, 1, gemv.DESIGNS["rows"], 8)),
+    ("gemv rows in_proj M=2 w2", gemv_case(2, 12576, 2304, 4, 1024, 1, gemv.DESIGNS["rows"], 2)),
     ("mla 48B batch 1 + W_UV", mla(1, True)),
     ("mla 48B batch 8", mla(8, False)),
     ("norm_route 48B batch 1", route(1)),

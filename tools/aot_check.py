@@ -7,6 +7,7 @@ would refuse (type errors, unsupported ops) fails here, before any device time i
 computed (the launchers' results are garbage): this checks compilation only.
 
     python tools/aot_check.py            # every case below; exit 1 if any kernel fails to compile
+    python tools/aot_check.py gemv mla   # only the cases whose name contains one of the words
 Run it under the Triton the GPU box has (e.g. a venv with triton==3.6.0) as well as the local one.
 """
 from __future__ import annotations
@@ -62,6 +63,8 @@ def main() -> int:
     JITFunction.run = _compile_only
     sys.path.insert(0, "tools")
     from aot_cases import CASES  # the launcher calls, one per kernel path
+    words = sys.argv[1:]
+    CASES = [(name, case) for name, case in CASES if not words or any(w in name for w in words)]
     failures = 0
     for name, case in CASES:
         before = len(compiled)

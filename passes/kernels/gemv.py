@@ -3,8 +3,8 @@
 The op pass P8 puts in place of `mm(x, t(w))` where the kernel measured faster than cuBLAS at
 build time (and into which P11 folds the add that follows):
 
-    torch.ops.k3.gemv(x [M, K], w [N, K], c [N] | [M, N] | None, max_m, block_n, block_k, split_k, design=0)
-        -> [M, N]
+    torch.ops.k3.gemv(x [M, K], w [N, K], c [N] | [M, N] | None, max_m, block_n, block_k, split_k, design=0,
+                      use_pdl=False, num_warps=4) -> [M, N]
 
 * Semantics: exactly `torch.mm(x, w.t())`, and with c, `torch.mm(x, w.t()) + c`: the product is
   rounded to x's dtype before c is added, as in the unfused graph (a 16-bit addmm, which rounds
@@ -29,8 +29,9 @@ build time (and into which P11 folds the add that follows):
   loads its first K step's weight tile before `gdc_wait()` (x comes from the previous kernel) and calls
   `gdc_launch_dependents()` once its x is read, so the next kernel's launch overlaps the epilogue. The
   accumulation order is the same with and without it.
-* max_m / block_n / block_k / split_k / design are plain ints in the schema: the pass records the tuned
-  configuration per node, and the serialized engine carries it.
+* max_m / block_n / block_k / split_k / design / num_warps are plain ints in the schema: the pass records the
+  tuned configuration per node, and the serialized engine carries it. num_warps is last and defaults to 4, the
+  warps every launch had before it was in the schema, so an engine written without it loads and runs as before.
 """
 from __future__ import annotations
 
@@ -50,12 +51,13 @@ MAX_M = 16
 ROWS_MAX_M = 4  # the "rows" design keeps M_PAD x BLOCK_N x BLOCK_K fp32 products in registers
 DESIGNS = {"dot": 0, "rows": 1}
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+NUM_WARPS = (1, 2, 4, 8, 16)  # warps per program Triton can launch with
 
 
 # --------------------------------------------------------------------------- argument checks
 
 def check_gemv_args(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, max_m: int, block_n: int,
-                    block_k: int, split_k: int, design: int = 0) -> None:
+                    block_k: int, split_k: int, design: int = 0, num_warps: int = 4) -> None:
     """Raise ValueError naming the first thing wrong with a gemv call."""
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"gemv: x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
@@ -79,6 +81,8 @@ def check_gemv_args(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, ma
             raise ValueError(f"gemv: {name} must be a power of two >= {least}, got {v}")
     if split_k < 1:
         raise ValueError(f"gemv: split_k must be >= 1, got {split_k}")
+    if num_warps not in NUM_WARPS:
+        raise ValueError(f"gemv: num_warps must be one of {NUM_WARPS}, got {num_warps}")
 
 
 def gemv_reference(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,7 +217,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
     load before the wait) whenever it is asked for, so the interpreter runs that code too."""
     rows = design == DESIGNS["rows"]
     most = ROWS_MAX_M if rows else MAX_M
-    check_gemv_args(x, w, c, most, block_n, block_k, split_k, design)
+    check_gemv_args(x, w, c, most, block_n, block_k, split_k, design, num_warps)
     if triton is None:
         raise RuntimeError("gemv: triton is not installed")
     m, k = x.shape
@@ -286,22 +290,23 @@ def rows_configs(n: int, k: int) -> list[tuple[int, int, int, int]]:
 
 @torch.library.custom_op("k3::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, max_m: int, block_n: int, block_k: int,
-         split_k: int, design: int = 0, use_pdl: bool = False) -> torch.Tensor:
+         split_k: int, design: int = 0, use_pdl: bool = False, num_warps: int = 4) -> torch.Tensor:
     """y = x @ w.T (then + c): the aten calls (CPU, or rows > max_m); see the module doc."""
-    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design)
+    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design, num_warps)
     return gemv_reference(x, w, c)
 
 
 @gemv.register_kernel("cuda")
-def _gemv_cuda(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False):
-    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design)
+def _gemv_cuda(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False, num_warps=4):
+    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design, num_warps)
     if kernel_supports(x, w, max_m, design):
         with torch.cuda.device(x.device):  # Triton launches on the current device
-            return gemv_triton(x, w, c, block_n, block_k, split_k, design=design, use_pdl=use_pdl)
+            return gemv_triton(x, w, c, block_n, block_k, split_k, num_warps=num_warps, design=design,
+                               use_pdl=use_pdl)
     return gemv_reference(x, w, c)
 
 
 @gemv.register_fake
-def _gemv_fake(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False):
-    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design)
+def _gemv_fake(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False, num_warps=4):
+    check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design, num_warps)
     return x.new_empty(x.shape[0], w.shape[0])

@@ -48,6 +48,7 @@ def test_forced_rewrite_takes_every_16bit_weight_gemm(name):
         if node.target == GEMV:
             assert node.args[1].op == "get_attr" and node.args[3] == gemv_kernels.MAX_M
             assert node.args[8] is True  # use_pdl, P8's default
+            assert node.args[9] == 4  # num_warps: the default configuration's
     details = gm.meta["k3"]["pass_details"][P8]
     assert details["use_pdl"] is True
     assert [r["choice"] for r in details["nodes"]] == ["gemv"] * want
@@ -103,10 +104,79 @@ def test_choices_reach_the_pass_report_and_the_engine_graph_format():
     assert torch.equal(run_graph(back, inputs)[0][0], run_graph(gm, inputs)[0][0])
 
 
+def test_engine_written_before_num_warps_still_loads():
+    """An engine graph whose k3.gemv calls have 9 arguments (no num_warps) loads with the schema's default, 4."""
+    gm = engine_before("kimi-linear-tiny")
+    run_pass(gm, P8, choice="gemv")
+    keys = {n.target: n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    weights = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    doc = graph_to_dict(gm, "decode", keys)
+    old = 0
+    for e in doc["nodes"]:
+        if e.get("target") == "k3.gemv.default":
+            assert len(e["args"]) == 10
+            e["args"] = e["args"][:9]
+            old += 1
+    assert old == 33
+    back = graph_from_dict(doc, weights, STEP_INPUTS)
+    gemvs = [n for n in back.graph.nodes if n.target == GEMV]
+    assert len(gemvs) == 33 and all(len(n.args) == 9 for n in gemvs)
+    inputs = inputs_for("kimi-linear-tiny", "decode", torch.bfloat16)
+    assert torch.equal(run_graph(back, inputs)[0][0], run_graph(gm, inputs)[0][0])
+
+
+def test_auto_times_the_way_the_engine_launches_and_carries_warps(monkeypatch):
+    """'auto' with synthetic timings (no GPU): `timing` decides whether candidates are timed with PDL, the rows
+    design's warps are candidates, and the chosen warps reach k3.gemv's arguments and the report."""
+    from k3compile.passes import p08_small_m_gemm as p8
+    calls = []
+
+    def fake_measure(w, buckets, bench_ms, use_pdl=False, rows_warps=(4,)):
+        calls.append((tuple(w.shape), use_pdl, rows_warps))
+        rows = gemv_kernels.DESIGNS["rows"]
+        return {m: {"cublas_us": 10.0, "gemv_us": {(4, 32, 1, rows, 8): 6.0, (4, 32, 1, rows, 2): 7.0,
+                                                   (64, 128, 1, 0, 4): 11.0}} for m in buckets}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "synthetic")
+    monkeypatch.setattr(p8, "_measure", fake_measure)
+    for timing, pdl, want_pdl in (("pdl_chain", True, True), ("alone", True, False), ("pdl_chain", False, False)):
+        calls.clear()
+        gm = engine_before("kimi-linear-tiny")
+        assert run_pass(gm, P8, buckets="1,2,4", timing=timing, use_pdl=pdl, rows_warps="2,8") == 33
+        assert calls and {c[1] for c in calls} == {want_pdl} and {c[2] for c in calls} == {(2, 8)}
+        assert len(calls) == len({c[0] for c in calls})  # each shape measured once
+        for node in gm.graph.nodes:
+            if node.target == GEMV:
+                assert node.args[3:] == (4, 4, 32, 1, gemv_kernels.DESIGNS["rows"], pdl, 8)
+        details = gm.meta["k3"]["pass_details"][P8]
+        assert details["timing"] == timing
+        rec = details["nodes"][0]
+        assert rec["config"] == {"block_n": 4, "block_k": 32, "split_k": 1, "design": "rows", "num_warps": 8}
+        assert rec["us"]["1"]["gemv"]["4x32x1x1 w8"] == 6.0
+
+
+def test_candidates_and_pruning_of_the_warps_sweep():
+    from k3compile.passes.p08_small_m_gemm import _candidates, _pruned
+    rows, dot = gemv_kernels.DESIGNS["rows"], gemv_kernels.DESIGNS["dot"]
+    cands = _candidates(2304, 4096, 132, (2, 4, 8))
+    # the tiles kda8 found best at the 48B KDA shapes are candidates, at every warps asked for
+    assert {(4, 1024, 1, rows, w) for w in (2, 4, 8)} <= set(cands)
+    assert {(16, 256, 1, rows, w) for w in (2, 4, 8)} <= set(_candidates(12576, 2304, 132, (2, 4, 8)))
+    assert {c[4] for c in cands if c[3] == dot} == {4} and len([c for c in cands if c[3] == dot]) == 3
+    assert len(cands) == 3 + 2 * 3
+    first = {"cublas_us": 9.0, "gemv_us": {c: 10.0 for c in cands}}
+    first["gemv_us"][(4, 1024, 1, rows, 8)] = 6.0
+    first["gemv_us"][(16, 256, 4, rows, 2)] = 7.0
+    kept = _pruned(cands, first)
+    assert [c for c in kept if c[3] == rows] == [(4, 1024, 1, rows, 8), (16, 256, 4, rows, 2)]
+    assert [c for c in kept if c[3] == dot] == [c for c in cands if c[3] == dot]
+
+
 def test_bad_options_are_named():
     spec = get_pass(P8)
     for opts, what in (({"choice": "fast"}, "choice"), ({"buckets": "1,32"}, "buckets"),
-                       ({"dtypes": "fp8"}, "dtypes"), ({"buckets": "a"}, "buckets")):
+                       ({"dtypes": "fp8"}, "dtypes"), ({"buckets": "a"}, "buckets"), ({"timing": "graph"}, "timing"),
+                       ({"rows_warps": "3"}, "rows_warps"), ({"rows_warps": "x"}, "rows_warps")):
         with pytest.raises(PassConfigError, match=what):
             spec.config_cls(**opts).validate()
 
@@ -123,8 +193,11 @@ def test_op_checks_and_opcheck():
         GEMV(x, w, None, 8, 4, 128, 1, gemv_kernels.DESIGNS["rows"])
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
         GEMV(x, w, None, 4, 4, 128, 1, gemv_kernels.DESIGNS["dot"])
+    with pytest.raises(ValueError, match="num_warps must be one of"):
+        GEMV(x, w, None, 4, 4, 128, 1, gemv_kernels.DESIGNS["rows"], True, 3)
     for args in ((x, w, None, 16, 64, 128, 1), (x, w, torch.randn(8).bfloat16(), 4, 32, 64, 2),
-                 (x, w, None, 4, 4, 128, 2, gemv_kernels.DESIGNS["rows"])):
+                 (x, w, None, 4, 4, 128, 2, gemv_kernels.DESIGNS["rows"]),
+                 (x, w, None, 4, 4, 128, 2, gemv_kernels.DESIGNS["rows"], True, 8)):
         torch.library.opcheck(GEMV, args)
 
 
@@ -171,7 +244,7 @@ def test_auto_choice_measures_on_gpu():
 def test_decision_rule():
     from k3compile.passes.p08_small_m_gemm import _decide
 
-    def t(cublas, **gemv):
+    def t(cublas, **gemv):  # c<block_n>_<block_k>_<split_k>[_<design>_<warps>]
         return {"cublas_us": cublas, "gemv_us": {tuple(map(int, k[1:].split("_"))): v for k, v in gemv.items()}}
     # config A wins M = 1, 2 and loses at 4; B wins only M = 1 but by more: reach counts first
     timings = {1: t(10.0, c64_128_1=5.0, c32_256_2=4.0), 2: t(10.0, c64_128_1=6.0, c32_256_2=11.0),
@@ -182,3 +255,16 @@ def test_decision_rule():
     assert _decide({1: t(10.0, c64_128_1=9.9)}, [1], min_gain=0.0) == (1, (64, 128, 1))
     # losing at M = 1 means cuBLAS whatever happens above
     assert _decide({1: t(10.0, c64_128_1=11.0), 2: t(10.0, c64_128_1=1.0)}, [1, 2]) == (0, None)
+    # kda8's 48B KDA o_proj with PDL (M = 1): the w8 rows tile wins, another warps count of the same tile is a
+    # different candidate; a warps variant pruned above M = 1 (absent there) reaches only M = 1
+    o_proj = {1: t(9.19, c4_1024_1_1_8=6.17, c4_1024_1_1_4=6.51, c4_1024_1_1_2=7.48, c64_128_8_0_4=9.13),
+              2: t(9.5, c4_1024_1_1_8=8.0, c64_128_8_0_4=9.6)}
+    assert _decide(o_proj, [1, 2], min_gain=0.03) == (2, (4, 1024, 1, 1, 8))
+    o_proj[2]["gemv_us"][(4, 1024, 1, 1, 8)] = 9.4  # inside the margin at M = 2: reach 1, still the fastest at 1
+    assert _decide(o_proj, [1, 2], min_gain=0.03) == (1, (4, 1024, 1, 1, 8))
+    # the same shape timed alone (kda8, PDL off): no candidate beats cuBLAS by 3% at M = 1 except w8's 7.90 us
+    alone = {1: t(9.19, c4_1024_1_1_8=7.90, c4_1024_1_1_4=9.22, c64_128_8_0_4=9.81)}
+    assert _decide(alone, [1], min_gain=0.03) == (1, (4, 1024, 1, 1, 8))
+    # in_proj: with PDL 16x256 w4 wins (15.29 < 17.54); alone, the best (64x128x2 dot, 18.35) loses: cuBLAS
+    assert _decide({1: t(17.54, c16_256_1_1_4=15.29, c16_256_1_1_2=15.83)}, [1], 0.03) == (1, (16, 256, 1, 1, 4))
+    assert _decide({1: t(17.54, c16_256_1_1_4=19.68, c64_128_2_0_4=18.35)}, [1], 0.03) == (0, None)

@@ -42,10 +42,16 @@ def cases():
     yield "rows residual [M, N] split", randn(2, 160), randn(48, 160), randn(2, 48), 8, 32, 4, rows
     yield "rows bias [N]", randn(1, 64), randn(48, 64), randn(48), 4, 16, 1, rows
     yield "rows strided x", randn(3, 130)[:, :64], randn(32, 64), None, 4, 32, 2, rows
+    # num_warps (P8's warps candidates): the program's arithmetic does not depend on it
+    for warps in (2, 8):
+        yield f"rows w{warps}", randn(1, 96), randn(40, 96), randn(40), 4, 32, 2, rows, warps
+        yield f"dot w{warps}", randn(3, 96), randn(40, 96), None, 16, 32, 2, 0, warps
 
 
 failed = n = 0
-for name, x, w, c, bn, bk, split, *design in cases():
+for name, x, w, c, bn, bk, split, *launch in cases():
+    design = launch[0] if launch else 0
+    warps = launch[1] if len(launch) > 1 else 4
     n += 1
     want = gemv.gemv_reference(x, w, c)
     # the exact result (fp64): kernel and aten both round the product, then the sum, to 16 bits; their
@@ -55,7 +61,7 @@ for name, x, w, c, bn, bk, split, *design in cases():
     # first K step peeled off, its weights loaded first), which must not change a bit
     first = None
     for rep, pdl in enumerate((False, True)):
-        got = gemv.gemv_triton(x, w, c, bn, bk, split, design=design[0] if design else 0, use_pdl=pdl)
+        got = gemv.gemv_triton(x, w, c, bn, bk, split, num_warps=warps, design=design, use_pdl=pdl)
         err = max(rel(got, exact), rel(want, exact))
         if got.dtype != want.dtype or got.shape != want.shape or not err <= TOL:
             failed += 1
