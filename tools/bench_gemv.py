@@ -6,6 +6,13 @@ Prints, per (N, K) and M, the microseconds of cuBLAS and of each candidate (bloc
 design; design 0 = dot, 1 = rows), with the bandwidth of the best, as % of a same-run copy's. P8 makes
 the same measurement at build (passes/p08_small_m_gemm.py `_measure`), so this is what it will choose from.
 
+    python3 tools/bench_gemv.py --p8 [--json OUT]   (CUDA; ~1 min)
+
+P8's own measurement and decision at the 48B shapes (`P8_SHAPES`), with its option `timing` at "pdl_chain"
+(candidates launched with PDL in the timed chain, as the engine runs them) and at "alone" (without): per shape
+and timing, the seconds the measuring took (Triton compiles included), the choice (max_m and configuration,
+as P8 would record it), and per bucket cuBLAS, the best candidate and the chosen one.
+
     python3 tools/bench_gemv.py --pdl-chain [--json OUT]   (CUDA; ~1-2 min)
 
 The PDL question instead (issue 9, kda8): at the KDA o_proj and in_proj shapes, a graph of `CHAIN` GEMVs back
@@ -19,7 +26,7 @@ import torch
 
 from k3compile.passes.kernels import gemv as gemv_kernels
 from k3compile.passes.kernels.graph_timing import copies_to_overflow_l2, replay_us
-from k3compile.passes.p08_small_m_gemm import _measure
+from k3compile.passes.p08_small_m_gemm import TIMINGS, SmallMGemmConfig, _decide, _measure, config_label
 
 SHAPES = {  # (N, K): what the GEMM is
     (2304, 4096): "48B KDA o_proj",
@@ -95,12 +102,61 @@ def pdl_chain(buckets) -> dict:
     return out
 
 
+P8_SHAPES = {  # (N, K): the 48B decode GEMMs issue 9's gemv9 brief names
+    (12576, 2304): "48B KDA merged in-proj",
+    (2304, 4096): "48B KDA / MLA o_proj",
+    (6720, 2304): "48B MLA input GEMM (q 6144 + kv_a 576)",
+    (163840, 2304): "48B lm_head",
+}
+
+
+def p8_timings(buckets) -> dict:
+    """P8's `_measure` + `_decide` per shape, timed both ways, with P8's default options."""
+    import time
+    opts = SmallMGemmConfig()
+    rows_warps = tuple(int(w) for w in opts.rows_warps.split(","))
+    out = {}
+    total = dict.fromkeys(TIMINGS, 0.0)
+    for (n, k), what in P8_SHAPES.items():
+        w = (0.02 * torch.randn(n, k, device="cuda")).bfloat16()
+        res = out[f"{n}x{k}"] = {"what": what}
+        for timing in TIMINGS:
+            t0 = time.perf_counter()
+            t = _measure(w, buckets, opts.bench_ms, use_pdl=timing == "pdl_chain", rows_warps=rows_warps)
+            secs = time.perf_counter() - t0
+            total[timing] += secs
+            max_m, cfg = _decide(t, buckets, opts.min_gain)
+            label = config_label(cfg) if cfg else "cublas"
+            res[timing] = {"seconds": secs, "max_m": max_m, "config": label,
+                           "us": {m: {"cublas": r["cublas_us"], **{config_label(c): v for c, v in r["gemv_us"].items()}}
+                                  for m, r in t.items()}, "errors": {m: r["errors"] for m, r in t.items() if "errors" in r}}
+            print(f"{what:40s} N={n:6d} K={k:5d} timing {timing:9s} ({secs:5.1f} s): choice max_m={max_m} {label}")
+            for m, r in t.items():
+                best_cfg, best = min(r["gemv_us"].items(), key=lambda kv: kv[1], default=(None, float("nan")))
+                chosen = r["gemv_us"].get(cfg) if cfg and m <= max_m else None
+                print(f"    M={m:2d}  cublas {r['cublas_us']:7.2f} us  best {best:7.2f} us "
+                      f"({config_label(best_cfg) if best_cfg else '-'})  chosen "
+                      + (f"{chosen:7.2f} us" if chosen is not None else "cublas")
+                      + "".join(f"\n      ERROR {c}: {e}" for c, e in r.get("errors", {}).items()))
+        del w
+    print("measuring seconds, all shapes: " + ", ".join(f"{tm} {v:.1f} s" for tm, v in total.items()))
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
-    p.add_argument("--buckets", default="1,2,4,8")
+    p.add_argument("--buckets", default=None, help="M values (default 1,2,4,8; with --p8, P8's buckets)")
     p.add_argument("--pdl-chain", action="store_true", help="the PDL chain sweep instead (see the module doc)")
+    p.add_argument("--p8", action="store_true", help="P8's measurement and choice, pdl_chain vs alone (module doc)")
     a = p.parse_args()
+    if a.p8:
+        buckets = [int(b) for b in (a.buckets or SmallMGemmConfig().buckets).split(",")]
+        out = p8_timings(buckets)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"buckets": buckets, "shapes": out}, f, indent=1)
+        return
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     if a.pdl_chain:
@@ -109,21 +165,21 @@ def main():
             with open(a.json, "w") as f:
                 json.dump({"copy_gbs": bw / 1e9, "chain": CHAIN, "shapes": out}, f, indent=1)
         return
-    buckets = [int(b) for b in a.buckets.split(",")]
+    buckets = [int(b) for b in (a.buckets or "1,2,4,8").split(",")]
     out = {}
     for (n, k), what in SHAPES.items():
         w = (0.02 * torch.randn(n, k, device="cuda")).bfloat16()
         t = _measure(w, buckets, 20.0)
         out[f"{n}x{k}"] = {"what": what, "us": {m: {"cublas": r["cublas_us"],
-                                                    **{"x".join(map(str, c)): v for c, v in r["gemv_us"].items()}}
+                                                    **{config_label(c): v for c, v in r["gemv_us"].items()}}
                                                for m, r in t.items()}}
         for m, r in t.items():
             best_cfg, best = min(r["gemv_us"].items(), key=lambda kv: kv[1])
             byts = 2 * n * k
             print(f"{what:34s} N={n:6d} K={k:5d} M={m:2d}  cublas {r['cublas_us']:7.2f} us "
                   f"({byts / r['cublas_us'] / 1e3 / (bw / 1e9) * 100:5.1f}%)  best triton {best:7.2f} us "
-                  f"({byts / best / 1e3 / (bw / 1e9) * 100:5.1f}%) {best_cfg}  | "
-                  + " ".join(f"{'x'.join(map(str, c))}={v:.1f}" for c, v in sorted(r["gemv_us"].items())))
+                  f"({byts / best / 1e3 / (bw / 1e9) * 100:5.1f}%) {config_label(best_cfg)}  | "
+                  + " ".join(f"{config_label(c)}={v:.1f}" for c, v in sorted(r["gemv_us"].items())))
         del w
     if a.json:
         with open(a.json, "w") as f:

@@ -231,11 +231,40 @@ def test_kernel_at_real_shapes_on_gpu(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_auto_choice_measures_on_gpu():
+@pytest.mark.parametrize("n,k", ((2304, 4096), (12576, 2304)))  # 48B KDA o_proj, merged in-proj
+def test_warps_candidates_with_pdl_in_a_graph_on_gpu(n, k):
+    """Every candidate P8 times at M = 1 (the rows design at each warps count), launched as the engine does (PDL,
+    back to back in a CUDA graph, the split-K counters shared), and k3.gemv with the num_warps it records."""
+    from k3compile.passes.p08_small_m_gemm import _candidates
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
+    ws = [(0.02 * torch.randn(n, k, device="cuda", generator=gen)).bfloat16() for _ in range(3)]
+    wants = [gemv_kernels.gemv_reference(x.float(), w.float()) for w in ws]
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    for bn, bk, split, design, warps in _candidates(n, k, sm, (2, 4, 8)):
+        def chain():
+            return [gemv_kernels.gemv_triton(x, w, None, bn, bk, split, num_warps=warps, design=design, use_pdl=True)
+                    for w in ws]
+        chain()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain()
+        for _ in range(2):
+            graph.replay()
+            for got, want in zip(outs, wants):
+                assert rel_err(got.float(), want) < 1e-2, (bn, bk, split, design, warps)
+        got = GEMV(x, ws[0], None, 1, bn, bk, split, design, True, warps)
+        assert rel_err(got.float(), wants[0]) < 1e-2, (bn, bk, split, design, warps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("timing", ("pdl_chain", "alone"))
+def test_auto_choice_measures_on_gpu(timing):
     gm = engine_before("kimi-linear-tiny")
-    run_pass(gm, P8, buckets="1,8", bench_ms=5.0)
+    run_pass(gm, P8, buckets="1,8", bench_ms=5.0, timing=timing)
     details = gm.meta["k3"]["pass_details"][P8]
-    assert details["measured_on"]
+    assert details["measured_on"] and details["timing"] == timing
     for r in details["nodes"]:
         assert set(r["us"]) == {"1", "8"} and r["us"]["1"]["cublas"] > 0
         assert (r["choice"] == "gemv") == (r["max_m"] > 0)
