@@ -68,10 +68,7 @@ class SmallMGemmConfig(PassConfig):
     def validate(self) -> None:
         if self.choice not in CHOICES:
             raise PassConfigError(f"p08_small_m_gemm.choice must be one of {', '.join(CHOICES)}, got {self.choice!r}")
-        try:
-            buckets = [int(b) for b in self.buckets.split(",") if b.strip()]
-        except ValueError:
-            raise PassConfigError(f"p08_small_m_gemm.buckets: expected comma-separated ints, got {self.buckets!r}")
+        buckets = _ints("buckets", self.buckets)
         if not buckets or any(not 1 <= b <= gemv_kernels.MAX_M for b in buckets):
             raise PassConfigError(f"p08_small_m_gemm.buckets must be in 1..{gemv_kernels.MAX_M}, got {self.buckets!r}")
         bad = [d for d in self.dtypes.split(",") if d.strip() and d.strip() not in _DTYPES]
@@ -83,13 +80,18 @@ class SmallMGemmConfig(PassConfig):
             raise PassConfigError(f"p08_small_m_gemm.min_gain must be in [0, 1), got {self.min_gain}")
         if self.timing not in TIMINGS:
             raise PassConfigError(f"p08_small_m_gemm.timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
-        try:
-            warps = [int(w) for w in self.rows_warps.split(",") if w.strip()]
-        except ValueError:
-            raise PassConfigError(f"p08_small_m_gemm.rows_warps: expected comma-separated ints, got {self.rows_warps!r}")
+        warps = _ints("rows_warps", self.rows_warps)
         if not warps or any(w not in gemv_kernels.NUM_WARPS for w in warps):
             raise PassConfigError(f"p08_small_m_gemm.rows_warps must be among {gemv_kernels.NUM_WARPS}, "
                                   f"got {self.rows_warps!r}")
+
+
+def _ints(option: str, text: str) -> list[int]:
+    """A comma-separated option's ints, or PassConfigError naming the option."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise PassConfigError(f"p08_small_m_gemm.{option}: expected comma-separated ints, got {text!r}") from None
 
 
 def _weight_of(node: Node, gm: GraphModule, dtypes) -> Node | None:
@@ -211,10 +213,10 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
     if meta.get("mode", "decode") not in modes or config.choice == "cublas":
         return 0
     dtypes = tuple(_DTYPES[d.strip()] for d in config.dtypes.split(",") if d.strip())
-    buckets = sorted({int(b) for b in config.buckets.split(",") if b.strip()})
+    buckets = sorted(set(_ints("buckets", config.buckets)))
     measure = config.choice == "auto" and torch.cuda.is_available()
     timed_pdl = config.timing == "pdl_chain" and bool(config.use_pdl)
-    rows_warps = tuple(int(w) for w in config.rows_warps.split(",") if w.strip())
+    rows_warps = tuple(_ints("rows_warps", config.rows_warps))
     if measure:
         details["measured_on"] = torch.cuda.get_device_name()
     matches = [(n, m) for n in list(gm.graph.nodes) if (m := _match(n, gm, dtypes)) is not None]
