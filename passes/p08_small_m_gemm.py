@@ -16,6 +16,9 @@ The choice, per node (`choice` option):
   chain over the weight copies each launch and first weight tile overlap the previous GEMV's tail (kda8:
   this reorders the candidates: at the 48B KDA in_proj the rows design with PDL beats cuBLAS, without it it
   loses); "alone" without PDL (the choice before kda8; for A/B). cuBLAS is timed the same way in both.
+  The chain is GEMVs back to back, so under "pdl_chain" a GEMV's tail overlaps another GEMV's prologue, while
+  in the engine its neighbours are norms / KDA / MoE kernels: an A/B of whole engines (`bench ladder
+  --variant p8alone:p08_small_m_gemm.timing=alone`) is the measurement that settles the default.
   The rows design's warps (`rows_warps`) are swept at M = 1 and the best per tile goes on to the larger
   buckets (a full sweep at every bucket would triple the Triton compiles of the build). The node becomes
   k3.gemv with max_m = the largest bucket up to which the kernel won at every bucket; rows above
