@@ -139,6 +139,7 @@ def test_auto_times_the_way_the_engine_launches_and_carries_warps(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "synthetic")
     monkeypatch.setattr(p8, "_measure", fake_measure)
+    monkeypatch.setattr(p8, "_MEASURED", {})
     for timing, pdl, want_pdl in (("pdl_chain", True, True), ("alone", True, False), ("pdl_chain", False, False)):
         calls.clear()
         gm = engine_before("kimi-linear-tiny")
@@ -153,6 +154,31 @@ def test_auto_times_the_way_the_engine_launches_and_carries_warps(monkeypatch):
         rec = details["nodes"][0]
         assert rec["config"] == {"block_n": 4, "block_k": 32, "split_k": 1, "design": "rows", "num_warps": 8}
         assert rec["us"]["1"]["gemv"]["4x32x1x1 w8"] == 6.0
+
+
+def test_a_shape_is_measured_once_per_process(monkeypatch):
+    """Later builds in one process (bench ladder's rungs and variants) reuse a shape's timings; other timing
+    options measure again."""
+    from k3compile.passes import p08_small_m_gemm as p8
+    calls = []
+
+    def fake_measure(w, buckets, bench_ms, use_pdl=False, rows_warps=(4,)):
+        calls.append(tuple(w.shape))
+        return {m: {"cublas_us": 10.0, "gemv_us": {(4, 32, 1, gemv_kernels.DESIGNS["rows"], 4): 6.0}} for m in buckets}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "synthetic-memo")
+    monkeypatch.setattr(p8, "_measure", fake_measure)
+    monkeypatch.setattr(p8, "_MEASURED", {})
+    gm = engine_before("kimi-linear-tiny")
+    assert run_pass(gm, P8, buckets="1,2") == 33
+    first = list(calls)
+    assert first and len(first) == len(set(first))
+    assert not any(r["measured_earlier"] for r in gm.meta["k3"]["pass_details"][P8]["nodes"][:1])
+    gm2 = engine_before("kimi-linear-tiny")
+    assert run_pass(gm2, P8, buckets="1,2") == 33 and calls == first  # nothing measured again
+    assert all(r["measured_earlier"] for r in gm2.meta["k3"]["pass_details"][P8]["nodes"])
+    assert run_pass(engine_before("kimi-linear-tiny"), P8, buckets="1,2", timing="alone") == 33
+    assert calls == first + first  # other timing options: measured afresh
 
 
 def test_candidates_and_pruning_of_the_warps_sweep():
