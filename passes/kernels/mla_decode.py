@@ -53,6 +53,12 @@ TARGET_PROGRAMS = 264  # split until the grid fills ~2 waves of an H200's 132 SM
 BLOCK_DV = 64  # W_UV rows per program of the merge kernel that applies it (64 x 512 bf16: 64 KB of weight)
 OUT_MAX_TOKENS = 4  # up to this many tokens the merge kernel applies W_UV; above, cuBLAS's batched GEMM (W_UV read
                     # once per head rather than once per token and head) after the plain merge
+# The merge kernels' per-shape choice, recorded by P15 into each decode node: (largest batch, latent columns per
+# merge program). A merge program handles one (request, head) and `merge_cols` of the r latent columns, loading
+# all of its splits' partials for them in one 2-D load (the whole-row kernel walked the splits one L2 round trip
+# at a time), and with W_UV that column block of W_UV [dv, merge_cols]: at batch 1 the grid is H x r / 64 = 256
+# programs instead of H x 2, and the (request, head)'s last-arriving program sums the column blocks' dv partials.
+MERGE_COLS_TABLE = ((4, 64), (1 << 30, 128))
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -297,6 +303,76 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(out_ptr + (bh // H) * H * DV + h * DV + d, y.to(out_ptr.dtype.element_ty), mask=dm)
 
+    @triton.jit
+    def _merged_cols(part_ptr, lse_ptr, bh, used, cols, R: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                     SPLITS_PAD: tl.constexpr):
+        """The exact merge (spec §6.3) of one (request, head)'s used splits at latent columns `cols`, fp32; all
+        splits' partials in one masked 2-D load (one L2 round trip); 0 when no split is used."""
+        sp = tl.arange(0, SPLITS_PAD)
+        sm = sp < used
+        lse = tl.load(lse_ptr + bh * NUM_SPLITS + sp, mask=sm, other=float("-inf"))
+        top = tl.max(lse, axis=0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.where(sm, tl.exp(lse - top), 0.0)
+        total = tl.sum(w, axis=0)
+        w = w / tl.where(total == 0.0, 1.0, total)
+        parts = tl.load(part_ptr + (bh * NUM_SPLITS + sp)[:, None] * R + cols[None, :], mask=sm[:, None], other=0.0)
+        return tl.sum(w[:, None] * parts, axis=0)
+
+    @triton.jit
+    def _decode_merge_cols_kernel(part_ptr, lse_ptr, seq_ptr, out_ptr, H, R: tl.constexpr,
+                                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  MERGE_COLS: tl.constexpr, USE_PDL: tl.constexpr):
+        # program (request x head, block of MERGE_COLS latent columns)
+        bh = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * MERGE_COLS + tl.arange(0, MERGE_COLS)
+        used = _used_splits(tl.load(seq_ptr + bh // H).to(tl.int32), NUM_SPLITS, BLOCK_N)  # a step input
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        o = _merged_cols(part_ptr, lse_ptr, bh, used, cols, R, NUM_SPLITS, SPLITS_PAD)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.store(out_ptr + bh * R + cols, o.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _decode_merge_out_cols_kernel(part_ptr, lse_ptr, seq_ptr, w_ptr, w_sh, w_sd, ws_ptr, count_ptr, out_ptr, H,
+                                      R: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+                                      MERGE_COLS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                                      BLOCK_N: tl.constexpr, LAT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
+        # Program (request x head, block kb of MERGE_COLS latent columns): the merge at those columns, rounded to the
+        # latent output's dtype (as mla_decode_fused returns it), times W_UV[h, :, those columns]: a [DV] fp32
+        # partial of the einsum "bhr,hdr->bhd". With one block it is the result; otherwise each program stores its
+        # partial in ws [B*H, KB, DV_PAD] and counts itself in count[bh] (zero between launches); the last to arrive
+        # sums the KB partials in a fixed order (deterministic), stores out[b, h * DV + d] and resets the count.
+        KB: tl.constexpr = R // MERGE_COLS
+        bh = tl.program_id(0).to(tl.int64)
+        kb = tl.program_id(1)
+        h = bh % H
+        d = tl.arange(0, DV_PAD)
+        dm = d < DV
+        cols = kb * MERGE_COLS + tl.arange(0, MERGE_COLS)
+        # W_UV is a weight: with PDL its block loads while the split kernel finishes
+        w = tl.load(w_ptr + h * w_sh + d[:, None] * w_sd + cols[None, :], mask=dm[:, None], other=0.0)
+        used = _used_splits(tl.load(seq_ptr + bh // H).to(tl.int32), NUM_SPLITS, BLOCK_N)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        o = _merged_cols(part_ptr, lse_ptr, bh, used, cols, R, NUM_SPLITS, SPLITS_PAD).to(LAT_DTYPE).to(tl.float32)
+        y = tl.sum(w.to(tl.float32) * o[None, :], axis=1)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        dst = out_ptr + (bh // H) * H * DV + h * DV + d
+        if KB == 1:
+            tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=dm)
+        else:
+            tl.store(ws_ptr + (bh * KB + kb) * DV_PAD + d, y)
+            tl.debug_barrier()  # every thread's partial is stored before the (releasing) count below
+            arrived = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
+            if arrived == KB - 1:  # the others' partials are visible: sum them in block order
+                kbs = tl.arange(0, KB)
+                ys = tl.load(ws_ptr + (bh * KB + kbs)[:, None] * DV_PAD + d[None, :], cache_modifier=".cg")
+                tl.store(dst, tl.sum(ys, axis=0).to(out_ptr.dtype.element_ty), mask=dm)
+                tl.store(count_ptr + bh, 0)  # ready for the next launch (the next layer's, or the next replay)
+
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton else {}
 
@@ -313,12 +389,38 @@ def num_splits_for(batch: int, heads: int, capacity: int, block_h: int, block_n:
     return int(max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS, programs), 64)))
 
 
+def merge_cols_for(batch: int, r: int, table=MERGE_COLS_TABLE) -> int:
+    """The merge kernels' latent columns per program for `batch` tokens (the first row of `table` whose largest
+    batch covers it), at most r."""
+    for largest, cols in table:
+        if batch <= largest:
+            return min(int(cols), r)
+    raise ValueError(f"mla decode: no row of the merge table {table!r} covers batch {batch}")
+
+
+_ARRIVALS: dict = {}
+
+
+def arrival_counts(device, n: int) -> torch.Tensor:
+    """A zeroed int32 counter per (request, head) for the merge kernel's last-arrival sum, kept per device: every
+    launch leaves it zero again, so the step's layers (run one after another on one stream) share it and a CUDA
+    graph replays without a memset."""
+    key = torch.device(device)
+    have = _ARRIVALS.get(key)
+    if have is None or have.numel() < n:
+        have = _ARRIVALS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=key)
+    return have
+
+
 def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl: bool = False,
                   num_splits: int | None = None, block_h: int | None = None, block_n: int = BLOCK_N,
-                  num_warps: int = 4, w_uv: torch.Tensor | None = None, block_dv: int = BLOCK_DV) -> torch.Tensor:
+                  num_warps: int = 4, w_uv: torch.Tensor | None = None, block_dv: int = BLOCK_DV,
+                  merge_cols: int | None = None) -> torch.Tensor:
     """Launch the split and merge kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1): o_lat [B, H, r];
     with `w_uv` [H, dv, r] (rows contiguous) the merge kernel also applies it: [B, H * dv] (`decode_out_reference`).
-    num_splits / block_h / block_n / num_warps override the defaults (tools/bench_p07_p15.py sweeps them)."""
+    num_splits / block_h / block_n / num_warps override the defaults (tools/bench_mla9.py sweeps them);
+    merge_cols: latent columns per merge program (a power of two <= r; None: MERGE_COLS_TABLE's choice), or 0 for
+    the whole-row merge kernels (one program per (request, head) [x block_dv rows of W_UV]: the baseline)."""
     check_decode_args(q_nope, q_rope, kv_pool, layer, page_table, seq_lens)
     if triton is None:
         raise RuntimeError("mla_decode_fused: triton is not installed")
@@ -360,6 +462,27 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
         DOT_PRECISION="ieee" if q_nope.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=2,
         **extra)
     pad = max(2, triton.next_power_of_2(splits))
+    if merge_cols is None:
+        merge_cols = merge_cols_for(B, R)
+    if merge_cols:
+        if merge_cols != triton.next_power_of_2(merge_cols) or not 1 <= merge_cols <= R:
+            raise ValueError(f"mla_decode_fused: merge_cols must be a power of two <= r = {R}, got {merge_cols}")
+        if w_uv is None:
+            _decode_merge_cols_kernel[(B * H, R // merge_cols)](
+                part, lse, seq_lens, out, H, R=R, NUM_SPLITS=splits, SPLITS_PAD=pad, BLOCK_N=block_n,
+                MERGE_COLS=merge_cols, USE_PDL=pdl, num_warps=4, **extra)
+            return out
+        dv = w_uv.shape[1]
+        dv_pad = triton.next_power_of_2(dv)
+        blocks = R // merge_cols
+        ws = torch.empty(B * H * blocks * dv_pad if blocks > 1 else 1, dtype=torch.float32, device=q_nope.device)
+        counts = arrival_counts(q_nope.device, B * H)
+        _decode_merge_out_cols_kernel[(B * H, blocks)](
+            part, lse, seq_lens, w_uv, w_uv.stride(0), w_uv.stride(1), ws, counts, out, H, R=R, DV=dv, DV_PAD=dv_pad,
+            MERGE_COLS=merge_cols, NUM_SPLITS=splits, SPLITS_PAD=pad, BLOCK_N=block_n,
+            LAT_DTYPE=_TL_DTYPES[q_nope.dtype], USE_PDL=pdl, num_warps=4 if dv_pad * merge_cols <= 8192 else 8,
+            **extra)
+        return out
     if w_uv is None:
         _decode_merge_kernel[(B * H,)](part, lse, seq_lens, out, H, R=R, NUM_SPLITS=splits, SPLITS_PAD=pad,
                                        BLOCK_N=block_n, USE_PDL=pdl, num_warps=4, **extra)
@@ -439,48 +562,60 @@ def _prologue_fake(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q
 
 @torch.library.custom_op("k3::mla_decode_fused", mutates_args=())
 def mla_decode_fused(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                     page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, pdl: bool) -> torch.Tensor:
-    """Absorbed paged latent decode attention, [B, H, r] + [B, H, rope] -> [B, H, r]; see module doc."""
+                     page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, pdl: bool, num_splits: int = 0,
+                     merge_cols: int = -1) -> torch.Tensor:
+    """Absorbed paged latent decode attention, [B, H, r] + [B, H, rope] -> [B, H, r]; see module doc.
+    num_splits (0: from the shapes) and merge_cols (-1: MERGE_COLS_TABLE; 0: whole-row merge) are P15's launch
+    choices for this node's shape; they change no value beyond fp32 summation order."""
     return decode_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale)
 
 
+def _launch_choice(num_splits: int, merge_cols: int) -> dict:
+    return {"num_splits": num_splits or None, "merge_cols": None if merge_cols < 0 else merge_cols}
+
+
 @mla_decode_fused.register_kernel("cuda")
-def _decode_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl):
+def _decode_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl, num_splits=0, merge_cols=-1):
     if kernel_supports_decode(q_nope.shape[-1], q_rope.shape[-1]):
         use_pdl = pdl_for(pdl, q_nope)
         with torch.cuda.device(q_nope.device):
-            return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl)
+            return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl,
+                                 **_launch_choice(num_splits, merge_cols))
     return decode_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale)
 
 
 @mla_decode_fused.register_fake
-def _decode_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl):
+def _decode_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl, num_splits=0, merge_cols=-1):
     return q_nope.new_empty(q_nope.shape)
 
 
 @torch.library.custom_op("k3::mla_decode_fused_out", mutates_args=())
 def mla_decode_fused_out(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, kv_b_weight: torch.Tensor,
-                         nope: int, pdl: bool) -> torch.Tensor:
+                         nope: int, pdl: bool, num_splits: int = 0, merge_cols: int = -1) -> torch.Tensor:
     """mla_decode_fused, then W_UV (the v rows of kv_b_proj's weight, per head) and the flatten: [B, H * dv]."""
     return decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale,
                                 w_uv_of(kv_b_weight, q_nope.shape[1], nope))
 
 
 @mla_decode_fused_out.register_kernel("cuda")
-def _decode_out_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl):
+def _decode_out_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl,
+                     num_splits=0, merge_cols=-1):
     w_uv = w_uv_of(kv_b_weight, q_nope.shape[1], nope)
     if not kernel_supports_decode(q_nope.shape[-1], q_rope.shape[-1]):
         return decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, w_uv)
     use_pdl = pdl_for(pdl, q_nope)
+    choice = _launch_choice(num_splits, merge_cols)
     with torch.cuda.device(q_nope.device):
         if q_nope.shape[0] <= OUT_MAX_TOKENS:  # a static shape: a captured graph always takes the same branch
-            return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl, w_uv=w_uv)
-        o_lat = decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl)
+            return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl, w_uv=w_uv,
+                                 **choice)
+        o_lat = decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl, **choice)
         return torch.einsum("bhr,hdr->bhd", o_lat, w_uv).flatten(-2)
 
 
 @mla_decode_fused_out.register_fake
-def _decode_out_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl):
+def _decode_out_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl,
+                     num_splits=0, merge_cols=-1):
     heads = q_nope.shape[1]
     return q_nope.new_empty(q_nope.shape[0], heads * (kv_b_weight.shape[0] // heads - nope))

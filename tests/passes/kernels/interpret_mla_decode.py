@@ -25,7 +25,7 @@ def randn(*shape, dtype=torch.float32):
     return torch.randn(*shape, generator=GEN).to(dtype)
 
 
-def attention_case(lens, page, heads=2, r=16, rope=8, splits=None, layers=2, layer=1, dv=None):
+def attention_case(lens, page, heads=2, r=16, rope=8, splits=None, layers=2, layer=1, dv=None, merge_cols=None):
     """Requests with different lengths, pages scattered over the pool (non-contiguous page tables),
     q_rope a strided view (as in the graph), the pool's page stride padded like a unified arena."""
     b = len(lens)
@@ -39,13 +39,16 @@ def attention_case(lens, page, heads=2, r=16, rope=8, splits=None, layers=2, lay
     q_rope = randn(b, heads, rope + 5)[..., 5:]
     scale = (r + rope) ** -0.5
     if dv is None:
-        got = mla.decode_triton(q_nope, q_rope, kv, layer, table, seq, scale, num_splits=splits)
+        got = mla.decode_triton(q_nope, q_rope, kv, layer, table, seq, scale, num_splits=splits, merge_cols=merge_cols)
         want = mla.decode_reference(q_nope, q_rope, kv, layer, table, seq, scale)
     else:  # W_UV applied by the merge kernel: a view of kv_b_proj's weight, as the op passes it (block_dv < dv)
         nope = 8
         w_uv = mla.w_uv_of(randn(heads * (nope + dv), r), heads, nope)
-        got = mla.decode_triton(q_nope, q_rope, kv, layer, table, seq, scale, num_splits=splits, w_uv=w_uv, block_dv=8)
+        got = mla.decode_triton(q_nope, q_rope, kv, layer, table, seq, scale, num_splits=splits, w_uv=w_uv, block_dv=8,
+                                merge_cols=merge_cols)
         want = mla.decode_out_reference(q_nope, q_rope, kv, layer, table, seq, scale, w_uv)
+        if merge_cols and r // merge_cols > 1 and mla.arrival_counts("cpu", 1).any():
+            return float("inf"), 0.0  # the last arrival must leave every count at zero for the next launch
     return ((got - want).abs().max() / want.abs().max()).item(), 1e-5
 
 
@@ -82,8 +85,17 @@ def cases():
             for page in (1, 16):
                 yield (f"prologue {dtype} q={with_q} page {page}",
                        lambda d=dtype, q=with_q, p=page: prologue_case(d, 5, q, p))
-    yield "W_UV in the merge, dv 12, 3 splits", lambda: attention_case([70, 17, 3], 16, splits=3, dv=12)
-    yield "W_UV in the merge, 3 heads, 1 token", lambda: attention_case([5], 4, heads=3, dv=16)
+    # merge_cols 0: the whole-row merge kernels; 4, 8: column blocks (with W_UV: the last-arrival sum); the cases
+    # above take MERGE_COLS_TABLE's choice, here r = 16 (one column block)
+    for cols in (0, 4):
+        yield f"merge cols {cols}, 3 splits", lambda c=cols: attention_case([70, 17, 1, 3], 16, splits=3, merge_cols=c)
+        yield (f"W_UV in the merge, 3 heads, 1 token, merge cols {cols}",
+               lambda c=cols: attention_case([5], 4, heads=3, dv=16, merge_cols=c))
+    for cols in (0, 4, 8):
+        yield (f"W_UV in the merge, dv 12, 3 splits, merge cols {cols}",
+               lambda c=cols: attention_case([70, 17, 3], 16, splits=3, dv=12, merge_cols=c))
+    yield "W_UV in the merge, 64 splits (more than tiles), merge cols 4", lambda: attention_case(
+        [40, 9], 4, splits=64, dv=12, merge_cols=4)
 
 
 def main() -> int:
