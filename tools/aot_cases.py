@@ -29,14 +29,14 @@ def gemv_case(m, n, k, block_n, block_k, split_k, design, num_warps=4):
                                     use_pdl=True)
 
 
-def mla(batch, with_out):
+def mla(batch, with_out, **launch):
     page, r, rope, heads = 16, 512, 64, 32
     kv = _randn(batch * 32 + 1, 1, page, r + rope)
     table = torch.arange(1, batch * 32 + 1, dtype=torch.int32).view(batch, 32)
     seq = torch.full((batch,), 500, dtype=torch.int32)
     q_nope, q_rope = _randn(batch, heads, r), _randn(batch, heads, rope)
     w_uv = mla_decode.w_uv_of(_randn(heads * 256, r), heads, 128) if with_out else None
-    return lambda: mla_decode.decode_triton(q_nope, q_rope, kv, 0, table, seq, 0.07, True, w_uv=w_uv)
+    return lambda: mla_decode.decode_triton(q_nope, q_rope, kv, 0, table, seq, 0.07, True, w_uv=w_uv, **launch)
 
 
 def route(batch):
@@ -70,8 +70,13 @@ CASES = [
     ("gemv rows o_proj M=1 w2 split 4", gemv_case(1, 2304, 4096, 16, 256, 4, gemv.DESIGNS["rows"], 2)),
     ("gemv rows in_proj M=4 w8", gemv_case(4, 12576, 2304, 16, 256, 1, gemv.DESIGNS["rows"], 8)),
     ("gemv rows in_proj M=2 w2", gemv_case(2, 12576, 2304, 4, 1024, 1, gemv.DESIGNS["rows"], 2)),
-    ("mla 48B batch 1 + W_UV", mla(1, True)),
-    ("mla 48B batch 8", mla(8, False)),
+    ("mla 48B batch 1 + W_UV (merge cols from the table)", mla(1, True)),
+    ("mla 48B batch 4 + W_UV, merge cols 32, 8 splits", mla(4, True, merge_cols=32, num_splits=8)),
+    ("mla 48B batch 1 + W_UV, merge cols 128, block_h 32, 8 warps", mla(1, True, merge_cols=128, block_h=32,
+                                                                       num_warps=8)),
+    ("mla 48B batch 1 + W_UV, whole-row merge", mla(1, True, merge_cols=0)),
+    ("mla 48B batch 8 (merge cols from the table)", mla(8, False)),
+    ("mla 48B batch 8, whole-row merge", mla(8, False, merge_cols=0)),
     ("norm_route 48B batch 1", route(1)),
     ("norm_route 48B batch 8", route(8)),
     ("moe 48B batch 1", moe(1, False)),
