@@ -44,7 +44,7 @@ from torch.fx import GraphModule, Node
 from .graph_utils import attr_tensor, erase_if_dead, erase_subgraph, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
 from .kernels import mla_decode as _kernels  # noqa: F401  (registers the k3.mla_decode_* ops)
 from .patterns import NoMatch, match_rms_norm, need
-from .registry import PassConfig, register_pass
+from .registry import PassConfig, PassConfigError, register_pass
 
 aten = torch.ops.aten
 KV_WRITE = torch.ops.k3.kv_write.default
@@ -63,6 +63,16 @@ class MLADecodeConfig(PassConfig):
     attention: bool = True  # replace mla_decode with the Triton split-K kernel
     pdl: bool = True  # prologue + attention kernels with programmatic dependent launch (where kernels/pdl.py allows)
     absorb_out: bool = True  # W_UV (the einsum after the attention) into the attention's merge kernel
+    # launch choice per batch, recorded into each attention node (the op picks the row at run time: the token count
+    # is symbolic here): rows (largest batch, num_splits (0: from the shapes), merge_cols (0: whole-row merge));
+    # see kernels.mla_decode.LAUNCH_TABLE (tools/bench_mla9.py measures the choices)
+    launch_table: tuple = _kernels.LAUNCH_TABLE
+
+    def validate(self) -> None:
+        try:
+            _kernels.check_launch_table(self.launch_table)
+        except ValueError as e:
+            raise PassConfigError(f"p15_mla_decode: {e}") from None
 
 
 _FULL = 2 ** 62  # make_fx spells `x[:, a:]` as slice(slice(x, 0, 0, INT64_MAX), 1, a, INT64_MAX)
@@ -250,7 +260,7 @@ def _absorb_out(gm: GraphModule, fused: Node, fake_mode) -> bool:
     if not _hoist_weight(m["w"], fused, order):
         return False
     with g.inserting_after(fused):
-        new = g.call_function(FUSED_OUT, (*fused.args[:7], m["w"], m["nope"], fused.args[7]))
+        new = g.call_function(FUSED_OUT, (*fused.args[:7], m["w"], m["nope"], *fused.args[7:]))
     set_meta_val(new, fake_mode)
     replace_uses(m["out"], new, fake_mode)
     erase_subgraph(gm, m["nodes"] | {fused})
@@ -287,7 +297,7 @@ def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
             _, kv, layer, page_table, seq_lens, scale, _ = node.args
             with g.inserting_before(node):
                 fused = g.call_function(FUSED, (q_nope, q_rope, kv, layer, page_table, seq_lens, scale,
-                                                bool(config.pdl)))
+                                                bool(config.pdl), _kernels.flat_launch_table(config.launch_table)))
             set_meta_val(fused, fake_mode)
             replace_uses(node, fused, fake_mode)
             erase_subgraph(gm, [node, q_lat])

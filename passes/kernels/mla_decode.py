@@ -19,7 +19,8 @@ request b's first seq_lens[b] cache rows [c ; k_r] (576 wide in K3, read through
 The kernel splits each request's context over NUM_SPLITS programs (split-K, chosen from the
 static shapes so CUDA-graph replays never see a different grid); each writes an fp32 partial output
 and its log-sum-exp, and a second kernel merges them exactly (spec §6.3): lse = log Σ e^{lse_s},
-o = Σ e^{lse_s - lse} o_s; an empty split has lse = -inf and weight 0. One program of the first
+o = Σ e^{lse_s - lse} o_s; an empty split has lse = -inf and weight 0 (one program per (request, head) and
+block of latent columns; `mla_decode_fused_out` also applies W_UV there, see LAUNCH_TABLE). One program of the first
 kernel handles BLOCK_H heads of one request, so every KV tile it loads serves all of them (the
 rows are shared by all heads: MQA in latent space, as in FlashMLA).
 
@@ -35,6 +36,8 @@ TRITON_INTERPRET=1 before this module is imported runs the kernels on CPU tensor
 (tests/passes/kernels/interpret_mla_decode.py).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -53,12 +56,13 @@ TARGET_PROGRAMS = 264  # split until the grid fills ~2 waves of an H200's 132 SM
 BLOCK_DV = 64  # W_UV rows per program of the merge kernel that applies it (64 x 512 bf16: 64 KB of weight)
 OUT_MAX_TOKENS = 4  # up to this many tokens the merge kernel applies W_UV; above, cuBLAS's batched GEMM (W_UV read
                     # once per head rather than once per token and head) after the plain merge
-# The merge kernels' per-shape choice, recorded by P15 into each decode node: (largest batch, latent columns per
-# merge program). A merge program handles one (request, head) and `merge_cols` of the r latent columns, loading
-# all of its splits' partials for them in one 2-D load (the whole-row kernel walked the splits one L2 round trip
-# at a time), and with W_UV that column block of W_UV [dv, merge_cols]: at batch 1 the grid is H x r / 64 = 256
-# programs instead of H x 2, and the (request, head)'s last-arriving program sums the column blocks' dv partials.
-MERGE_COLS_TABLE = ((4, 64), (1 << 30, 128))
+# Per-shape launch choices, recorded by P15 into each decode node (the ops' launch_table): rows (largest batch, num_splits (0: from the
+# shapes, `num_splits_for`), merge_cols), the first row covering the batch applies. A merge program handles one
+# (request, head) and merge_cols of the r latent columns, loading all of its splits' partials for them in one 2-D
+# load (the whole-row kernel, merge_cols 0, walks the splits one L2 round trip at a time), and with W_UV that column
+# block of W_UV [dv, merge_cols]: at batch 1 the grid is H x r / 64 = 256 programs instead of H x 2, and each
+# (request, head)'s last-arriving program sums the column blocks' dv partials.
+LAUNCH_TABLE = ((4, 0, 64), (1 << 30, 0, 128))
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -389,13 +393,25 @@ def num_splits_for(batch: int, heads: int, capacity: int, block_h: int, block_n:
     return int(max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS, programs), 64)))
 
 
-def merge_cols_for(batch: int, r: int, table=MERGE_COLS_TABLE) -> int:
-    """The merge kernels' latent columns per program for `batch` tokens (the first row of `table` whose largest
-    batch covers it), at most r."""
-    for largest, cols in table:
+def check_launch_table(table) -> None:
+    last = 0
+    for row in table:
+        if len(row) != 3 or not all(isinstance(v, int) for v in row):
+            raise ValueError(f"mla decode launch table: rows are (largest batch, num_splits, merge_cols) ints, got {row!r}")
+        largest, splits, cols = row
+        if largest <= last or splits < 0 or cols < 0 or (cols and cols & (cols - 1)):
+            raise ValueError(f"mla decode launch table: row {row!r} needs a largest batch above the previous row's, "
+                             f"num_splits >= 0 and merge_cols 0 or a power of two")
+        last = largest
+
+
+def launch_for(batch: int, r: int, table=LAUNCH_TABLE) -> tuple[int, int]:
+    """(num_splits, merge_cols) for `batch` tokens: the first row of `table` whose largest batch covers it
+    (merge_cols at most r)."""
+    for largest, splits, cols in table:
         if batch <= largest:
-            return min(int(cols), r)
-    raise ValueError(f"mla decode: no row of the merge table {table!r} covers batch {batch}")
+            return int(splits), min(int(cols), r)
+    raise ValueError(f"mla decode: no row of the launch table {table!r} covers batch {batch}")
 
 
 _ARRIVALS: dict = {}
@@ -418,8 +434,9 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
                   merge_cols: int | None = None) -> torch.Tensor:
     """Launch the split and merge kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1): o_lat [B, H, r];
     with `w_uv` [H, dv, r] (rows contiguous) the merge kernel also applies it: [B, H * dv] (`decode_out_reference`).
-    num_splits / block_h / block_n / num_warps override the defaults (tools/bench_mla9.py sweeps them);
-    merge_cols: latent columns per merge program (a power of two <= r; None: MERGE_COLS_TABLE's choice), or 0 for
+    num_splits (None: LAUNCH_TABLE's; 0: from the shapes) / block_h / block_n / num_warps override the defaults
+    (tools/bench_mla9.py sweeps them);
+    merge_cols: latent columns per merge program (a power of two <= r; None: LAUNCH_TABLE's choice), or 0 for
     the whole-row merge kernels (one program per (request, head) [x block_dv rows of W_UV]: the baseline)."""
     check_decode_args(q_nope, q_rope, kv_pool, layer, page_table, seq_lens)
     if triton is None:
@@ -447,6 +464,8 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
         return out
     if block_h is None:  # 16 heads x 512 latent fp32 accumulator = 64 registers a thread at 4 warps
         block_h = max(16, min(16 if R > 256 else 32, triton.next_power_of_2(H)))
+    if num_splits is None:
+        num_splits = launch_for(B, R)[0]
     splits = num_splits or num_splits_for(B, H, page_table.shape[1] * page, block_h, block_n)
     part = torch.empty(B, H, splits, R, dtype=torch.float32, device=q_nope.device)
     lse = torch.empty(B, H, splits, dtype=torch.float32, device=q_nope.device)
@@ -463,7 +482,7 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
         **extra)
     pad = max(2, triton.next_power_of_2(splits))
     if merge_cols is None:
-        merge_cols = merge_cols_for(B, R)
+        merge_cols = launch_for(B, R)[1]
     if merge_cols:
         if merge_cols != triton.next_power_of_2(merge_cols) or not 1 <= merge_cols <= R:
             raise ValueError(f"mla_decode_fused: merge_cols must be a power of two <= r = {R}, got {merge_cols}")
@@ -562,37 +581,48 @@ def _prologue_fake(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q
 
 @torch.library.custom_op("k3::mla_decode_fused", mutates_args=())
 def mla_decode_fused(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                     page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, pdl: bool, num_splits: int = 0,
-                     merge_cols: int = -1) -> torch.Tensor:
+                     page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, pdl: bool,
+                     launch_table: Optional[list[int]] = None) -> torch.Tensor:
     """Absorbed paged latent decode attention, [B, H, r] + [B, H, rope] -> [B, H, r]; see module doc.
-    num_splits (0: from the shapes) and merge_cols (-1: MERGE_COLS_TABLE; 0: whole-row merge) are P15's launch
-    choices for this node's shape; they change no value beyond fp32 summation order."""
+    launch_table: P15's launch choice per batch, LAUNCH_TABLE's rows flattened (None: LAUNCH_TABLE); the token
+    count is symbolic in a decode graph, so the row is picked here, once per captured shape. No value changes
+    beyond fp32 summation order."""
     return decode_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale)
 
 
-def _launch_choice(num_splits: int, merge_cols: int) -> dict:
-    return {"num_splits": num_splits or None, "merge_cols": None if merge_cols < 0 else merge_cols}
+def flat_launch_table(table) -> list[int]:
+    """LAUNCH_TABLE-style rows as the ops' launch_table argument (an int list in the graph)."""
+    check_launch_table(table)
+    return [int(v) for row in table for v in row]
+
+
+def _launch_choice(launch_table, batch: int, r: int) -> dict:
+    """The op's recorded table as decode_triton arguments for this batch (LAUNCH_TABLE's when none is recorded)."""
+    rows = LAUNCH_TABLE if launch_table is None else tuple(tuple(launch_table[i:i + 3])
+                                                           for i in range(0, len(launch_table), 3))
+    num_splits, merge_cols = launch_for(batch, r, rows)
+    return {"num_splits": num_splits, "merge_cols": merge_cols}
 
 
 @mla_decode_fused.register_kernel("cuda")
-def _decode_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl, num_splits=0, merge_cols=-1):
+def _decode_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl, launch_table=None):
     if kernel_supports_decode(q_nope.shape[-1], q_rope.shape[-1]):
         use_pdl = pdl_for(pdl, q_nope)
         with torch.cuda.device(q_nope.device):
             return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl,
-                                 **_launch_choice(num_splits, merge_cols))
+                                 **_launch_choice(launch_table, q_nope.shape[0], q_nope.shape[-1]))
     return decode_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale)
 
 
 @mla_decode_fused.register_fake
-def _decode_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl, num_splits=0, merge_cols=-1):
+def _decode_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl, launch_table=None):
     return q_nope.new_empty(q_nope.shape)
 
 
 @torch.library.custom_op("k3::mla_decode_fused_out", mutates_args=())
 def mla_decode_fused_out(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, kv_b_weight: torch.Tensor,
-                         nope: int, pdl: bool, num_splits: int = 0, merge_cols: int = -1) -> torch.Tensor:
+                         nope: int, pdl: bool, launch_table: Optional[list[int]] = None) -> torch.Tensor:
     """mla_decode_fused, then W_UV (the v rows of kv_b_proj's weight, per head) and the flatten: [B, H * dv]."""
     return decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale,
                                 w_uv_of(kv_b_weight, q_nope.shape[1], nope))
@@ -600,12 +630,12 @@ def mla_decode_fused_out(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pool: to
 
 @mla_decode_fused_out.register_kernel("cuda")
 def _decode_out_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl,
-                     num_splits=0, merge_cols=-1):
+                     launch_table=None):
     w_uv = w_uv_of(kv_b_weight, q_nope.shape[1], nope)
     if not kernel_supports_decode(q_nope.shape[-1], q_rope.shape[-1]):
         return decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, w_uv)
     use_pdl = pdl_for(pdl, q_nope)
-    choice = _launch_choice(num_splits, merge_cols)
+    choice = _launch_choice(launch_table, q_nope.shape[0], q_nope.shape[-1])
     with torch.cuda.device(q_nope.device):
         if q_nope.shape[0] <= OUT_MAX_TOKENS:  # a static shape: a captured graph always takes the same branch
             return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl, w_uv=w_uv,
@@ -616,6 +646,6 @@ def _decode_out_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale
 
 @mla_decode_fused_out.register_fake
 def _decode_out_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl,
-                     num_splits=0, merge_cols=-1):
+                     launch_table=None):
     heads = q_nope.shape[1]
     return q_nope.new_empty(q_nope.shape[0], heads * (kv_b_weight.shape[0] // heads - nope))

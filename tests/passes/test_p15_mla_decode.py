@@ -80,3 +80,20 @@ def test_options_turn_each_half_off():
     gm = graph("kimi-linear-tiny", "decode")
     assert run_pass(gm, P15, absorb_out=False) == 2 * n
     assert op_counts(gm)[FUSED] == n and op_counts(gm)[FUSED_OUT] == 0
+
+
+def test_launch_table_is_recorded_on_every_attention_node_and_checked():
+    from k3compile.passes.registry import PassConfigError, get_pass
+    gm = graph("kimi-linear-tiny", "decode")
+    table = ((1, 4, 8), (1 << 30, 0, 0))
+    n = layer_counts(model("kimi-linear-tiny").config)["mla"]
+    assert run_pass(gm, P15, launch_table=table) == 3 * n
+    recorded = [node.args[10] for node in gm.graph.nodes if node.target == FUSED_OUT]
+    assert recorded == [[1, 4, 8, 1 << 30, 0, 0]] * n
+    assert mla_decode.launch_for(1, 16, table) == (4, 8)
+    assert mla_decode.launch_for(5, 16, table) == (0, 0)
+    for bad in (((4, 0, 48),), ((4, 0, 64), (2, 0, 64)), ((4, -1, 64),), ((4, 64),)):
+        cfg = get_pass(P15).default_config()
+        cfg.launch_table = bad
+        with pytest.raises(PassConfigError, match="launch table"):
+            cfg.validate()

@@ -86,7 +86,7 @@ def cases():
                 yield (f"prologue {dtype} q={with_q} page {page}",
                        lambda d=dtype, q=with_q, p=page: prologue_case(d, 5, q, p))
     # merge_cols 0: the whole-row merge kernels; 4, 8: column blocks (with W_UV: the last-arrival sum); the cases
-    # above take MERGE_COLS_TABLE's choice, here r = 16 (one column block)
+    # above take LAUNCH_TABLE's choice, here r = 16 (one column block)
     for cols in (0, 4):
         yield f"merge cols {cols}, 3 splits", lambda c=cols: attention_case([70, 17, 1, 3], 16, splits=3, merge_cols=c)
         yield (f"W_UV in the merge, 3 heads, 1 token, merge cols {cols}",

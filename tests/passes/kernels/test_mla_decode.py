@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from k3compile.model_def.ops import library  # noqa: F401  (torch.ops.k3.kv_write / mla_decode)
-from k3compile.passes.kernels.mla_decode import decode_reference, decode_triton, prologue_reference, w_uv_of
+from k3compile.passes.kernels.mla_decode import (arrival_counts, decode_reference, decode_triton, prologue_reference,
+                                                  w_uv_of)
 
 from .interpreted import run_interpreted
 
@@ -187,3 +188,39 @@ def test_cuda_prologue_matches_reference(tokens, q_lora):
     assert _rel(kv, kv_ref) <= 1e-2 and (kv != kv_ref).float().mean().item() < 0.01  # rounding ties only
     if q_lora:
         assert _rel(q, q0) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch,context", [(1, 512), (4, 512), (1, 4096), (8, 4096)])
+def test_cuda_column_block_merges_match_whole_row_and_reference(batch, context):
+    """Every merge_cols the bench sweeps (and the whole-row kernels, 0), with W_UV up to OUT_MAX_TOKENS tokens and
+    the plain merge above, in a CUDA graph with PDL over three layers sharing the arrival counts: equal to the fp32
+    reference within bf16 rounding, deterministic (two replays bit-identical), counts back at zero."""
+    q_nope, q_rope, kv1, table, seq = _decode_inputs(batch, context, 16, seed=5)
+    kv = torch.cat([kv1, kv1.roll(1, 0), kv1.flip(2)], 1)  # three layers
+    gen = torch.Generator().manual_seed(6)
+    w_kv_b = (torch.randn(32 * 256, 512, generator=gen) * 512 ** -0.5).bfloat16().cuda()
+    w_uv = w_uv_of(w_kv_b, 32, 128) if batch <= 4 else None
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    for cols in (0, 32, 64, 128):
+        def step():
+            return [decode_triton(q_nope, q_rope, kv, layer, table, seq, 192 ** -0.5, pdl, w_uv=w_uv, merge_cols=cols)
+                    for layer in range(3)]
+        step()  # compile outside the capture
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                outs = step()
+        graph.replay()
+        first = [o.clone() for o in outs]
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer in range(3):
+            assert torch.equal(outs[layer], first[layer]), f"merge_cols {cols}: replays differ"
+            o_lat = decode_reference(q_nope.float(), q_rope.float(), kv.float(), layer, table, seq, 192 ** -0.5)
+            want = o_lat if w_uv is None else torch.einsum("bhr,hdr->bhd", o_lat.bfloat16().float(),
+                                                           w_uv.float()).flatten(-2)
+            assert _rel(outs[layer], want) <= 1.5e-2, f"merge_cols {cols} layer {layer}"
+        assert not arrival_counts(q_nope.device, 1).any()
