@@ -66,11 +66,11 @@ class MLADecodeConfig(PassConfig):
     # launch choice per batch, recorded into each attention node (the op picks the row at run time: the token count
     # is symbolic here): rows (largest batch, num_splits (0: from the shapes), merge_cols (0: whole-row merge));
     # see kernels.mla_decode.LAUNCH_TABLE (tools/bench_mla9.py measures the choices)
-    launch_table: tuple = _kernels.LAUNCH_TABLE
+    launch_table: str = _kernels.format_launch_table(_kernels.LAUNCH_TABLE)  # '4:0:64/*:0:128'
 
     def validate(self) -> None:
         try:
-            _kernels.check_launch_table(self.launch_table)
+            _kernels.parse_launch_table(self.launch_table)
         except ValueError as e:
             raise PassConfigError(f"p15_mla_decode: {e}") from None
 
@@ -297,7 +297,7 @@ def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
             _, kv, layer, page_table, seq_lens, scale, _ = node.args
             with g.inserting_before(node):
                 fused = g.call_function(FUSED, (q_nope, q_rope, kv, layer, page_table, seq_lens, scale,
-                                                bool(config.pdl), _kernels.flat_launch_table(config.launch_table)))
+                                                bool(config.pdl), _kernels.flat_launch_table(_kernels.parse_launch_table(config.launch_table))))
             set_meta_val(fused, fake_mode)
             replace_uses(node, fused, fake_mode)
             erase_subgraph(gm, [node, q_lat])

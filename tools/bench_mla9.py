@@ -140,6 +140,22 @@ def main() -> int:
                 best[key] = r
     print("\nfastest per shape: " + "; ".join(f"batch {b} ctx {c}: splits {r['num_splits'] or 'auto'} cols "
                                              f"{r['merge_cols'] or 'row'} {r['us']} µs" for (b, c), r in best.items()))
+    # per batch, the (splits, cols) with the least total µs over the contexts that measured it at all of them
+    per_batch = {}
+    for r in rows:
+        if r.get("context") is not None:
+            per_batch.setdefault(r["batch"], {}).setdefault((r["num_splits"], r["merge_cols"]), []).append(r["us"])
+    suggestion = []
+    for batch in sorted(per_batch):
+        full = {k: sum(v) for k, v in per_batch[batch].items() if len(v) == len(args.context)}
+        if full:
+            splits, cols = min(full, key=full.get)
+            suggestion.append((batch, splits, cols))
+    if suggestion:
+        table = [row for row in suggestion[:-1]] + [(mla.ANY_BATCH, *suggestion[-1][1:])]
+        print(f"\nsuggested P15 option (fastest summed over contexts): "
+              f"p15_mla_decode.launch_table={mla.format_launch_table(table)}"
+              f" (today: {mla.format_launch_table(mla.LAUNCH_TABLE)})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "pdl": pdl, "rows": rows, "notes": notes,

@@ -62,7 +62,8 @@ OUT_MAX_TOKENS = 4  # up to this many tokens the merge kernel applies W_UV; abov
 # load (the whole-row kernel, merge_cols 0, walks the splits one L2 round trip at a time), and with W_UV that column
 # block of W_UV [dv, merge_cols]: at batch 1 the grid is H x r / 64 = 256 programs instead of H x 2, and each
 # (request, head)'s last-arriving program sums the column blocks' dv partials.
-LAUNCH_TABLE = ((4, 0, 64), (1 << 30, 0, 128))
+ANY_BATCH = 1 << 30  # the last row's largest batch, spelled '*' in P15's option
+LAUNCH_TABLE = ((4, 0, 64), (ANY_BATCH, 0, 128))
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -403,6 +404,23 @@ def check_launch_table(table) -> None:
             raise ValueError(f"mla decode launch table: row {row!r} needs a largest batch above the previous row's, "
                              f"num_splits >= 0 and merge_cols 0 or a power of two")
         last = largest
+
+
+def parse_launch_table(text: str) -> tuple:
+    """'LARGEST:SPLITS:COLS/.../*:SPLITS:COLS' (P15's option as flags, config files and ladder variants spell it;
+    '*' = any batch) -> LAUNCH_TABLE-style rows."""
+    try:
+        rows = tuple(tuple(ANY_BATCH if i == 0 and v == "*" else int(v) for i, v in enumerate(row.split(":")))
+                     for row in text.replace(" ", "").split("/"))
+    except ValueError:
+        raise ValueError(f"mla decode launch table {text!r}: expected 'largest batch:num_splits:merge_cols/...'") \
+            from None
+    check_launch_table(rows)
+    return rows
+
+
+def format_launch_table(table) -> str:
+    return "/".join(":".join("*" if i == 0 and v >= ANY_BATCH else str(v) for i, v in enumerate(row)) for row in table)
 
 
 def launch_for(batch: int, r: int, table=LAUNCH_TABLE) -> tuple[int, int]:

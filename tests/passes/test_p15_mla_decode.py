@@ -4,7 +4,7 @@ the unpassed graph and the eager model, pools included."""
 import pytest
 import torch
 
-from k3compile.passes.kernels import mla_decode  # noqa: F401  (torch.ops.k3.mla_decode_*)
+from k3compile.passes.kernels import mla_decode  # (also registers torch.ops.k3.mla_decode_*)
 
 from .helpers import (BF16_TOL, FP32_TOL, MODELS, assert_same_step, eager_step, graph, inputs_for, layer_counts, model,
                       op_counts, other_batch, run_graph, run_pass)
@@ -83,17 +83,21 @@ def test_options_turn_each_half_off():
 
 
 def test_launch_table_is_recorded_on_every_attention_node_and_checked():
+    from k3compile.passes.pipeline import PipelineConfig
     from k3compile.passes.registry import PassConfigError, get_pass
+    config_cls = get_pass(P15).config_cls
     gm = graph("kimi-linear-tiny", "decode")
-    table = ((1, 4, 8), (1 << 30, 0, 0))
     n = layer_counts(model("kimi-linear-tiny").config)["mla"]
-    assert run_pass(gm, P15, launch_table=table) == 3 * n
+    assert run_pass(gm, P15, launch_table="1:4:8/*:0:0") == 3 * n
     recorded = [node.args[10] for node in gm.graph.nodes if node.target == FUSED_OUT]
     assert recorded == [[1, 4, 8, 1 << 30, 0, 0]] * n
-    assert mla_decode.launch_for(1, 16, table) == (4, 8)
-    assert mla_decode.launch_for(5, 16, table) == (0, 0)
-    for bad in (((4, 0, 48),), ((4, 0, 64), (2, 0, 64)), ((4, -1, 64),), ((4, 64),)):
-        cfg = get_pass(P15).default_config()
-        cfg.launch_table = bad
+    table = mla_decode.parse_launch_table("1:4:8/*:0:0")
+    assert mla_decode.launch_for(1, 16, table) == (4, 8) and mla_decode.launch_for(5, 16, table) == (0, 0)
+    assert mla_decode.parse_launch_table(config_cls().launch_table) == mla_decode.LAUNCH_TABLE
+    cfg = PipelineConfig.default()
+    cfg.set_option(P15, "launch_table", "8:16:64/*:0:128")  # a flag's spelling; the pipeline's dict round-trips
+    assert PipelineConfig.from_dict(cfg.to_dict()).config(P15).launch_table == "8:16:64/*:0:128"
+    for bad in ("4:0:48", "4:0:64/2:0:64", "4:-1:64", "4:64", "a:b:c", "*:0:64/8:0:64"):
+        cfg = config_cls(launch_table=bad)
         with pytest.raises(PassConfigError, match="launch table"):
             cfg.validate()
