@@ -7,9 +7,9 @@ source tools/gpu_setup.sh
 {
   echo "# mla9 on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(git log --oneline -1 2>/dev/null)"
   echo
-  timeout 80 python3 tools/bench_mla9.py --budget-s 55 --out $OUT/mla9.json 2>&1 | grep -v -i warn
+  timeout 70 python3 tools/bench_mla9.py --budget-s 45 --out $OUT/mla9.json 2>&1 | grep -v -i warn
   echo; echo "## MLA GPU tests"; echo '```'
-  timeout 50 python3 -m pytest -q -m gpu -p no:cacheprovider \
+  timeout 45 python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/passes/kernels/test_mla_decode.py tests/passes/test_p15_mla_decode.py > $OUT/mla9_tests.txt 2>&1
   grep -E "passed|failed|FAILED|Error" $OUT/mla9_tests.txt | tail -15; echo '```'
 } > $OUT/mla9.md

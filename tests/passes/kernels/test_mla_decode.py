@@ -192,7 +192,7 @@ def test_cuda_prologue_matches_reference(tokens, q_lora):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("batch,context", [(1, 512), (4, 512), (1, 4096), (8, 4096)])
+@pytest.mark.parametrize("batch,context", [(1, 512), (4, 512), (8, 4096)])
 def test_cuda_column_block_merges_match_whole_row_and_reference(batch, context):
     """Every merge_cols the bench sweeps (and the whole-row kernels, 0), with W_UV up to OUT_MAX_TOKENS tokens and
     the plain merge above, in a CUDA graph with PDL over three layers sharing the arrival counts: equal to the fp32
