@@ -14,14 +14,16 @@ users of the q norm take q' (Kimi Linear has no q-LoRA: Q = None and q' is unuse
 Attention, anchored on `k3::mla_decode`:
 
     mla_decode(cat([q_nope_lat, q_rope], -1), kv, layer, page_table, seq_lens, scale, r)
--> `k3.mla_decode_fused(q_nope_lat, q_rope, kv, layer, page_table, seq_lens, scale, pdl)`
+-> `k3.mla_decode_fused(q_nope_lat, q_rope, kv, layer, page_table, seq_lens, scale, pdl, launch_table)`
+   (launch_table: the config's per-batch (num_splits, merge_cols) rows, flattened; the op picks its row at run time)
 
 (the concatenation disappears: the kernel reads both halves where they are). W_UK before stays a
 cuBLAS batched GEMM. W_UV after (`absorb_out`), anchored on the fused attention:
 
     o = flatten(einsum("bhr,hdr->bhd", o_lat, W_UV))    W_UV = kv_b_proj.weight.unflatten(0, (H, -1))[:, nope:]
       as make_fx spells it: view ops -> bmm(., view ops of the weight) -> view ops, clone, _unsafe_view
--> `k3.mla_decode_fused_out(q_nope, q_rope, kv, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl)`
+-> `k3.mla_decode_fused_out(q_nope, q_rope, kv, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl,
+   launch_table)`
    ([B, H * dv]: the merge kernel applies W_UV per (token, head) up to kernels.mla_decode.OUT_MAX_TOKENS
    tokens, so the batched GEMM, the layout copy after it and one launch leave the decode step).
 
@@ -289,6 +291,7 @@ def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
                 matches += 1
                 norms = _norms_by_input(gm)
     if config.attention:
+        launch_table = _kernels.flat_launch_table(_kernels.parse_launch_table(config.launch_table))
         for node in decodes:
             try:
                 q_lat, q_nope, q_rope = _match_attention(node)
@@ -297,7 +300,7 @@ def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
             _, kv, layer, page_table, seq_lens, scale, _ = node.args
             with g.inserting_before(node):
                 fused = g.call_function(FUSED, (q_nope, q_rope, kv, layer, page_table, seq_lens, scale,
-                                                bool(config.pdl), _kernels.flat_launch_table(_kernels.parse_launch_table(config.launch_table))))
+                                                bool(config.pdl), launch_table))
             set_meta_val(fused, fake_mode)
             replace_uses(node, fused, fake_mode)
             erase_subgraph(gm, [node, q_lat])

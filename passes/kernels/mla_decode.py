@@ -56,12 +56,12 @@ TARGET_PROGRAMS = 264  # split until the grid fills ~2 waves of an H200's 132 SM
 BLOCK_DV = 64  # W_UV rows per program of the merge kernel that applies it (64 x 512 bf16: 64 KB of weight)
 OUT_MAX_TOKENS = 4  # up to this many tokens the merge kernel applies W_UV; above, cuBLAS's batched GEMM (W_UV read
                     # once per head rather than once per token and head) after the plain merge
-# Per-shape launch choices, recorded by P15 into each decode node (the ops' launch_table): rows (largest batch, num_splits (0: from the
-# shapes, `num_splits_for`), merge_cols), the first row covering the batch applies. A merge program handles one
-# (request, head) and merge_cols of the r latent columns, loading all of its splits' partials for them in one 2-D
-# load (the whole-row kernel, merge_cols 0, walks the splits one L2 round trip at a time), and with W_UV that column
-# block of W_UV [dv, merge_cols]: at batch 1 the grid is H x r / 64 = 256 programs instead of H x 2, and each
-# (request, head)'s last-arriving program sums the column blocks' dv partials.
+# Per-shape launch choices, recorded by P15 into each decode node (the ops' launch_table): rows (largest batch,
+# num_splits (0: from the shapes, `num_splits_for`), merge_cols); the first row covering the batch applies. A merge
+# program handles one (request, head) and merge_cols of the r latent columns, loading all of its splits' partials
+# for them in one 2-D load (the whole-row kernel, merge_cols 0, walks the splits one L2 round trip at a time), and
+# with W_UV that column block of W_UV [dv, merge_cols]: at batch 1 the grid is H x r / 64 = 256 programs instead of
+# H x 2, and each (request, head)'s last-arriving program sums the column blocks' dv partials.
 ANY_BATCH = 1 << 30  # the last row's largest batch, spelled '*' in P15's option
 LAUNCH_TABLE = ((4, 0, 64), (ANY_BATCH, 0, 128))
 
@@ -398,7 +398,8 @@ def check_launch_table(table) -> None:
     last = 0
     for row in table:
         if len(row) != 3 or not all(isinstance(v, int) for v in row):
-            raise ValueError(f"mla decode launch table: rows are (largest batch, num_splits, merge_cols) ints, got {row!r}")
+            raise ValueError(f"mla decode launch table: rows are (largest batch, num_splits, merge_cols) ints, "
+                             f"got {row!r}")
         largest, splits, cols = row
         if largest <= last or splits < 0 or cols < 0 or (cols and cols & (cols - 1)):
             raise ValueError(f"mla decode launch table: row {row!r} needs a largest batch above the previous row's, "
