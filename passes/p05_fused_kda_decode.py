@@ -13,7 +13,7 @@ Matched (the ATen form of `KDAMixer.forward` in decode mode), anchored on `k3.kd
 
 where any operand may sit behind a cast to fp32 (bf16 graphs; the fused op upcasts itself), and is
 replaced by `out = k3.fused_kda_decode(x_q, x_k, x_v, w_q, w_k, w_v, f, dt_bias, A_log, b, gate,
-w_norm, conv, ssm, layer, slots, lower_bound | None, eps, f_b, g_b, use_pdl, prefetch)`. With
+w_norm, conv, ssm, layer, slots, lower_bound | None, eps, f_b, g_b, use_pdl, prefetch, launch)`. With
 `absorb_low_rank` (default), an `f` that is `mm(f_a, t(W_fb))` (f_b_proj) and a `gate` that is
 `view(mm(g_a, t(W_gb)), [B, H, V])` (Kimi Linear's g_b_proj) enter the op as their low-rank inputs
 and weights, so the kernel does those GEMVs too at small batch. Only decode graphs have
@@ -28,10 +28,12 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
+from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT, LAYOUTS
+
 from .graph_utils import erase_subgraph, fake_mode_of, is_call, known_equal, replace_uses, set_meta_val, val_of
 from .patterns import NoMatch, is_cast, need, rms_chain, strip_cast
 from .kernels import kda_decode  # noqa: F401  (registers torch.ops.k3.fused_kda_decode)
-from .registry import PassConfig, register_pass
+from .registry import PassConfig, PassConfigError, register_pass
 
 aten = torch.ops.aten
 _SHORT_CONV = torch.ops.k3.short_conv_decode.default
@@ -48,6 +50,15 @@ class FusedKDADecodeConfig(PassConfig):
     # block, all weights) before gdc_wait; False waits first (the schedule before; kept for the bench)
     prefetch: bool = True
     absorb_low_rank: bool = True  # take f_b_proj / g_b_proj (mm of a low-rank input) into the fused op
+    # the kernel's launch layout per batch size (V split, state block width, warps): a name in
+    # model_def/ops/kda_launch.py.LAYOUTS, recorded in each op. P16's `launch` must name the same layout
+    # (its verify inputs, and the fold, reproduce this kernel's reductions bit for bit)
+    launch: str = DEFAULT_LAYOUT
+
+    def validate(self) -> None:
+        if self.launch not in LAYOUTS:
+            raise PassConfigError(f"p05_fused_kda_decode: launch must be one of {', '.join(LAYOUTS)}, "
+                                  f"got {self.launch!r}")
 
 
 class _Pattern:
@@ -238,7 +249,8 @@ def fused_kda_decode(gm: GraphModule, config: FusedKDADecodeConfig) -> int:
         # before the norm's last node: every input is an ancestor of it, so already defined; no other
         # node reads this layer's pool slices, so moving the in-place writes here keeps the semantics
         with g.inserting_before(end):
-            fused = g.call_function(torch.ops.k3.fused_kda_decode.default, (*args, bool(config.use_pdl), bool(config.prefetch)))
+            fused = g.call_function(torch.ops.k3.fused_kda_decode.default,
+                                    (*args, bool(config.use_pdl), bool(config.prefetch), config.launch))
         set_meta_val(fused, fake_mode)
         replace_uses(end, fused, fake_mode)
         erase_subgraph(gm, nodes)

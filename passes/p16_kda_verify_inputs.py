@@ -21,7 +21,7 @@ Matched (the ATen form of `KDAMixer.forward` in verify mode), anchored on `k3.kd
 `kda_verify` (so its writes land last),
 
     k3.kda_verify_inputs(x_k, x_v, w_k, w_v, f, dt_bias | None, A_log, b, conv, layer, slots,
-                         win_k, win_v, win_g, win_beta, lower_bound | None)
+                         win_k, win_v, win_g, win_beta, lower_bound | None, launch)
 
 Nothing is erased: kda_verify still computes the outputs o (they only feed logits) and
 short_conv_verify still stores the conv inputs (win_x) for the conv rollback. f is the up-projected
@@ -40,11 +40,13 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
+from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT, LAYOUTS
+
 from .graph_utils import fake_mode_of, is_call, known_equal, set_meta_val, val_of
 from .kernels import kda_verify_inputs  # noqa: F401  (registers torch.ops.k3.kda_verify_inputs)
 from .p05_fused_kda_decode import _match_forget, _match_gate, _Pattern, _tensor
 from .patterns import NoMatch, need
-from .registry import PassConfig, register_pass
+from .registry import PassConfig, PassConfigError, register_pass
 
 aten = torch.ops.aten
 _SHORT_CONV = torch.ops.k3.short_conv_verify.default
@@ -54,7 +56,15 @@ _VERIFY_INPUTS = torch.ops.k3.kda_verify_inputs.default
 
 @dataclass
 class KDAVerifyInputsConfig(PassConfig):
-    pass  # no options: the op's decode batch is the verify step's rows (see kernels/kda_verify_inputs.py)
+    # (the op's decode batch is the verify step's rows: see kernels/kda_verify_inputs.py)
+    # P5's launch layout, whose blocks the window inputs (and the fold) reproduce: must name the layout
+    # p05_fused_kda_decode.launch names (PipelineConfig.validate checks)
+    launch: str = DEFAULT_LAYOUT
+
+    def validate(self) -> None:
+        if self.launch not in LAYOUTS:
+            raise PassConfigError(f"p16_kda_verify_inputs: launch must be one of {', '.join(LAYOUTS)}, "
+                                  f"got {self.launch!r}")
 
 
 def _match_conv(p: _Pattern, arg, stream: int, kda: Node, heads: int, head_dim: int):
@@ -106,7 +116,7 @@ def kda_verify_inputs(gm: GraphModule, config: KDAVerifyInputsConfig) -> int:
     matches, fake_mode = 0, None
     for kda in [n for n in gm.graph.nodes if is_call(n, _KDA_VERIFY)]:
         try:
-            args = _match(kda)
+            args = (*_match(kda), config.launch)
         except NoMatch:
             continue
         fake_mode = fake_mode or fake_mode_of(gm)

@@ -64,6 +64,12 @@ class PipelineConfig:
                 raise PassConfigError(f"pass {name!r} appears twice in the pipeline order")
             seen.add(name)
             self.config(name).validate()
+        # P5's decode kernel and P16's verify inputs (which the ReplaySSM fold follows) take one KDA launch
+        # layout: the state after speculation is bit-identical to P5's decode only with the same blocks
+        kda = [self.config(n) for n in ("p05_fused_kda_decode", "p16_kda_verify_inputs") if n in self.enabled_passes()]
+        if len(kda) == 2 and kda[0].launch != kda[1].launch:
+            raise PassConfigError(f"p05_fused_kda_decode.launch = {kda[0].launch!r} but p16_kda_verify_inputs.launch "
+                                  f"= {kda[1].launch!r}: they must name one layout")
 
     def to_dict(self) -> dict:
         """JSON-serializable; `from_dict(to_dict())` gives the same pipeline."""

@@ -292,11 +292,12 @@ class LLMEngine:
                                          pad_to_buckets=args.pad_decode_batches)
         self.spec = None
         if proposer is not None or args.speculative is not None:
-            from k3compile.runtime.spec.setup import make_spec_decoder
+            from k3compile.runtime.spec.setup import kda_launch_layout, make_spec_decoder
             ex = self.runner.executor
             self.spec = make_spec_decoder(args, self.provider, spec, max_running, device, proposer,
                                           window_rows=next_bucket(max_running, ex.buckets) or max_running,
-                                          padded=ex.pad_to_buckets)
+                                          padded=ex.pad_to_buckets,
+                                          kda_launch=kda_launch_layout(getattr(self.provider, "manifest", None)))
             ex.prepare_verify(self.spec.window, self.spec.gamma + 1, self.spec.feature_layers)
         self._requests: dict[str, Request] = {}  # added and not yet reported finished
         self._outbox: dict[str, Request] = {}  # requests with something to report at the next step

@@ -28,8 +28,8 @@ from bench_kda_decode import check_split, fused, make_layer_inputs  # noqa: E402
 from bench_pdl_chain import time_chain  # noqa: E402
 
 from k3compile.model_def.config import get_preset  # noqa: E402
+from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT, v_split_for  # noqa: E402
 from k3compile.passes.kernels import gemv as gemv_kernels  # noqa: E402
-from k3compile.passes.kernels import kda_decode  # noqa: E402
 from k3compile.passes.kernels.pdl import pdl_available  # noqa: E402
 
 
@@ -99,7 +99,7 @@ def main() -> None:
                                        num_slots=a.slots)
         x = torch.randn(b, d, device="cuda", dtype=dt)
         weights = [torch.randn(n_in, d, device="cuda", dtype=dt) / d ** 0.5 for _ in range(a.layers)]
-        split = kda_decode.default_v_split(b, h, kd)
+        split = v_split_for(DEFAULT_LAYOUT, b, h, kd)
         print(f"\n### batch {b} (default V split {split})\n")
         print("| predecessor | arm | µs/layer chain | µs/layer predecessor alone | KDA adds | rel err |")
         print("|---|---|---|---|---|---|")

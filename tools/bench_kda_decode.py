@@ -21,6 +21,7 @@ import torch
 
 from k3compile.model_def.config import get_preset
 from k3compile.model_def.ops.cuda_backend import BACKENDS
+from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT, v_split_for
 from k3compile.passes.kernels import kda_decode
 from k3compile.passes.kernels.pdl import pdl_available
 
@@ -146,7 +147,7 @@ def main() -> None:
     for b in a.batch:
         layer_args = make_layer_inputs(b, cfg.kda_num_heads, cfg.kda_head_dim, cfg.gate_lower_bound,
                                        cfg.kda_full_rank_gate, a.layers, dtype, gen)
-        default_split = kda_decode.default_v_split(b, cfg.kda_num_heads, cfg.kda_head_dim)
+        default_split = v_split_for(DEFAULT_LAYOUT, b, cfg.kda_num_heads, cfg.kda_head_dim)
         arms = [] if a.no_unfused else [("unfused", unfused, None)]
         arms += [("fused default", fused, None)]
         arms += [(f"fused split {s}" + (" (old kernel schedule)" if s == 1 else ""), fused, s)

@@ -27,10 +27,14 @@ model_def's kda_gate, k3::kda_decode, the gated RMSNorm), so a CPU engine with P
 numbers as one without it. CUDA runs the Triton kernel, one launch: at large batch one program per
 (request, head) holding the head's K x V state in column blocks, then the gated RMSNorm over V in the
 same program; at small batch (too few programs to fill the GPU) each head's V columns are split over
-`default_v_split` programs, each owning a [K, V / split] slice of the state; every part stores its
+`v_split_for` programs (model_def/ops/kda_launch.py: the launch layouts), each owning a [K, V / split] slice of the state; every part stores its
 gated, not yet RMS-scaled output in fp32 and its sum of squares, and the last part of the head to
 arrive (an atomic counter that it zeroes again) scales the head and writes the output (no second
 kernel, no zero fill).
+
+Launch layout: the op's `launch` argument (P5's option) names a layout of model_def/ops/kda_launch.py: V
+split, state block width and warps per batch size (the ReplaySSM fold and P16's verify-inputs kernel take
+the same name to reproduce the kernel's reductions bit for bit). The CPU reference ignores it.
 
 Programmatic dependent launch: the op's `use_pdl` argument (P5's option, so an engine records it)
 launches the kernel with `launch_pdl=True` where Triton and the GPU support it (sm90+); with `prefetch`
@@ -49,6 +53,7 @@ import torch
 from torch.library import custom_op
 
 from k3compile.model_def.ops import library as k3ops  # noqa: F401  (registers the unfused k3 ops)
+from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT, block_v_for, check_layout, v_split_for, warps_for
 from k3compile.model_def.ops.kda_math import L2_EPS, kda_gate
 
 from .arrivals import arrival_counters
@@ -60,11 +65,10 @@ try:
 except ImportError:  # CPU-only install: the op still works through the reference
     triton = None
 
-# The kernel walks the [K, V] state in [K, V_BLOCK] column blocks; heads beyond 128 x 128 run the
+# The kernel walks the [K, V] state in [K, BV] column blocks; heads beyond 128 x 128 run the
 # reference (no model we serve has them; the launch heuristics are tuned up to there).
 KERNEL_MAX_TILE = 128 * 128
 ARRIVALS_OWNER = "kda_decode"  # its counters in kernels.arrivals (one per (request, head) while split)
-V_BLOCK = 32
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus(beta=1, threshold=20), as kda_gate uses
 # Above this batch the absorbed low-rank up-projections (f_b_proj, g_b_proj) run as cuBLAS GEMMs before
 # the kernel: inside it every (request, head) program re-reads its weight rows, which pays at small
@@ -74,16 +78,10 @@ LOW_RANK_IN_KERNEL_MAX_BATCH = 16
 # loaded before gdc_wait up to this many elements (128 x 128: K = rank = 128, the 48B shape); larger ranks
 # load in chunks after the wait.
 LOW_RANK_TILE_MAX = 128 * 128
-# At small batch a head's V columns are split over several programs (one per
-# [K, V / split] slice of the state), down to MIN_V_PER_PROGRAM columns each: at batch 1 one program
-# per (request, head) leaves 100 of 132 SMs idle and the kernel latency-bound.
-# Measured on the H200 (tools/bench_kda_decode.py, session 4): split 4 was fastest wherever
-# batch x heads <= 128 (48B bs1: 19.2 -> 11.3 us; k3-mini-6b bs1: 16.3 -> 9.3, bs8: 18.5 -> 13.7); 8 parts
-# lost to 4 everywhere (the cross-part norm costs more than the extra programs give); above 128 rows
-# (48B bs8, bs64) one program per (request, head) won.
-MAX_ROWS_TO_SPLIT = 128
-MAX_V_SPLIT = 4
-MIN_V_PER_PROGRAM = 16
+# At small batch a head's V columns are split over several programs (one per [K, V / split] slice of the
+# state): at batch 1 one program per (request, head) leaves 100 of 132 SMs idle and the kernel latency-bound.
+# How many parts, how wide a block and how many warps: a named layout of model_def/ops/kda_launch.py (the
+# fold and the verify-inputs kernel follow the same rule; session 4 and kda8's measurements are there).
 
 # --------------------------------------------------------------------------- argument checks
 
@@ -474,28 +472,17 @@ def _row_major_rows(t: torch.Tensor) -> torch.Tensor:
 # same bits, as under TRITON_INTERPRET. These kernels are latency-bound: the extra instructions cost little.
 
 
-def default_v_split(batch: int, heads: int, value_dim: int) -> int:
-    """Parts each head's V columns are split into: up to MAX_V_SPLIT while batch x heads <= MAX_ROWS_TO_SPLIT,
-    parts of at least MIN_V_PER_PROGRAM columns. From static shapes only (CUDA-graph replays see one grid)."""
-    if batch * heads > MAX_ROWS_TO_SPLIT:
-        return 1
-    split = 1
-    while split < MAX_V_SPLIT and value_dim % (2 * split) == 0 and value_dim // (2 * split) >= MIN_V_PER_PROGRAM:
-        split *= 2
-    return split
-
-
 def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                             beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound,
                             norm_eps, f_b_weight=None, g_b_weight=None, use_pdl: bool = False,
                             num_warps: int | None = None, v_split: int | None = None, prefetch: bool = True,
-                            block_v: int | None = None) -> torch.Tensor:
+                            block_v: int | None = None, layout: str = DEFAULT_LAYOUT) -> torch.Tensor:
     """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). v_split: parts
-    per head along V (default `default_v_split`; 1 = one program per (request, head)). prefetch: with PDL,
-    load what the previous kernel does not write before gdc_wait (False: wait first). block_v: columns
-    per state block (a power of 2; default min(next_pow2(V / v_split), V_BLOCK)); num_warps: default
-    4 for a block of >= 64 x 32, else 1. The defaults are what runtime/spec/fold_kernel.py's `p5_block`
-    mirrors: changing them changes the reduction layout the fold must reproduce bit for bit."""
+    per head along V, block_v (columns per state block, a power of 2) and num_warps default to what the
+    launch `layout` (model_def/ops/kda_launch.py) picks for this batch; v_split 1 = one program per (request,
+    head). prefetch: with PDL, load what the previous kernel does not write before gdc_wait (False: wait
+    first). The fold (runtime/spec/fold_kernel.py) and the verify-inputs kernel use the same layout's blocks:
+    overriding block_v / num_warps changes the reduction order they reproduce bit for bit."""
     if triton is None:
         raise RuntimeError("fused_kda_decode: triton is not installed")
     b, h, kd, vd, width = check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias,
@@ -509,7 +496,8 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
         raise ValueError("fused_kda_decode kernel: conv pool [slot, layer] blocks must be row-major")
     if ssm_pool.stride(4) != 1 or ssm_pool.stride(3) != vd or ssm_pool.stride(2) != kd * vd:
         raise ValueError("fused_kda_decode kernel: ssm pool [slot, layer] blocks must be row-major")
-    split = default_v_split(b, h, vd) if v_split is None else int(v_split)
+    check_layout(layout)
+    split = v_split_for(layout, b, h, vd) if v_split is None else int(v_split)
     if split < 1 or vd % split:
         raise ValueError(f"fused_kda_decode kernel: v_split {split} must be >= 1 and divide V = {vd}")
     q_in, k_in, v_in, f, gate = (_row_major_rows(t) for t in (q_in, k_in, v_in, f, gate))
@@ -531,7 +519,7 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
     use_pdl = pdl_for(use_pdl, v_in)
     v_per = vd // split
     bk = triton.next_power_of_2(kd)
-    bv = min(triton.next_power_of_2(v_per), V_BLOCK) if block_v is None else int(block_v)
+    bv = block_v_for(layout, split, vd) if block_v is None else int(block_v)
     if bv < 1 or bv & (bv - 1):
         raise ValueError(f"fused_kda_decode kernel: block_v {bv} must be a power of 2")
     # the low-rank weights load as one tile (before gdc_wait) while it is small; else in chunks after it
@@ -539,7 +527,7 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
     f_tile, g_tile = (triton.next_power_of_2(r) if r and rows * triton.next_power_of_2(r) <= LOW_RANK_TILE_MAX
                       else 0 for r, rows in ((f_rank, bk), (g_rank if split > 1 else 0, bv)))
     if num_warps is None:
-        num_warps = 4 if bk * bv >= 64 * 32 else 1
+        num_warps = warps_for(layout, kd, bv)
     extra = {"launch_pdl": True} if use_pdl else {}
     _fused_kda_decode_kernel[(b * h, split)](
         q_in, k_in, v_in, q_in.stride(0), k_in.stride(0), v_in.stride(0),
@@ -571,8 +559,10 @@ def fused_kda_decode(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
                      norm_weight: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, layer: int,
                      slots: torch.Tensor, lower_bound: float | None, norm_eps: float,
                      f_b_weight: torch.Tensor | None = None, g_b_weight: torch.Tensor | None = None,
-                     use_pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
-    """A KDA layer's decode step after its input GEMM: [B, H, V] gated-norm output. See module doc."""
+                     use_pdl: bool = False, prefetch: bool = True, launch: str = DEFAULT_LAYOUT) -> torch.Tensor:
+    """A KDA layer's decode step after its input GEMM: [B, H, V] gated-norm output. See module doc.
+    launch: the kernel's launch layout, a name in model_def/ops/kda_launch.py."""
+    check_layout(launch)
     return fused_kda_decode_reference(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias,
                                       a_log, beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots,
                                       lower_bound, norm_eps, f_b_weight, g_b_weight)
@@ -581,7 +571,7 @@ def fused_kda_decode(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
 @fused_kda_decode.register_kernel("cuda")
 def _fused_kda_decode_cuda(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                            beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps,
-                           f_b_weight=None, g_b_weight=None, use_pdl=False, prefetch=True):
+                           f_b_weight=None, g_b_weight=None, use_pdl=False, prefetch=True, launch=DEFAULT_LAYOUT):
     h = a_log.shape[0]
     if q_in.shape[0] > LOW_RANK_IN_KERNEL_MAX_BATCH:  # cuBLAS reads each weight once for the whole batch
         f, gate = expand_low_rank(f, gate, f_b_weight, g_b_weight, h)
@@ -591,14 +581,15 @@ def _fused_kda_decode_cuda(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_con
     vd = gate.shape[-1] if g_b_weight is None else g_b_weight.shape[0] // h
     if kernel_supports(q_in.shape[-1] // h, vd):
         with torch.cuda.device(q_in.device):  # Triton launches on the current device
-            return fused_kda_decode_triton(*args, use_pdl=use_pdl, prefetch=prefetch)
+            return fused_kda_decode_triton(*args, use_pdl=use_pdl, prefetch=prefetch, layout=launch)
     return fused_kda_decode_reference(*args)
 
 
 @fused_kda_decode.register_fake
 def _fused_kda_decode_fake(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                            beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps,
-                           f_b_weight=None, g_b_weight=None, use_pdl=False, prefetch=True):
+                           f_b_weight=None, g_b_weight=None, use_pdl=False, prefetch=True, launch=DEFAULT_LAYOUT):
+    check_layout(launch)
     b, h, _, vd, _ = check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                                 beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, f_b_weight,
                                 g_b_weight)

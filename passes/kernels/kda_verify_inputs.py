@@ -7,7 +7,8 @@ bit-identical to what P5's fused decode kernel (kda_decode.py) writes, the store
 values P5 computes in its registers -- Triton's sigmoid/exp differ from torch's in the last bits. This
 kernel computes them with P5's own code: its `_short_conv_step` jit helper (on a scratch copy of the
 committed conv windows, so the pool is not written) and P5's gate and beta expressions, in P5's
-column blocks for a decode step of the same batch (`decode_batch`).
+column blocks for a decode step of the same batch (`decode_batch`) under the same launch layout
+(`launch`, model_def/ops/kda_launch.py).
 
 One program per (request, head); positions in order. Inputs are P5's (the op's inputs after the
 projections, one [B, L, ...] block per request), with f already up-projected (no low-rank absorb).
@@ -29,6 +30,7 @@ import torch
 from torch.library import custom_op
 
 from k3compile.model_def.ops import library as k3ops  # noqa: F401  (registers the unfused k3 ops)
+from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT, block_v_for, check_layout, v_split_for, warps_for
 from k3compile.model_def.ops.kda_math import kda_gate
 from k3compile.model_def.ops.verify import conv_from_window, store_window_inputs
 
@@ -37,7 +39,7 @@ from .kda_decode import kernel_supports, triton
 if triton is not None:
     import triton.language as tl
 
-    from .kda_decode import V_BLOCK, _short_conv_read, _short_conv_write, default_v_split
+    from .kda_decode import _short_conv_read, _short_conv_write
 
     @triton.jit
     def _verify_inputs_kernel(xk_ptr, xv_ptr, wk_ptr, wv_ptr, f_ptr, dt_ptr, alog_ptr, b_ptr,
@@ -86,9 +88,10 @@ if triton is not None:
 
 def kda_verify_inputs_triton(x_k, x_v, k_conv_weight, v_conv_weight, f, dt_bias, a_log, beta_logits, conv_pool,
                              layer: int, slots, win_k, win_v, win_g, win_beta, lower_bound,
-                             decode_batch: int | None = None) -> None:
+                             decode_batch: int | None = None, layout: str = DEFAULT_LAYOUT) -> None:
     """x_k, x_v, f [B, L, H*K]; beta_logits [B, L, H]; writes win_* [B, n_kda, L, H, ...] at `layer` (rows 0..B-1).
-    The pool's committed conv windows are read (a scratch copy advances), never written."""
+    The pool's committed conv windows are read (a scratch copy advances), never written. The column blocks
+    and warps are those P5's launch `layout` uses for a decode step of `decode_batch` (default B) requests."""
     if triton is None:
         raise RuntimeError("kda_verify_inputs: triton is not installed")
     b, length, c = x_k.shape
@@ -99,14 +102,14 @@ def kda_verify_inputs_triton(x_k, x_v, k_conv_weight, v_conv_weight, f, dt_bias,
     x_k, x_v, f, beta_logits = (t.contiguous() for t in (x_k, x_v, f, beta_logits))
     wk, wv, wg, wb = (t[:, layer] for t in (win_k, win_v, win_g, win_beta))
     bk = triton.next_power_of_2(kd)
-    bv = min(triton.next_power_of_2(kd // default_v_split(decode_batch or b, h, kd)), V_BLOCK)
+    bv = block_v_for(layout, v_split_for(layout, decode_batch or b, h, kd), kd)
     _verify_inputs_kernel[(b * h,)](
         x_k, x_v, k_conv_weight.contiguous(), v_conv_weight.contiguous(), f, dt_bias.contiguous(), a_log.contiguous(),
         beta_logits, scratch, scratch.stride(0),
         wk, wv, wg, wb, wk.stride(0), wk.stride(1), wb.stride(0), wb.stride(1),
         float(lower_bound) if lower_bound is not None else 0.0, length,
         H=h, K=kd, V=kd, WIDTH=width, WPAD=triton.next_power_of_2(max(width - 1, 1)), BK=bk, BV=bv,
-        SOFTPLUS_GATE=lower_bound is None, num_warps=4 if bk * bv >= 64 * 32 else 1,
+        SOFTPLUS_GATE=lower_bound is None, num_warps=warps_for(layout, kd, bv),
         enable_fp_fusion=False)  # as P5 (kda_decode.NO_FMA_WHY)
 
 
@@ -157,9 +160,11 @@ def kda_verify_inputs(x_k: torch.Tensor, x_v: torch.Tensor, k_conv_weight: torch
                       f: torch.Tensor, dt_bias: torch.Tensor | None, a_log: torch.Tensor, beta_logits: torch.Tensor,
                       conv_pool: torch.Tensor, layer: int, slots: torch.Tensor, win_k: torch.Tensor,
                       win_v: torch.Tensor, win_g: torch.Tensor, win_beta: torch.Tensor,
-                      lower_bound: float | None) -> None:
+                      lower_bound: float | None, launch: str = DEFAULT_LAYOUT) -> None:
     """A KDA layer's ReplaySSM window rows from its pre-conv inputs x_k, x_v [B*n, H*K], the up-projected
-    forget input f [B*n, H*K] (dt_bias None: f already includes it) and the beta logits [B*n, H]. See module doc."""
+    forget input f [B*n, H*K] (dt_bias None: f already includes it) and the beta logits [B*n, H]. launch: P5's
+    launch layout (model_def/ops/kda_launch.py), whose blocks the kernel uses. See module doc."""
+    check_layout(launch)
     _check(x_k, x_v, k_conv_weight, v_conv_weight, f, dt_bias, a_log, beta_logits, conv_pool, layer, slots,
            win_k, win_v, win_g, win_beta)
     kda_verify_inputs_reference(x_k, x_v, k_conv_weight, v_conv_weight, f, dt_bias, a_log, beta_logits, conv_pool,
@@ -175,7 +180,7 @@ def _kernel_takes(x_k, a_log, win_k, win_v, win_g, win_beta) -> bool:
 
 @kda_verify_inputs.register_kernel("cuda")
 def _kda_verify_inputs_cuda(x_k, x_v, k_conv_weight, v_conv_weight, f, dt_bias, a_log, beta_logits, conv_pool,
-                            layer, slots, win_k, win_v, win_g, win_beta, lower_bound):
+                            layer, slots, win_k, win_v, win_g, win_beta, lower_bound, launch=DEFAULT_LAYOUT):
     _check(x_k, x_v, k_conv_weight, v_conv_weight, f, dt_bias, a_log, beta_logits, conv_pool, layer, slots,
            win_k, win_v, win_g, win_beta)
     if not _kernel_takes(x_k, a_log, win_k, win_v, win_g, win_beta):
@@ -188,10 +193,11 @@ def _kda_verify_inputs_cuda(x_k, x_v, k_conv_weight, v_conv_weight, f, dt_bias, 
     with torch.cuda.device(x_k.device):  # Triton launches on the current device
         kda_verify_inputs_triton(per_request(x_k), per_request(x_v), k_conv_weight, v_conv_weight, per_request(f),
                                  dt_bias, a_log, per_request(beta_logits), conv_pool, layer, slots, win_k, win_v,
-                                 win_g, win_beta, lower_bound, decode_batch=b)
+                                 win_g, win_beta, lower_bound, decode_batch=b, layout=launch)
 
 
 @kda_verify_inputs.register_fake
 def _kda_verify_inputs_fake(x_k, x_v, k_conv_weight, v_conv_weight, f, dt_bias, a_log, beta_logits, conv_pool,
-                            layer, slots, win_k, win_v, win_g, win_beta, lower_bound):
+                            layer, slots, win_k, win_v, win_g, win_beta, lower_bound, launch=DEFAULT_LAYOUT):
+    check_layout(launch)
     return None  # (no shape checks here: the sizes are symbolic while a pass builds the graph)

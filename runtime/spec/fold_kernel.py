@@ -11,10 +11,10 @@ for the same inputs:
     per [BK, BV=32] column block of the state:  s = s * decay[:, None];
     kv    = sum(s * k[:, None], axis=0);  s += k[:, None] * ((v - kv) * beta)[None, :]
 
-P5 walks the state in [K, BV] column blocks, BV = min(V / split, 32) with the V split it picks from the
-decode batch's size (`p5_block`, mirrored from passes/kernels/kda_decode.py and tested against it), and
-the block's shape and num_warps fix the reductions' order: so the fold uses the blocks P5 would use
-for a decode step of the same batch. Here a block stays in registers across the accepted positions
+P5 walks the state in [K, BV] column blocks whose width and warps its launch layout picks from the decode
+batch's size (model_def/ops/kda_launch.py, the one rule both import), and the block's shape and num_warps
+fix the reductions' order: so the fold uses the blocks P5 would use for a decode step of the same batch
+under the same layout (the engine's P5 `launch` option). Here a block stays in registers across the accepted positions
 (loading and storing fp32 is exact) and is stored once. The conv windows roll back separately
 (`draft_window.roll_conv`).
 
@@ -28,6 +28,7 @@ import os
 import torch
 
 from k3compile.model_def.draft_window import DraftWindow, check_commit, commit_reference, roll_conv
+from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT, check_layout, kda_launch
 from k3compile.model_def.ops.kda_math import L2_EPS
 
 try:
@@ -35,25 +36,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only install: commit runs the reference
     triton = None
-
-# P5's launch heuristics (passes/kernels/kda_decode.py: V_BLOCK, MAX_ROWS_TO_SPLIT, MAX_V_SPLIT,
-# MIN_V_PER_PROGRAM, default_v_split, the num_warps rule); tests/runtime/spec/test_fold_kernel.py checks they agree
-V_BLOCK = 32
-MAX_ROWS_TO_SPLIT = 128
-MAX_V_SPLIT = 4
-MIN_V_PER_PROGRAM = 16
-
-
-def p5_block(batch: int, heads: int, head_k: int, head_v: int) -> tuple[int, int]:
-    """(BV, num_warps) of P5's decode kernel for a decode step of `batch` requests."""
-    split = 1
-    while (batch * heads <= MAX_ROWS_TO_SPLIT and split < MAX_V_SPLIT and head_v % (2 * split) == 0
-           and head_v // (2 * split) >= MIN_V_PER_PROGRAM):
-        split *= 2
-    bk = triton.next_power_of_2(head_k)
-    bv = min(triton.next_power_of_2(head_v // split), V_BLOCK)
-    return bv, 4 if bk * bv >= 64 * 32 else 1
-
 
 def fold_reference(cache, window: DraftWindow, slots: list[int], accept_lens: list[int]) -> None:
     commit_reference(cache, window, slots, accept_lens)
@@ -107,9 +89,10 @@ def kernel_supports(window: DraftWindow) -> bool:
 
 
 def fold_triton(cache, window: DraftWindow, slots: torch.Tensor, accept_lens: torch.Tensor,
-                decode_batch: int | None = None) -> None:
+                decode_batch: int | None = None, layout: str = DEFAULT_LAYOUT) -> None:
     """Fold on the device: `slots`, `accept_lens` int tensors [B] on the pools' device (no host sync).
-    `decode_batch`: the batch whose decode step the state must equal (default B): it picks P5's blocks."""
+    `decode_batch`: the batch whose decode step the state must equal (default B): with P5's launch `layout`
+    it picks P5's blocks."""
     if triton is None:
         raise RuntimeError("fold kernel: triton is not installed")
     if window.spec.kind != "replay":
@@ -127,28 +110,29 @@ def fold_triton(cache, window: DraftWindow, slots: torch.Tensor, accept_lens: to
     if b == 0:
         return
     bk = triton.next_power_of_2(kd)
-    bv, num_warps = p5_block(decode_batch or b, h, kd, vd)  # P5's blocks: the same layout, the same reductions
+    launch = kda_launch(layout, decode_batch or b, h, kd, vd)  # P5's blocks: the same layout, the same reductions
     ks, bs = window.k.stride(), window.beta.stride()
     _fold_kernel[(b * n_layers * h,)](
         ssm, ssm.stride(0), ssm.stride(1),
         window.k, window.v, window.g, window.beta,
         ks[0], ks[1], ks[2], bs[0], bs[1], bs[2],
         slots, accept_lens.to(torch.int32),
-        N_LAYERS=n_layers, H=h, K=kd, V=vd, BK=bk, BV=bv, L2EPS=L2_EPS, num_warps=num_warps,
+        N_LAYERS=n_layers, H=h, K=kd, V=vd, BK=bk, BV=launch.block_v, L2EPS=L2_EPS, num_warps=launch.num_warps,
         enable_fp_fusion=False)  # as P5: no a*b+c contracted into an FMA, so both round alike
 
 
 def commit(cache, window: DraftWindow, slots: list[int], accept_lens: list[int], use_kernel: bool | None = None,
-           decode_batch: int | None = None) -> None:
+           decode_batch: int | None = None, layout: str = DEFAULT_LAYOUT) -> None:
     """Keep each request's accepted prefix: fold (replay) or select (snapshot), then roll the conv windows.
-    `use_kernel` None: the Triton fold on CUDA, the torch reference elsewhere; `decode_batch`: see fold_triton."""
+    `use_kernel` None: the Triton fold on CUDA, the torch reference elsewhere; `decode_batch`, `layout`: see fold_triton."""
     check_commit(window, slots, accept_lens)
+    check_layout(layout)
     dev = cache.ssm.device
     if use_kernel is None:
         use_kernel = dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     if window.spec.kind == "replay" and use_kernel and kernel_supports(window):
         fold_triton(cache, window, torch.as_tensor(slots, dtype=torch.int64, device=dev),
-                    torch.as_tensor(accept_lens, dtype=torch.int32, device=dev), decode_batch)
+                    torch.as_tensor(accept_lens, dtype=torch.int32, device=dev), decode_batch, layout)
         roll_conv(cache, window, slots, accept_lens)
         return
     commit_reference(cache, window, slots, accept_lens)

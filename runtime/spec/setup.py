@@ -1,6 +1,8 @@
 """Build the engine's speculative decoder from EngineArgs: the proposer, the planner, the draft window."""
 from __future__ import annotations
 
+from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT
+
 from .cost_profile import CostProfile
 from .ngram import NgramProposer
 from .planner import Planner
@@ -24,10 +26,19 @@ def make_proposer(name: str, draft: str | None, gamma: int, target, device: str)
     raise ValueError(f"unknown speculative method {name!r}; expected one of {', '.join(PROPOSERS)}")
 
 
+def kda_launch_layout(manifest: dict | None) -> str:
+    """The KDA launch layout an engine's P5 kernels were built with (its manifest's build pipeline), which the
+    fold must follow; DEFAULT_LAYOUT without an engine or for one built before P5 had the option."""
+    pipeline = ((manifest or {}).get("build") or {}).get("pipeline") or {}
+    return ((pipeline.get("passes") or {}).get("p05_fused_kda_decode") or {}).get("launch", DEFAULT_LAYOUT)
+
+
 def make_spec_decoder(args, target, cache_spec, max_running: int, device: str, proposer=None,
-                      window_rows: int | None = None, padded: bool = False) -> SpecDecoder:
+                      window_rows: int | None = None, padded: bool = False,
+                      kda_launch: str = DEFAULT_LAYOUT) -> SpecDecoder:
     """`window_rows`: draft-window rows (>= the largest verify batch, padding included); `padded`: verify
-    steps run padded to buckets (CUDA graphs), so a step costs what its longest request costs."""
+    steps run padded to buckets (CUDA graphs), so a step costs what its longest request costs; `kda_launch`:
+    P5's launch layout in the graphs (`kda_launch_layout` of the engine's manifest)."""
     if args.spec_window not in WINDOW_KINDS:
         raise ValueError(f"spec_window must be one of {WINDOW_KINDS}, got {args.spec_window!r}")
     if args.num_speculative_tokens < 1:
@@ -36,4 +47,5 @@ def make_spec_decoder(args, target, cache_spec, max_running: int, device: str, p
         proposer = make_proposer(args.speculative, args.draft, args.num_speculative_tokens, target, device)
     profile = CostProfile.load(args.spec_profile) if args.spec_profile else None
     planner = Planner(args.spec_plan, profile, padded=padded)
-    return SpecDecoder(proposer, planner, args.spec_window, cache_spec, window_rows or max_running, device)
+    return SpecDecoder(proposer, planner, args.spec_window, cache_spec, window_rows or max_running, device,
+                       kda_launch=kda_launch)

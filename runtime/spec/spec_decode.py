@@ -27,6 +27,7 @@ import torch
 
 from k3compile.model_def.batch import ForwardBatch
 from k3compile.model_def.draft_window import DraftWindow, DraftWindowSpec
+from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT, check_layout
 from k3compile.runtime.executor import next_bucket
 from k3compile.runtime.memory.base import OutOfMemoryError
 from k3compile.runtime.sampler import sampling_probs
@@ -71,8 +72,10 @@ class SpecResult:
 
 
 class SpecDecoder:
-    def __init__(self, proposer, planner: Planner, window_kind: str, cache_spec, max_rows: int, device="cpu"):
+    def __init__(self, proposer, planner: Planner, window_kind: str, cache_spec, max_rows: int, device="cpu",
+                 kda_launch: str = DEFAULT_LAYOUT):
         self.proposer, self.planner = proposer, planner
+        self.kda_launch = check_layout(kda_launch)  # P5's launch layout: the fold reproduces its blocks
         self.gamma = int(proposer.gamma)
         self.feature_layers = tuple(proposer.feature_layers)  # the executor's prefill / verify steps emit them
         self._features: dict[str, tuple[int, torch.Tensor]] = {}  # rid -> (first position, rows) committed, not passed yet
@@ -167,7 +170,7 @@ class SpecDecoder:
         # graph's window inputs (P16's k3::kda_verify_inputs) took the blocks of its own rows, the same bucket:
         # the engine sizes the window to next_bucket(max_running), so every decode bucket is a verify bucket
         decode_batch = (next_bucket(len(rows), executor.buckets) if executor.pad_to_buckets else None) or len(rows)
-        commit(executor.cache, self.window, slots, accept, decode_batch=decode_batch)
+        commit(executor.cache, self.window, slots, accept, decode_batch=decode_batch, layout=self.kda_launch)
         if feats is not None:  # the anchor's and the accepted drafts' features: the positions now committed
             for i, r in enumerate(rows):
                 if accept[i]:

@@ -111,8 +111,8 @@ def test_options_use_pdl_and_no_low_rank_absorption():
     n_kda = len(cfg.kda_layers)
     gm = _upstream("kimi-linear-tiny", "decode")
     mm0 = op_counts(gm)[torch.ops.aten.mm.default]
-    assert run_pass(gm, P5, use_pdl=False, absorb_low_rank=False, prefetch=False) == n_kda
-    assert all(n.args[18:] == (None, None, False, False) for n in _fused_nodes(gm))
+    assert run_pass(gm, P5, use_pdl=False, absorb_low_rank=False, prefetch=False, launch="wide") == n_kda
+    assert all(n.args[18:] == (None, None, False, False, "wide") for n in _fused_nodes(gm))
     assert op_counts(gm)[torch.ops.aten.mm.default] == mm0  # f_b_proj and g_b_proj stay GEMMs
     absorbed = _upstream("kimi-linear-tiny", "decode")
     run_pass(absorbed, P5)
@@ -131,7 +131,8 @@ def test_graph_json_round_trip_keeps_the_fused_op():
     text = json.dumps(graph_to_dict(gm, "decode", keys), allow_nan=False)
     weights = {k: getattr(gm, k) for k in keys}
     back = graph_from_dict(json.loads(text), weights, tuple(n.target for n in gm.graph.nodes if n.op == "placeholder"))
-    assert [(n.args[16:18], n.args[20]) for n in back.graph.nodes if n.target == FUSED] == [((None, 1e-5), True)] * 4
+    assert [(n.args[16:18], n.args[20], n.args[22]) for n in back.graph.nodes if n.target == FUSED] == \
+        [((None, 1e-5), True, "s8")] * 4  # (the launch layout is recorded in the engine)
     x = inputs_for("kimi-linear-tiny", "decode")
     got, want = run_graph(back, x), run_graph(gm, x)
     for a, b in zip(got[0] + got[1], want[0] + want[1]):

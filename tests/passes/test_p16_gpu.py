@@ -29,7 +29,8 @@ def verify_vs_p5(name: str, dtype, dev: str = "cuda", batch: int = 3, length: in
     from k3compile.model_def.cache import CacheTensors
     from k3compile.model_def.draft_window import DraftWindow, DraftWindowSpec
     from k3compile.model_def.loader import load_model
-    from k3compile.passes.kernels.kda_decode import default_v_split, fused_kda_decode_triton
+    from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT, v_split_for
+    from k3compile.passes.kernels.kda_decode import fused_kda_decode_triton
     from k3compile.passes.kernels.kda_verify_inputs import kda_verify_inputs  # noqa: F401
     from k3compile.passes import p16_kda_verify_inputs as p16_pass
     from k3compile.passes.manager import PassManager
@@ -82,7 +83,6 @@ def verify_vs_p5(name: str, dtype, dev: str = "cuda", batch: int = 3, length: in
     commit(cache, window, slots, list(accept), use_kernel=True, decode_batch=batch)
 
     h, kd = spec.kda_heads, spec.kda_head_k
-    split = default_v_split(batch, h, kd)  # P5's blocks for a decode step of this batch (the op's decode_batch)
     st = torch.tensor(slots, device=dev)
     for t in range(length):  # P5 decodes the accepted tokens, each step the requests that got that far
         rows = [i for i in range(batch) if accept[i] > t]
@@ -95,7 +95,7 @@ def verify_vs_p5(name: str, dtype, dev: str = "cuda", batch: int = 3, length: in
             gate = torch.zeros(len(rows), h, kd, dtype=x_v.dtype, device=dev)  # feeds the output only
             fused_kda_decode_triton(pick(x_q), pick(x_k), pick(x_v), w_q, w_k, w_v, pick(f), dt, a_log, pick(b), gate,
                                     torch.ones(kd, device=dev), p5.conv, p5.ssm, layer, st[rows], lower_bound, 1e-5,
-                                    v_split=split)
+                                    v_split=v_split_for(DEFAULT_LAYOUT, batch, h, kd))  # the op's decode_batch
     return cache, p5, matches
 
 

@@ -17,6 +17,7 @@ from k3compile.model_def.draft_window import DraftWindow, DraftWindowSpec, step_
 from k3compile.passes.kernels import kda_verify_inputs  # noqa: F401  (torch.ops.k3.kda_verify_inputs)
 from k3compile.passes.manager import PassManager, snapshot
 from k3compile.passes.pipeline import PipelineConfig
+from k3compile.passes.registry import PassConfigError
 from k3compile.runtime.spec.fold_kernel import commit
 
 from .helpers import MODELS, graph, model, op_counts, run_pass
@@ -62,10 +63,26 @@ def test_one_op_per_kda_layer_in_verify_graphs(name, dtype):
         assert n.prev.target == KDA_VERIFY and n.prev.args[6] == n.args[9]  # right after its layer's kda_verify
         assert n.args[11:15] == n.prev.args[8:12]  # the same window tensors
         assert n.args[15] == cfg.gate_lower_bound
+        assert n.args[16] == "s8"  # P5's default launch layout, whose blocks the kernel reproduces
         # fp32: P11 folded dt_bias into f_b_proj's GEMM (addmm), so f carries it; bf16: the fp32 add stays
         assert (n.args[5] is None) == (dtype == torch.float32)
         if dtype == torch.float32:
             assert n.args[4].target == torch.ops.aten.addmm.default
+
+
+def test_launch_layout_is_recorded_and_must_be_p5s():
+    gm = _upstream(MODELS[0])
+    run_pass(gm, P16, launch="wide")
+    assert {n.args[16] for n in gm.graph.nodes if n.target == OP} == {"wide"}
+    cfg = PipelineConfig.default()
+    cfg.set_option(P16, "launch", "wide")
+    with pytest.raises(PassConfigError, match="p05_fused_kda_decode.launch = 's8' but p16_kda_verify_inputs.launch"):
+        cfg.validate()
+    cfg.set_option("p05_fused_kda_decode", "launch", "wide")
+    cfg.validate()
+    cfg.set_option(P16, "launch", "fast")
+    with pytest.raises(PassConfigError, match="p16_kda_verify_inputs: launch must be one of s8, wide, got 'fast'"):
+        cfg.validate()
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -13,11 +13,12 @@ from k3compile.model_def.draft_window import DraftWindow, DraftWindowSpec
 pytestmark = pytest.mark.gpu
 
 
-def decode_vs_fold(head_dim, dtype, lower_bound, dev="cuda", batch=4):
+def decode_vs_fold(head_dim, dtype, lower_bound, dev="cuda", batch=4, layout="s8"):
     """(pools after P5 decode, pools after verify inputs + commit); also run on CPU by interpret_fold.py.
-    P5 decodes with the V split it picks for the whole batch (each step decodes the requests that
-    accepted that far, as one batch of `batch` would); the fold and the inputs use that batch's blocks."""
-    from k3compile.passes.kernels.kda_decode import default_v_split, fused_kda_decode_triton
+    P5 decodes with the V split its launch `layout` picks for the whole batch (each step decodes the requests
+    that accepted that far, as one batch of `batch` would); the fold and the inputs use that batch's blocks."""
+    from k3compile.model_def.ops.kda_launch import kda_launch
+    from k3compile.passes.kernels.kda_decode import fused_kda_decode_triton
     from k3compile.passes.kernels.kda_verify_inputs import kda_verify_inputs_triton
     from k3compile.runtime.spec.fold_kernel import commit
 
@@ -29,7 +30,7 @@ def decode_vs_fold(head_dim, dtype, lower_bound, dev="cuda", batch=4):
     accept = ([1, 6, 3, 4] + [1 + i % L for i in range(batch)])[:batch]
     slots = slots[:batch]
     b = len(slots)
-    split = default_v_split(b, h, head_dim)
+    launch = kda_launch(layout, b, h, head_dim, head_dim)  # the whole batch's: blocks and warps as well as the split
     gen = torch.Generator(device=dev).manual_seed(0)  # noqa
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
     pools = [CacheTensors.allocate(spec, b + 3, 1, 4, device=dev) for _ in range(2)]
@@ -50,23 +51,26 @@ def decode_vs_fold(head_dim, dtype, lower_bound, dev="cuda", batch=4):
             pick = lambda x: x[rows, t].contiguous()  # noqa: E731
             fused_kda_decode_triton(pick(w["xq"]), pick(w["xk"]), pick(w["xv"]), w["wq"], w["wk"], w["wv"],
                                     pick(w["f"]), w["dt"], w["alog"], pick(w["bl"]), pick(w["gate"]), w["normw"],
-                                    pools[0].conv, pools[0].ssm, li, st[rows], lower_bound, 1e-5, v_split=split)
+                                    pools[0].conv, pools[0].ssm, li, st[rows], lower_bound, 1e-5, v_split=launch.v_split,
+                                    block_v=launch.block_v, num_warps=launch.num_warps)
     window = DraftWindow.allocate(DraftWindowSpec(spec, L), b, device=dev)
     for li, w in enumerate(layers):  # B: window inputs, then one commit
         kda_verify_inputs_triton(w["xk"], w["xv"], w["wk"], w["wv"], w["f"], w["dt"], w["alog"], w["bl"],
                                  pools[1].conv, li, st, window.k, window.v, window.g, window.beta, lower_bound,
-                                 decode_batch=b)
+                                 decode_batch=b, layout=layout)
         window.x[:, li] = torch.cat([w["xq"], w["xk"], w["xv"]], -1)
     assert torch.equal(pools[1].ssm, ssm0) and torch.equal(pools[1].conv, conv0), "verify wrote the pools"
-    commit(pools[1], window, slots, accept, use_kernel=True, decode_batch=b)
+    commit(pools[1], window, slots, accept, use_kernel=True, decode_batch=b, layout=layout)
     return pools
 
 
-@pytest.mark.parametrize("head_dim,dtype,lower_bound,batch", [
-    (128, torch.bfloat16, -5.0, 4), (128, torch.bfloat16, None, 4), (16, torch.float32, -5.0, 4),
-    (64, torch.bfloat16, -5.0, 4), (128, torch.bfloat16, -5.0, 160)])  # 160 x 2 heads: no V split (32-wide blocks)
-def test_fold_is_bit_identical_to_p5_decode(head_dim, dtype, lower_bound, batch):
-    pools = decode_vs_fold(head_dim, dtype, lower_bound, batch=batch)
+@pytest.mark.parametrize("head_dim,dtype,lower_bound,batch,layout", [
+    (128, torch.bfloat16, -5.0, 4, "s8"), (128, torch.bfloat16, None, 4, "s8"), (16, torch.float32, -5.0, 4, "s8"),
+    (64, torch.bfloat16, -5.0, 4, "s8"), (128, torch.bfloat16, -5.0, 160, "s8"),  # 160 x 2 heads: no V split
+    (128, torch.bfloat16, -5.0, 4, "wide"), (128, torch.bfloat16, None, 4, "wide"),  # split 2, 64 columns, 8 warps
+    (64, torch.bfloat16, -5.0, 4, "wide")])
+def test_fold_is_bit_identical_to_p5_decode(head_dim, dtype, lower_bound, batch, layout):
+    pools = decode_vs_fold(head_dim, dtype, lower_bound, batch=batch, layout=layout)
     torch.cuda.synchronize()
     diff = (pools[1].ssm - pools[0].ssm).abs().max().item()
     assert torch.equal(pools[1].ssm, pools[0].ssm), f"states differ (max abs diff {diff:.3e})"

@@ -33,13 +33,10 @@ def test_commit_refuses_bad_accept_lengths():
         fold_kernel.commit(cache, w, [0, 1, 2], [1, 1, 1])
 
 
-def test_fold_blocks_mirror_p5_launch_heuristics():
-    from k3compile.passes.kernels import kda_decode as p5
-
-    names = ("V_BLOCK", "MAX_ROWS_TO_SPLIT", "MAX_V_SPLIT", "MIN_V_PER_PROGRAM")
-    assert [getattr(fold_kernel, n) for n in names] == [getattr(p5, n) for n in names]
-    for batch in (1, 3, 8, 64, 256):
-        for heads, dim in ((2, 16), (4, 64), (12, 128), (32, 128)):
-            split = p5.default_v_split(batch, heads, dim)
-            bv = min(1 << (dim // split - 1).bit_length(), p5.V_BLOCK)
-            assert fold_kernel.p5_block(batch, heads, dim, dim) == (bv, 4 if dim * bv >= 64 * 32 else 1)
+def test_commit_rejects_an_unknown_launch_layout():
+    spec = CacheSpec(n_kda=1, kda_heads=2, kda_head_k=16, kda_head_v=16, conv_channels=96, conv_window=3, n_mla=1,
+                     kv_width=4, dtype=torch.float32)
+    cache = CacheTensors.allocate(spec, 3, 1, 4)
+    w = DraftWindow.allocate(DraftWindowSpec(spec, 3), 2)
+    with pytest.raises(ValueError, match="unknown KDA decode launch layout 'fast'"):
+        fold_kernel.commit(cache, w, [1, 2], [1, 1], layout="fast")
