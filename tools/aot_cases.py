@@ -23,6 +23,30 @@ def kda(batch, **launch):
     return lambda: kda_decode.fused_kda_decode_triton(*args, use_pdl=True, **launch)
 
 
+def replay_ssm(batch, layout):
+    """P16's verify-inputs kernel and the ReplaySSM fold with the blocks P5's `layout` uses at `batch` (48B shape)."""
+    from k3compile.model_def.cache import CacheSpec, CacheTensors
+    from k3compile.model_def.draft_window import DraftWindow, DraftWindowSpec
+    from k3compile.passes.kernels.kda_verify_inputs import kda_verify_inputs_triton
+    from k3compile.runtime.spec import fold_kernel
+    h, kd, length = 32, 128, 4
+    c = h * kd
+    spec = CacheSpec(n_kda=2, kda_heads=h, kda_head_k=kd, kda_head_v=kd, conv_channels=3 * c, conv_window=3,
+                     n_mla=1, kv_width=576, dtype=BF)
+    cache = CacheTensors.allocate(spec, batch + 1, 1, 4)
+    window = DraftWindow.allocate(DraftWindowSpec(spec, length), batch)
+    slots = torch.arange(batch)
+    x_k, x_v, f = (_randn(batch, length, c) for _ in range(3))
+    conv_w = _randn(c, 4)
+
+    def run():
+        kda_verify_inputs_triton(x_k, x_v, conv_w, conv_w, f, torch.zeros(c), torch.zeros(h), _randn(batch, length, h),
+                                 cache.conv, 0, slots, window.k, window.v, window.g, window.beta, None,
+                                 decode_batch=batch, layout=layout)
+        fold_kernel.fold_triton(cache, window, slots, torch.ones(batch, dtype=torch.int32), batch, layout)
+    return run
+
+
 def gemv_case(m, n, k, block_n, block_k, split_k, design, num_warps=4):
     x, w = _randn(m, k), _randn(n, k)
     return lambda: gemv.gemv_triton(x, w, None, block_n, block_k, split_k, num_warps=num_warps, design=design,
@@ -62,6 +86,11 @@ CASES = [
     ("kda 48B batch 1 (split 4, prefetch)", kda(1)),
     ("kda 48B batch 1, wait first", kda(1, prefetch=False)),
     ("kda 48B batch 8 (split 1)", kda(8)),
+    ("kda 48B batch 1, layout wide (split 2, 64 columns, 8 warps)", kda(1, layout="wide")),
+    ("kda 48B batch 1, layout wide, wait first", kda(1, layout="wide", prefetch=False)),
+    ("kda 48B batch 8, 128-column blocks, 8 warps (bench_kda9's sweep)", kda(8, block_v=128, num_warps=8)),
+    ("verify inputs + fold 48B batch 1, layout s8", replay_ssm(1, "s8")),
+    ("verify inputs + fold 48B batch 1, layout wide", replay_ssm(1, "wide")),
     ("gemv rows o_proj M=1", gemv_case(1, 2304, 4096, 4, 1024, 1, gemv.DESIGNS["rows"])),
     ("gemv rows in_proj M=1", gemv_case(1, 12576, 2304, 16, 256, 1, gemv.DESIGNS["rows"])),
     ("gemv dot o_proj M=8", gemv_case(8, 2304, 4096, 64, 128, 8, gemv.DESIGNS["dot"])),

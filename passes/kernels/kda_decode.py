@@ -27,10 +27,10 @@ model_def's kda_gate, k3::kda_decode, the gated RMSNorm), so a CPU engine with P
 numbers as one without it. CUDA runs the Triton kernel, one launch: at large batch one program per
 (request, head) holding the head's K x V state in column blocks, then the gated RMSNorm over V in the
 same program; at small batch (too few programs to fill the GPU) each head's V columns are split over
-`v_split_for` programs (model_def/ops/kda_launch.py: the launch layouts), each owning a [K, V / split] slice of the state; every part stores its
-gated, not yet RMS-scaled output in fp32 and its sum of squares, and the last part of the head to
-arrive (an atomic counter that it zeroes again) scales the head and writes the output (no second
-kernel, no zero fill).
+`v_split_for` programs (model_def/ops/kda_launch.py: the launch layouts), each owning a [K, V / split]
+slice of the state; every part stores its gated, not yet RMS-scaled output in fp32 and its sum of
+squares, and the last part of the head to arrive (an atomic counter that it zeroes again) scales the
+head in one pass and writes the output (no second kernel, no zero fill).
 
 Launch layout: the op's `launch` argument (P5's option) names a layout of model_def/ops/kda_launch.py: V
 split, state block width and warps per batch size (the ReplaySSM fold and P16's verify-inputs kernel take
@@ -308,7 +308,8 @@ if triton is not None:
         slots_ptr, out_ptr, part_ptr, sumsq_ptr, arrivals_ptr,
         lower_bound, norm_eps, scale,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr, WPAD: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, V_SPLIT: tl.constexpr, V_PER: tl.constexpr, SPLIT_PAD: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, VPAD: tl.constexpr, V_SPLIT: tl.constexpr, V_PER: tl.constexpr,
+        SPLIT_PAD: tl.constexpr,
         N_BLOCKS: tl.constexpr, SOFTPLUS_GATE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
         F_RANK: tl.constexpr, F_TILE: tl.constexpr, G_RANK: tl.constexpr, G_TILE: tl.constexpr, BR: tl.constexpr,
         L2EPS: tl.constexpr,
@@ -445,14 +446,16 @@ if triton is not None:
                 tl.atomic_xchg(arrivals_ptr + bh, 0)  # zero again for the next launch
                 _short_conv_write(q_win, ch, mk, q_hist, q_x, WIDTH, WPAD)
                 _short_conv_write(k_win, ch, mk, k_hist, k_x, WIDTH, WPAD)
+                # the whole head's gated outputs and the parts' sums of squares as two loads issued back to back
+                # (not a loop over V blocks: this tail is the kernel's last serial step). Fresh names: in a
+                # runtime `if`, reassigning a name from before it with another shape fails to compile
+                head_cols = tl.arange(0, VPAD)
+                head_mask = head_cols < V
+                y_head = tl.load(part_ptr + bh * V + head_cols, mask=head_mask, other=0.0, cache_modifier=".cg")
                 sp = tl.arange(0, SPLIT_PAD)
                 parts = tl.load(sumsq_ptr + bh * V_SPLIT + sp, mask=sp < V_SPLIT, other=0.0, cache_modifier=".cg")
                 inv_rms = tl.rsqrt(tl.sum(parts, axis=0) / V + norm_eps)
-                for v0 in range(0, V, BV):
-                    ov = v0 + tl.arange(0, BV)
-                    mv = ov < V
-                    y = tl.load(part_ptr + bh * V + ov, mask=mv, other=0.0, cache_modifier=".cg")
-                    tl.store(out_row + ov, (y * inv_rms).to(out_dtype), mask=mv)
+                tl.store(out_row + head_cols, (y_head * inv_rms).to(out_dtype), mask=head_mask)
 
 
 def kernel_supports(head_dim: int, value_dim: int) -> bool:
@@ -541,7 +544,8 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
         slots, out, part, sumsq, arrivals,
         float(lower_bound) if lower_bound is not None else 0.0, float(norm_eps), kd ** -0.5,
         H=h, K=kd, V=vd, WIDTH=width, WPAD=triton.next_power_of_2(max(width - 1, 1)), BK=bk, BV=bv,
-        V_SPLIT=split, V_PER=v_per, SPLIT_PAD=max(2, triton.next_power_of_2(split)), N_BLOCKS=-(-v_per // bv),
+        VPAD=triton.next_power_of_2(vd), V_SPLIT=split, V_PER=v_per, SPLIT_PAD=max(2, triton.next_power_of_2(split)),
+        N_BLOCKS=-(-v_per // bv),
         SOFTPLUS_GATE=lower_bound is None, USE_PDL=bool(use_pdl), PREFETCH=bool(prefetch),
         F_RANK=f_rank, F_TILE=f_tile, G_RANK=g_rank, G_TILE=g_tile,
         BR=min(32, triton.next_power_of_2(max(f_rank, g_rank, 1))), L2EPS=L2_EPS,

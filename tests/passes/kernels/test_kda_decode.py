@@ -86,6 +86,15 @@ def test_op_passes_opcheck_on_cpu():
         assert torch.equal(a[12], b[12]) and torch.equal(a[13], b[13])
 
 
+def test_op_takes_a_launch_layout_by_name():
+    case = make_case(batch=2, heads=2, head_dim=16, lower_bound=None, slots=[1, 0])
+    torch.library.opcheck(FUSED, case.args() + (False, True, "wide"))
+    with pytest.raises(ValueError, match="unknown KDA decode launch layout 'fast'"):
+        FUSED(*case.args(), False, True, "fast")
+    with pytest.raises(ValueError, match="unknown KDA decode launch layout 'fast'"):
+        fused_kda_decode_triton(*case.args(), layout="fast")
+
+
 def test_op_stays_one_node_under_make_fx():
     case = make_case(batch=3, heads=2, head_dim=8, lower_bound=-5.0)
 
@@ -209,20 +218,22 @@ def test_cuda_kernel_v_split_matches_reference(preset, batch, v_split):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_replays_of_the_split_kernel_match_eager_steps():
-    """Three replays of a captured split-V launch = three eager steps (pools advance; counters re-zero)."""
+@pytest.mark.parametrize("layout", ["s8", "wide"])
+def test_cuda_graph_replays_of_the_split_kernel_match_eager_steps(layout):
+    """Three replays of a captured split-V launch = three eager steps (pools advance; counters re-zero), through
+    the op with P5's launch layout option (batch 1 at the 48B shape: V split 4 under s8, 2 under wide)."""
     heads, head_dim, lower_bound = _real_shape("kimi-linear-48b")
     case = make_case(batch=1, heads=heads, head_dim=head_dim, lower_bound=lower_bound, dtype=torch.bfloat16,
                      slots=[2], seed=5, device="cuda", **_low_rank("kimi-linear-48b", True))
     a, b = case.args(), case.args()
-    FUSED(*a, True)  # eager warm-up (allocates the shared counters, compiles), as the executor does
+    FUSED(*a, True, True, layout)  # eager warm-up (allocates the shared counters, compiles), as the executor does
     fused_kda_decode_reference(*b)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         with torch.cuda.graph(graph):
-            out = FUSED(*a, True)
+            out = FUSED(*a, True, True, layout)
     torch.cuda.current_stream().wait_stream(side)
     for _ in range(3):
         graph.replay()

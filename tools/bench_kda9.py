@@ -1,0 +1,136 @@
+"""Microbenchmark (issue 9, kda9): P5's KDA decode kernel under each launch layout (model_def/ops/kda_launch.py:
+"s8" = today's default, "wide" = kda8's fastest batch-1 launch), PDL off / wait first / prefetch, behind a cuBLAS
+or a Triton-GEMV (P8, PDL) input projection; then a small launch sweep of the kernel alone.
+
+Every arm is a CUDA graph of `--layers` layers (distinct pool layers, a state pool of `--slots` slots, L2 flushed
+before each replay: tools/bench_pdl_chain.time_chain), median µs per layer over `--replays` replays. The layout
+arms call the op the engine runs (torch.ops.k3.fused_kda_decode with P5's use_pdl / prefetch / launch options),
+so a row names exactly the P5 config that gives it: `--pass-opt p05_fused_kda_decode.launch=wide` (and
+`p16_kda_verify_inputs.launch=wide`, which must match), `p05_fused_kda_decode.prefetch=false` for wait first.
+"KDA adds" = chain minus the predecessor alone. Prints markdown; writes the rows as JSON to --out.
+
+    python3 tools/bench_kda9.py --batch 1 8 --out kda9.json      (from the repository root or tools/)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_kda8 import in_proj_width, predecessor  # noqa: E402
+from bench_kda_decode import check_split, fused, make_layer_inputs  # noqa: E402
+from bench_pdl_chain import time_chain  # noqa: E402
+
+from k3compile.model_def.config import get_preset  # noqa: E402
+from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT, LAYOUTS, kda_launch  # noqa: E402
+from k3compile.passes.kernels import gemv as gemv_kernels  # noqa: E402
+from k3compile.passes.kernels.pdl import pdl_available  # noqa: E402
+
+PDL_ARMS = (("PDL off", False, True), ("PDL on, wait first", True, False), ("PDL on, prefetch", True, True))
+# (v_split, block_v, num_warps) of the kernel alone, around both layouts' choices
+SWEEP = {"split": [(4, 32, 4), (4, 32, 8), (2, 64, 8), (2, 64, 4), (2, 32, 4), (2, 32, 8), (8, 16, 4)],
+         "whole": [(1, 32, 4), (1, 64, 8), (1, 64, 4), (1, 128, 8), (1, 128, 16), (2, 64, 8), (2, 32, 4)]}
+
+
+def op_chain(preds, layer_args, use_pdl, prefetch, layout, with_kda=True):
+    """Per layer: the predecessor, then the op as P5's graphs call it."""
+    def run():
+        for pred, args in zip(preds, layer_args):
+            pred()
+            if with_kda:
+                torch.ops.k3.fused_kda_decode(*args, use_pdl=use_pdl, prefetch=prefetch, launch=layout)
+    return run
+
+
+def layout_error(args, layout, prefetch) -> float:
+    """Normwise relative error of the op under `layout` vs the reference (private pool copies)."""
+    return check_split(args, None, prefetch=prefetch, layout=layout)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="kimi-linear-48b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--layers", type=int, default=20, help="KDA layers per graph (48B has 20)")
+    ap.add_argument("--slots", type=int, default=128, help="state pool slots (x layers x 2 MiB at the 48B shape)")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    cfg = get_preset(a.preset)
+    dt = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    pdl = pdl_available()
+    h, kd = cfg.kda_num_heads, cfg.kda_head_dim
+    n_in, d = in_proj_width(cfg), cfg.hidden_size
+    print(f"{a.preset}: H={h} K=V={kd} in_proj N={n_in} K={d}, {a.layers} layers, {a.slots} slots, "
+          f"{a.replays} replays; PDL available: {pdl}; {torch.cuda.get_device_name()}")
+    rows = []
+    for b in a.batch:
+        layer_args = make_layer_inputs(b, h, kd, cfg.gate_lower_bound, cfg.kda_full_rank_gate, a.layers, dt, gen,
+                                       num_slots=a.slots)
+        x = torch.randn(b, d, device="cuda", dtype=dt)
+        weights = [torch.randn(n_in, d, device="cuda", dtype=dt) / d ** 0.5 for _ in range(a.layers)]
+        launches = {name: kda_launch(name, b, h, kd, kd) for name in LAYOUTS}
+        # a layout that picks the default's launch at this batch is the same kernel: timed once
+        layouts = [DEFAULT_LAYOUT] + [n for n in LAYOUTS if launches[n] != launches[DEFAULT_LAYOUT]]
+        print(f"\n### batch {b}\n")
+        print("launches: " + "; ".join(f"{n} = V split {v.v_split}, block_v {v.block_v}, {v.num_warps} warps"
+                                       for n, v in launches.items()) + "\n")
+        print("| predecessor | layout | arm | µs/layer chain | µs/layer predecessor alone | KDA adds | rel err |")
+        print("|---|---|---|---|---|---|---|")
+        best = {}
+        for kind in ("cublas", "gemv"):
+            if kind == "gemv" and b > gemv_kernels.MAX_M:
+                continue
+            alone = {}
+            for name, use_pdl, prefetch in PDL_ARMS:
+                if use_pdl and not pdl:
+                    continue
+                preds = [predecessor(kind, x, w, use_pdl) for w in weights]
+                if use_pdl not in alone:
+                    alone[use_pdl] = time_chain(op_chain(preds, layer_args, use_pdl, prefetch, DEFAULT_LAYOUT, False),
+                                                a.replays, a.layers)
+                for layout in layouts:
+                    t = time_chain(op_chain(preds, layer_args, use_pdl, prefetch, layout), a.replays, a.layers)
+                    err = layout_error(layer_args[0], layout, prefetch)
+                    row = dict(batch=b, predecessor=kind, layout=layout, arm=name, use_pdl=use_pdl, prefetch=prefetch,
+                               launch=dataclasses.asdict(launches[layout]), us_chain=t, us_predecessor=alone[use_pdl],
+                               us_kda_adds=t - alone[use_pdl], rel_err=err)
+                    rows.append(row)
+                    if kind not in best or t < best[kind]["us_chain"]:
+                        best[kind] = row
+                    print(f"| {kind} | {layout} | {name} | {t:.2f} | {alone[use_pdl]:.2f} | {t - alone[use_pdl]:.2f} "
+                          f"| {err:.2e} |", flush=True)
+        for kind, r in best.items():
+            print(f"\nfastest chain behind {kind} at batch {b}: layout {r['layout']}, {r['arm']} "
+                  f"({r['us_chain']:.2f} µs/layer)")
+        if not a.no_sweep:
+            print("\n| V split | block_v | warps | µs/layer KDA alone (PDL on, prefetch) | rel err |")
+            print("|---|---|---|---|---|")
+            for v_split, bv, warps in SWEEP["split" if launches[DEFAULT_LAYOUT].v_split > 1 else "whole"]:
+                launch = dict(v_split=v_split, block_v=bv, num_warps=warps, prefetch=True)
+                try:
+                    t = time_chain(lambda: [fused(args, pdl, **launch) for args in layer_args], a.replays, a.layers)
+                    err = check_split(layer_args[0], **launch)
+                except Exception as e:  # a configuration the device cannot compile or run is reported, not fatal
+                    rows.append(dict(batch=b, sweep=True, **launch, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                    print(f"| {v_split} | {bv} | {warps} | failed: {type(e).__name__} | - |", flush=True)
+                    continue
+                rows.append(dict(batch=b, sweep=True, **launch, us_kda=t, rel_err=err))
+                print(f"| {v_split} | {bv} | {warps} | {t:.2f} | {err:.2e} |", flush=True)
+        del layer_args, weights
+        torch.cuda.empty_cache()
+        if a.out:  # after each batch: a timeout keeps what was measured
+            with open(a.out, "w") as f:
+                json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
