@@ -74,31 +74,49 @@ def sweep_configs(batch: int, heads: int, v: int, quick: bool):
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def chain_arguments(doc: str, batches: list[int], replays: int) -> argparse.ArgumentParser:
+    """The options this bench and bench_kda9.py share."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--preset", default="kimi-linear-48b")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--batch", type=int, nargs="+", default=batches)
     ap.add_argument("--layers", type=int, default=20, help="KDA layers per graph (48B has 20)")
     ap.add_argument("--slots", type=int, default=128, help="state pool slots (x layers x 2 MiB at the 48B shape)")
-    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--replays", type=int, default=replays)
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--quick-sweep", action="store_true", help="block widths 32 and V/split only")
     ap.add_argument("--out", default=None)
+    return ap
+
+
+class ChainShape:
+    """The preset's KDA and in_proj shapes, printed once; `inputs(b)`: a batch's per-layer KDA inputs, the in_proj's
+    input x and its per-layer weights (bf16, on CUDA)."""
+
+    def __init__(self, a):
+        self.a, self.cfg = a, get_preset(a.preset)
+        self.dt, self.gen, self.pdl = torch.bfloat16, torch.Generator().manual_seed(0), pdl_available()
+        self.h, self.kd = self.cfg.kda_num_heads, self.cfg.kda_head_dim
+        self.n_in, self.d = in_proj_width(self.cfg), self.cfg.hidden_size
+        print(f"{a.preset}: H={self.h} K=V={self.kd} in_proj N={self.n_in} K={self.d}, {a.layers} layers, "
+              f"{a.slots} slots, {a.replays} replays; PDL available: {self.pdl}; {torch.cuda.get_device_name()}")
+
+    def inputs(self, b: int):
+        a, cfg, dt = self.a, self.cfg, self.dt
+        layer_args = make_layer_inputs(b, self.h, self.kd, cfg.gate_lower_bound, cfg.kda_full_rank_gate, a.layers,
+                                       dt, self.gen, num_slots=a.slots)
+        x = torch.randn(b, self.d, device="cuda", dtype=dt)
+        weights = [torch.randn(self.n_in, self.d, device="cuda", dtype=dt) / self.d ** 0.5 for _ in range(a.layers)]
+        return layer_args, x, weights
+
+
+def main() -> None:
+    ap = chain_arguments(__doc__, [1, 8, 64], 30)
+    ap.add_argument("--quick-sweep", action="store_true", help="block widths 32 and V/split only")
     a = ap.parse_args()
-    cfg = get_preset(a.preset)
-    dt = torch.bfloat16
-    gen = torch.Generator().manual_seed(0)
-    pdl = pdl_available()
-    h, kd = cfg.kda_num_heads, cfg.kda_head_dim
-    n_in, d = in_proj_width(cfg), cfg.hidden_size
-    print(f"{a.preset}: H={h} K=V={kd} in_proj N={n_in} K={d}, {a.layers} layers, {a.slots} slots; "
-          f"PDL available: {pdl}; {torch.cuda.get_device_name()}")
+    shape = ChainShape(a)
+    h, kd, pdl = shape.h, shape.kd, shape.pdl
     rows = []
     for b in a.batch:
-        layer_args = make_layer_inputs(b, h, kd, cfg.gate_lower_bound, cfg.kda_full_rank_gate, a.layers, dt, gen,
-                                       num_slots=a.slots)
-        x = torch.randn(b, d, device="cuda", dtype=dt)
-        weights = [torch.randn(n_in, d, device="cuda", dtype=dt) / d ** 0.5 for _ in range(a.layers)]
+        layer_args, x, weights = shape.inputs(b)
         split = v_split_for(DEFAULT_LAYOUT, b, h, kd)
         print(f"\n### batch {b} (default V split {split})\n")
         print("| predecessor | arm | µs/layer chain | µs/layer predecessor alone | KDA adds | rel err |")

@@ -13,7 +13,6 @@ so a row names exactly the P5 config that gives it: `--pass-opt p05_fused_kda_de
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -23,14 +22,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_kda8 import in_proj_width, predecessor  # noqa: E402
-from bench_kda_decode import check_split, fused, make_layer_inputs  # noqa: E402
+from bench_kda8 import ChainShape, chain_arguments, predecessor  # noqa: E402
+from bench_kda_decode import check_split, fused  # noqa: E402
 from bench_pdl_chain import time_chain  # noqa: E402
 
-from k3compile.model_def.config import get_preset  # noqa: E402
 from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT, LAYOUTS, kda_launch  # noqa: E402
 from k3compile.passes.kernels import gemv as gemv_kernels  # noqa: E402
-from k3compile.passes.kernels.pdl import pdl_available  # noqa: E402
 
 PDL_ARMS = (("PDL off", False, True), ("PDL on, wait first", True, False), ("PDL on, prefetch", True, True))
 # (v_split, block_v, num_warps) of the kernel alone, around both layouts' choices
@@ -54,29 +51,12 @@ def layout_error(args, layout, prefetch) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="kimi-linear-48b")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--layers", type=int, default=20, help="KDA layers per graph (48B has 20)")
-    ap.add_argument("--slots", type=int, default=128, help="state pool slots (x layers x 2 MiB at the 48B shape)")
-    ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    cfg = get_preset(a.preset)
-    dt = torch.bfloat16
-    gen = torch.Generator().manual_seed(0)
-    pdl = pdl_available()
-    h, kd = cfg.kda_num_heads, cfg.kda_head_dim
-    n_in, d = in_proj_width(cfg), cfg.hidden_size
-    print(f"{a.preset}: H={h} K=V={kd} in_proj N={n_in} K={d}, {a.layers} layers, {a.slots} slots, "
-          f"{a.replays} replays; PDL available: {pdl}; {torch.cuda.get_device_name()}")
+    a = chain_arguments(__doc__, [1, 8], 20).parse_args()
+    shape = ChainShape(a)
+    h, kd, pdl = shape.h, shape.kd, shape.pdl
     rows = []
     for b in a.batch:
-        layer_args = make_layer_inputs(b, h, kd, cfg.gate_lower_bound, cfg.kda_full_rank_gate, a.layers, dt, gen,
-                                       num_slots=a.slots)
-        x = torch.randn(b, d, device="cuda", dtype=dt)
-        weights = [torch.randn(n_in, d, device="cuda", dtype=dt) / d ** 0.5 for _ in range(a.layers)]
+        layer_args, x, weights = shape.inputs(b)
         launches = {name: kda_launch(name, b, h, kd, kd) for name in LAYOUTS}
         # a layout that picks the default's launch at this batch is the same kernel: timed once
         layouts = [DEFAULT_LAYOUT] + [n for n in LAYOUTS if launches[n] != launches[DEFAULT_LAYOUT]]

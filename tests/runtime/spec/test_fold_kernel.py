@@ -20,7 +20,7 @@ def test_fold_kernel_under_interpreter_matches_reference():
     assert "cases match" in done.stdout
 
 
-def test_commit_refuses_bad_accept_lengths():
+def test_commit_refuses_bad_accept_lengths_and_layouts():
     spec = CacheSpec(n_kda=1, kda_heads=1, kda_head_k=4, kda_head_v=4, conv_channels=12, conv_window=3, n_mla=1,
                      kv_width=4, dtype=torch.float32)
     cache = CacheTensors.allocate(spec, 3, 1, 4)
@@ -31,12 +31,5 @@ def test_commit_refuses_bad_accept_lengths():
         fold_kernel.commit(cache, w, [1, 2], [1])
     with pytest.raises(ValueError, match="rows"):
         fold_kernel.commit(cache, w, [0, 1, 2], [1, 1, 1])
-
-
-def test_commit_rejects_an_unknown_launch_layout():
-    spec = CacheSpec(n_kda=1, kda_heads=2, kda_head_k=16, kda_head_v=16, conv_channels=96, conv_window=3, n_mla=1,
-                     kv_width=4, dtype=torch.float32)
-    cache = CacheTensors.allocate(spec, 3, 1, 4)
-    w = DraftWindow.allocate(DraftWindowSpec(spec, 3), 2)
     with pytest.raises(ValueError, match="unknown KDA decode launch layout 'fast'"):
         fold_kernel.commit(cache, w, [1, 2], [1, 1], layout="fast")
