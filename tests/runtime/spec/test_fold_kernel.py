@@ -33,3 +33,14 @@ def test_commit_refuses_bad_accept_lengths_and_layouts():
         fold_kernel.commit(cache, w, [0, 1, 2], [1, 1, 1])
     with pytest.raises(ValueError, match="unknown KDA decode launch layout 'fast'"):
         fold_kernel.commit(cache, w, [1, 2], [1, 1], layout="fast")
+
+
+def test_the_fold_follows_the_engines_p5_launch_layout():
+    from k3compile.runtime.spec.setup import kda_launch_layout
+
+    p5 = {"build": {"pipeline": {"order": ["p05_fused_kda_decode"],
+                                 "passes": {"p05_fused_kda_decode": {"enabled": True, "launch": "wide"}}}}}
+    assert kda_launch_layout(p5) == "wide"
+    # no engine, an engine built without passes, or before P5 had the option: the default layout
+    assert kda_launch_layout(None) == kda_launch_layout({"build": {"pipeline": None}}) == "s8"
+    assert kda_launch_layout({"build": {"pipeline": {"passes": {"p05_fused_kda_decode": {"enabled": True}}}}}) == "s8"
