@@ -108,6 +108,26 @@ class ChainShape:
         return layer_args, x, weights
 
 
+def sweep(b, layer_args, configs, pdl: bool, replays: int) -> list[dict]:
+    """The kernel alone (PDL on where available, prefetch) per (v_split, block_v, num_warps): a markdown table, and
+    its rows."""
+    rows = []
+    print("\n| V split | block_v | warps | µs/layer KDA alone (PDL on, prefetch) | rel err |")
+    print("|---|---|---|---|---|")
+    for v_split, bv, warps in configs:
+        launch = dict(v_split=v_split, block_v=bv, num_warps=warps, prefetch=True)
+        try:
+            t = time_chain(lambda: [fused(args, pdl, **launch) for args in layer_args], replays, len(layer_args))
+            err = check_split(layer_args[0], **launch)
+        except Exception as e:  # a configuration the device cannot compile or run is reported, not fatal
+            rows.append(dict(batch=b, sweep=True, **launch, error=f"{type(e).__name__}: {str(e)[:200]}"))
+            print(f"| {v_split} | {bv} | {warps} | failed: {type(e).__name__} | - |", flush=True)
+            continue
+        rows.append(dict(batch=b, sweep=True, **launch, us_kda=t, rel_err=err))
+        print(f"| {v_split} | {bv} | {warps} | {t:.2f} | {err:.2e} |", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = chain_arguments(__doc__, [1, 8, 64], 30)
     ap.add_argument("--quick-sweep", action="store_true", help="block widths 32 and V/split only")
@@ -137,19 +157,7 @@ def main() -> None:
                                  us_chain=t, us_predecessor=t_pred, us_kda_adds=t - t_pred, rel_err=err))
                 print(f"| {kind} | {name} | {t:.2f} | {t_pred:.2f} | {t - t_pred:.2f} | {err:.2e} |", flush=True)
         if not a.no_sweep:
-            print("\n| V split | block_v | warps | µs/layer KDA alone (PDL on, prefetch) | rel err |")
-            print("|---|---|---|---|---|")
-            for v_split, bv, warps in sweep_configs(b, h, kd, a.quick_sweep):
-                launch = dict(v_split=v_split, block_v=bv, num_warps=warps, prefetch=True)
-                try:
-                    t = time_chain(lambda: [fused(args, pdl, **launch) for args in layer_args], a.replays, a.layers)
-                    err = check_split(layer_args[0], **launch)
-                except Exception as e:  # a configuration the device cannot compile or run is reported, not fatal
-                    rows.append(dict(batch=b, sweep=True, **launch, error=f"{type(e).__name__}: {str(e)[:200]}"))
-                    print(f"| {v_split} | {bv} | {warps} | failed: {type(e).__name__} | - |", flush=True)
-                    continue
-                rows.append(dict(batch=b, sweep=True, **launch, us_kda=t, rel_err=err))
-                print(f"| {v_split} | {bv} | {warps} | {t:.2f} | {err:.2e} |", flush=True)
+            rows += sweep(b, layer_args, sweep_configs(b, h, kd, a.quick_sweep), pdl, a.replays)
         del layer_args, weights
         torch.cuda.empty_cache()
     if a.out:

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_kda8 import ChainShape, chain_arguments, predecessor  # noqa: E402
-from bench_kda_decode import check_split, fused  # noqa: E402
+from bench_kda8 import ChainShape, chain_arguments, predecessor, sweep  # noqa: E402
+from bench_kda_decode import check_split  # noqa: E402
 from bench_pdl_chain import time_chain  # noqa: E402
 
 from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT, LAYOUTS, kda_launch  # noqa: E402
@@ -92,19 +92,8 @@ def main() -> None:
             print(f"\nfastest chain behind {kind} at batch {b}: layout {r['layout']}, {r['arm']} "
                   f"({r['us_chain']:.2f} µs/layer)")
         if not a.no_sweep:
-            print("\n| V split | block_v | warps | µs/layer KDA alone (PDL on, prefetch) | rel err |")
-            print("|---|---|---|---|---|")
-            for v_split, bv, warps in SWEEP["split" if launches[DEFAULT_LAYOUT].v_split > 1 else "whole"]:
-                launch = dict(v_split=v_split, block_v=bv, num_warps=warps, prefetch=True)
-                try:
-                    t = time_chain(lambda: [fused(args, pdl, **launch) for args in layer_args], a.replays, a.layers)
-                    err = check_split(layer_args[0], **launch)
-                except Exception as e:  # a configuration the device cannot compile or run is reported, not fatal
-                    rows.append(dict(batch=b, sweep=True, **launch, error=f"{type(e).__name__}: {str(e)[:200]}"))
-                    print(f"| {v_split} | {bv} | {warps} | failed: {type(e).__name__} | - |", flush=True)
-                    continue
-                rows.append(dict(batch=b, sweep=True, **launch, us_kda=t, rel_err=err))
-                print(f"| {v_split} | {bv} | {warps} | {t:.2f} | {err:.2e} |", flush=True)
+            configs = SWEEP["split" if launches[DEFAULT_LAYOUT].v_split > 1 else "whole"]
+            rows += sweep(b, layer_args, configs, pdl, a.replays)
         del layer_args, weights
         torch.cuda.empty_cache()
         if a.out:  # after each batch: a timeout keeps what was measured
