@@ -62,6 +62,8 @@ kernels run on CPU tensors (`fused_moe_triton`), which is how they are tested wi
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -270,45 +272,9 @@ if triton is not None:
     def _shared_block(in_row, up_row, w_ptr, cols, cmask, IS, beta, linear_beta, ACT: tl.constexpr,
                       GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """The shared expert's down-projection for a block of output columns: W[cols] · act(in, up)
-        (GLU) or W[cols] · in (already activated). Products accumulate in a [BLOCK_N, BLOCK_K] tile, reduced
-        once after the loop (a reduction per iteration costs shuffles and a barrier on every tile)."""
-        acc = _shared_acc(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), 0, in_row, up_row, w_ptr, cols, cmask, IS,
-                          beta, linear_beta, ACT, GLU, BLOCK_K)
-        return tl.sum(acc, axis=1)
-
-    @triton.jit
-    def _shared_acc(acc, k_start, in_row, up_row, w_ptr, cols, cmask, IS, beta, linear_beta, ACT: tl.constexpr,
-                    GLU: tl.constexpr, BLOCK_K: tl.constexpr):
-        """_shared_block's loop from k_start on, products summed into the [BLOCK_N, BLOCK_K] tile acc."""
-        kk = tl.arange(0, BLOCK_K)
-        for k0 in range(k_start, IS, BLOCK_K):
-            k = k0 + kk
-            kmask = k < IS
-            w = tl.load(w_ptr + cols[:, None] * IS + k[None, :], mask=cmask[:, None] & kmask[None, :],
-                        other=0.0).to(tl.float32)
-            a = tl.load(in_row + k, mask=kmask, other=0.0).to(tl.float32)
-            if GLU:
-                up = tl.load(up_row + k, mask=kmask, other=0.0).to(tl.float32)
-                a = _glu(a, up, beta, linear_beta, ACT)
-            acc += w * a[None, :]
-        return acc
-
-    @triton.jit
-    def _shared_block_pdl(in_row, up_row, w_ptr, cols, cmask, IS, beta, linear_beta, ACT: tl.constexpr,
-                          GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """_shared_block launched with PDL: its first weight tile (static) is loaded before gdc_wait, while the
-        previous kernel (the one writing the shared input) still runs; the rest after."""
-        kk = tl.arange(0, BLOCK_K)
-        kmask = kk < IS
-        w = tl.load(w_ptr + cols[:, None] * IS + kk[None, :], mask=cmask[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        tl.extra.cuda.gdc_wait()
-        a = tl.load(in_row + kk, mask=kmask, other=0.0).to(tl.float32)
-        if GLU:
-            a = _glu(a, tl.load(up_row + kk, mask=kmask, other=0.0).to(tl.float32), beta, linear_beta, ACT)
-        acc = _shared_acc(w * a[None, :], BLOCK_K, in_row, up_row, w_ptr, cols, cmask, IS, beta, linear_beta, ACT,
-                          GLU, BLOCK_K)
-        return tl.sum(acc, axis=1)
+        (GLU) or W[cols] · in (already activated), the whole K (_gemv_chunk below)."""
+        return _gemv_chunk(in_row, up_row, w_ptr, cols, cmask, IS, 0, IS, beta, linear_beta, ACT, GLU, BLOCK_N,
+                           BLOCK_K, False, False)
 
     @triton.jit
     def _shared_up_slot(x_row, sw13_ptr, hs_row, col_block, D, IS, beta, linear_beta, ACT: tl.constexpr,
@@ -439,93 +405,116 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
-    # The "split" design of kernel B (issue 9, small batches): one program per (token x column block, slot), slot
-    # running over the token's k routed experts and then the shared expert (slot k), so every program reads one
-    # expert's contiguous [BLOCK_N, I] rows: many short, equal programs (the tile design runs k + 1 GEMVs in a row
-    # per program, 288 of them at the 48B shape on 132 SMs). Each program stores its fp32 partial (routed: times
-    # its routing weight) in a workspace; the last of the group's SLOTS programs to arrive (acq_rel counter from
-    # kernels.arrivals, zeroed again by it: no memset node in a CUDA graph) sums the partials in slot order
-    # (the same bits whatever the arrival order) and stores the output row block.
     @triton.jit
-    def _routed_part(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, pair, cols, cmask, I, DO, beta, linear_beta,
-                     ACT: tl.constexpr, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """w[pair] * W2[e_pair][cols] . h[pair] for one (token, expert slot) pair, fp32 [BLOCK_N]."""
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        weight = tl.load(wts_ptr + pair).to(tl.float32)
-        if MXFP4:  # h in kernel A's MXFP4 order (each group of 32: even inputs, then odd)
-            acc2 = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                acc2 += _mxfp4_tile(w2_ptr + expert * DO * (I // 2), s2_ptr + expert * DO * (I // 32), cols, cmask,
-                                    h_ptr + pair * I, k0, I, BLOCK_N, BLOCK_K, True)
-            part = tl.sum(acc2, axis=1)
-        else:  # a plain [BLOCK_N, I] GEMV: the shared expert's loop with its input already activated
-            part = _shared_block(h_ptr + pair * I, h_ptr + pair * I, w2_ptr + expert * DO * I, cols, cmask, I, beta,
-                                 linear_beta, ACT, False, BLOCK_N, BLOCK_K)
-        return part * weight
+    def _gemv_chunk(in_row, up_row, w_ptr, cols, cmask, K, k_lo, k_hi, beta, linear_beta, ACT: tl.constexpr,
+                    GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr,
+                    PREFETCH: tl.constexpr):
+        """Σ_{k_lo <= k < k_hi} W[cols, k] act(in, up)[k] (GLU) or W[cols, k] in[k], dense W [*, K], fp32 [BLOCK_N]:
+        B''s GEMV over one K chunk of one slot. The first weight tile loads before the gdc_wait (WAIT: launched
+        with PDL, its input written by the previous kernel, the weights static), so it streams while that kernel
+        ends. PREFETCH: each iteration issues the next tile's loads before it multiplies the current one (a
+        register double buffer: two tiles in flight per program instead of one; nothing in these loops is
+        software-pipelined by Triton, their loads feed no dot). Products summed in a [BLOCK_N, BLOCK_K] tile,
+        reduced once; the same sums in the same order with or without PREFETCH."""
+        kk = tl.arange(0, BLOCK_K)
+        k = k_lo + kk
+        w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=cmask[:, None] & (k < k_hi)[None, :], other=0.0)
+        if WAIT:
+            tl.extra.cuda.gdc_wait()
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if PREFETCH:
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                kn = k0 + BLOCK_K + kk
+                w_next = tl.load(w_ptr + cols[:, None] * K + kn[None, :], mask=cmask[:, None] & (kn < k_hi)[None, :],
+                                 other=0.0)
+                acc += w.to(tl.float32) * _gemv_input(in_row, up_row, k0 + kk, k_hi, beta, linear_beta, ACT, GLU)[None, :]
+                w = w_next
+        else:
+            acc += w.to(tl.float32) * _gemv_input(in_row, up_row, k, k_hi, beta, linear_beta, ACT, GLU)[None, :]
+            for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+                k = k0 + kk
+                kmask = k < k_hi
+                w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+                acc += w.to(tl.float32) * _gemv_input(in_row, up_row, k, k_hi, beta, linear_beta, ACT, GLU)[None, :]
+        return tl.sum(acc, axis=1)
 
     @triton.jit
-    def _routed_part_pdl(h_ptr, ids_ptr, wts_ptr, w2_ptr, pair, cols, cmask, I, DO, beta, linear_beta,
-                         ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """_routed_part (dense) launched with PDL: the id, the routing weight and the first W2 tile load before
-        gdc_wait (the router wrote them two kernels back), h after. Same sums in the same order."""
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        weight = tl.load(wts_ptr + pair).to(tl.float32)
-        part = _shared_block_pdl(h_ptr + pair * I, h_ptr + pair * I, w2_ptr + expert * DO * I, cols, cmask, I, beta,
-                                 linear_beta, ACT, False, BLOCK_N, BLOCK_K)
-        return part * weight
+    def _gemv_input(in_row, up_row, k, k_hi, beta, linear_beta, ACT: tl.constexpr, GLU: tl.constexpr):
+        """The GEMV's input at positions k (fp32, 0 from k_hi on): in[k], or act(in[k], up[k]) with GLU."""
+        kmask = k < k_hi
+        a = tl.load(in_row + k, mask=kmask, other=0.0).to(tl.float32)
+        if GLU:
+            a = _glu(a, tl.load(up_row + k, mask=kmask, other=0.0).to(tl.float32), beta, linear_beta, ACT)
+        return a
 
+    @triton.jit
+    def _chunk(ks, K, KSPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+        """[k_lo, k_hi) of K chunk ks of KSPLIT: equal chunks of whole BLOCK_K tiles (so no tile straddles two),
+        the last one cut at K; a chunk past K is empty."""
+        size = tl.cdiv(tl.cdiv(K, KSPLIT), BLOCK_K) * BLOCK_K
+        k_lo = ks * size
+        return k_lo, tl.minimum(k_lo + size, K)
+
+    # The "split" design of kernel B (issue 9, small batches): one program per (token x column block, slot, K
+    # chunk), slot running over the token's k routed experts and then the shared expert (slot k), so every
+    # program reads one expert's contiguous [BLOCK_N, K / KSPLIT] rows: many short, equal programs (the tile
+    # design runs k + 1 GEMVs in a row per program, 288 of them at the 48B shape on 132 SMs). Each program stores
+    # its fp32 partial (routed: times its routing weight) in a workspace; the last of the group's PARTS = SLOTS x
+    # KSPLIT programs to arrive (acq_rel counter from kernels.arrivals, zeroed again by it: no memset node in a
+    # CUDA graph) sums the partials in (slot, chunk) order (the same bits whatever the arrival order) and stores
+    # the output row block. KSPLIT and PREFETCH come from SPLIT_TUNED (split_config below).
     @triton.jit
     def _expert_down_split_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr,
                                   part_ptr, arrivals_ptr, I, DO, IS, sin_row_stride, sup_row_stride, out_row_stride,
                                   beta, linear_beta, TOP_K: tl.constexpr, SLOTS: tl.constexpr, ACT: tl.constexpr,
                                   MXFP4: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
-                                  USE_PDL: tl.constexpr):
+                                  USE_PDL: tl.constexpr, KSPLIT: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+        PARTS: tl.constexpr = SLOTS * KSPLIT
         group = tl.program_id(0).to(tl.int64)  # token * column blocks + column block
-        slot = tl.program_id(1)  # < TOP_K: the token's routed expert slot; TOP_K (SHARED only): the shared expert
+        part_id = tl.program_id(1)  # slot * KSPLIT + K chunk
+        slot = part_id // KSPLIT  # < TOP_K: the token's routed expert slot; TOP_K (SHARED only): the shared expert
+        ks = part_id - slot * KSPLIT
         blocks = tl.cdiv(DO, BLOCK_N)
         token = group // blocks
         lanes = tl.arange(0, BLOCK_N)
         cols = (group - token * blocks) * BLOCK_N + lanes
         cmask = cols < DO
         # under PDL every slot waits for the previous kernel (kernel A: h, the shared input) before reading what it
-        # wrote; the shared slot loads its first weight tile (static) before that, and so do dense routed slots:
-        # their expert ids and weights come from the router, two kernels back (kernel A waited for it before
-        # releasing us), so their first W2 tile streams while kernel A finishes
-        if SHARED:
-            if slot < TOP_K:
-                if USE_PDL and not MXFP4:
-                    part = _routed_part_pdl(h_ptr, ids_ptr, wts_ptr, w2_ptr, token * TOP_K + slot, cols, cmask, I, DO,
-                                            beta, linear_beta, ACT, BLOCK_N, BLOCK_K)
-                else:
-                    if USE_PDL:
-                        tl.extra.cuda.gdc_wait()
-                    part = _routed_part(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, token * TOP_K + slot, cols, cmask, I,
-                                        DO, beta, linear_beta, ACT, MXFP4, BLOCK_N, BLOCK_K)
-            elif USE_PDL:
-                part = _shared_block_pdl(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr,
-                                         cols, cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS)
-            else:
-                part = _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr,
-                                     cols, cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS)
-        elif USE_PDL and not MXFP4:
-            part = _routed_part_pdl(h_ptr, ids_ptr, wts_ptr, w2_ptr, token * TOP_K + slot, cols, cmask, I, DO, beta,
-                                    linear_beta, ACT, BLOCK_N, BLOCK_K)
+        # wrote; dense slots load their first weight tile (static) before that: the shared slot's weights are
+        # fixed, and the routed slots' expert ids and weights come from the router, two kernels back (kernel A
+        # waited for it before releasing us), so their first W2 tile streams while kernel A finishes
+        if slot == TOP_K:  # the shared slot (never reached without SHARED: then slot < SLOTS = TOP_K)
+            k_lo, k_hi = _chunk(ks, IS, KSPLIT, BLOCK_KS)
+            part = _gemv_chunk(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
+                               cmask, IS, k_lo, k_hi, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS, USE_PDL,
+                               PREFETCH)
         else:
-            if USE_PDL:
-                tl.extra.cuda.gdc_wait()
-            part = _routed_part(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, token * TOP_K + slot, cols, cmask, I, DO,
-                                beta, linear_beta, ACT, MXFP4, BLOCK_N, BLOCK_K)
+            pair = token * TOP_K + slot
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            weight = tl.load(wts_ptr + pair).to(tl.float32)
+            k_lo, k_hi = _chunk(ks, I, KSPLIT, BLOCK_K)
+            if MXFP4:  # h in kernel A's MXFP4 order (each group of 32: even inputs, then odd)
+                if USE_PDL:
+                    tl.extra.cuda.gdc_wait()
+                acc2 = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+                for k0 in range(k_lo, k_hi, BLOCK_K):
+                    acc2 += _mxfp4_tile(w2_ptr + expert * DO * (I // 2), s2_ptr + expert * DO * (I // 32), cols,
+                                        cmask, h_ptr + pair * I, k0, I, BLOCK_N, BLOCK_K, True)
+                part = tl.sum(acc2, axis=1) * weight
+            else:
+                part = _gemv_chunk(h_ptr + pair * I, h_ptr + pair * I, w2_ptr + expert * DO * I, cols, cmask, I, k_lo,
+                                   k_hi, beta, linear_beta, ACT, False, BLOCK_N, BLOCK_K, USE_PDL, PREFETCH) * weight
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        tl.store(part_ptr + (group * SLOTS + slot) * BLOCK_N + lanes, part)
+        tl.store(part_ptr + (group * PARTS + part_id) * BLOCK_N + lanes, part)
         tl.debug_barrier()  # every thread's partial is stored before the arrival
         arrived = tl.atomic_add(arrivals_ptr + group, 1, sem="acq_rel")
-        if arrived == SLOTS - 1:
+        if arrived == PARTS - 1:
             tl.atomic_xchg(arrivals_ptr + group, 0)  # zero again for the next launch
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(SLOTS):  # fixed order: deterministic whichever program came last
-                acc += tl.load(part_ptr + (group * SLOTS + j) * BLOCK_N + lanes, cache_modifier=".cg")
+            for j in tl.static_range(PARTS):  # fixed order: deterministic whichever program came last
+                acc += tl.load(part_ptr + (group * PARTS + j) * BLOCK_N + lanes, cache_modifier=".cg")
             tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
     # The "rows" design (the kernels as they were before issue 9's rework, bf16/fp32 weights only): a block of
@@ -651,10 +640,36 @@ TUNED: dict[tuple, tuple[int, int, int]] = {
     ("down", 1, 2304, 1024, False): (8, 128, 4),
     ("down", 1, 2304, 1024, True): (4, 512, 4),
     ("up", 8, 1024, 2304, True): (16, 256, 4),
-    # split down, 48B bf16 batch 1 (8 experts + the shared one = 9 slots): rule [32,256,4] 15.6 -> [64,128,4] 14.5
-    # (traces/h200_s7/moe7.md; at batch 8 and for MXFP4 the rule's tile was the best swept)
-    ("split", 9, 2304, 1024, False): (64, 128, 4),
 }
+
+
+class SplitConfig(NamedTuple):
+    """Launch of kernel B' (the split down-projection): the tile, and how each slot's K is cut."""
+    block_n: int  # output columns per program
+    block_k: int  # K tile per iteration (the shared slot's: shared_block_k, unless the caller forces block_k)
+    num_warps: int
+    k_split: int = 1  # K chunks per slot: programs = tokens x column blocks x slots x k_split
+    prefetch: bool = False  # dense weights: the next K tile's loads issued before the current tile's products
+
+
+# Kernel B''s launch per shape, keyed like gemv_config's "split" call: (tokens x slots, output rows, K = I, MXFP4);
+# a key not listed takes the tile rule with k_split 1, no prefetch. tools/bench_moe9.py sweeps the candidates
+# (SPLIT_CANDIDATES) at the 48B shape and batch 1-8; its winner per batch goes here.
+#   48B bf16 batch 1 (8 experts + the shared one = 9 slots): rule [32,256,4] 15.6 -> [64,128,4] 14.5 us
+#   (traces/h200_s7/moe7.md; at batch 8 and for MXFP4 the rule's tile was the best swept); 14.2 us in
+#   traces/h200_s8/moe8_fixed.md (~70% of the copy bandwidth for its 42.5 MB).
+SPLIT_TUNED: dict[tuple[int, int, int, bool], SplitConfig] = {
+    (9, 2304, 1024, False): SplitConfig(64, 128, 4),
+}
+# What bench_moe9.py tries besides today's choice (dense weights, 48B shape): more programs (smaller BLOCK_N or K
+# chunks: 324 programs of 128 KB on 132 SMs leave a third of the SMs a third program's worth of tail) and more
+# bytes in flight per program (prefetch, 8 warps with a wider tile).
+SPLIT_CANDIDATES: tuple[SplitConfig, ...] = (
+    SplitConfig(64, 128, 4), SplitConfig(64, 128, 4, 1, True), SplitConfig(32, 256, 4), SplitConfig(32, 256, 4, 1, True),
+    SplitConfig(64, 128, 4, 2), SplitConfig(64, 128, 4, 2, True), SplitConfig(32, 128, 4, 2, True),
+    SplitConfig(64, 128, 4, 4, True), SplitConfig(128, 64, 4, 4, True), SplitConfig(16, 256, 4, 2, True),
+    SplitConfig(64, 256, 8, 2, True), SplitConfig(128, 128, 8, 4, True), SplitConfig(32, 256, 4, 2, True),
+)
 
 # Which design runs each kernel: "tiles" (the kernels above with a [rows, K] tile summed in place; MXFP4 and,
 # at small batches, the bf16 down-projection) or "rows" (_expert_*_rows_kernel, a per-iteration reduction;
@@ -716,6 +731,24 @@ def gemv_config(kernel: str, programs_per_block: int, rows: int, k: int, quantiz
     return block_n, block_k, 4
 
 
+def split_config(programs_per_block: int, rows: int, k: int, quantized: bool) -> SplitConfig:
+    """Kernel B''s launch for tokens x slots = programs_per_block, `rows` output rows, K = k: SPLIT_TUNED's entry,
+    else the tile rule (gemv_config "split") with one K chunk and no prefetch."""
+    tuned = SPLIT_TUNED.get((programs_per_block, rows, k, quantized))
+    return tuned if tuned is not None else SplitConfig(*gemv_config("split", programs_per_block, rows, k, quantized))
+
+
+def check_split_config(split: SplitConfig) -> SplitConfig:
+    """A SplitConfig (or a tuple of its fields) with every field in range, else ValueError naming it."""
+    split = SplitConfig(*split)
+    _pow2("split block_n", split.block_n, 1)
+    _pow2("split block_k", split.block_k, 32)
+    _pow2("split num_warps", split.num_warps, 1)
+    if split.k_split < 1:
+        raise ValueError(f"fused_moe_decode: split k_split must be >= 1, got {split.k_split}")
+    return split
+
+
 def shared_block_k(block_n: int, width: int) -> int:
     """K tile of the shared expert's GEMV (and kernel C's) for a program of block_n rows: TILE_ELEMS a tile."""
     return max(32, min(TILE_ELEMS // block_n, triton.next_power_of_2(width)))
@@ -730,12 +763,14 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
                      shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
                      latent_norm_w=None, latent_eps=1e-5, shared_w13=None, block_k: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
-                     use_pdl: bool = False, designs: tuple[str, str] | None = None) -> torch.Tensor:
+                     use_pdl: bool = False, designs: tuple[str, str] | None = None,
+                     split: SplitConfig | None = None) -> torch.Tensor:
     """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n / block_k
     / num_warps override the tile rule's choice for every kernel (tests, tile sweeps). use_pdl: launch with
     programmatic dependent launch where available (sm90+, Triton >= 3.4; ignored elsewhere). designs: (up,
     down), up "rows" or "tiles", down also "split", overrides kernel_designs() (tests, benches; "rows" needs
-    dense weights)."""
+    dense weights). split: kernel B''s launch (SplitConfig) instead of split_config()'s (benches, tests); block_n /
+    block_k / num_warps still override its fields."""
     if triton is None:
         raise RuntimeError("fused_moe_decode: triton is not installed")
     num_experts, inter, width, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
@@ -747,6 +782,8 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
         _pow2("block_k", block_k, 32)
     if block_n is not None:
         _pow2("block_n", block_n, 1)
+    if split is not None:
+        split = check_split_config(split)
     up_design, down_design = designs or kernel_designs(n, quantized)
     for design, known in ((up_design, DESIGNS), (down_design, DOWN_DESIGNS)):
         if design not in known:
@@ -807,15 +844,18 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     u = torch.empty(n, routed_width, dtype=torch.float32, device=x.device) if latent else out
     if down_design == "split":
         slots = k + int(shared_in_b)
-        bn, bk, warps = config("split", n * slots, routed_width, inter)
+        launch_b = split or split_config(n * slots, routed_width, inter, quantized)
+        bn, bk, warps = block_n or launch_b.block_n, block_k or launch_b.block_k, num_warps or launch_b.num_warps
         groups = n * triton.cdiv(routed_width, bn)
-        partials = torch.empty(groups * slots * bn, dtype=torch.float32, device=x.device)
-        _expert_down_split_kernel[(groups, slots)](
+        parts = slots * launch_b.k_split
+        partials = torch.empty(groups * parts * bn, dtype=torch.float32, device=x.device)
+        _expert_down_split_kernel[(groups, parts)](
             h, ids, wts, w2, s2, sin, sup, sw2, u, partials, arrival_counters(x.device, groups, ARRIVALS_OWNER),
             inter, routed_width, shared_width, sin.stride(0), sup.stride(0), u.stride(0), float(beta),
             float(linear_beta), TOP_K=k, SLOTS=slots, ACT=act_id, MXFP4=quantized, SHARED=shared_in_b,
             SHARED_GLU=shared_up is not None, BLOCK_N=bn, BLOCK_K=bk,
-            BLOCK_KS=block_k or shared_block_k(bn, max(shared_width, 1)), USE_PDL=pdl, num_warps=warps, **launch)
+            BLOCK_KS=block_k or shared_block_k(bn, max(shared_width, 1)), USE_PDL=pdl, KSPLIT=launch_b.k_split,
+            PREFETCH=launch_b.prefetch and not quantized, num_warps=warps, **launch)
     elif down_design == "rows":
         bn, bk, warps = config("down", n, routed_width, inter, down_design)
         _expert_down_rows_kernel[(n, triton.cdiv(routed_width, bn))](

@@ -18,6 +18,8 @@ from k3compile.model_def.ops import mxfp4  # noqa: E402
 from k3compile.passes.kernels import arrivals, moe_decode  # noqa: E402
 from interpreted import TOL, rel_err, report  # noqa: E402  (this script's folder is on sys.path)
 
+SplitConfig = moe_decode.SplitConfig
+
 
 
 def cases():
@@ -34,12 +36,20 @@ def cases():
 
     # (act, N, E, k, D, I, Do, MXFP4, shared, dtype, tile): k = 3 (not a power of two, so SLOTS = 4 with a
     # shared expert and 3 without), Do = 40 (not a multiple of the block: masked columns in the last group),
-    # several K steps (block_k 32 < I); the three shared-expert forms; one case at the op's own tile rule
+    # several K steps (block_k 32 < I); the three shared-expert forms; one case at the op's own tile rule. With a
+    # SplitConfig (B''s launch table entry): the next K tile prefetched (I = 96: three K steps), K cut in 3 chunks
+    # (one tile each; the 24-wide shared K: one chunk and two empty ones), 2 chunks without prefetch, MXFP4 with 2
+    # chunks (prefetch asked for, which MXFP4 ignores)
     grid = [("silu", 1, 6, 3, 64, 64, 40, False, "glu", torch.float32, (16, 32)),
             ("situ", 2, 6, 3, 64, 64, 40, False, "none", torch.float32, (16, 32)),
             ("situ", 2, 8, 2, 64, 32, 64, False, "activated", torch.bfloat16, None),
             ("silu", 2, 6, 3, 64, 64, 40, True, "glu", torch.float32, (16, 32)),
-            ("situ", 1, 8, 2, 64, 64, 48, True, "none", torch.bfloat16, (8, 32))]
+            ("situ", 1, 8, 2, 64, 64, 48, True, "none", torch.bfloat16, (8, 32)),
+            ("silu", 1, 6, 3, 64, 96, 40, False, "glu", torch.float32, SplitConfig(16, 32, 4, 1, True)),
+            ("situ", 2, 6, 3, 64, 96, 40, False, "activated", torch.float32, SplitConfig(16, 32, 4, 3, True)),
+            ("silu", 2, 8, 2, 64, 64, 48, False, "glu", torch.bfloat16, SplitConfig(8, 32, 4, 2, False)),
+            ("situ", 2, 6, 3, 64, 96, 40, False, "none", torch.float32, SplitConfig(16, 32, 2, 2, True)),
+            ("silu", 1, 6, 3, 64, 64, 40, True, "glu", torch.float32, SplitConfig(16, 32, 4, 2, True))]
     for act, n, e, k, d, i, do, quant, shared, dtype, tile in grid:
         ids, wts = routing(n, e, k)
         w13, w2 = randn(e, 2 * i, d, scale=d ** -0.5), randn(e, do, i, scale=i ** -0.5)
@@ -69,7 +79,8 @@ def cases():
             kw.update(w13=p13, w2=p2, w13_scale=s13, w2_scale=s2)
         else:
             kw.update(w13=w13, w2=w2)
-        yield f"latent k=3 norm={norm} {'mxfp4' if quant else 'dense'}", kw, torch.float32, (16, 32)
+        yield (f"latent k=3 norm={norm} {'mxfp4' if quant else 'dense'}", kw, torch.float32,
+               SplitConfig(16, 32, 4, 2, True) if norm else (16, 32))
 
 
 def main() -> int:
@@ -79,11 +90,13 @@ def main() -> int:
         n += 1
         ref = moe_decode.fused_moe_reference(**{key: v.float() if isinstance(v, torch.Tensor) and v.dtype == dtype
                                                 else v for key, v in kw.items()}).to(dtype)
-        block_n, block_k = tile or (None, None)
+        split = tile if isinstance(tile, SplitConfig) else None
+        block_n, block_k = (None, None) if split or tile is None else tile
         up = "tiles" if "w13_scale" in kw else "rows"
         runs = []
         for _ in range(2):  # two launches: the counters must be zero again after the first
-            runs.append(moe_decode.fused_moe_triton(**kw, block_n=block_n, block_k=block_k, designs=(up, "split")))
+            runs.append(moe_decode.fused_moe_triton(**kw, block_n=block_n, block_k=block_k, designs=(up, "split"),
+                                                    split=split))
             counters = arrivals.current("cpu", moe_decode.ARRIVALS_OWNER)
             if counters is None or counters.any():
                 failures.append(f"{name}: arrival counters not zero after a launch")
