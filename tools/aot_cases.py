@@ -70,13 +70,14 @@ def route(batch):
                                                 pdl=True)
 
 
-def moe(batch, shared_w13: bool):
+def moe(batch, shared_w13: bool, split=None):
     e, k, i, d = 256, 8, 1024, 2304
     x, w13, w2 = _randn(batch, d), _randn(e, 2 * i, d), _randn(e, d, i)
     ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
     sw13, sw2 = _randn(2 * i, d), _randn(d, i)
     if shared_w13:
-        return lambda: moe_decode.fused_moe_triton(x, ids, wts, w13, w2, shared_w2=sw2, shared_w13=sw13, use_pdl=True)
+        return lambda: moe_decode.fused_moe_triton(x, ids, wts, w13, w2, shared_w2=sw2, shared_w13=sw13, use_pdl=True,
+                                                   split=split)
     g, u = _randn(batch, i), _randn(batch, i)
     return lambda: moe_decode.fused_moe_triton(x, ids, wts, w13, w2, shared_in=g, shared_up=u, shared_w2=sw2,
                                                use_pdl=True)
@@ -113,3 +114,6 @@ CASES = [
 ]
 if "shared_w13" in moe_decode.fused_moe_triton.__code__.co_varnames:
     CASES += [("moe 48B batch 1, shared slot in A", moe(1, True))]
+if hasattr(moe_decode, "SPLIT_CANDIDATES"):  # every kernel B' launch tools/bench_moe9.py tries (PDL on)
+    CASES += [(f"moe 48B batch 1, B' {tuple(c)}", moe(1, True, c)) for c in moe_decode.SPLIT_CANDIDATES]
+    CASES += [("moe 48B batch 8, B' (64, 128, 4, 2, True)", moe(8, True, moe_decode.SplitConfig(64, 128, 4, 2, True)))]

@@ -153,6 +153,20 @@ def test_kernel_designs_follow_the_measured_rule_and_rows_refuses_mxfp4():
                                     designs=("split", "tiles"))
 
 
+def test_split_launch_comes_from_the_table_and_bad_launches_raise():
+    """Kernel B''s launch: SPLIT_TUNED's entry for a listed shape, else the tile rule with one K chunk and no
+    prefetch; a bad SplitConfig is refused before anything launches."""
+    key = (9, 2304, 1024, False)  # 48B, batch 1: 8 routed slots + the shared one
+    assert moe_decode.split_config(*key) == moe_decode.SPLIT_TUNED[key]
+    other = moe_decode.split_config(3, 48, 32, False)
+    assert tuple(other[:3]) == moe_decode.gemv_config("split", 3, 48, 32, False) and other[3:] == (1, False)
+    p = _problem()
+    for bad, message in (((64, 100, 4), "split block_k must be a power of two"), ((3, 128, 4), "split block_n"),
+                         ((64, 128, 4, 0), "k_split must be >= 1"), ((64, 128, 6, 1), "split num_warps")):
+        with pytest.raises(ValueError, match=message):
+            moe_decode.fused_moe_triton(*_op_args(p)[:13], designs=("rows", "split"), split=bad)
+
+
 def test_op_passes_opcheck_and_stays_one_node():
     p = _problem(n=2)
     torch.library.opcheck(FUSED, _op_args(p))
@@ -312,6 +326,37 @@ def test_cuda_split_down_projection_at_the_48b_shape(n):
                 assert not arrivals.current(got.device, moe_decode.ARRIVALS_OWNER).any()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1, 8])
+def test_cuda_split_launch_candidates_at_the_48b_shape(n):
+    """Every launch of kernel B' that tools/bench_moe9.py may make the default (SPLIT_CANDIDATES: tiles, K chunks
+    per slot, prefetch of the next W2 tile), PDL on, with kernel A's shared slot as the engine runs the op, bf16;
+    and MXFP4 experts with K chunks: matches the reference, repeats bit for bit, leaves the counters zero."""
+    from k3compile.passes.kernels import arrivals
+    base = _cuda_problem(n, 500 + n, **_shape_48b())
+    p, sw13 = _with_shared_w13(base, 500 + n)
+    f32 = {key: (v.float() if v is not None and v.dtype == torch.bfloat16 else v) for key, v in p.items()}
+    ref = fused_moe_reference(*_op_args(f32, "silu", 0)[:13], shared_w13=sw13.float())
+    for split in moe_decode.SPLIT_CANDIDATES:
+        got, again = (moe_decode.fused_moe_triton(*_op_args(p, "silu", 0)[:13], shared_w13=sw13,
+                                                  use_pdl=True, designs=("rows", "split"), split=split)
+                      for _ in range(2))
+        torch.cuda.synchronize()
+        assert _rel(got, ref) < 1e-2, (split, _rel(got, ref))
+        assert torch.equal(got, again), split
+        assert not arrivals.current(got.device, moe_decode.ARRIVALS_OWNER).any()
+    q = {key: v for key, v in base.items() if not key.startswith("shared")}
+    (w13p, w13s), (w2p, w2s) = mxfp4.quantize(q["w13"]), mxfp4.quantize(q["w2"])
+    q = dict(q, w13=w13p, w2=w2p)
+    f32 = {key: (v.float() if v.dtype == torch.bfloat16 else v) for key, v in q.items()}
+    ref = fused_moe_reference(*_op_args(f32, "silu", 0, w13s, w2s)[:13])
+    for split in (moe_decode.SplitConfig(4, 512, 4, 2), moe_decode.SplitConfig(16, 256, 4, 4, True)):
+        got = moe_decode.fused_moe_triton(*_op_args(q, "silu", 0, w13s, w2s)[:13], use_pdl=True,
+                                          designs=("tiles", "split"), split=split)
+        assert _rel(got, ref) < 1e-2, ("mxfp4", split, _rel(got, ref))
+
+
 def _graphed(fn):
     """(CUDA graph of fn, its output buffer); fn runs once first: compiles and allocates the shared counters
     outside the capture."""
@@ -325,12 +370,15 @@ def _graphed(fn):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_split_down_projection_replays_from_a_cuda_graph():
-    """Captured once, replayed on new routing: each replay matches the reference (the counters were zero)."""
+@pytest.mark.parametrize("split", [None, (64, 128, 4, 2, True)])
+def test_cuda_split_down_projection_replays_from_a_cuda_graph(split):
+    """Captured once, replayed on new routing: each replay matches the reference (the counters were zero); B' at
+    its table's launch and with K chunks + prefetch."""
     shape = _shape_48b()
     p = _cuda_problem(2, 300, **shape)
     args = list(_op_args(p, "silu", 0)[:13])
-    graph, out = _graphed(lambda: moe_decode.fused_moe_triton(*args, designs=("rows", "split"), use_pdl=True))
+    graph, out = _graphed(lambda: moe_decode.fused_moe_triton(*args, designs=("rows", "split"), use_pdl=True,
+                                                              split=split))
     for seed in (1, 2, 3):
         ids, wts = random_routing(2, shape["e"], shape["k"], "cuda", seed)
         p["topk_ids"].copy_(ids)
