@@ -18,7 +18,7 @@ into the layer's input GEMM):
           | anything else                                           -> shared_in=a (already activated)]
 
 and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
-act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps, use_pdl, shared_w13)`.
+act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps, use_pdl, shared_w13[, down_split])`.
 
 Shared gate/up into kernel A (`fuse_shared_up`): when the GLU's g and up are column blocks of constant-weight
 GEMMs on z itself (P1's merged mm(z, t(W)) + split, or two plain mms), read by nothing but the GLU, and the
@@ -47,7 +47,7 @@ from torch.fx import GraphModule, Node
 from .gemm_columns import column_block, drop_column_blocks, record_merge, source_name
 from .graph_utils import (add_constant, attr_tensor, drop_unused_constants, erase_if_dead, fake_mode_of, is_call,
                           replace_uses, set_meta_val, val_of)
-from .kernels import moe_decode  # noqa: F401  (registers torch.ops.k3.fused_moe_decode)
+from .kernels import moe_decode  # registers torch.ops.k3.fused_moe_decode; split_from_list checks down_split
 from .patterns import NoMatch, is_cast, match_rms_norm
 from .registry import PassConfig, PassConfigError, register_pass
 
@@ -66,6 +66,9 @@ class FusedMoEDecodeConfig(PassConfig):
     # launch the GEMV kernels with programmatic dependent launch (sm90+, Triton >= 3.4; elsewhere, the CPU and
     # the interpreter included, the op runs exactly as without: kernels.pdl.pdl_for)
     use_pdl: bool = True
+    # kernel B''s launch at every GEMV batch, "BLOCK_N x BLOCK_K x num_warps x K chunks x prefetch (0/1)" (e.g.
+    # "64x128x4x2x1"), instead of kernels.moe_decode.SPLIT_TUNED's per-shape entry; None: the table (A/B arms)
+    down_split: str | None = None
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
 
@@ -73,6 +76,19 @@ class FusedMoEDecodeConfig(PassConfig):
         if self.crossover_batch is not None and self.crossover_batch < 1:
             raise PassConfigError(f"p06_fused_moe_decode: crossover_batch must be >= 1 or none, "
                                   f"got {self.crossover_batch}")
+        self.down_split_values()
+
+    def down_split_values(self) -> list[int] | None:
+        """down_split as the op's int list (None: not set); PassConfigError naming what is wrong."""
+        if self.down_split is None:
+            return None
+        try:
+            values = [int(v) for v in str(self.down_split).lower().split("x")]
+            moe_decode.split_from_list(values)
+        except ValueError as exc:
+            raise PassConfigError(f"p06_fused_moe_decode: down_split {self.down_split!r} is not "
+                                  f"BLOCK_NxBLOCK_Kxnum_warps[xK_chunks[xprefetch 0/1]] ({exc})") from None
+        return values
 
 
 def _single_user(node: Node | None) -> Node | None:
@@ -304,10 +320,12 @@ def fused_moe_decode(gm: GraphModule, config: FusedMoEDecodeConfig) -> int:
         crossover = _resolve_crossover(
             config, [w for w in weights[:4] if w is not None], val_of(ids).shape[1], act, beta, linear_beta,
             val_of(z).dtype, weights[4], shared_glu, (weights[5], weights[6], eps), tensor(shared_w13))
+        split = config.down_split_values()  # the op's last argument only when set (the table decides otherwise)
         with gm.graph.inserting_before(out):
             fused = gm.graph.call_function(FUSED, (z, ids, wts, w13, w2, s13, s2, shared_in, shared_up, shared_w2,
                                                    act, beta, linear_beta, crossover, up_w, norm_w, eps,
-                                                   bool(config.use_pdl), shared_w13))
+                                                   bool(config.use_pdl), shared_w13)
+                                            + ((split,) if split is not None else ()))
         set_meta_val(fused, fake_mode)
         replace_uses(out, fused, fake_mode)
         erase_if_dead(gm, [out, moe] + dead)

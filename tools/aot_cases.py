@@ -2,6 +2,8 @@
 batch 1 and 8, PDL on), on CPU tensors (never run: JITFunction.run is replaced by a compile)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from k3compile.passes.kernels import gemv, kda_decode, mla_decode, moe_decode, norm_route, pdl
@@ -70,9 +72,21 @@ def route(batch):
                                                 pdl=True)
 
 
+@functools.lru_cache(maxsize=None)
+def _experts(quantized: bool):
+    """The 48B layer's expert weights (E=256, I=1024, D=2304), uninitialized: the kernels are compiled, never run,
+    and one set (3.6 GB of address space, untouched) serves every case."""
+    e, i, d = 256, 1024, 2304
+    if not quantized:
+        return torch.empty(e, 2 * i, d, dtype=BF), torch.empty(e, d, i, dtype=BF)
+    u8 = torch.uint8
+    return (torch.empty(e, 2 * i, d // 2, dtype=u8), torch.empty(e, d, i // 2, dtype=u8),
+            torch.full((e, 2 * i, d // 32), 127, dtype=u8), torch.full((e, d, i // 32), 127, dtype=u8))
+
+
 def moe(batch, shared_w13: bool, split=None):
     e, k, i, d = 256, 8, 1024, 2304
-    x, w13, w2 = _randn(batch, d), _randn(e, 2 * i, d), _randn(e, d, i)
+    x, (w13, w2) = _randn(batch, d), _experts(False)
     ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
     sw13, sw2 = _randn(2 * i, d), _randn(d, i)
     if shared_w13:
@@ -81,6 +95,16 @@ def moe(batch, shared_w13: bool, split=None):
     g, u = _randn(batch, i), _randn(batch, i)
     return lambda: moe_decode.fused_moe_triton(x, ids, wts, w13, w2, shared_in=g, shared_up=u, shared_w2=sw2,
                                                use_pdl=True)
+
+
+def moe_mxfp4(batch, split=None):
+    e, k, i, d = 256, 8, 1024, 2304
+    w13, w2, s13, s2 = _experts(True)
+    x, sw2 = _randn(batch, d), _randn(d, i)
+    ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
+    g, u = _randn(batch, i), _randn(batch, i)
+    return lambda: moe_decode.fused_moe_triton(x, ids, wts, w13, w2, s13, s2, shared_in=g, shared_up=u, shared_w2=sw2,
+                                               use_pdl=True, split=split)
 
 
 CASES = [
@@ -116,4 +140,5 @@ if "shared_w13" in moe_decode.fused_moe_triton.__code__.co_varnames:
     CASES += [("moe 48B batch 1, shared slot in A", moe(1, True))]
 if hasattr(moe_decode, "SPLIT_CANDIDATES"):  # every kernel B' launch tools/bench_moe9.py tries (PDL on)
     CASES += [(f"moe 48B batch 1, B' {tuple(c)}", moe(1, True, c)) for c in moe_decode.SPLIT_CANDIDATES]
-    CASES += [("moe 48B batch 8, B' (64, 128, 4, 2, True)", moe(8, True, moe_decode.SplitConfig(64, 128, 4, 2, True)))]
+    CASES += [("moe 48B batch 8, B' (64, 128, 4, 2, True)", moe(8, True, moe_decode.SplitConfig(64, 128, 4, 2, True))),
+              ("moe 48B MXFP4 batch 1, B' (16, 256, 4, 4, True)", moe_mxfp4(1, moe_decode.SplitConfig(16, 256, 4, 4, True)))]

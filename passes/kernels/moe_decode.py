@@ -749,6 +749,15 @@ def check_split_config(split: SplitConfig) -> SplitConfig:
     return split
 
 
+def split_from_list(values) -> SplitConfig:
+    """A SplitConfig from its fields as ints (the op's down_split argument: prefetch 0/1), checked."""
+    values = [int(v) for v in values]
+    if not 3 <= len(values) <= 5 or (len(values) == 5 and values[4] not in (0, 1)):
+        raise ValueError(f"fused_moe_decode: down_split must be [block_n, block_k, num_warps(, k_split(, prefetch "
+                         f"0/1))], got {values}")
+    return check_split_config(SplitConfig(*values[:4], *[bool(v) for v in values[4:]]))
+
+
 def shared_block_k(block_n: int, width: int) -> int:
     """K tile of the shared expert's GEMV (and kernel C's) for a program of block_n rows: TILE_ELEMS a tile."""
     return max(32, min(TILE_ELEMS // block_n, triton.next_power_of_2(width)))
@@ -893,8 +902,11 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      shared_w2: torch.Tensor | None, act: str, beta: float, linear_beta: float,
                      crossover: int, latent_up_w: torch.Tensor | None = None,
                      latent_norm_w: torch.Tensor | None = None, latent_eps: float = 1e-5,
-                     use_pdl: bool = False, shared_w13: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc."""
+                     use_pdl: bool = False, shared_w13: torch.Tensor | None = None,
+                     down_split: list[int] | None = None) -> torch.Tensor:
+    """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc.
+    down_split: kernel B''s launch (SplitConfig's fields, prefetch as 0/1) at every batch below the crossover,
+    instead of split_config()'s per-shape choice (P6's down_split option; the CPU reference ignores it)."""
     return fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
 
@@ -902,19 +914,20 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 @fused_moe_decode.register_kernel("cuda")
 def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
-                           latent_eps=1e-5, use_pdl=False, shared_w13=None):
+                           latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None):
     args = (x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
             linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
     if triton is None or x.shape[0] >= crossover:
         return fused_moe_grouped(*args)
+    split = None if down_split is None else split_from_list(down_split)
     with torch.cuda.device(x.device):  # Triton launches on the current device
-        return fused_moe_triton(*args, use_pdl=use_pdl)
+        return fused_moe_triton(*args, use_pdl=use_pdl, split=split)
 
 
 @fused_moe_decode.register_fake
 def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
-                           latent_eps=1e-5, use_pdl=False, shared_w13=None):
+                           latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None):
     _, _, _, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                     shared_w2, act, latent_up_w, latent_norm_w, shared_w13)
     return x.new_empty(x.shape[0], out_width)

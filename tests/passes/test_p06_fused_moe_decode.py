@@ -222,6 +222,23 @@ def test_crossover_flag_and_bad_values():
         pipeline_from_flags(P6, pass_opts=[f"{P6}.crossover_batch=0"]).validate()
 
 
+def test_down_split_option_goes_into_the_op_and_bad_values_are_refused():
+    """down_split (kernel B''s launch for an A/B of whole engines) becomes the op's last argument; unset, the op keeps
+    its 19 arguments and the table decides. On CPU the op computes the reference whatever it says."""
+    gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
+    before = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
+    assert run_pass(gm, P6, down_split="64x128x4x2x1") == 5
+    assert all(len(n.args) == 20 and n.args[19] == [64, 128, 4, 2, 1] for n in _fused_nodes(gm))
+    x = inputs_for("kimi-linear-tiny", "decode", torch.float32)
+    assert_same_step(run_graph(gm, x), run_graph(before, x), FP32_TOL, "down_split on CPU vs unpassed graph")
+    pipeline = pipeline_from_flags(P6, pass_opts=[f"{P6}.down_split=32x256x4"])
+    pipeline.validate()
+    assert pipeline.config(P6).down_split_values() == [32, 256, 4]
+    for bad in ("64x100x4", "64x128", "64x128x4x0", "64x128x4x1x2", "wide"):
+        with pytest.raises(PassConfigError, match="down_split"):
+            pipeline_from_flags(P6, pass_opts=[f"{P6}.down_split={bad}"]).validate()
+
+
 @functools.lru_cache(maxsize=None)
 def _k3_mini_like():
     """k3-mini-6b's MoE structure at tiny sizes (3 layers: dense, 2 MoE): latent MoE with RMSNorm, SiTU,
@@ -321,6 +338,20 @@ def test_kimi_like_on_cuda_runs_the_shared_gate_up_in_kernel_a_with_pdl():
     assert all(n.args[17] is True and n.args[18] is not None for n in _fused_nodes(gm))
     x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 5)]
     assert_same_step(run_graph(gm, x), run_graph(before, x), BF16_TOL, "kimi-like on CUDA vs unpassed graph")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kimi_like_on_cuda_with_the_down_split_launch_from_the_config():
+    """P6's down_split reaches kernel B' on CUDA (K chunks + prefetch, PDL on): the step matches the unpassed graph."""
+    m = _small_model("situ")
+    gpu = build_model(m.config)
+    gpu.load_state_dict(m.state_dict())
+    gpu = gpu.to("cuda", torch.bfloat16)
+    gm, before = _after_p1_p4(capture_step(gpu, "decode")), _after_p1_p4(capture_step(gpu, "decode"))
+    assert run_pass(gm, P6, use_pdl=True, crossover_batch=1 << 20, down_split="16x32x4x2x1") == 2
+    x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 6)]
+    assert_same_step(run_graph(gm, x), run_graph(before, x), BF16_TOL, "down_split on CUDA vs unpassed graph")
 
 
 @pytest.mark.parametrize("name,mode,dtype", [("kimi-linear-tiny", "verify", torch.float32),
