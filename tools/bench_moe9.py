@@ -92,7 +92,7 @@ def main(out_dir: str) -> None:
                 batch_rows.append(row)
                 print(json.dumps(row), flush=True)
             rows += batch_rows
-            ok = [r for r in batch_rows if r["rel_err"] < 2e-2]
+            ok = [r for r in batch_rows if r["rel_err"] < 1e-2]  # the GPU tests' bound
             if ok:
                 today = next((r for r in batch_rows if r["arm"] == "today"), None)
                 win = min(ok, key=lambda r: r["op_us"])
