@@ -42,9 +42,11 @@ Triton kernels:
     experts the GEMV of W2's block with h, scaled by its routing weight and summed in registers;
     then the shared expert's GEMV over the same block; one store.
   B' `_expert_down_split_kernel` (the "split" design of B, for small batches): one program per (token x
-    column block of Do, slot), the slots being the token's k experts and the shared expert; each stores its
-    fp32 partial, and the group's last program to arrive (an atomic counter that it zeroes again, from
-    kernels.arrivals: the one atomic in these kernels) sums them in slot order and stores the block.
+    column block of Do, slot, K chunk), the slots being the token's k experts and the shared expert, each
+    slot's K cut into k_split chunks (launch per shape: SPLIT_TUNED / split_config, or the op's down_split);
+    each stores its fp32 partial, and the group's last program to arrive (an atomic counter that it zeroes
+    again, from kernels.arrivals: the one atomic in these kernels) sums them in (slot, chunk) order and stores
+    the block.
   C `_latent_out_kernel` (latent MoE only; B then stores u in fp32 and adds no shared expert): one
     program per (token, column block of D): the RMSNorm statistics of u's row, the up-projection's
     GEMV on the normalized row, the shared expert's GEMV; one store.
