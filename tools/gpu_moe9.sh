@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 9, kernel B' (the split down-projection) launch sweep (helper moe9): one device call, < 150 s (in gpu_call9a.sh: LIMIT_moe9=150).
+# Issue 9, kernel B' (the split down-projection) launch sweep (helper moe9): one device call, fits gpu_call9a.sh's 110 s job limit (bench 68 s, tests 38 s).
 #   1. tools/bench_moe9.py: 48B MoE layer bf16, batch 1/2/4/8, the op as the engine runs it (A with the shared
 #      slot + B'), PDL on: today's B' launch vs each SplitConfig of moe_decode.SPLIT_CANDIDATES (tile, K chunks per
 #      slot, prefetch); op µs from CUDA-graph replays over 4 cycled routings, A / B' µs, B' % of the same-run copy
@@ -8,7 +8,7 @@
 #   run: bash tools/gpu_moe9.sh      (carry .whl/ as for the other gpu_*.sh)
 source tools/gpu_setup.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-timeout 90 python3 tools/bench_moe9.py $R 2>&1 | grep -v -i warn | tee $R/bench.log | grep -v '^{' | tail -80
-timeout 45 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 -k "split" \
+timeout 68 python3 tools/bench_moe9.py $R 2>&1 | grep -v -i warn | tee $R/bench.log | grep -v '^{' | tail -80
+timeout 38 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 -k "split" \
   tests/passes/kernels/test_moe_decode.py 2>&1 | tee $R/gpu_tests.log | tail -12
 cp $R/*.md $R/*.json $R/*.log $OUT/ 2>/dev/null  # gpu_jobs.sh drops $R (scratch) before packing

@@ -667,10 +667,10 @@ SPLIT_TUNED: dict[tuple[int, int, int, bool], SplitConfig] = {
 # chunks: 324 programs of 128 KB on 132 SMs leave a third of the SMs a third program's worth of tail) and more
 # bytes in flight per program (prefetch, 8 warps with a wider tile).
 SPLIT_CANDIDATES: tuple[SplitConfig, ...] = (
-    SplitConfig(64, 128, 4), SplitConfig(64, 128, 4, 1, True), SplitConfig(32, 256, 4), SplitConfig(32, 256, 4, 1, True),
+    SplitConfig(64, 128, 4), SplitConfig(64, 128, 4, 1, True), SplitConfig(32, 256, 4, 1, True),
     SplitConfig(64, 128, 4, 2), SplitConfig(64, 128, 4, 2, True), SplitConfig(32, 128, 4, 2, True),
-    SplitConfig(64, 128, 4, 4, True), SplitConfig(128, 64, 4, 4, True), SplitConfig(16, 256, 4, 2, True),
-    SplitConfig(64, 256, 8, 2, True), SplitConfig(128, 128, 8, 4, True), SplitConfig(32, 256, 4, 2, True),
+    SplitConfig(64, 128, 4, 4, True), SplitConfig(128, 64, 4, 4, True), SplitConfig(64, 256, 8, 2, True),
+    SplitConfig(32, 256, 4, 2, True),
 )
 
 # Which design runs each kernel: "tiles" (the kernels above with a [rows, K] tile summed in place; MXFP4 and,
