@@ -14,7 +14,7 @@ if [ "${LADDER:-1}" = 1 ]; then
   timeout ${TL:-200} k3compile bench ladder --model kimi-linear-48b --dtype bf16 --batch ${B:-1} --context 512 \
     --device cuda --quick --time-budget $(( ${TL:-200} - 30 )) "${VARGS[@]}" --out $OUT/l48 > $OUT/ladder9a.log 2>&1
   say "ladder: exit $?"
-  rm -rf $OUT/l48/traces; mv $OUT/l48/ladder_* $OUT/ 2>/dev/null; rmdir $OUT/l48 2>/dev/null
+  mv $OUT/l48/traces/* $OUT/l48/ladder_* $OUT/ 2>/dev/null; rm -rf $OUT/l48
   for md in $OUT/ladder_*.md; do grep -E "^\| (arm|r1[0-9]|v-)|^- (batch|v-|routing|tolerance)" "$md"; done
   grep -E "v-.*(FAILED|over the tolerance)" $OUT/ladder9a.log
 fi
