@@ -301,7 +301,7 @@ def test_decision_rule():
 
     def t(cublas, **gemv):  # c<block_n>_<block_k>_<split_k>[_<design>_<warps>]
         return {"cublas_us": cublas, "gemv_us": {tuple(map(int, k[1:].split("_"))): v for k, v in gemv.items()}}
-    # config A wins M = 1, 2 and loses at 4; B wins only M = 1 but by more: reach counts first
+    # config A wins M = 1, 2 and loses at 4 (saves 5 + 4 us); B wins only M = 1 (saves 6): A saves more
     timings = {1: t(10.0, c64_128_1=5.0, c32_256_2=4.0), 2: t(10.0, c64_128_1=6.0, c32_256_2=11.0),
                4: t(10.0, c64_128_1=12.0, c32_256_2=12.0)}
     assert _decide(timings, [1, 2, 4]) == (2, (64, 128, 1))
@@ -323,3 +323,11 @@ def test_decision_rule():
     # in_proj: with PDL 16x256 w4 wins (15.29 < 17.54); alone, the best (64x128x2 dot, 18.35) loses: cuBLAS
     assert _decide({1: t(17.54, c16_256_1_1_4=15.29, c16_256_1_1_2=15.83)}, [1], 0.03) == (1, (16, 256, 1, 1, 4))
     assert _decide({1: t(17.54, c16_256_1_1_4=19.68, c64_128_2_0_4=18.35)}, [1], 0.03) == (0, None)
+    # session 9's H200 o_proj in a PDL chain: the dot tile wins M = 1 and 2 by little (9.01, 9.54 vs 9.99, 9.91),
+    # the w8 rows tile only M = 1 but by 3.8 us (pruned above): the time saved picks the rows tile
+    s9 = {1: t(9.99, c4_1024_1_1_8=6.17, c64_128_8_0_4=9.01), 2: t(9.91, c64_128_8_0_4=9.54),
+          4: t(9.88, c64_128_8_0_4=9.66)}
+    assert _decide(s9, [1, 2, 4], min_gain=0.03) == (1, (4, 1024, 1, 1, 8))
+    # equal savings: the longer reach
+    assert _decide({1: t(10.0, c4_1024_1_1_8=7.0, c64_128_8_0_4=8.0), 2: t(10.0, c64_128_8_0_4=9.0)}, [1, 2]) \
+        == (2, (64, 128, 8, 0, 4))
