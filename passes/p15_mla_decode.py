@@ -68,7 +68,7 @@ class MLADecodeConfig(PassConfig):
     # launch choice per batch, recorded into each attention node (the op picks the row at run time: the token count
     # is symbolic here): rows (largest batch, num_splits (0: from the shapes), merge_cols (0: whole-row merge));
     # see kernels.mla_decode.LAUNCH_TABLE (tools/bench_mla9.py measures the choices)
-    launch_table: str = _kernels.format_launch_table(_kernels.LAUNCH_TABLE)  # '4:0:64/*:0:128'
+    launch_table: str = _kernels.format_launch_table(_kernels.LAUNCH_TABLE)  # '1:0:64/4:32:64/*:0:0'
 
     def validate(self) -> None:
         try:

@@ -62,8 +62,10 @@ OUT_MAX_TOKENS = 4  # up to this many tokens the merge kernel applies W_UV; abov
 # for them in one 2-D load (the whole-row kernel, merge_cols 0, walks the splits one L2 round trip at a time), and
 # with W_UV that column block of W_UV [dv, merge_cols]: at batch 1 the grid is H x r / 64 = 256 programs instead of
 # H x 2, and each (request, head)'s last-arriving program sums the column blocks' dv partials.
+# H200, 48B shape (tools/bench_mla9.py, session 9 call 1: split + merge µs per layer, fastest summed over context 512
+# and 4096): batch 1 the shape's splits with 64 columns; batch 2-4 32 splits, 64 columns; above, the whole-row merge.
 ANY_BATCH = 1 << 30  # the last row's largest batch, spelled '*' in P15's option
-LAUNCH_TABLE = ((4, 0, 64), (ANY_BATCH, 0, 128))
+LAUNCH_TABLE = ((1, 0, 64), (4, 32, 64), (ANY_BATCH, 0, 0))
 
 
 # --------------------------------------------------------------------------- argument checks

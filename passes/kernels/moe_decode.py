@@ -662,6 +662,11 @@ class SplitConfig(NamedTuple):
 #   traces/h200_s8/moe8_fixed.md (~70% of the copy bandwidth for its 42.5 MB).
 SPLIT_TUNED: dict[tuple[int, int, int, bool], SplitConfig] = {
     (9, 2304, 1024, False): SplitConfig(64, 128, 4),
+    # session 9 (tools/bench_moe9.py, call 1, MoE op µs with PDL): batch 2 73.3 -> 64.6 and batch 4 122.1 -> 113.9 with
+    # two K chunks per slot; at batch 1 and 8 today's launch stayed the fastest (batch 1's prefetch arm: no gain in
+    # the whole 48B step, bench ladder variant 2.325 vs 2.319 ms)
+    (18, 2304, 1024, False): SplitConfig(64, 128, 4, 2, False),
+    (36, 2304, 1024, False): SplitConfig(64, 128, 4, 2, False),
 }
 # What bench_moe9.py tries besides today's choice (dense weights, 48B shape): more programs (smaller BLOCK_N or K
 # chunks: 324 programs of 128 KB on 132 SMs leave a third of the SMs a third program's worth of tail) and more
