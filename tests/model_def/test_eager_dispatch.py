@@ -77,13 +77,23 @@ def test_make_fx_and_compile_see_one_op_node():
     assert targets.count(torch.ops.k3.kda_decode.default) == 1
     assert not [t for t in targets if "aten" in str(t) and "sym_size" not in str(t)]  # no inlined insides
 
-    fresh = eager_dispatch._K3Ops()  # its first lookup happens under Dynamo's tracing
-    compiled = torch.compile(lambda *a: fresh.kda_decode(*a), backend="eager", fullgraph=True)
-    pool_c, pool_e = args[5].clone(), args[5].clone()
-    out = compiled(*args[:5], pool_c, *args[6:])
-    ref = torch.ops.k3.kda_decode(*args[:5], pool_e, *args[6:])
-    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(pool_c, pool_e, atol=1e-6, rtol=1e-6)
+    fresh, graphs = eager_dispatch._K3Ops(), []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+    for first_lookup in ("under Dynamo", "eager"):  # Dynamo traces __getattr__, then the cached caller
+        torch._dynamo.reset()  # the lambda's code object is the same both times: trace it again
+        with torch.no_grad():
+            if first_lookup == "eager":
+                fresh.kda_decode(*args[:5], args[5].clone(), *args[6:])
+            compiled = torch.compile(lambda *a: fresh.kda_decode(*a), backend=backend, fullgraph=True)
+            pool_c, pool_e = args[5].clone(), args[5].clone()
+            out = compiled(*args[:5], pool_c, *args[6:])
+            ref = torch.ops.k3.kda_decode(*args[:5], pool_e, *args[6:])
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(pool_c, pool_e, atol=1e-6, rtol=1e-6)
+        assert graphs.pop() == ["k3.kda_decode"]  # Dynamo's graph holds the op, not its insides
 
 
 def test_fake_tensors_take_the_fake_kernel():
