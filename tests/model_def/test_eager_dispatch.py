@@ -15,7 +15,7 @@ from tests.model_def.helpers import Sessions
 B, H, K, V, LAYERS = 2, 2, 4, 3, 2
 
 
-def decode_inputs(seed: int = 0):
+def decode_inputs(seed: int = 0, K: int = K, V: int = V):
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(B, H, K, generator=g), torch.randn(B, H, K, generator=g)
     v, g_ = torch.randn(B, H, V, generator=g), -torch.rand(B, H, K, generator=g)
@@ -140,3 +140,17 @@ def test_k3_tiny_steps_are_identical_either_way(monkeypatch):
     dispatched = run()
     for a, b in zip(direct[0] + direct[1], dispatched[0] + dispatched[1]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_cuda_call_goes_direct_to_the_registered_cuda_kernel():
+    """On CUDA the direct call runs what the dispatcher runs there (fla's kernel when it registered, else the
+    reference): the same outputs and state updates as torch.ops.k3."""
+    args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in decode_inputs(1, K=32, V=32)]  # kernel-sized heads
+    assert eager_dispatch.direct_device(args) == "cuda"
+    pool_direct, pool_op = args[5].clone(), args[5].clone()
+    with torch.no_grad():
+        direct = k3.kda_decode(*args[:5], pool_direct, *args[6:])
+        ref = torch.ops.k3.kda_decode(*args[:5], pool_op, *args[6:])
+    torch.testing.assert_close(direct, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(pool_direct, pool_op, atol=1e-6, rtol=1e-6)
