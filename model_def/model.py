@@ -22,6 +22,7 @@ from .layers.common import RMSNorm, StepInputs
 from .layers.kda import KDAMixer
 from .layers.mla import MLAMixer
 from .layers.moe import GLUMLP, MoE
+from .ops.eager_dispatch import k3
 
 
 class DecoderLayer(nn.Module):
@@ -47,7 +48,7 @@ class DecoderLayer(nn.Module):
         if hasattr(self, "block_sparse_moe"):
             return self.block_sparse_moe(x)
         y = self.mlp(x)
-        return y if self.shard is None else torch.ops.k3.all_reduce(y, "world")
+        return y if self.shard is None else k3.all_reduce(y, "world")
 
 
 class K3Model(nn.Module):
@@ -163,7 +164,7 @@ class K3ForCausalLM(nn.Module):
             logits = self.lm_head(rows(self.model(input_ids, s))).float()
             if self.shard is None:
                 return logits
-            return torch.ops.k3.all_gather(logits, "world", self.shard.world, -1)
+            return k3.all_gather(logits, "world", self.shard.world, -1)
         if self.shard is not None:
             raise NotImplementedError("drafter feature layers are not supported on a rank of a parallel model yet")
         h, feats = self.model(input_ids, s, feature_layers)

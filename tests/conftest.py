@@ -26,9 +26,24 @@ SHARED_WORKER = {
 }
 _GROUP_OF = {path: group for group, paths in SHARED_WORKER.items() for path in paths}
 
+# Units (files or SHARED_WORKER groups) handed out before all others, longest first: xdist orders units by their
+# number of tests, which puts long files of one or two tests (test_engine_properties: one 57 s test) last, where
+# one worker runs them while the other has nothing left. Order from the slowest tests of the last full runs
+# (`--durations`, session 8); a unit missing here only goes in xdist's order.
+SLOW_FIRST = ("pass-graphs", "tests/runtime/test_engine_cache.py", "tests/runtime/test_engine_parity.py",
+              "tests/runtime/test_engine_memory.py", "tests/passes/kernels/test_moe_decode.py",
+              "tests/k3compile/engine/test_parallel_build.py", "tests/runtime/test_engine_properties.py",
+              "tests/runtime/test_overlap_mixed.py", "tests/runtime/spec/test_spec_sampling.py",
+              "tests/k3compile/commands/test_serve_parallel_engine.py", "tests/k3compile/bench/test_decode_bench.py",
+              "tests/passes/kernels/test_kda_decode.py", "tests/k3compile/engine/test_served_verify_graph.py",
+              "tests/runtime/server/test_openai_surface.py", "tests/k3compile/bench/test_ladder_bench.py",
+              "tests/passes/kernels/test_routing.py", "tests/k3compile/bench/test_cache_bench.py",
+              "tests/runtime/server/test_schema_fuzz.py", "tests/runtime/spec/test_fold_kernel.py")
+
 
 class SharedWorkerGroups:
-    """xdist's --dist loadfile with the SHARED_WORKER groups as single units (test ids stay as they are)."""
+    """xdist's --dist loadfile with the SHARED_WORKER groups as single units (test ids stay as they are) and the
+    SLOW_FIRST units handed out first."""
 
     @staticmethod
     def pytest_xdist_make_scheduler(config, log):
@@ -41,13 +56,21 @@ class SharedWorkerGroups:
                 path = super()._split_scope(nodeid)
                 return _GROUP_OF.get(path, path)
 
+            def _assign_work_unit(self, node) -> None:
+                # the next unit a worker gets: the longest SLOW_FIRST unit left, else xdist's next one
+                slow = next((unit for unit in SLOW_FIRST if unit in self.workqueue), None)
+                if slow is not None:
+                    self.workqueue.move_to_end(slow, last=False)
+                super()._assign_work_unit(node)
+
         return SharedWorkerScheduling(config, log)
 
 
 def pytest_configure(config):
     missing = [path for path in _GROUP_OF if not (config.rootpath / path).is_file()]
+    missing += [unit for unit in SLOW_FIRST if unit not in SHARED_WORKER and not (config.rootpath / unit).is_file()]
     if missing:  # a renamed file would silently leave its group (and build its shared object again elsewhere)
-        raise pytest.UsageError(f"tests/conftest.py SHARED_WORKER lists files that do not exist: {missing}")
+        raise pytest.UsageError(f"tests/conftest.py SHARED_WORKER / SLOW_FIRST list files that do not exist: {missing}")
     if config.pluginmanager.hasplugin("xdist"):  # the hook exists only with xdist (not under -p no:xdist)
         config.pluginmanager.register(SharedWorkerGroups(), "shared-worker-groups")
 

@@ -13,6 +13,7 @@ from torch import nn
 from ..ops import library as k3ops  # noqa: F401  (registers torch.ops.k3.*)
 from ..ops import kda_math
 from ..ops.kda_math import kda_gate
+from ..ops.eager_dispatch import k3
 from ..parallel import comm  # noqa: F401  (registers torch.ops.k3.all_reduce)
 from .common import GatedRMSNorm, StepInputs, linear, per_sequence
 
@@ -51,11 +52,10 @@ class KDAMixer(nn.Module):
         if s.mode == "train":
             return per_sequence(lambda xs: _fresh_short_conv(xs, w), s.spans(), x)
         if s.mode == "decode":
-            return torch.ops.k3.short_conv_decode(x, w, s.conv, self.pool_index, off, s.state_slots)
+            return k3.short_conv_decode(x, w, s.conv, self.pool_index, off, s.state_slots)
         if s.window:  # verify: conv from the committed window, inputs kept for the rollback
-            return torch.ops.k3.short_conv_verify(x, w, s.conv, self.pool_index, off, s.state_slots, s.window[0])
-        return torch.ops.k3.short_conv_prefill(x, w, s.conv, self.pool_index, off, s.state_slots, s.cu_seqlens,
-                                               s.seq_lens)
+            return k3.short_conv_verify(x, w, s.conv, self.pool_index, off, s.state_slots, s.window[0])
+        return k3.short_conv_prefill(x, w, s.conv, self.pool_index, off, s.state_slots, s.cu_seqlens, s.seq_lens)
 
     def forward(self, x: torch.Tensor, s: StepInputs) -> torch.Tensor:
         heads = (self.num_heads, self.head_dim)
@@ -67,18 +67,16 @@ class KDAMixer(nn.Module):
         if s.mode == "train":
             o = per_sequence(_fresh_kda, s.spans(), q, k, v, g, beta).to(v.dtype)
         elif s.mode == "decode":
-            o = torch.ops.k3.kda_decode(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots)
+            o = k3.kda_decode(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots)
         elif s.mode == "verify":  # ReplaySSM: the state is read, the raw inputs are kept
-            o = torch.ops.k3.kda_verify(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots, *s.window[1:5])
+            o = k3.kda_verify(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots, *s.window[1:5])
         elif s.mode == "verify_snapshot":
-            o = torch.ops.k3.kda_verify_snapshot(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots,
-                                                 s.window[1])
+            o = k3.kda_verify_snapshot(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots, s.window[1])
         else:
-            o = torch.ops.k3.kda_prefill(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots, s.cu_seqlens,
-                                         s.seq_lens)
+            o = k3.kda_prefill(q, k, v, g, beta, s.ssm, self.pool_index, s.state_slots, s.cu_seqlens, s.seq_lens)
         o = self.o_norm(o, self.output_gate(x).unflatten(-1, heads))
         y = self.o_proj(o.flatten(-2))
-        return y if self.shard is None else torch.ops.k3.all_reduce(y, "world")
+        return y if self.shard is None else k3.all_reduce(y, "world")
 
     @torch.no_grad()
     def init_special(self, gen: torch.Generator) -> None:

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..ops import library as k3ops  # noqa: F401
 from ..ops.attention_math import mla_expanded
+from ..ops.eager_dispatch import k3
 from ..parallel import comm  # noqa: F401  (registers torch.ops.k3.all_reduce / all_to_all)
 from ..parallel.dcp_attention import dcp_exchange
 from .common import RMSNorm, StepInputs, linear
@@ -56,7 +57,7 @@ class MLAMixer(nn.Module):
             o = torch.cat([mla_expanded(q[a:b], rows[a:b], self.kv_b_proj.weight, self.kv_lora_rank, self.nope,
                                         self.scale, 0) for a, b in s.spans()])
             return self._output(o, x)
-        torch.ops.k3.kv_write(rows, s.kv, self.pool_index, s.out_cache_loc)
+        k3.kv_write(rows, s.kv, self.pool_index, s.out_cache_loc)
         if self.dcp > 1:  # prefill, decode and verify: mla_partial places each query by cu_seqlens / seq_lens
             o = self._attend_dcp(q, s).to(x.dtype)
         elif s.mode == "decode" or s.window:
@@ -72,12 +73,11 @@ class MLAMixer(nn.Module):
                 n = x.shape[0] // b
                 table = table.repeat_interleave(n, 0)
                 lens = (lens.view(b, 1) - n + 1 + torch.arange(n, device=lens.device, dtype=lens.dtype)).flatten()
-            o_lat = torch.ops.k3.mla_decode(q_lat, s.kv, self.pool_index, table, lens, self.scale,
-                                            self.kv_lora_rank)
+            o_lat = k3.mla_decode(q_lat, s.kv, self.pool_index, table, lens, self.scale, self.kv_lora_rank)
             o = torch.einsum("bhr,hdr->bhd", o_lat, w_uv)
         else:
-            o = torch.ops.k3.mla_prefill(q, s.kv, self.pool_index, self.kv_b_proj.weight, s.page_table, s.cu_seqlens,
-                                         s.seq_lens, self.scale, self.kv_lora_rank, self.nope)
+            o = k3.mla_prefill(q, s.kv, self.pool_index, self.kv_b_proj.weight, s.page_table, s.cu_seqlens,
+                               s.seq_lens, self.scale, self.kv_lora_rank, self.nope)
         return self._output(o, x)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +85,7 @@ class MLAMixer(nn.Module):
         if hasattr(self, "g_proj"):
             o = o * torch.sigmoid(self.g_proj(x))
         y = self.o_proj(o)
-        return y if self.shard is None else torch.ops.k3.all_reduce(y, "world")
+        return y if self.shard is None else k3.all_reduce(y, "world")
 
     def _attend_dcp(self, q: torch.Tensor, s: StepInputs) -> torch.Tensor:
         """Absorbed attention over this rank's positions (prefill, decode and verify alike: query j of a request's
@@ -95,7 +95,7 @@ class MLAMixer(nn.Module):
         w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
         q_lat = torch.cat([torch.einsum("bhd,hdr->bhr", q[..., : self.nope], w_uk), q[..., self.nope:]], -1)
-        o_lat, lse = torch.ops.k3.mla_partial(q_lat, s.kv, self.pool_index, s.page_table, s.cu_seqlens, s.seq_lens,
-                                              self.scale, self.kv_lora_rank, self.shard.dcp_rank, self.dcp)
+        o_lat, lse = k3.mla_partial(q_lat, s.kv, self.pool_index, s.page_table, s.cu_seqlens, s.seq_lens,
+                                    self.scale, self.kv_lora_rank, self.shard.dcp_rank, self.dcp)
         o = torch.einsum("bhr,hdr->bhd", o_lat, w_uv.float())
         return dcp_exchange(o, lse, self.dcp)

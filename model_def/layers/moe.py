@@ -12,6 +12,7 @@ from torch import nn
 
 from ..ops import library as k3ops  # noqa: F401
 from ..ops.moe_math import glu_act, route
+from ..ops.eager_dispatch import k3
 from ..parallel import comm  # noqa: F401  (registers torch.ops.k3.all_reduce)
 from .common import RMSNorm, linear
 
@@ -70,11 +71,10 @@ class Experts(nn.Module):
 
     def forward(self, z, topk_weights, topk_ids):
         if self.mxfp4:
-            return torch.ops.k3.moe_experts_mxfp4(z, topk_ids, topk_weights, self.w13_packed, self.w13_scale,
-                                                  self.w2_packed, self.w2_scale, self.act, self.beta,
-                                                  self.linear_beta)
-        return torch.ops.k3.moe_experts(z, topk_ids, topk_weights, self.w13, self.w2, self.act, self.beta,
+            return k3.moe_experts_mxfp4(z, topk_ids, topk_weights, self.w13_packed, self.w13_scale,
+                                        self.w2_packed, self.w2_scale, self.act, self.beta,
                                         self.linear_beta)
+        return k3.moe_experts(z, topk_ids, topk_weights, self.w13, self.w2, self.act, self.beta, self.linear_beta)
 
 
 class MoE(nn.Module):
@@ -119,11 +119,11 @@ class MoE(nn.Module):
             return y
         if not latent:
             y = u + self.shared_experts(x) if hasattr(self, "shared_experts") else u
-            return torch.ops.k3.all_reduce(y, "world")
-        u = torch.ops.k3.all_reduce(u, "world")
+            return k3.all_reduce(y, "world")
+        u = k3.all_reduce(u, "world")
         if hasattr(self, "routed_expert_norm"):
             u = self.routed_expert_norm(u)
         y = self.routed_expert_up_proj(u)
         if hasattr(self, "shared_experts"):
-            y = y + torch.ops.k3.all_reduce(self.shared_experts(x), "world")
+            y = y + k3.all_reduce(self.shared_experts(x), "world")
         return y

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
+from ..ops.eager_dispatch import k3
 from . import comm
 from .lse_merge import merge_partials
 
@@ -56,6 +57,6 @@ def dcp_exchange(o: torch.Tensor, lse: torch.Tensor, dcp_size: int) -> torch.Ten
     n, hq, d = o.shape
     packed = torch.cat([o.float(), lse.float().unsqueeze(-1)], -1)  # [N, Hq, D+1]
     packed = packed.view(n, dcp_size, hq // dcp_size, d + 1).transpose(0, 1).contiguous()  # chunk g -> rank g
-    recv = torch.ops.k3.all_to_all(packed, "dcp")  # [M, N, Hq/M, D+1]: chunk g from DCP rank g
+    recv = k3.all_to_all(packed, "dcp")  # [M, N, Hq/M, D+1]: chunk g from DCP rank g
     merged, _ = merge_partials(recv[..., :d], recv[..., d])
     return merged
