@@ -4,7 +4,7 @@ K 2304, M = 1, 4, 8.
 
     python3 tools/bench_norm_gemv.py [--json OUT]      (CUDA; ~1 min)
 
-Per shape, M and GEMV configuration (P8's candidates for that M, rows design warps 2/4/8), µs per (norm, GEMV)
+Per shape, M and GEMV configuration (P8's candidates for that M, rows design warps --warps, default 4), µs per (norm, GEMV)
 pair and per fused call, both launched with PDL back to back in one CUDA graph over enough weight copies that
 every weight read comes from HBM (kernels/graph_timing.py), and the saving. Rows: the best pair and the fused
 call with that same configuration (what the pass emits: it keeps P8's choice), plus the fused call's own best."""
@@ -25,6 +25,7 @@ NORM = torch.ops.k3.attn_res_norm
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--warps", default="4", help="rows design warps tried (comma list; each is a Triton compile)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sm = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -39,7 +40,7 @@ def main() -> None:
             x = torch.randn(m, k, device=dev, generator=gen).bfloat16()
             d = torch.randn(m, k, device=dev, generator=gen).bfloat16()
             rows = []
-            for cfg in _candidates(n, k, sm, (2, 4, 8)):
+            for cfg in _candidates(n, k, sm, tuple(int(v) for v in args.warps.split(","))):
                 bn, bk, split, design, warps = cfg
                 if design == gv.DESIGNS["rows"] and m > gv.ROWS_MAX_M:
                     continue
