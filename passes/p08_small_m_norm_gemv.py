@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import fake_mode_of, is_call, set_meta_val
+from .graph_utils import fake_mode_of, getitem_outputs, is_call, set_meta_val
 from .kernels import gemv as gemv_kernels
 from .kernels import norm_gemv as _kernel  # noqa: F401  (registers torch.ops.k3.norm_gemv)
 from .registry import PassConfig, PassConfigError, register_pass
@@ -50,16 +50,6 @@ class NormGemvConfig(PassConfig):
                                   f"got {self.max_tokens}")
 
 
-def _outputs(node: Node) -> dict:
-    """index -> the getitem node reading that output (each output read at most once, by a getitem)."""
-    out = {}
-    for u in node.users:
-        if u.target is not operator.getitem or u.args[1] in out:
-            return {}
-        out[u.args[1]] = u
-    return out
-
-
 def _match(norm: Node, order: dict):
     """(gemv node, norm outputs) when `norm` feeds one k3.gemv as the docstring says, else None."""
     if norm.kwargs or len(norm.args) != 8:
@@ -69,7 +59,7 @@ def _match(norm: Node, order: dict):
         return None
     if ALL_REDUCE is not None and any(is_call(a, ALL_REDUCE) for a in (x, delta)):
         return None  # P9 fuses the collective with this norm
-    outs = _outputs(norm)
+    outs = getitem_outputs(norm)
     h = outs.get(0)
     if h is None or len(h.users) != 1:
         return None

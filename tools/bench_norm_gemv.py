@@ -4,10 +4,11 @@ K 2304, M = 1, 4, 8.
 
     python3 tools/bench_norm_gemv.py [--json OUT]      (CUDA; ~1 min)
 
-Per shape, M and GEMV configuration (P8's candidates for that M, rows design warps --warps, default 4), µs per (norm, GEMV)
-pair and per fused call, both launched with PDL back to back in one CUDA graph over enough weight copies that
-every weight read comes from HBM (kernels/graph_timing.py), and the saving. Rows: the best pair and the fused
-call with that same configuration (what the pass emits: it keeps P8's choice), plus the fused call's own best."""
+Per shape, M and GEMV configuration (P8's candidates for that M, rows design warps --warps, default 4), µs per
+(norm, GEMV) pair and per fused call, both launched with PDL back to back in one CUDA graph over enough weight
+copies that every weight read comes from HBM (kernels/graph_timing.py), and the saving. Printed per (shape, M): the
+configuration with the best pair (the fused call at that same configuration is what the pass emits: it keeps P8's
+choice) and the one with the best fused call; the JSON has every configuration."""
 import argparse
 import json
 

@@ -35,11 +35,13 @@ def cases():
     yield "rows M=1 bn=2", randn(1, 72), randn(1, 72), randn(72, scale=0.5) + 1, randn(130, 72), None, 2, 64, 1, rows
     yield "no delta (p = x)", randn(2, 64), None, randn(64) + 1, randn(24, 64), None, 16, 16, 2, dot
     yield "rows bias [N], no delta", randn(1, 64), None, randn(64) + 1, randn(24, 64), randn(24), 4, 16, 2, rows
-    yield "rows residual [M, N]", randn(2, 160), randn(2, 160), randn(160) + 1, randn(48, 160), randn(2, 48), 8, 32, 4, rows
+    yield ("rows residual [M, N]", randn(2, 160), randn(2, 160), randn(160) + 1, randn(48, 160), randn(2, 48),
+           8, 32, 4, rows)
     yield ("fp16", randn(3, 64, dtype=torch.float16), randn(3, 64, dtype=torch.float16),
            randn(64, dtype=torch.float16) + 1, randn(24, 64, dtype=torch.float16), None, 16, 16, 2, dot)
     # a wide row: the inverse RMS must come from the whole row, not the program's K slice
-    yield "K=1152 rows split 4", randn(1, 1152, scale=8), randn(1, 1152), randn(1152) + 1, randn(8, 1152), None, 4, 128, 4, rows
+    yield ("K=1152 rows split 4", randn(1, 1152, scale=8), randn(1, 1152), randn(1152) + 1, randn(8, 1152), None,
+           4, 128, 4, rows)
 
 
 failures, n = [], 0
