@@ -1,6 +1,6 @@
 """P7's norm + P8's GEMV as two launches vs one k3.norm_gemv launch (pass p08_small_m_norm_gemv), at the 48B
 decode shapes whose input is a norm: the KDA merged in_proj (N 12576) and the dense MLP's gate/up (N 18432),
-K 2304, M = 1, 4, 8.
+K 2304, M = 1 and 4 (--ms).
 
     python3 tools/bench_norm_gemv.py [--json OUT]      (CUDA; ~1 min)
 
@@ -26,6 +26,7 @@ NORM = torch.ops.k3.attn_res_norm
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--ms", default="1,4", help="rows (decode batch) per shape, comma list")
     ap.add_argument("--warps", default="4", help="rows design warps tried (comma list; each is a Triton compile)")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -37,7 +38,7 @@ def main() -> None:
         w = (0.02 * torch.randn(n, k, device=dev, generator=gen)).bfloat16()
         weights = [w] + [w.clone() for _ in range(copies_to_overflow_l2(w.numel() * 2, dev) - 1)]
         nw = (1 + 0.1 * torch.randn(k, device=dev, generator=gen)).bfloat16()
-        for m in (1, 4, 8):
+        for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device=dev, generator=gen).bfloat16()
             d = torch.randn(m, k, device=dev, generator=gen).bfloat16()
             rows = []
@@ -69,9 +70,9 @@ def main() -> None:
                 print(f"{label:12} {m:>2} {r['config']:18} {r['pair_us']:8.2f} {r['fused_us']:8.2f} "
                       f"{r['pair_us'] - r['fused_us']:8.2f}  ({tag})")
             out += rows
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+            if args.json:  # after every (shape, M): a timeout keeps what was measured
+                with open(args.json, "w") as f:
+                    json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
