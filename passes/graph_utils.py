@@ -231,6 +231,17 @@ def erase_subgraph(gm: GraphModule, nodes) -> None:
         gm.graph.erase_node(node)
 
 
+def getitem_outputs(node: Node) -> dict:
+    """index -> the getitem node reading that output (each output read at most once, by a getitem);
+    {} when any user is something else or reads an output twice."""
+    out = {}
+    for u in node.users:
+        if u.target is not operator.getitem or u.args[1] in out:
+            return {}
+        out[u.args[1]] = u
+    return out
+
+
 def is_call(node, *targets) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 

@@ -24,7 +24,8 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import add_constant, attr_tensor, drop_unused_constants, fake_mode_of, is_call, set_meta_val, val_of
+from .graph_utils import (add_constant, attr_tensor, drop_unused_constants, fake_mode_of, getitem_outputs, is_call,
+                          set_meta_val, val_of)
 from .kernels import norm_route as _kernel  # noqa: F401  (registers torch.ops.k3.norm_route)
 from .p06_fused_moe_decode import TOKEN_STEP_MODES
 from .registry import PassConfig, register_pass
@@ -35,16 +36,6 @@ FUSED = torch.ops.k3.norm_route.default
 ALL_REDUCE = torch.ops.k3.all_reduce.default if hasattr(torch.ops.k3, "all_reduce") else None
 
 
-def _outputs(node: Node) -> dict:
-    """index -> the getitem node reading that output (each output read at most once, by a getitem)."""
-    out = {}
-    for u in node.users:
-        if u.target is not operator.getitem or u.args[1] in out:
-            return {}
-        out[u.args[1]] = u
-    return out
-
-
 def _match(norm: Node, order: dict):
     """(route node, its outputs, norm outputs) when `norm` feeds an absorbed router as the docstring says."""
     if norm.kwargs or len(norm.args) != 8:
@@ -53,7 +44,7 @@ def _match(norm: Node, order: dict):
     source = x if delta is None else delta
     if ALL_REDUCE is not None and is_call(source, ALL_REDUCE):
         return None  # P9 fuses the collective with this norm
-    outs = _outputs(norm)
+    outs = getitem_outputs(norm)
     h32 = outs.get(2)
     if h32 is None or len(h32.users) != 1:
         return None
@@ -65,7 +56,7 @@ def _match(norm: Node, order: dict):
         return None
     if bias.op != "get_attr" and order[bias] > order[norm]:
         return None
-    routed = _outputs(route)
+    routed = getitem_outputs(route)
     if not routed:
         return None
     return route, routed, outs

@@ -20,6 +20,7 @@ SHARED_WORKER = {
     "pass-graphs": tuple(f"tests/passes/test_{name}.py" for name in (
         "manager", "p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing",
         "p05_fused_kda_decode", "p06_fused_moe_decode", "p07_attn_res_norm", "p07_norm_route", "p08_small_m_gemm",
+        "p08_small_m_norm_gemv",
         "p09_all_reduce_norm", "p11_copy_elision", "p12_moe_finalize_all_reduce", "p13_latent_up_column",
         "p15_mla_decode", "p16_kda_verify_inputs", "parallel_pipeline")) + (
         "tests/k3compile/engine/test_verify_graph.py",),  # k3-tiny's verify graph, as P16's tests

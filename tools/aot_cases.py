@@ -6,10 +6,10 @@ import functools
 
 import torch
 
-from k3compile.passes.kernels import gemv, kda_decode, mla_decode, moe_decode, norm_route, pdl
+from k3compile.passes.kernels import gemv, kda_decode, mla_decode, moe_decode, norm_gemv, norm_route, pdl
 from k3compile.passes.kernels import attn_res_norm as arn
 
-for _mod in (gemv, kda_decode, mla_decode, moe_decode, norm_route, arn):
+for _mod in (gemv, kda_decode, mla_decode, moe_decode, norm_gemv, norm_route, arn):
     _mod.pdl_for = lambda requested, tensor: bool(requested)  # compile the PDL variants too
 G = torch.Generator().manual_seed(0)
 BF = torch.bfloat16
@@ -53,6 +53,12 @@ def gemv_case(m, n, k, block_n, block_k, split_k, design, num_warps=4):
     x, w = _randn(m, k), _randn(n, k)
     return lambda: gemv.gemv_triton(x, w, None, block_n, block_k, split_k, num_warps=num_warps, design=design,
                                     use_pdl=True)
+
+
+def norm_gemv_case(m, n, k, block_n, block_k, split_k, design, num_warps=4, delta=True):
+    x, d, nw, w = _randn(m, k), _randn(m, k) if delta else None, _randn(k), _randn(n, k)
+    return lambda: norm_gemv.norm_gemv_triton(x, d, nw, 1e-6, w, None, block_n, block_k, split_k, num_warps=num_warps,
+                                              design=design, use_pdl=True)
 
 
 def mla(batch, with_out, **launch):
@@ -124,6 +130,13 @@ CASES = [
     ("gemv rows o_proj M=1 w2 split 4", gemv_case(1, 2304, 4096, 16, 256, 4, gemv.DESIGNS["rows"], 2)),
     ("gemv rows in_proj M=4 w8", gemv_case(4, 12576, 2304, 16, 256, 1, gemv.DESIGNS["rows"], 8)),
     ("gemv rows in_proj M=2 w2", gemv_case(2, 12576, 2304, 4, 1024, 1, gemv.DESIGNS["rows"], 2)),
+    # P7's norm in the GEMV's prologue (p08_small_m_norm_gemv), at the 48B in_proj / MLP gate-up shapes
+    ("norm_gemv rows in_proj M=1", norm_gemv_case(1, 12576, 2304, 16, 256, 1, gemv.DESIGNS["rows"])),
+    ("norm_gemv rows in_proj M=1 w2 split 2", norm_gemv_case(1, 12576, 2304, 4, 1024, 2, gemv.DESIGNS["rows"], 2)),
+    ("norm_gemv rows in_proj M=4 w8 no delta", norm_gemv_case(4, 12576, 2304, 16, 256, 1, gemv.DESIGNS["rows"], 8,
+                                                              delta=False)),
+    ("norm_gemv dot in_proj M=8", norm_gemv_case(8, 12576, 2304, 64, 128, 1, gemv.DESIGNS["dot"])),
+    ("norm_gemv dot gate_up M=16 split 2", norm_gemv_case(16, 18432, 2304, 64, 128, 2, gemv.DESIGNS["dot"])),
     ("mla 48B batch 1 + W_UV (merge cols from the table)", mla(1, True)),
     ("mla 48B batch 4 + W_UV, merge cols 32, 8 splits", mla(4, True, merge_cols=32, num_splits=8)),
     ("mla 48B batch 1 + W_UV, merge cols 128, block_h 32, 8 warps", mla(1, True, merge_cols=128, block_h=32,

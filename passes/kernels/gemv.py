@@ -130,11 +130,21 @@ if triton is not None:
             rk, k_ok
 
     @triton.jit
-    def _dot_step(acc, w, x_ptr, rm, m_ok, rk, k_ok, sxm, sxk):
-        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    def _dot_product(acc, x, w):
+        """acc + x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T (the dot design's step; kernels/norm_gemv.py too)."""
         # bf16/fp16 values are exact in tf32: the tensor-core product equals the 16-bit one (and the
         # CPU interpreter, whose 16-bit dot is wrong, computes the same thing)
         return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="tf32")
+
+    @triton.jit
+    def _rows_product(acc3, x, w):
+        """acc3 [M_PAD, BLOCK_N, BLOCK_K] + every x row times the weight tile (the rows design's step), summed later."""
+        return acc3 + w.to(tl.float32)[None, :, :] * x.to(tl.float32)
+
+    @triton.jit
+    def _dot_step(acc, w, x_ptr, rm, m_ok, rk, k_ok, sxm, sxk):
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        return _dot_product(acc, x, w)
 
     @triton.jit
     def _rows_step(acc3, w, x_ptr, rm, rn, m_ok, n_ok, rk, k_ok, sxm, sxk):
@@ -143,7 +153,7 @@ if triton is not None:
         xmask = m_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
         x = tl.load(x_ptr + rm[:, None, None] * sxm + rk[None, None, :] * sxk + 0 * rn[None, :, None],
                     mask=xmask, other=0.0)
-        return acc3 + w.to(tl.float32)[None, :, :] * x.to(tl.float32)
+        return _rows_product(acc3, x, w)
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
@@ -229,16 +239,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
         return y
     if k == 0:
         return y.zero_() if c is None else y.copy_(c.expand(m, n))
-    tiles = triton.cdiv(n, block_n)
-    # each split covers a whole number of BLOCK_K steps; no split is empty
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    if split_k > 1:
-        ws = torch.empty(split_k, triton.next_power_of_2(m) if rows else BLOCK_M, n, dtype=torch.float32,
-                         device=x.device)
-        cnt = arrivals.arrival_counters(x.device, tiles, owner="gemv")
-    else:
-        ws = cnt = y  # unused
+    tiles, k_per_split, split_k, ws, cnt = split_plan(m, n, k, block_n, block_k, split_k, rows, x.device, "gemv")
+    ws, cnt = (y, y) if ws is None else (ws, cnt)  # split_k 1: unused pointer slots
     if c is None:
         c_arg, scm, scn = y, 0, 0
     else:
@@ -256,6 +258,20 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
         _gemv_kernel[(tiles, split_k)](*args, HAS_C=c is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
                                        SPLIT_K=split_k, USE_PDL=pdl, PEEL=bool(use_pdl), num_warps=num_warps, **extra)
     return y
+
+
+def split_plan(m: int, n: int, k: int, block_n: int, block_k: int, split_k: int, rows: bool, device,
+               owner: str):
+    """(column tiles, k_per_split, split_k, workspace, counters) of a launch of either design: each split covers a
+    whole number of BLOCK_K steps and none is empty; with one split there is no workspace (None, None). The
+    workspace is [split_k, rows padded as the design pads them, n] fp32; the counters are `owner`'s."""
+    tiles = triton.cdiv(n, block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    if split_k == 1:
+        return tiles, k_per_split, 1, None, None
+    ws = torch.empty(split_k, triton.next_power_of_2(m) if rows else BLOCK_M, n, dtype=torch.float32, device=device)
+    return tiles, k_per_split, split_k, ws, arrivals.arrival_counters(device, tiles, owner=owner)
 
 
 def default_config(n: int, k: int, sm_count: int = 132) -> tuple[int, int, int]:

@@ -92,7 +92,7 @@ def test_addmm_is_left_alone_and_c_is_added_after_rounding():
 
 def test_choices_reach_the_pass_report_and_the_engine_graph_format():
     gm = engine_before("kimi-linear-tiny")
-    rep = PassManager(pipeline_from_flags("p08", pass_opts=["p08.choice=gemv"])).run(gm)
+    rep = PassManager(pipeline_from_flags("p08_small_m_gemm", pass_opts=["p08_small_m_gemm.choice=gemv"])).run(gm)
     rec = rep.passes[0]
     assert rec.matches == 33 and len(rec.details["nodes"]) == 33
     assert P8 not in gm.meta["k3"].get("pass_details", {})  # moved into the report
