@@ -33,6 +33,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$LOG" 2>&1
 python3 -c "import k3compile.passes.registry as r; print('pipeline:', ', '.join(r.registered_passes()))" 2>&1 | tee -a "$LOG"
 python3 -c "import fla, transformers; print('fla', fla.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1 | tee -a "$LOG"
 
+VARGS=(); for v in ${VARIANTS:-}; do VARGS+=(--variant "$v"); done  # whole-engine A/B arms (bench ladder --variant)
 ladder() {  # model, batches, hard timeout (s), extra flags...
   local model=$1 batches=$2 limit=$3; shift 3
   progress "ladder $model (batch $batches, limit $limit s): $*"
@@ -43,12 +44,12 @@ ladder() {  # model, batches, hard timeout (s), extra flags...
   grep -h -E "^\[.*(rep [0-9]|compiled|skipped|gate|over the tolerance|failed|hf )" "$LOG" | tail -4
 }
 ladder kimi-linear-48b "$B48" $((HF_BUDGET * 3 / 2 + T48 + 25)) --hf --hf-budget "$HF_BUDGET" \
-  --time-budget "$T48" --compile-budget "$C48"
+  --time-budget "$T48" --compile-budget "$C48" "${VARGS[@]}"
 [ "$MINI" = 1 ] && ladder k3-mini-6b 1,8 $((T6 + 25)) --time-budget "$T6" --compile-budget "$C6"
 (cd "$R" && tar cf "$OUT/ladder3_traces.tar" */traces/*_bs1.* */hf_*.json 2>>"$LOG")
 rm -rf "$R"  # under $OUT: its copies would count against the files that come back
 for md in "$OUT"/ladder_*.md; do
-  echo "== $md"; grep -A16 "^| arm |" "$md"; grep -E "^- batch|^\| r|^- routing|^- bs[0-9]+, routing|^- tolerance used|torch.compile\(|^hf-" "$md" | head -48
+  echo "== $md"; grep -A16 "^| arm |" "$md"; grep -E "^- batch|^\| r|^\| v-|^- v-|^- routing|^- bs[0-9]+, routing|^- tolerance used|torch.compile\(|^hf-" "$md" | head -60
 done
 progress "all done"
 ls -la "$OUT"
