@@ -1,12 +1,13 @@
-"""Microbenchmark (issue 9, kda9): P5's KDA decode kernel under each launch layout (model_def/ops/kda_launch.py:
-"s8" = today's default, "wide" = kda8's fastest batch-1 launch), PDL off / wait first / prefetch, behind a cuBLAS
-or a Triton-GEMV (P8, PDL) input projection; then a small launch sweep of the kernel alone.
+"""Microbenchmark (issue 9, kda9): P5's KDA decode kernel under each launch layout (model_def/ops/kda_launch.py;
+only "s8" since "wide" was dropped after session 9's H200 run, see there), PDL off / wait first / prefetch,
+behind a cuBLAS or a Triton-GEMV (P8, PDL) input projection; then a small launch sweep of the kernel alone
+(explicit V split / block_v / warps, "wide"'s split 2 / 64 columns / 8 warps among them).
 
 Every arm is a CUDA graph of `--layers` layers (distinct pool layers, a state pool of `--slots` slots, L2 flushed
 before each replay: tools/bench_pdl_chain.time_chain), median µs per layer over `--replays` replays. The layout
 arms call the op the engine runs (torch.ops.k3.fused_kda_decode with P5's use_pdl / prefetch / launch options),
-so a row names exactly the P5 config that gives it: `--pass-opt p05_fused_kda_decode.launch=wide` (and
-`p16_kda_verify_inputs.launch=wide`, which must match), `p05_fused_kda_decode.prefetch=false` for wait first.
+so a row names exactly the P5 config that gives it: `--pass-opt p05_fused_kda_decode.launch=NAME` (and
+`p16_kda_verify_inputs.launch=NAME`, which must match), `p05_fused_kda_decode.prefetch=false` for wait first.
 "KDA adds" = chain minus the predecessor alone. Prints markdown; writes the rows as JSON to --out.
 
     python3 tools/bench_kda9.py --batch 1 8 --out kda9.json      (from the repository root or tools/)
@@ -30,7 +31,7 @@ from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT, LAYOUTS, kda_laun
 from k3compile.passes.kernels import gemv as gemv_kernels  # noqa: E402
 
 PDL_ARMS = (("PDL off", False, True), ("PDL on, wait first", True, False), ("PDL on, prefetch", True, True))
-# (v_split, block_v, num_warps) of the kernel alone, around both layouts' choices
+# (v_split, block_v, num_warps) of the kernel alone, around s8's and the dropped "wide"'s choices
 SWEEP = {"split": [(4, 32, 4), (4, 32, 8), (2, 64, 8), (2, 64, 4), (2, 32, 4), (2, 32, 8), (8, 16, 4)],
          "whole": [(1, 32, 4), (1, 64, 8), (1, 64, 4), (1, 128, 8), (1, 128, 16), (2, 64, 8), (2, 32, 4)]}
 

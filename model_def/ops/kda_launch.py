@@ -14,9 +14,13 @@ grid per batch size).
 - "s8": session 4's rule (tools/bench_kda_decode.py): while batch x heads <= 128 each head's V is split
   into up to 4 parts of >= 16 columns; blocks of <= 32 columns; 4 warps for a block of >= 64 x 32, else 1.
   48B batch 1 (split 4, 32 columns, 4 warps): 8.61 us alone (traces/h200_s8/kda8.md).
-- "wide": at most 2 parts while split, blocks of <= 64 columns, 8 warps for a block of >= 128 x 64
-  (kda8's sweep: 48B batch 1 split 2 / 64 columns / 8 warps 8.36 us alone, the fastest measured);
-  unsplit heads (batch x heads > 128) keep s8's blocks (not measured yet).
+
+"s8" is the only layout. kda9 added "wide" (at most 2 parts, blocks of <= 64 columns, 8 warps for a block
+of >= 128 x 64; kda8's fastest batch-1 launch alone, 8.36 us) and it was dropped after session 9's H200 run
+(device call 1): the whole 48B engine was not faster with it (bench ladder, batch 1: 2.329 ms per step vs
+2.319 ms with s8; traces/h200_s9/call1/ladder_kimi-linear-48b_bf16.md, row v-kdawide), and the ReplaySSM
+fold was no longer bit-identical to P5's decode under it (tests/runtime/spec/test_fold_gpu.py failed for
+every "wide" case and passed for every "s8" one).
 """
 from __future__ import annotations
 
@@ -29,14 +33,11 @@ MIN_V_PER_PROGRAM = 16
 @dataclass(frozen=True)
 class _Rule:
     max_v_split: int
-    max_block_v: int        # while split
-    max_block_v_whole: int  # one program per (request, head)
-    wide_warps_from: int    # a block of >= this many elements gets 8 warps (0: never)
+    max_block_v: int  # state columns per block
 
 
 LAYOUTS = {
-    "s8": _Rule(max_v_split=4, max_block_v=32, max_block_v_whole=32, wide_warps_from=0),
-    "wide": _Rule(max_v_split=2, max_block_v=64, max_block_v_whole=32, wide_warps_from=128 * 64),
+    "s8": _Rule(max_v_split=4, max_block_v=32),
 }
 DEFAULT_LAYOUT = "s8"
 
@@ -73,14 +74,13 @@ def v_split_for(layout: str, batch: int, heads: int, value_dim: int) -> int:
 def block_v_for(layout: str, v_split: int, value_dim: int) -> int:
     """State columns per block of a program owning V / v_split columns."""
     rule = LAYOUTS[check_layout(layout)]
-    return min(_next_pow2(value_dim // v_split), rule.max_block_v if v_split > 1 else rule.max_block_v_whole)
+    return min(_next_pow2(value_dim // v_split), rule.max_block_v)
 
 
 def warps_for(layout: str, head_k: int, block_v: int) -> int:
     """Warps of a program walking [head_k, block_v] state blocks."""
-    rule = LAYOUTS[check_layout(layout)]
-    tile = _next_pow2(head_k) * block_v
-    return 8 if rule.wide_warps_from and tile >= rule.wide_warps_from else (4 if tile >= 64 * 32 else 1)
+    check_layout(layout)  # every layout so far: 4 warps from a 64 x 32 block
+    return 4 if _next_pow2(head_k) * block_v >= 64 * 32 else 1
 
 
 def kda_launch(layout: str, batch: int, heads: int, head_k: int, value_dim: int) -> KDALaunch:

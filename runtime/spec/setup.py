@@ -1,7 +1,7 @@
 """Build the engine's speculative decoder from EngineArgs: the proposer, the planner, the draft window."""
 from __future__ import annotations
 
-from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT
+from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT, check_layout
 
 from .cost_profile import CostProfile
 from .ngram import NgramProposer
@@ -28,9 +28,11 @@ def make_proposer(name: str, draft: str | None, gamma: int, target, device: str)
 
 def kda_launch_layout(manifest: dict | None) -> str:
     """The KDA launch layout an engine's P5 kernels were built with (its manifest's build pipeline), which the
-    fold must follow; DEFAULT_LAYOUT without an engine or for one built before P5 had the option."""
+    fold must follow; DEFAULT_LAYOUT without an engine or for one built before P5 had the option. A name
+    that is no layout (an engine built with one since dropped) is refused here, before any step runs."""
     pipeline = ((manifest or {}).get("build") or {}).get("pipeline") or {}
-    return ((pipeline.get("passes") or {}).get("p05_fused_kda_decode") or {}).get("launch", DEFAULT_LAYOUT)
+    p5 = (pipeline.get("passes") or {}).get("p05_fused_kda_decode") or {}
+    return check_layout(p5.get("launch", DEFAULT_LAYOUT))
 
 
 def make_spec_decoder(args, target, cache_spec, max_running: int, device: str, proposer=None,

@@ -17,6 +17,7 @@ from k3compile.model_def.loader import build_model
 from k3compile.passes.kernels import kda_decode  # noqa: F401  (torch.ops.k3.fused_kda_decode)
 from k3compile.passes.manager import PassManager, snapshot
 from k3compile.passes.pipeline import PipelineConfig
+from k3compile.passes.registry import PassConfigError
 
 from .helpers import (BF16_TOL, FP32_TOL, MODELS, assert_same_step, eager_step, graph, inputs_for, model,
                       op_counts, other_batch, run_graph, run_pass)
@@ -111,8 +112,12 @@ def test_options_use_pdl_and_no_low_rank_absorption():
     n_kda = len(cfg.kda_layers)
     gm = _upstream("kimi-linear-tiny", "decode")
     mm0 = op_counts(gm)[torch.ops.aten.mm.default]
-    assert run_pass(gm, P5, use_pdl=False, absorb_low_rank=False, prefetch=False, launch="wide") == n_kda
-    assert all(n.args[18:] == (None, None, False, False, "wide") for n in _fused_nodes(gm))
+    assert run_pass(gm, P5, use_pdl=False, absorb_low_rank=False, prefetch=False, launch="s8") == n_kda
+    assert all(n.args[18:] == (None, None, False, False, "s8") for n in _fused_nodes(gm))
+    cfg = PipelineConfig.default()
+    cfg.set_option(P5, "launch", "wide")  # dropped after session 9's H200 run (model_def/ops/kda_launch.py)
+    with pytest.raises(PassConfigError, match="p05_fused_kda_decode: launch must be one of s8, got 'wide'"):
+        cfg.validate()
     assert op_counts(gm)[torch.ops.aten.mm.default] == mm0  # f_b_proj and g_b_proj stay GEMMs
     absorbed = _upstream("kimi-linear-tiny", "decode")
     run_pass(absorbed, P5)

@@ -67,8 +67,8 @@ def cases():
     yield "block_v 4 within V split 2 of K=16, bf16", dict(
         batch=3, heads=2, head_dim=16, lower_bound=-5.0, dtype=torch.bfloat16, slots=[4, 0, 2], v_split=2,
         launch=dict(block_v=4))
-    yield "launch layout wide (K=64: V split 2, 32-column blocks), low-rank f and gate", dict(
-        batch=1, heads=1, head_dim=64, lower_bound=None, f_rank=64, g_rank=64, slots=[1], launch=dict(layout="wide"))
+    yield "launch layout s8 by name (K=64: V split 4, 16-column blocks), low-rank f and gate", dict(
+        batch=1, heads=1, head_dim=64, lower_bound=None, f_rank=64, g_rank=64, slots=[1], launch=dict(layout="s8"))
     yield "low-rank weights in chunks (tile cap 0), V split 2", dict(
         batch=2, heads=2, head_dim=16, lower_bound=None, f_rank=40, g_rank=40, slots=[0, 2], v_split=2,
         tile_max=0)

@@ -58,9 +58,9 @@ for name, kw in CASES:
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 from tests.runtime.spec.test_fold_gpu import decode_vs_fold  # noqa: E402
 
-# K=64 under "wide": V split 2 with 32-column blocks (s8 would split 4 ways, 16 columns): the layout reaches
-# P5's launch, the verify inputs and the fold alike
-P5_CASES = [(16, torch.float32, -5.0, "s8"), (16, torch.float32, None, "s8"), (64, torch.float32, None, "wide")]
+# K=64: V split 4 with 16-column blocks (K=16: no split); the layout name reaches P5's
+# launch, the verify inputs and the fold alike
+P5_CASES = [(16, torch.float32, -5.0, "s8"), (16, torch.float32, None, "s8"), (64, torch.float32, None, "s8")]
 for hd, dt, lb, layout in P5_CASES:
     # batch 3 (the GPU test runs 4): accepts 1, 6, 3 still give decode steps of 3, 2 and 1 rows and the same
     # V split; the interpreter's time grows with the programs (batch 4 -> 3: 16 -> 11 CPU s per case)

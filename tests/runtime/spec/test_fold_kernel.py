@@ -38,9 +38,13 @@ def test_commit_refuses_bad_accept_lengths_and_layouts():
 def test_the_fold_follows_the_engines_p5_launch_layout():
     from k3compile.runtime.spec.setup import kda_launch_layout
 
-    p5 = {"build": {"pipeline": {"order": ["p05_fused_kda_decode"],
-                                 "passes": {"p05_fused_kda_decode": {"enabled": True, "launch": "wide"}}}}}
-    assert kda_launch_layout(p5) == "wide"
+    def p5(launch):
+        return {"build": {"pipeline": {"order": ["p05_fused_kda_decode"],
+                                       "passes": {"p05_fused_kda_decode": {"enabled": True, "launch": launch}}}}}
+    assert kda_launch_layout(p5("s8")) == "s8"
+    # an engine built with "wide" (dropped in session 9): refused before a step runs
+    with pytest.raises(ValueError, match="unknown KDA decode launch layout 'wide'; expected one of s8"):
+        kda_launch_layout(p5("wide"))
     # no engine, an engine built without passes, or before P5 had the option: the default layout
     assert kda_launch_layout(None) == kda_launch_layout({"build": {"pipeline": None}}) == "s8"
     assert kda_launch_layout({"build": {"pipeline": {"passes": {"p05_fused_kda_decode": {"enabled": True}}}}}) == "s8"
