@@ -76,8 +76,8 @@ def test_one_fused_op_per_kda_layer_in_decode_only(name, mode, dtype):
     fused = _fused_nodes(gm)
     # layer index, gate variant and eps as the config says; weights are the layer's own
     assert [n.args[14] for n in fused] == list(range(n_kda))
-    assert all(n.args[16] == cfg.gate_lower_bound and n.args[17] == cfg.rms_norm_eps and n.args[20:] == (True, True)
-               for n in fused)  # use_pdl, prefetch
+    assert all(n.args[16] == cfg.gate_lower_bound and n.args[17] == cfg.rms_norm_eps
+               and n.args[20:] == (True, True, "s8") for n in fused)  # use_pdl, prefetch, launch layout
     for i, node in enumerate(fused):
         layer = cfg.kda_layers[i]
         a_log, norm_weight = node.args[8], node.args[11]
