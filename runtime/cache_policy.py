@@ -58,6 +58,9 @@ class CachePolicy:
     max_checkpoints: int | None = None
     eviction: str = "lru"  # under memory pressure: "lru" or "value" (HybridRadixCache)
     value_weight: float = 1.0  # "value": weight of FLOPs-saved-per-byte against recency (Marconi's alpha)
+    unused_ttl: int | None = None  # drop a never-hit progress checkpoint after this many lookups near it (radix.py)
+    unused_max_age: int | None = None  # ... or once its neighbourhood has been quiet this many lookups
+    protect_reused: bool = False  # "value": pressure evicts checkpoints that showed reuse last (radix.py)
 
     def with_caps(self, per_path: int | None, total: int | None) -> "CachePolicy":
         return replace(self, max_checkpoints_per_path=per_path, max_checkpoints=total)
