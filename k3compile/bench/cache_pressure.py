@@ -189,6 +189,60 @@ def merge(paths: list[str], out: str) -> str:
     return md
 
 
+def merge_rerun(previous: list[str], rerun: list[str], out: str, old_tag: str) -> str:
+    """One report from an earlier report's rows and a re-run of some of its policies on the same
+    traces, seeds and budgets (the replay is deterministic: a policy whose code did not change gives
+    the same row again). A re-run row replaces the earlier one; the earlier row of a re-run policy
+    stays, renamed `policy@old_tag`, for comparison; ratios against `none` (tokens saved) and
+    `every_chunk` (bytes) and the goals are recomputed over the merged rows. `outputs_match` stays as
+    its own run computed it (a re-run includes `none`). Every row says where it comes from
+    (`source`). Returns the markdown."""
+    import json
+
+    from .results import write_json
+
+    def load(paths):
+        docs = []
+        for p in paths:
+            with open(os.path.join(p, "cache_pressure.json")) as f:
+                docs.append((p, json.load(f)))
+        return docs
+
+    old_docs, new_docs = load(previous), load(rerun)
+    key = lambda r: (r["trace"], r["seed"], r["budget_bytes"], r["policy"])  # noqa: E731
+    fresh = {key(r): dict(r, source=p) for p, d in new_docs for r in d["rows"]}
+    rerun_policies = {k[3] for k in fresh}
+    groups = {k[:3] for k in fresh}
+    rows = []
+    for p, d in old_docs:
+        for r in d["rows"]:
+            if key(r)[:3] not in groups:
+                continue
+            if r["policy"] in rerun_policies:
+                rows.append(dict(r, policy=f"{r['policy']}@{old_tag}", source=p))
+            else:
+                rows.append(dict(r, source=p))
+    rows.extend(fresh.values())
+    order = {name: i for i, name in enumerate(["none", "end", "every_chunk", "sparse"])}
+    rows.sort(key=lambda r: (r["trace"], r["seed"], -r["budget_bytes"], order.get(r["policy"].split("@")[0], 9),
+                             "@" not in r["policy"]))
+    for g in groups:
+        at = {r["policy"]: r for r in rows if key(r)[:3] == g}
+        none, dense = at.get("none"), at.get("every_chunk")
+        for r in at.values():
+            r["prefill_tokens_saved"] = none["prefill_tokens_computed"] - r["prefill_tokens_computed"] if none else None
+            for k, col in (("bytes_vs_every_chunk", "checkpoint_bytes_mean"), ("peak_vs_every_chunk", "checkpoint_bytes_peak"),
+                           ("written_vs_every_chunk", "checkpoint_bytes_written")):
+                r[k] = r[col] / dense[col] if dense and dense.get(col) else None
+    doc = dict(new_docs[0][1], rows=rows, goals=goals(rows), merged_from={"previous": previous, "rerun": rerun})
+    os.makedirs(out, exist_ok=True)
+    write_json(os.path.join(out, "cache_pressure.json"), doc)
+    md = render_markdown(doc)
+    with open(os.path.join(out, "cache_pressure.md"), "w") as f:
+        f.write(md)
+    return md
+
+
 def _relate(group: list[dict]) -> list[dict]:
     """Fill in what each row is compared with: no cache (tokens saved, outputs) and every_chunk (bytes)."""
     none = next((r for r in group if r["policy"] == "none"), None)

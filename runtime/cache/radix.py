@@ -648,27 +648,27 @@ class HybridRadixCache:
         """Bring every probation checkpoint's unused age up to date (the lookups its anchor saw
         since the last sweep, less those that reached it; when the anchor changed -- a fork
         planted below it or gone -- the count goes on from the new one, adding nothing this
-        sweep) and drop those over `unused_ttl` (a pinned one, or a locked leaf's, stays until it
-        can go). Runs before every lookup, so it misses at most the one lookup an anchor change
+        sweep) and drop those over `unused_ttl` or whose anchor has been quiet over
+        `unused_max_age` lookups (the root never is). All are judged first, then dropped, so the
+        siblings of one dead fork go together. A pinned one, or a locked leaf's, stays until it
+        can go. Runs before every lookup, so it misses at most the one lookup an anchor change
         falls in."""
-        expired = 0
+        now, due = self._stats.lookups, []
         for nid, nd in list(self._probation.items()):
-            if not nd.alive or nd.checkpoint is None or nid not in self._probation:
-                self._probation.pop(nid, None)
-                continue
-            if self._is_branch(nd):  # a branch point since: exempt for good
+            if not nd.alive or nd.checkpoint is None or self._is_branch(nd):  # gone, or a branch point: exempt
                 del self._probation[nid]
                 continue
             a = self._anchor(nd)
             if a is nd.anchor:
                 nd.unused_age += max(0, (a.passes - nd.anchor_seen) - (nd.passes - nd.passes_seen))
             self._rebase(nd)
-            quiet = self._stats.lookups - max(nd.ckpt_born, a.last_pass if a is not self.root else self._stats.lookups)
-            old = nd.unused_age > self.unused_ttl or (self.unused_max_age is not None and quiet > self.unused_max_age)
-            if old and self._checkpoint_evictable(nd):
+            quiet = now - max(nd.ckpt_born, now if a is self.root else a.last_pass)
+            if nd.unused_age > self.unused_ttl or (self.unused_max_age is not None and quiet > self.unused_max_age):
+                due.append(nd)
+        for nd in due:
+            if nd.alive and nd.checkpoint is not None and self._checkpoint_evictable(nd):
                 self._evict_checkpoint(nd)
-                expired += 1
-        self._stats.checkpoints_expired += expired
+                self._stats.checkpoints_expired += 1
         self._flush()
 
     # ------------------------------------------------------------------ tree surgery
