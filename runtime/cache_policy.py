@@ -22,8 +22,9 @@ decode. A policy says which of those snapshots are donated to the tree:
   checkpoints with no evidence of reuse go early and keeps those with evidence longest (radix.py
   "Unused checkpoints"): a progress checkpoint no lookup has restored from leaves once 48 lookups
   have passed its nearest fork without reaching it, or once that fork has seen no lookup for 40
-  (`unused_ttl`, `unused_max_age`), pressure or not; and pressure takes such unproven checkpoints
-  before any that was hit or is a branch point (`protect_reused`).
+  (`unused_ttl`, `unused_max_age`), pressure or not; and state pressure takes such unproven
+  checkpoints before any that was hit or is a branch point (`protect_reused`; KV pressure keeps the
+  utility order).
 
 Tuning (issue 15, tools/cache_pressure_report.sh's tune phase: `bench cache-pressure --seeds 0`,
 production-shaped traces of 138-145 requests, engine default chunk 256, budgets 16384 and 8192
@@ -43,7 +44,8 @@ agent trace's repeat at 64 MiB (16 lost it) and no hit on tot at 64 MiB; `unused
 100 (or a global age of 320 lookups: the non-branch states' first hits come up to 311 lookups after
 their store, so a global clock must wait that long) holds 3.5 MB instead of 5.1 MB (7.8 MB) of states
 on tot at 64 MiB for 0.9 (1.8) points of hit rate; `protect_reused` took tot at 4 MiB from 92.5% to
-96.2% of the bound (stems 3/13 -> 13/13) and agent at 8 MiB from 59.3% to 60.4%.
+96.2% of the bound (stems 3/13 -> 13/13); applied to KV pressure too it cost the agent trace at 16 MiB
+5.3 points of hit rate (0.820 -> 0.767), so it orders state evictions only.
 
 Checkpoint bytes. With production-length prompts (multi-thousand-token shared prefixes, tool
 outputs of hundreds of tokens) `every_chunk` at the default chunk of 256 stores a state every 256
@@ -75,7 +77,7 @@ class CachePolicy:
     value_weight: float = 1.0  # "value": weight of FLOPs-saved-per-byte against recency (Marconi's alpha)
     unused_ttl: int | None = None  # drop a never-hit progress checkpoint after this many lookups near it (radix.py)
     unused_max_age: int | None = None  # ... or once its neighbourhood has been quiet this many lookups
-    protect_reused: bool = False  # "value": pressure evicts checkpoints that showed reuse last (radix.py)
+    protect_reused: bool = False  # "value": state pressure evicts checkpoints that showed reuse last (radix.py)
 
     def with_caps(self, per_path: int | None, total: int | None) -> "CachePolicy":
         return replace(self, max_checkpoints_per_path=per_path, max_checkpoints=total)

@@ -79,10 +79,13 @@ Unused checkpoints (`unused_ttl`: decay, not only pressure)
   clock, so `unused_max_age` lookups of any kind since the store drop it too. Issue 15: on prompted tree-of-thought most stored prompt tails
   and ends are never hit and held most of the bytes.
 
-* `protect_reused` ("value" only): pressure takes checkpoints that have shown no reuse first
-  (never restored from, not a branch point), and those that have (a shared stem hit by every new
-  problem or task, a repeated prompt's tail) only when nothing else is left; among each group the
-  utility decides. A stem otherwise goes by recency once the sessions that used it are gone.
+* `protect_reused` ("value" only): state pressure and the global cap take checkpoints that have
+  shown no reuse first (never restored from, not a branch point), and those that have (a shared
+  stem hit by every new problem, a repeated prompt's tail) only when nothing else is left; among
+  each group the utility decides. A stem otherwise goes by recency once the problems that used it
+  are gone. KV pressure (`evict_pages`) keeps the plain utility order: protecting hit leaves there
+  cost the agent trace 5.3 points of hit rate at 16 MiB on seed 0 (live sessions' newest, not yet
+  hit leaves went first).
 
 LRU touch policy: a hit refreshes only the node whose checkpoint was consumed, not the whole
 matched path (SGLang PR #31643 measured multi-turn hit rate 0.61 -> 0.83 with this over refreshing
@@ -540,7 +543,7 @@ class HybridRadixCache:
                 leaves = [nd for nd in self._nodes.values() if nd.is_leaf and not nd.kv_lock]
                 if not leaves:
                     break
-                freed += self._delete_upward(self._lowest_utility(self._unproven_first(leaves), "last_access"))[1]
+                freed += self._delete_upward(self._lowest_utility(leaves, "last_access"))[1]
             self._flush()
             return freed
         heap = [(nd.last_access, nd.id, nd) for nd in self._nodes.values() if nd.is_leaf and not nd.kv_lock]
@@ -598,7 +601,7 @@ class HybridRadixCache:
         return nd.checkpoint is not None and (nd.ckpt_hits > 0 or self._is_branch(nd))
 
     def _unproven_first(self, nodes: list[TreeNode]) -> list[TreeNode]:
-        """`protect_reused`: the candidates whose checkpoint has shown no reuse, while there are any."""
+        """`protect_reused` (state pressure): the candidates whose checkpoint has shown no reuse, while there are any."""
         if not self.protect_reused:
             return nodes
         return [nd for nd in nodes if not self.reuse_shown(nd)] or nodes

@@ -119,7 +119,7 @@ def test_page_eviction_takes_lowest_utility_unlocked_leaves(seqs, cost, weight, 
         cache.match(t)
     locked_before = {nd.id for nd in cache.nodes() if nd.kv_lock}
     while True:
-        leaves = unproven_first([nd for nd in cache.nodes() if nd.is_leaf and not nd.kv_lock], protect)
+        leaves = [nd for nd in cache.nodes() if nd.is_leaf and not nd.kv_lock]  # protect_reused: states only
         before = {nd.id: nd for nd in cache.nodes()}
         util = utilities(cache, leaves, "last_access") if leaves else {}
         freed = cache.evict_pages(1)
