@@ -76,7 +76,8 @@ Unused checkpoints (`unused_ttl`: decay, not only pressure)
   neighbourhood (its siblings' requests, the next level of its tree search, the next turn of its
   session) however much unrelated traffic runs meanwhile; a lookup that passes through the node
   (extends it) does not age it. A neighbourhood that goes quiet (a finished search) stops that
-  clock, so `unused_max_age` lookups of any kind since the store drop it too. Issue 15: on prompted tree-of-thought most stored prompt tails
+  clock, so a checkpoint also goes once its anchor has seen no lookup for `unused_max_age`
+  lookups (counted from its store at the earliest; the root never goes quiet). Issue 15: on prompted tree-of-thought most stored prompt tails
   and ends are never hit and held most of the bytes.
 
 * `protect_reused` ("value" only): state pressure and the global cap take checkpoints that have
