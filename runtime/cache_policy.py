@@ -18,7 +18,13 @@ decode. A policy says which of those snapshots are donated to the tree:
 * `valued` (ours): the same admission, and under memory pressure Marconi's FLOP-aware eviction
   (runtime/cache/radix.py, "value"): the checkpoint with the lowest recency + weight x recompute
   FLOPs saved per byte goes first. In both `sparse` and `valued` a branch point that two or more
-  live paths continue from is never evicted before the leaves below it.
+  live paths continue from is never evicted before the leaves below it. `valued` also lets
+  checkpoints with no evidence of reuse go early and keeps those with evidence longest (radix.py
+  "Unused checkpoints"): a progress checkpoint no lookup has restored from leaves once 48 lookups
+  have passed its nearest fork without reaching it, or once that fork has seen no lookup for 40
+  (`unused_ttl`, `unused_max_age`), pressure or not; and state pressure takes such unproven
+  checkpoints before any that was hit or is a branch point (`protect_reused`; KV pressure keeps the
+  utility order).
 
 Tuning (issue 15, tools/cache_pressure_report.sh's tune phase: `bench cache-pressure --seeds 0`,
 production-shaped traces of 138-145 requests, engine default chunk 256, budgets 16384 and 8192
@@ -29,6 +35,17 @@ above it is small, ahead of stale leaves) and loses nothing elsewhere; 4 is wors
 A per-path cap of 1 instead of 2 holds ~35% fewer checkpoint bytes but costs the tree-of-thought
 (`tot_fork`) trace 12-13 points of hit rate and the agent trace at 8 MiB 6.5, so 2 stays. (On the earlier short-prompt
 traces a global cap of 10% of the state slots lost most agent hits; no global cap by default.)
+
+Decay and protection (session 9, tuned on seed 0 only: traces/cache_pressure/decay_tune_seed0/,
+`bench cache-pressure --seeds 0`, tot at 64 and 4 MiB, agent at 64, 16 and 8 MiB). On prompted ToT
+1282 of 1557 stored states were never hit, and a stem (the propose-first template's branch point,
+hit once per problem) went by recency under state pressure. `unused_ttl` 48 instead of 16 keeps the
+agent trace's repeat at 64 MiB (16 lost it) and no hit on tot at 64 MiB; `unused_max_age` 40 instead of
+100 (or a global age of 320 lookups: the non-branch states' first hits come up to 311 lookups after
+their store, so a global clock must wait that long) holds 3.5 MB instead of 5.1 MB (7.8 MB) of states
+on tot at 64 MiB for 0.9 (1.8) points of hit rate; `protect_reused` took tot at 4 MiB from 92.5% to
+96.2% of the bound (stems 3/13 -> 13/13); applied to KV pressure too it cost the agent trace at 16 MiB
+5.3 points of hit rate (0.820 -> 0.767), so it orders state evictions only.
 
 Checkpoint bytes. With production-length prompts (multi-thousand-token shared prefixes, tool
 outputs of hundreds of tokens) `every_chunk` at the default chunk of 256 stores a state every 256
@@ -58,6 +75,9 @@ class CachePolicy:
     max_checkpoints: int | None = None
     eviction: str = "lru"  # under memory pressure: "lru" or "value" (HybridRadixCache)
     value_weight: float = 1.0  # "value": weight of FLOPs-saved-per-byte against recency (Marconi's alpha)
+    unused_ttl: int | None = None  # drop a never-hit progress checkpoint after this many lookups near it (radix.py)
+    unused_max_age: int | None = None  # ... or once its neighbourhood has been quiet this many lookups
+    protect_reused: bool = False  # "value": state pressure evicts checkpoints that showed reuse last (radix.py)
 
     def with_caps(self, per_path: int | None, total: int | None) -> "CachePolicy":
         return replace(self, max_checkpoints_per_path=per_path, max_checkpoints=total)
@@ -71,7 +91,8 @@ POLICIES = {
     "sparse": CachePolicy("sparse", donate_finish=True, branch_points=True, split_prompt_tail=True,
                           max_checkpoints_per_path=2),
     "valued": CachePolicy("valued", donate_finish=True, branch_points=True, split_prompt_tail=True,
-                          max_checkpoints_per_path=2, eviction="value", value_weight=0.25),
+                          max_checkpoints_per_path=2, eviction="value", value_weight=0.25,
+                          unused_ttl=48, unused_max_age=40, protect_reused=True),
 }
 
 

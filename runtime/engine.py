@@ -264,7 +264,9 @@ class LLMEngine:
         interval = _checkpoint_interval(args)
         cost = RecomputeCost.from_config(self.config) if self.policy.eviction == "value" else None
         self.cache = HybridRadixCache(self.memory, interval, per_path, total, eviction=self.policy.eviction,
-                                      recompute_cost=cost, value_weight=self.policy.value_weight)
+                                      recompute_cost=cost, value_weight=self.policy.value_weight,
+                                      unused_ttl=self.policy.unused_ttl, unused_max_age=self.policy.unused_max_age,
+                                      protect_reused=self.policy.protect_reused)
         self.table = RequestTable(self.cache)
 
         slots_per_request = MAX_TRANSIENT_SLOTS if self.policy.enabled else 1

@@ -10,7 +10,8 @@
 #   defaults: traces/cache_pressure, 24, "tune report"; extra phases: tot (the prompted
 #   tree-of-thought trace, seeds 1-3, budgets chosen on seed 0: tot_tune_seed0), tot_tune, k3 (K3's
 #   state/KV byte ratio, seed 1), unified (the agent trace on the unified arena) and unified_tot
-#   (the prompted ToT trace on it), unified_tot_fork (the tot_fork trace on it), e.g. PHASES="k3 unified"
+#   (the prompted ToT trace on it), unified_tot_fork (the tot_fork trace on it), decay (session 9's `valued`
+#   re-run on seeds 1-3, merged with the unchanged policies' rows), e.g. PHASES="k3 unified"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-traces/cache_pressure}
@@ -53,6 +54,23 @@ if [[ " $PHASES " == *" tot "* ]]; then
   done
   for pid in "${pids[@]}"; do wait "$pid"; done
   $PY -c "from k3compile.bench.cache_pressure import merge; print(merge(['$OUT/tot_n3_report_65536', '$OUT/tot_n3_report_16384', '$OUT/tot_n3_report_4096'], '$OUT/tot_n3_report'))"
+fi
+if [[ " $PHASES " == *" decay "* ]]; then
+  # session 9: `valued` with unused-checkpoint decay and protect_reused (runtime/cache_policy.py; chosen on
+  # seed 0: decay_tune_seed0/) re-run on the report's seeds and budgets, with `none` (tokens saved, outputs);
+  # end / every_chunk / sparse did not change and come from report/ and tot_n3_report/, the old `valued`
+  # rows stay as `valued@s8`. One process for agent, one per tot budget, then one merged report.
+  pids=()
+  $BENCH --traces agent --seeds 1,2,3 --budgets-kib 65536,16384,8192 --policies "none;valued" \
+      --out "$OUT/decay_report_agent" > "$OUT/decay_report_agent.log" 2>&1 &
+  pids+=($!)
+  for kib in 65536 16384 4096; do
+    $BENCH --traces tot --seeds 1,2,3 --budgets-kib $kib --policies "none;valued" --out "$OUT/decay_report_tot_$kib" \
+        > "$OUT/decay_report_tot_$kib.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/report', '$OUT/tot_n3_report'], ['$OUT/decay_report_agent', '$OUT/decay_report_tot_65536', '$OUT/decay_report_tot_16384', '$OUT/decay_report_tot_4096'], '$OUT/decay_report', 's8'))"
 fi
 if [[ " $PHASES " == *" k3 "* ]]; then
   $BENCH --byte-ratio k3 --seeds 1 --budgets-kib 65536,16384 --out "$OUT/byte_ratio_k3"

@@ -9,7 +9,8 @@ quick check that runs k3-tiny's forward: one seeded chat trace, one generous bud
 
 Policies are names from runtime/cache_policy.py, optionally with overrides, e.g.
 `sparse:per_path=2,handover=0` (keys: chunks, decode, handover, finish, branch, tail, per_path,
-total, weight (the `valued` eviction's value_weight, a float); 0 turns a flag off / removes a cap;
+total, weight (the `valued` eviction's value_weight, a float), ttl (unused_ttl: lookups near a never-hit
+checkpoint before it is dropped), max_age (unused_max_age: lookups its neighbourhood was quiet), protect (protect_reused); 0 turns a flag off / removes a cap;
 `total=0.25`, a float, caps checkpoints at that share of the state slots). Every policy must
 produce the same greedy tokens (checked: `outputs_match`).
 """
@@ -19,7 +20,9 @@ from dataclasses import replace
 
 _KEYS = {"chunks": "donate_chunks", "decode": "donate_decode", "handover": "donate_handover",
          "finish": "donate_finish", "branch": "branch_points", "tail": "split_prompt_tail",
-         "per_path": "max_checkpoints_per_path", "total": "max_checkpoints", "weight": "value_weight"}
+         "per_path": "max_checkpoints_per_path", "total": "max_checkpoints", "weight": "value_weight",
+         "ttl": "unused_ttl", "max_age": "unused_max_age",
+         "protect": "protect_reused"}
 
 
 def register(sub):
@@ -49,7 +52,7 @@ def parse_policy(text: str):
         if isinstance(v, float):  # the eviction weight, or total=0.25: a share of the state slots
             changes[field] = v
             continue
-        changes[field] = (v or None) if field.startswith("max_") else bool(v)
+        changes[field] = (v or None) if field.startswith(("max_", "unused_")) else bool(v)
     return replace(policy, name=text.strip(), **changes)
 
 

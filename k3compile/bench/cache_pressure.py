@@ -114,7 +114,7 @@ def run(args) -> int:
     from .cache import parse_policy, split_policies
     from .cache_replay import StandInModel
     from .cache_traces import PRESETS, TraceSpec, count, count_prompts, make_trace
-    from .results import environment, fresh_out_dir, write_json
+    from .results import environment, fresh_out_dir
 
     traces = [t.strip() for t in args.traces.split(",") if t.strip()]
     for t in traces:
@@ -130,7 +130,7 @@ def run(args) -> int:
         model = StandInModel(args.model, args.byte_ratio, args.page_size)
     args.out = fresh_out_dir(getattr(args, "bench_name", "cache-pressure"), args.out)
     env = environment(torch.device(args.device))
-    save = lambda rs: _save(args, rs, env, write_json)  # noqa: E731
+    save = lambda rs: _save(args, rs, env)  # noqa: E731
     rows, md = [], ""
     for trace in traces:
         for seed in seeds:
@@ -152,27 +152,20 @@ def run(args) -> int:
     return 0
 
 
-def _save(args, rows, environment, write_json) -> str:
+def _save(args, rows, environment) -> str:
     from .cache_traces import TraceSpec
 
     doc = {"bench": "cache-pressure", "rows": rows, "goals": goals(rows),
            "args": {k: v for k, v in vars(args).items() if k != "func"},
            "trace_spec": asdict(replace(TraceSpec(), roots=args.roots, duration=args.duration))}
     doc["environment"] = environment
-    os.makedirs(args.out, exist_ok=True)
-    write_json(os.path.join(args.out, "cache_pressure.json"), doc)
-    md = render_markdown(doc)
-    with open(os.path.join(args.out, "cache_pressure.md"), "w") as f:
-        f.write(md)
-    return md
+    return _write_report(doc, args.out)
 
 
 def merge(paths: list[str], out: str) -> str:
     """One report from several runs' cache_pressure.json (e.g. traces run side by side): rows
     concatenated, goals recomputed, args and environment of the first. Returns the markdown."""
     import json
-
-    from .results import write_json
 
     docs = []
     for p in paths:
@@ -181,12 +174,70 @@ def merge(paths: list[str], out: str) -> str:
     doc = dict(docs[0], rows=[r for d in docs for r in d["rows"]])
     doc["args"] = dict(doc["args"], traces=",".join(d["args"]["traces"] for d in docs))
     doc["goals"] = goals(doc["rows"])
+    return _write_report(doc, out)
+
+
+def _write_report(doc: dict, out: str) -> str:
+    from .results import write_json
+
     os.makedirs(out, exist_ok=True)
     write_json(os.path.join(out, "cache_pressure.json"), doc)
     md = render_markdown(doc)
     with open(os.path.join(out, "cache_pressure.md"), "w") as f:
         f.write(md)
     return md
+
+
+def merge_rerun(previous: list[str], rerun: list[str], out: str, old_tag: str) -> str:
+    """One report from an earlier report's rows and a re-run of some of its policies on the same
+    traces, seeds and budgets (the replay is deterministic: a policy whose code did not change gives
+    the same row again). A re-run row replaces the earlier one; the earlier row of a re-run policy
+    stays, renamed `policy@old_tag`, for comparison; ratios against `none` (tokens saved) and
+    `every_chunk` (bytes) and the goals are recomputed over the merged rows. `outputs_match` stays as
+    its own run computed it (a re-run includes `none`). Every row says where it comes from
+    (`source`). Returns the markdown."""
+    import json
+
+    def load(paths):
+        docs = []
+        for p in paths:
+            with open(os.path.join(p, "cache_pressure.json")) as f:
+                docs.append((p, json.load(f)))
+        return docs
+
+    old_docs, new_docs = load(previous), load(rerun)
+    key = lambda r: (r["trace"], r["seed"], r["budget_bytes"], r["policy"])  # noqa: E731
+    fresh = {key(r): dict(r, source=p) for p, d in new_docs for r in d["rows"]}
+    rerun_policies = {k[3] for k in fresh}
+    groups = {k[:3] for k in fresh}
+    rows = []
+    for p, d in old_docs:
+        for r in d["rows"]:
+            if key(r)[:3] not in groups:
+                continue
+            if r["policy"] in rerun_policies:
+                rows.append(dict(r, policy=f"{r['policy']}@{old_tag}", source=p))
+            else:
+                rows.append(dict(r, source=p))
+    rows.extend(fresh.values())
+    order = {name: i for i, name in enumerate(["none", "end", "every_chunk", "sparse"])}
+    rows.sort(key=lambda r: (r["trace"], r["seed"], -r["budget_bytes"], order.get(r["policy"].split("@")[0], 9),
+                             "@" not in r["policy"]))
+    for g in groups:
+        at = {r["policy"]: r for r in rows if key(r)[:3] == g}
+        none, dense = at.get("none"), at.get("every_chunk")
+        for r in at.values():
+            _set_ratios(r, r, none, dense)
+    doc = dict(new_docs[0][1], rows=rows, goals=goals(rows), merged_from={"previous": previous, "rerun": rerun})
+    return _write_report(doc, out)
+
+
+def _set_ratios(row: dict, r: dict, none: dict | None, dense: dict | None) -> None:
+    """`row`'s comparisons of run `r` with no cache (prefill tokens saved) and every_chunk (bytes)."""
+    row["prefill_tokens_saved"] = none["prefill_tokens_computed"] - r["prefill_tokens_computed"] if none else None
+    for key, col in (("bytes_vs_every_chunk", "checkpoint_bytes_mean"), ("peak_vs_every_chunk", "checkpoint_bytes_peak"),
+                     ("written_vs_every_chunk", "checkpoint_bytes_written")):
+        row[key] = r[col] / dense[col] if dense and dense.get(col) else None
 
 
 def _relate(group: list[dict]) -> list[dict]:
@@ -196,12 +247,8 @@ def _relate(group: list[dict]) -> list[dict]:
     out = []
     for r in group:
         row = {k: v for k, v in r.items() if not k.startswith("_")}
-        row["prefill_tokens_saved"] = none["prefill_tokens_computed"] - r["prefill_tokens_computed"] if none else None
+        _set_ratios(row, r, none, dense)
         row["outputs_match"] = r["_outputs"] == none["_outputs"] if none else None
-        for key, col in (("bytes_vs_every_chunk", "checkpoint_bytes_mean"),
-                         ("peak_vs_every_chunk", "checkpoint_bytes_peak"),
-                         ("written_vs_every_chunk", "checkpoint_bytes_written")):
-            row[key] = r[col] / dense[col] if dense and dense.get(col) else None
         out.append(row)
     return out
 

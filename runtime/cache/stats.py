@@ -19,6 +19,7 @@ class CacheStats:
     checkpoints_rejected: int = 0  # donated slot freed: the caps could not make room
     # evictions (caps, state pressure and KV pressure together)
     checkpoints_evicted: int = 0
+    checkpoints_expired: int = 0  # of those, unused ones dropped by `unused_ttl` (no pressure needed)
     nodes_evicted: int = 0
     pages_evicted: int = 0
     # gauges, filled in when a snapshot is taken

@@ -343,3 +343,35 @@ def test_merge_joins_runs_and_recomputes_goals(tmp_path):
     assert [r["trace"] for r in doc["rows"]] == ["agent", "tot"] and doc["args"]["traces"] == "agent,tot"
     assert [(g["trace"], g["met"]) for g in doc["goals"]] == [("agent", False), ("tot", False)]  # 87.5% < 90%
     assert "| agent | 1 | 1024 KiB" in md and "| tot | 1 | 1024 KiB" in md
+
+
+def test_merge_rerun_keeps_unchanged_policies_and_relates_to_them(tmp_path):
+    """A re-run of `none` and `valued` merged with an earlier report: end / every_chunk come from the
+    earlier run, the earlier `valued` stays as `valued@old`, ratios and goals use the merged rows."""
+    import json
+
+    from k3compile.bench.cache_pressure import merge_rerun
+
+    base = dict(trace="tot", seed=1, budget_bytes=1 << 20, kv_only_bound=0.8, repeats=1, repeats_hit=1, stems=1,
+                stems_hit=1, requests=3, fraction_of_bound=0.5, checkpoint_bytes_peak=10, checkpoint_bytes_written=10,
+                ttft_mean_s=0.1, ttft_p90_s=0.2, ttft_mean_steps=1.0, retractions=0, outputs_match=True)
+    row = lambda policy, hit, computed, mean: dict(base, policy=policy, hit_rate=hit, prefill_tokens_computed=computed,  # noqa: E731
+                                                   checkpoint_bytes_mean=mean)
+    args = vars(pressure_args()) | {"func": None}
+    args.pop("func")
+    old = [row("none", 0.0, 100, 0), row("end", 0.5, 60, 40), row("every_chunk", 0.55, 55, 100),
+           row("valued", 0.7, 40, 300), dict(row("end", 0.1, 1, 1), trace="agent")]
+    new = [row("none", 0.0, 100, 0), row("valued", 0.76, 30, 20)]
+    for name, rows in (("old", old), ("new", new)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cache_pressure.json").write_text(json.dumps({"rows": rows, "args": args, "goals": []}))
+    merge_rerun([str(tmp_path / "old")], [str(tmp_path / "new")], str(tmp_path / "out"), "old")
+    doc = json.loads((tmp_path / "out" / "cache_pressure.json").read_text())
+    got = {r["policy"]: r for r in doc["rows"]}
+    # the agent group was not re-run; the earlier `none` stays too (a re-run of unchanged code: the same row)
+    assert sorted(got) == ["end", "every_chunk", "none", "none@old", "valued", "valued@old"]
+    assert got["valued"]["source"] == str(tmp_path / "new") and got["end"]["source"] == str(tmp_path / "old")
+    assert got["valued"]["prefill_tokens_saved"] == 70 and got["valued"]["bytes_vs_every_chunk"] == 0.2
+    assert got["valued@old"]["bytes_vs_every_chunk"] == 3.0
+    (g,) = doc["goals"]
+    assert abs(g["points_above_end"] - (0.76 - 0.5) / 0.8) < 1e-9 and g["bytes_vs_every_chunk"] == 0.2

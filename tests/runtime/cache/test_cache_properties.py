@@ -47,8 +47,9 @@ class Sim:
 class CacheMachine(RuleBasedStateMachine):
     @initialize(page_size=st.sampled_from([1, 2, 4]), interval_pages=st.sampled_from([1, 2]),
                 per_path=st.sampled_from([None, 1, 2, 3]), global_cap=st.sampled_from([None, 2, 5]),
-                arena=st.booleans(), eviction=st.sampled_from(["lru", "value"]))
-    def setup(self, page_size, interval_pages, per_path, global_cap, arena, eviction):
+                arena=st.booleans(), eviction=st.sampled_from(["lru", "value"]),
+                decay=st.sampled_from([(None, None), (1, None), (2, 6)]))
+    def setup(self, page_size, interval_pages, per_path, global_cap, arena, eviction, decay):
         if arena:
             size = 10 * SPEC.slot_bytes + 40 * SPEC.page_bytes(page_size)
             inner = UnifiedArena(SPEC, size, page_size)
@@ -58,7 +59,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.interval = interval_pages * page_size
         self.cache = HybridRadixCache(self.mem, self.interval, max_checkpoints_per_path=per_path,
                                       max_checkpoints=global_cap, eviction=eviction,
-                                      recompute_cost=RecomputeCost(linear=1.0, attention=0.05))
+                                      recompute_cost=RecomputeCost(linear=1.0, attention=0.05),
+                                      unused_ttl=decay[0], unused_max_age=decay[1])
         self.table = RequestTable(self.cache)
         self.sims: dict[int, Sim] = {}
         self.locks = []

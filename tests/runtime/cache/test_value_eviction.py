@@ -18,9 +18,10 @@ SEQS = st.builds(lambda stem, cut, tail: STEMS[stem][:cut] + tuple(tail), st.int
 COSTS = st.builds(RecomputeCost, st.floats(0.1, 10.0), st.floats(0.0, 1.0))
 
 
-def build(seqs, cost, weight, page_size, locks, eviction="value"):
+def build(seqs, cost, weight, page_size, locks, eviction="value", protect=False):
     mem = make_memory(page_size, num_slots=64, num_pages=512)
-    cache = HybridRadixCache(mem, 2 * page_size, eviction=eviction, recompute_cost=cost, value_weight=weight)
+    cache = HybridRadixCache(mem, 2 * page_size, eviction=eviction, recompute_cost=cost, value_weight=weight,
+                             protect_reused=protect)
     g = cache.checkpoint_interval
     for seq in seqs:
         n = len(seq) // g * g
@@ -55,15 +56,27 @@ def utilities(cache, candidates, clock):
     return {nd.id: r + cache.value_weight * e for nd, r, e in zip(candidates, norm(rec), norm(eff))}
 
 
+def unproven_first(nodes, protect):
+    """`protect_reused`, computed independently: candidates never restored from and not branch points
+    (a fork, or planted) while there are any."""
+    if not protect:
+        return nodes
+    fresh = [nd for nd in nodes if not (nd.ckpt_hits or len(nd.children) >= 2 or nd.planted)]
+    return fresh or nodes
+
+
 @settings(max_examples=120, deadline=None)
 @given(seqs=st.lists(SEQS, min_size=1, max_size=14), cost=COSTS, weight=st.sampled_from([0.0, 0.5, 1.0, 4.0]),
        page_size=st.sampled_from([1, 2]), locks=st.lists(st.tuples(st.integers(0, 100), st.booleans()), max_size=3),
-       touches=st.lists(SEQS, max_size=6), eviction=st.sampled_from(["lru", "value"]))
+       touches=st.lists(SEQS, max_size=6), eviction=st.sampled_from(["lru", "value", "value+protect"]))
 def test_checkpoint_eviction_order(seqs, cost, weight, page_size, locks, touches, eviction):
     """Both policies: never a pinned checkpoint, never a fork's (two live paths continue from it:
     its leaves go first, which makes it an ordinary checkpoint), and among the rest the lowest
-    utility ("value") or the least recently used ("lru"); it gives up only when nothing else is left."""
-    mem, cache, held = build(seqs, cost, weight, page_size, locks, eviction)
+    utility ("value") or the least recently used ("lru"); it gives up only when nothing else is left.
+    With protect_reused, a checkpoint that was hit or is a branch point only when no other can go."""
+    protect = eviction == "value+protect"
+    eviction = eviction.removesuffix("+protect")
+    mem, cache, held = build(seqs, cost, weight, page_size, locks, eviction, protect)
     for t in touches:  # hits refresh recency
         cache.match(t)
     while True:
@@ -73,6 +86,7 @@ def test_checkpoint_eviction_order(seqs, cost, weight, page_size, locks, touches
         pinned = {nd.id for nd in cache.nodes() if nd.checkpoint is not None and nd.ckpt_lock}
         plain = [nd for nd in candidates if nd.id not in forks]
         if eviction == "value":
+            plain = unproven_first(plain, protect)
             util = utilities(cache, plain, "ckpt_access") if plain else {}
         else:
             util = {nd.id: (nd.ckpt_access, nd.id) for nd in plain}
@@ -97,12 +111,15 @@ def test_checkpoint_eviction_order(seqs, cost, weight, page_size, locks, touches
 
 @settings(max_examples=80, deadline=None)
 @given(seqs=st.lists(SEQS, min_size=1, max_size=14), cost=COSTS, weight=st.sampled_from([0.0, 1.0, 4.0]),
-       locks=st.lists(st.tuples(st.integers(0, 100), st.booleans()), max_size=3))
-def test_page_eviction_takes_lowest_utility_unlocked_leaves(seqs, cost, weight, locks):
-    mem, cache, held = build(seqs, cost, weight, 1, locks)
+       locks=st.lists(st.tuples(st.integers(0, 100), st.booleans()), max_size=3),
+       touches=st.lists(SEQS, max_size=6), protect=st.booleans())
+def test_page_eviction_takes_lowest_utility_unlocked_leaves(seqs, cost, weight, locks, touches, protect):
+    mem, cache, held = build(seqs, cost, weight, 1, locks, protect=protect)
+    for t in touches:  # hits: recency, and reuse shown for protect_reused
+        cache.match(t)
     locked_before = {nd.id for nd in cache.nodes() if nd.kv_lock}
     while True:
-        leaves = [nd for nd in cache.nodes() if nd.is_leaf and not nd.kv_lock]
+        leaves = [nd for nd in cache.nodes() if nd.is_leaf and not nd.kv_lock]  # protect_reused: states only
         before = {nd.id: nd for nd in cache.nodes()}
         util = utilities(cache, leaves, "last_access") if leaves else {}
         freed = cache.evict_pages(1)

@@ -1,0 +1,92 @@
+"""Which checkpoints a cache policy stores on a trace, and when (if ever) a lookup restores from them.
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/cache_state_reuse.py tot 65536 valued [--seed 0] [--out DIR]
+
+A diagnosis of issue 15's bytes goal (session 9; run on seed 0, the tuning seed, only): replays one
+(trace, budget, policy) like `bench cache-pressure` and records, per stored checkpoint, the lookup
+count at its store and at every hit (HybridRadixCache.insert / match wrapped, nothing else changed).
+Prints how many were stored / ever hit, the gap in lookups from store to first hit, and the
+checkpoints an oracle would hold: each hit state kept exactly from its store to its last hit, every
+other state dropped at once (mean over lookups, in slots). Writes the per-checkpoint record as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from k3compile.bench import cache_pressure as cp  # noqa: E402
+from k3compile.bench.cache import parse_policy  # noqa: E402
+from k3compile.bench.cache_replay import StandInModel  # noqa: E402
+from k3compile.bench.cache_traces import PRESETS, TraceSpec, make_trace  # noqa: E402
+from k3compile.runtime.cache import radix  # noqa: E402
+
+
+def record(trace: str, kib: int, policy: str, seed: int) -> tuple[dict, dict]:
+    rec = {}
+    insert, match = radix.HybridRadixCache.insert, radix.HybridRadixCache.match
+
+    def insert_rec(self, token_ids, pages, checkpoint_slot=None):
+        r = insert(self, token_ids, pages, checkpoint_slot)
+        if r.checkpoint_stored:
+            rec[r.node.id] = dict(store=self._stats.lookups, branch=bool(self._is_branch(r.node)), depth=r.node.depth,
+                                  hits=[])
+        return r
+
+    def match_rec(self, token_ids, touch=True):
+        r = match(self, token_ids, touch)
+        if touch and r.node is not self.root and r.node.id in rec:
+            rec[r.node.id]["hits"].append(self._stats.lookups)
+        return r
+
+    radix.HybridRadixCache.insert, radix.HybridRadixCache.match = insert_rec, match_rec
+    try:
+        args = SimpleNamespace(model="k3-tiny", dtype="fp32", device="cpu", forward="cost", page_size=16,
+                               chunk_size=None, track_interval=None, max_batch_tokens=2048, unified=False,
+                               step_ms=10.0, token_ms=0.05)
+        roots = make_trace(TraceSpec(mix=PRESETS[trace], roots=24, duration=90, seed=seed))
+        row = cp.run_one(args, StandInModel("k3-tiny", "tiny", 16), parse_policy(policy), roots, kib << 10)
+    finally:
+        radix.HybridRadixCache.insert, radix.HybridRadixCache.match = insert, match
+    return rec, row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace", choices=sorted(PRESETS))
+    ap.add_argument("kib", type=int, help="memory budget in KiB")
+    ap.add_argument("policy", help="a policy as bench cache takes it, e.g. valued or valued:ttl=0")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench_out")
+    a = ap.parse_args()
+    rec, row = record(a.trace, a.kib, a.policy, a.seed)
+    print({k: row[k] for k in ("hit_rate", "kv_only_bound", "checkpoint_bytes_mean", "checkpoints_stored",
+                               "repeats_hit", "repeats", "stems_hit", "stems")})
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"state_reuse_{a.trace}_{a.kib}_{a.policy.replace(':', '_')}_seed{a.seed}.json")
+    with open(path, "w") as f:
+        json.dump(rec, f)
+    hit = [v for v in rec.values() if v["hits"]]
+    branch = [v for v in rec.values() if v["branch"]]
+    print(f"stored {len(rec)}: {len(hit)} ever hit; branch points at the store {len(branch)} "
+          f"({sum(1 for v in branch if v['hits'])} hit)")
+    gaps = sorted(v["hits"][0] - v["store"] for v in hit if not v["branch"])
+    if gaps:
+        q = lambda p: gaps[min(len(gaps) - 1, int(p * len(gaps)))]  # noqa: E731
+        print(f"lookups from store to first hit (non-branch): p50 {q(.5)} p90 {q(.9)} p99 {q(.99)} max {gaps[-1]}")
+    lookups = max([v["store"] for v in rec.values()] + [h for v in hit for h in v["hits"]], default=0)
+    if lookups:
+        held = sum(v["hits"][-1] - v["store"] for v in hit) / lookups
+        print(f"oracle (each hit state held from its store to its last hit, the rest never): {held:.1f} slots "
+              f"mean over {lookups} lookups, {held * row['slot_bytes']:.0f} B; the policy held "
+              f"{row['checkpoint_bytes_mean']:.0f} B mean over steps")
+    print(f"record: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
