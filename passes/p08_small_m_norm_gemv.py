@@ -40,8 +40,11 @@ ALL_REDUCE = torch.ops.k3.all_reduce.default if hasattr(torch.ops.k3, "all_reduc
 
 @dataclass
 class NormGemvConfig(PassConfig):
-    # rows up to which the fused kernel runs (and the GEMV's own max_m); above, P7's kernel then the GEMV.
-    # Not measured yet: the lead's A/B decides (`bench ladder --variant nonormgemv:p08_small_m_norm_gemv.enabled=false`)
+    # Off by default: on the H200 the whole 48B step was SLOWER with it, batch 1 2.298 vs 2.242 ms, batch 8 7.046 vs
+    # 7.042 (session 9, traces/h200_s9/call2: bench ladder --variant nonormgemv, interleaved, 28 fewer kernels per
+    # step). Every program re-reading and re-normalizing the row costs more than the launch it saves behind PDL.
+    enabled: bool = False
+    # rows up to which the fused kernel runs (and the GEMV's own max_m); above, P7's kernel then the GEMV
     max_tokens: int = gemv_kernels.MAX_M
 
     def validate(self) -> None:

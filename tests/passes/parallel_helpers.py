@@ -10,8 +10,7 @@ from k3compile.capture import capture_step
 from k3compile.model_def.parallel.shard import shard_model
 from k3compile.model_def.parallel.topology import RankShard, parse_topology
 from k3compile.passes.manager import PassManager, snapshot
-from k3compile.passes.pipeline import pipeline_from_flags
-from k3compile.passes.registry import registered_passes
+from k3compile.passes.pipeline import PipelineConfig, pipeline_from_flags
 from k3compile.passes.verify import step_inputs
 from k3compile.runtime.parallel.groups import init_rank, shutdown_rank
 from k3compile.runtime.parallel.launch import launch
@@ -21,7 +20,7 @@ TOPOLOGY = "tp2"
 
 
 def passes_before(name: str, skip=()) -> list[str]:
-    return [p for p in registered_passes() if p < name and p not in skip]
+    return [p for p in PipelineConfig.default().enabled_passes() if p < name and p not in skip]
 
 
 def run_passes(gm, names, mode):
@@ -62,7 +61,8 @@ def pipeline_graphs(model_name: str, mode: str, experts: str = "auto"):
     out = []
     for r, (m, gm) in enumerate(ranks):
         after = snapshot(gm)
-        out.append((gm, after, run_passes(after, list(registered_passes()), mode), step_inputs(m, mode, seed=r)))
+        passes = PipelineConfig.default().enabled_passes()
+        out.append((gm, after, run_passes(after, passes, mode), step_inputs(m, mode, seed=r)))
     return cfg, out
 
 

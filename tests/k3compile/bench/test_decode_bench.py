@@ -10,7 +10,7 @@ from k3compile.bench.roofline import roofline_pct, routed_experts, step_bytes
 from k3compile.model_def.batch import ForwardBatch
 from k3compile.model_def.cache import CacheTensors
 from k3compile.model_def.loader import load_model
-from k3compile.passes.registry import registered_passes
+from k3compile.passes.pipeline import PipelineConfig
 from k3compile.report.trace import load_trace
 
 
@@ -49,7 +49,7 @@ def test_cpu_smoke_run_writes_json_markdown_and_traces(main, tmp_path, capsys):
         assert rows["engine", b]["max_abs_diff_vs_eager"] < 1e-4
         # the engine (P1-P4) runs fewer ops per step than eager model_def
         assert rows["engine", b]["cpu_ops_per_step"] < rows["eager", b]["cpu_ops_per_step"]
-    assert [p["name"] for p in doc["engine_passes"]["decode"]["passes"]] == list(registered_passes())
+    assert [p["name"] for p in doc["engine_passes"]["decode"]["passes"]] == PipelineConfig.default().enabled_passes()
     md = open(out / "decode_k3-tiny_fp32.md").read()
     assert "| engine | 2 |" in md and "skipped: needs CUDA" in md and "% HBM roofline" in md
     assert "| engine | 2 |" in capsys.readouterr().out
@@ -57,7 +57,6 @@ def test_cpu_smoke_run_writes_json_markdown_and_traces(main, tmp_path, capsys):
 
 def test_engine_directory_arm(main, tmp_path):
     from k3compile.engine.build import BuildOptions, build_engine
-    from k3compile.passes.pipeline import PipelineConfig
 
     engine_dir = str(tmp_path / "engine")
     build_engine(BuildOptions("k3-tiny", dtype=torch.float32, seed=3, pipeline=PipelineConfig.default()), engine_dir,
