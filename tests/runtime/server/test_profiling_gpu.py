@@ -20,7 +20,9 @@ def test_server_profile_attributes_graph_replays(tmp_path):
     init_profiler_for_cuda_graphs()
     model = load_model("k3-tiny", device="cuda")
     graphs, _ = compile_graphs(model, PipelineConfig.default())
-    llm = LLMEngine(EngineArgs(device="cuda", cuda_graph_buckets=(1, 2)), model=Engine(model.config, graphs, torch.float32))
+    # fixed pools: the GPU suite runs files side by side, so a fraction of the device may not be free
+    llm = LLMEngine(EngineArgs(device="cuda", cuda_graph_buckets=(1, 2), memory_bytes=256 << 20),
+                    model=Engine(model.config, graphs, torch.float32))
     assert llm.runner.executor.cuda_graphs
     profiler = ServerProfiler(llm)
     profiler.start(4, str(tmp_path), (1,))
