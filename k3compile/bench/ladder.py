@@ -169,6 +169,9 @@ class LadderBench(DecodeBench):
         self.rungs = [{"rung": 0, "name": rung_name(0, None), "passes": []}]
         self.rungs += [{"rung": i, "name": rung_name(i, p), "passes": passes[:i]} for i, p in enumerate(passes, 1)]
         self.variants = parse_variants(getattr(args, "variant", None), self.pipeline)
+        # the pipeline as given: passes record what they measured in their configs (P6's crossover), so the base
+        # compared with a variant is this copy, not self.pipeline after the rungs ran
+        self.variant_base = self.pipeline.copy()
         arms = (["eager"] + (["compile-reduce-overhead"] if args.compile else []) + [r["name"] for r in self.rungs]
                 + [v["name"] for v in self.variants])
         super().__init__(args, batches, arms, device)
@@ -242,7 +245,7 @@ class LadderBench(DecodeBench):
         from k3compile.passes.manager import PassError, PassManager, snapshot
 
         for v in self.variants:
-            shared = first_difference(self.pipeline, v["pipeline"])
+            shared = first_difference(self.variant_base, v["pipeline"])
             start = self.rungs[shared]["name"]
             rest = [p for p in v["pipeline"].enabled_passes()[shared:] if p not in failed]
             v["from_rung"], v["passes_run"] = start, rest
