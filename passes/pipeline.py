@@ -197,13 +197,19 @@ def pipeline_from_flags(passes: str | None = None, disable=(), enable=(), pass_o
     for name in _split_names(disable):
         cfg.config(resolve_pass_name(name)).enabled = False
     for opt in pass_opts or ():
-        target, sep, value = opt.partition("=")
-        name, dot, key = target.strip().partition(".")
-        if not sep or not dot or not key:
-            raise PassConfigError(f"--pass-opt {opt!r}: expected PASS.OPTION=VALUE, e.g. p01_gemm_merge.min_group=2")
-        cfg.set_option(resolve_pass_name(name), key.strip(), value.strip())
+        set_pass_option(cfg, opt)
     cfg.validate()
     return cfg
+
+
+def set_pass_option(cfg: PipelineConfig, opt: str, source: str = "--pass-opt") -> None:
+    """Set one `PASS.OPTION=VALUE` (a pass name prefix is enough) on cfg; `source` names the flag in errors."""
+    target, sep, value = opt.partition("=")
+    name, dot, key = target.strip().partition(".")
+    if not sep or not dot or not key:
+        raise PassConfigError(f"{source} {opt!r} is not PASS.OPT=VALUE: expected PASS.OPTION=VALUE, "
+                              "e.g. p01_gemm_merge.min_group=2")
+    cfg.set_option(resolve_pass_name(name), key.strip(), value.strip(), source=source)
 
 
 def add_pass_arguments(parser) -> None:

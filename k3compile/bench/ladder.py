@@ -124,7 +124,7 @@ def rung_name(index: int, pass_name: str | None) -> str:
 def parse_variants(specs, base) -> list[dict]:
     """[{"name": "v-NAME", "options": [...], "pipeline": PipelineConfig}] from `--variant` values; the base pipeline
     with each variant's options set (unknown passes / options / values are refused here, before any GPU work)."""
-    from k3compile.passes.pipeline import PassConfigError, resolve_pass_name
+    from k3compile.passes.pipeline import PassConfigError, set_pass_option
 
     out, seen = [], set()
     for spec in specs or ():
@@ -137,11 +137,7 @@ def parse_variants(specs, base) -> list[dict]:
         seen.add(label)
         cfg, options = base.copy(), []
         for opt in (o.strip() for o in opts.split(",") if o.strip()):
-            target, eq, value = opt.partition("=")
-            name, dot, key = target.strip().partition(".")
-            if not eq or not dot or not key:
-                raise PassConfigError(f"--variant {spec!r}: {opt!r} is not PASS.OPT=VALUE")
-            cfg.set_option(resolve_pass_name(name), key.strip(), value.strip(), source=f"--variant {label}")
+            set_pass_option(cfg, opt, source=f"--variant {label}")
             options.append(opt)
         cfg.validate()
         out.append({"name": f"v-{label}", "options": options, "pipeline": cfg})
