@@ -239,6 +239,7 @@ class LadderBench(DecodeBench):
         """Each variant from the rung before its first differing pass (a snapshot), through its own remaining
         passes (less any that failed in the rungs). A variant that fails gets the error in its arm's row."""
         from k3compile.passes.manager import PassError, PassManager, snapshot
+        from k3compile.passes.pipeline import PipelineConfig
 
         for v in self.variants:
             shared = first_difference(self.variant_base, v["pipeline"])
@@ -250,7 +251,6 @@ class LadderBench(DecodeBench):
                 continue
             gm = snapshot(self.rung_graphs[start])
             try:
-                from k3compile.passes.pipeline import PipelineConfig
                 rep = PassManager(PipelineConfig(order=rest, configs={p: v["pipeline"].config(p) for p in rest})).run(
                     gm, graph_name="decode")
             except PassError as e:
