@@ -3,7 +3,8 @@
 
 Matched (decode graphs only; the weight a constant of a 16-bit dtype the kernel takes):
 
-    mm(x, t(W))              ->  k3.gemv(x, W, None, max_m, block_n, block_k, split_k, design, use_pdl, num_warps)
+    mm(x, t(W))              ->  k3.gemv(x, W, None, max_m, block_n, block_k, split_k, design, use_pdl, num_warps
+                                          [, l2_prefetch_kb: with the l2_prefetch_mb option])
 
 (P11 later folds an add that reads the result into k3.gemv's c. An addmm is left alone: it rounds
 once, k3.gemv's c is added after the product is rounded.)
@@ -67,6 +68,10 @@ class SmallMGemmConfig(PassConfig):
     use_pdl: bool = True
     timing: str = "pdl_chain"  # pdl_chain (candidates timed with use_pdl, as the engine runs them) | alone (no PDL)
     rows_warps: str = "2,4,8"  # warps per program tried for the rows design (the dot design keeps 4)
+    # with PDL, each emitted launch asks L2 for up to this many MiB of its weight before its gdc_wait, so a GEMV
+    # after a latency-bound kernel (KDA, MLA attention, a norm) streams while that kernel runs (kernels/gemv.py,
+    # kernels/l2_prefetch.py); 0: none. Not timed by the measurement above (its chain is GEMVs back to back).
+    l2_prefetch_mb: int = 0
 
     def validate(self) -> None:
         if self.choice not in CHOICES:
@@ -83,6 +88,8 @@ class SmallMGemmConfig(PassConfig):
             raise PassConfigError(f"p08_small_m_gemm.min_gain must be in [0, 1), got {self.min_gain}")
         if self.timing not in TIMINGS:
             raise PassConfigError(f"p08_small_m_gemm.timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
+        if not 0 <= self.l2_prefetch_mb <= 1024:
+            raise PassConfigError(f"p08_small_m_gemm.l2_prefetch_mb must be in 0..1024, got {self.l2_prefetch_mb}")
         warps = _ints("rows_warps", self.rows_warps)
         if not warps or any(w not in gemv_kernels.NUM_WARPS for w in warps):
             raise PassConfigError(f"p08_small_m_gemm.rows_warps must be among {gemv_kernels.NUM_WARPS}, "
@@ -261,9 +268,12 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
         details["nodes"].append(rec)
         if not max_m:
             continue
+        args = (x, w, None, max_m, *cfg[:4], bool(config.use_pdl), cfg[4])
+        if config.use_pdl and config.l2_prefetch_mb:  # (without it the node is as before the option existed)
+            args += (int(config.l2_prefetch_mb) << 10,)
+            rec["l2_prefetch_kb"] = args[-1]
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch.ops.k3.gemv.default,
-                                         (x, w, None, max_m, *cfg[:4], bool(config.use_pdl), cfg[4]))
+            new = gm.graph.call_function(torch.ops.k3.gemv.default, args)
         set_meta_val(new, fake_mode)
         replace_uses(node, new, fake_mode)
         wt = node.args[-1]

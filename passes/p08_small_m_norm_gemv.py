@@ -93,8 +93,9 @@ def small_m_norm_gemv(gm: GraphModule, config: NormGemvConfig) -> int:
         gemv, outs = m
         fake_mode = fake_mode or fake_mode_of(gm)
         _, x, delta, _, norm_w, _, norm_eps, _ = norm.args
-        _, w, c, *cfg = gemv.args  # max_m, block_n, block_k, split_k, design, use_pdl, num_warps
+        _, w, c, *cfg = gemv.args  # max_m, block_n, block_k, split_k, design, use_pdl, num_warps[, l2_prefetch_kb]
         cfg = cfg + [gemv_kernels.DESIGNS["dot"], False, 4][len(cfg) - 4:]  # an engine's older 7-arg gemv
+        cfg = cfg[:7]  # the norm's prologue kernel has no L2 prefetch: the fused launch goes without it
         if order[w] > order[norm]:
             norm.prepend(w)  # a weight read (get_attr): it may move before the fused node
         with g.inserting_before(norm):

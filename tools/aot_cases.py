@@ -49,10 +49,10 @@ def replay_ssm(batch, layout):
     return run
 
 
-def gemv_case(m, n, k, block_n, block_k, split_k, design, num_warps=4):
+def gemv_case(m, n, k, block_n, block_k, split_k, design, num_warps=4, l2_prefetch_kb=0):
     x, w = _randn(m, k), _randn(n, k)
     return lambda: gemv.gemv_triton(x, w, None, block_n, block_k, split_k, num_warps=num_warps, design=design,
-                                    use_pdl=True)
+                                    use_pdl=True, l2_prefetch_kb=l2_prefetch_kb)
 
 
 def norm_gemv_case(m, n, k, block_n, block_k, split_k, design, num_warps=4, delta=True):
@@ -127,6 +127,11 @@ CASES = [
     ("gemv rows o_proj M=1 w2 split 4", gemv_case(1, 2304, 4096, 16, 256, 4, gemv.DESIGNS["rows"], 2)),
     ("gemv rows in_proj M=4 w8", gemv_case(4, 12576, 2304, 16, 256, 1, gemv.DESIGNS["rows"], 8)),
     ("gemv rows in_proj M=2 w2", gemv_case(2, 12576, 2304, 4, 1024, 1, gemv.DESIGNS["rows"], 2)),
+    # with an L2 prefetch of the weight before gdc_wait (p08_small_m_gemm.l2_prefetch_mb)
+    ("gemv rows o_proj M=1 w8 l2pf", gemv_case(1, 2304, 4096, 4, 1024, 1, gemv.DESIGNS["rows"], 8, 32 << 10)),
+    ("gemv rows in_proj M=1 l2pf", gemv_case(1, 12576, 2304, 16, 256, 1, gemv.DESIGNS["rows"], 4, 32 << 10)),
+    ("gemv rows o_proj M=1 w2 split 4 l2pf", gemv_case(1, 2304, 4096, 16, 256, 4, gemv.DESIGNS["rows"], 2, 16 << 10)),
+    ("gemv dot o_proj M=8 l2pf", gemv_case(8, 2304, 4096, 64, 128, 8, gemv.DESIGNS["dot"], 4, 32 << 10)),
     # P7's norm in the GEMV's prologue (p08_small_m_norm_gemv), at the 48B in_proj / MLP gate-up shapes
     ("norm_gemv rows in_proj M=1", norm_gemv_case(1, 12576, 2304, 16, 256, 1, gemv.DESIGNS["rows"])),
     ("norm_gemv rows in_proj M=1 w2 split 2", norm_gemv_case(1, 12576, 2304, 4, 1024, 2, gemv.DESIGNS["rows"], 2)),

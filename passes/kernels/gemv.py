@@ -29,15 +29,20 @@ build time (and into which P11 folds the add that follows):
   loads its first K step's weight tile before `gdc_wait()` (x comes from the previous kernel) and calls
   `gdc_launch_dependents()` once its x is read, so the next kernel's launch overlaps the epilogue. The
   accumulation order is the same with and without it.
+* L2 prefetch (`l2_prefetch_kb`, P8's `l2_prefetch_mb`; with PDL only): before its gdc_wait a program asks L2 for
+  the leading part of its weight rows (kernels/l2_prefetch.py), the launch's budget spread over its row segments.
+  The previous kernel in a decode step is often latency-bound (the KDA recurrence, MLA attention, a norm) and
+  leaves HBM idle; the GEMV's loads after the wait then hit L2. Same loads, same order: the same bits.
 * max_m / block_n / block_k / split_k / design / num_warps are plain ints in the schema: the pass records the
-  tuned configuration per node, and the serialized engine carries it. num_warps is last and defaults to 4, the
-  warps every launch had before it was in the schema, so an engine written without it loads and runs as before.
+  tuned configuration per node, and the serialized engine carries it. num_warps and then l2_prefetch_kb are last
+  with defaults (4 warps, no prefetch: what every launch did before they were in the schema), so an engine
+  written without them loads and runs as before.
 """
 from __future__ import annotations
 
 import torch
 
-from . import arrivals
+from . import arrivals, l2_prefetch
 from .pdl import pdl_for
 
 try:
@@ -94,6 +99,7 @@ def gemv_reference(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = No
 # --------------------------------------------------------------------------- Triton kernel
 
 if triton is not None:
+    from .l2_prefetch import prefetch_rows_l2
 
     @triton.jit
     def _finish(acc, rm, rn, m_ok, n_ok, pid_n, pid_k, c_ptr, y_ptr, ws_ptr, cnt_ptr, N, scm, scn, sym, syn,
@@ -130,6 +136,16 @@ if triton is not None:
             rk, k_ok
 
     @triton.jit
+    def _prefetch_weights(w_ptr, pid_n, k_start, N, K, swn, pf_bytes, BLOCK_N: tl.constexpr, PIECES: tl.constexpr):
+        """L2 prefetch of the first pf_bytes of each of this program's weight rows from k_start on (not past K: the
+        host made K's bytes and the row pitch 16-byte multiples, kernels/l2_prefetch.region_ok)."""
+        n0 = pid_n * BLOCK_N
+        rows = tl.minimum(N - n0, BLOCK_N)
+        esize = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        seg = tl.minimum(pf_bytes, (K - k_start) * esize)
+        prefetch_rows_l2(w_ptr + n0.to(tl.int64) * swn + k_start, rows, seg, swn * esize, PIECES)
+
+    @triton.jit
     def _dot_product(acc, x, w):
         """acc + x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T (the dot design's step; kernels/norm_gemv.py too)."""
         # bf16/fp16 values are exact in tf32: the tensor-core product equals the 16-bit one (and the
@@ -159,7 +175,8 @@ if triton is not None:
     def _gemv_kernel(x_ptr, w_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
                      sxm, sxk, swn, swk, scm, scn, sym, syn,
                      HAS_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, PEEL: tl.constexpr):
+                     SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, PEEL: tl.constexpr, pf_bytes=0,
+                     L2_PF: tl.constexpr = False, PIECES: tl.constexpr = 128):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -169,6 +186,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         k_start = pid_k * k_per_split
         k_first = 0
+        if L2_PF:  # ask L2 for this program's weight rows while the previous kernel runs (kernels/l2_prefetch.py)
+            _prefetch_weights(w_ptr, pid_n, k_start, N, K, swn, pf_bytes, BLOCK_N, PIECES)
         if PEEL:  # the first K step's weights load while the previous kernel (x's producer) finishes
             w, rk, k_ok = _w_tile(w_ptr, rn, n_ok, k_start, 0, k_per_split, K, swn, swk, BLOCK_K)
             if USE_PDL:
@@ -187,7 +206,8 @@ if triton is not None:
     def _gemv_rows_kernel(x_ptr, w_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split,
                           sxm, sxk, swn, swk, scm, scn, sym, syn,
                           HAS_C: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, PEEL: tl.constexpr):
+                          SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, PEEL: tl.constexpr, pf_bytes=0,
+                          L2_PF: tl.constexpr = False, PIECES: tl.constexpr = 128):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, M_PAD)
@@ -197,6 +217,8 @@ if triton is not None:
         acc3 = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
         k_start = pid_k * k_per_split
         k_first = 0
+        if L2_PF:  # ask L2 for this program's weight rows while the previous kernel runs (kernels/l2_prefetch.py)
+            _prefetch_weights(w_ptr, pid_n, k_start, N, K, swn, pf_bytes, BLOCK_N, PIECES)
         if PEEL:  # the first K step's weights load while the previous kernel (x's producer) finishes
             w, rk, k_ok = _w_tile(w_ptr, rn, n_ok, k_start, 0, k_per_split, K, swn, swk, BLOCK_K)
             if USE_PDL:
@@ -221,10 +243,11 @@ def kernel_supports(x: torch.Tensor, w: torch.Tensor, max_m: int, design: int = 
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None, block_n: int = 64,
                 block_k: int = 128, split_k: int = 1, num_warps: int = 4, design: int = 0,
-                use_pdl: bool = False) -> torch.Tensor:
+                use_pdl: bool = False, l2_prefetch_kb: int = 0) -> torch.Tensor:
     """Launch the kernel of `design` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). use_pdl: launch
     with programmatic dependent launch where kernels/pdl.py says it exists; the first K step is peeled (its weights
-    load before the wait) whenever it is asked for, so the interpreter runs that code too."""
+    load before the wait) whenever it is asked for, so the interpreter runs that code too. l2_prefetch_kb: with
+    PDL, the launch asks L2 for up to this many KiB of its weight before the wait (`prefetch_plan`)."""
     rows = design == DESIGNS["rows"]
     most = ROWS_MAX_M if rows else MAX_M
     check_gemv_args(x, w, c, most, block_n, block_k, split_k, design, num_warps)
@@ -250,6 +273,9 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), scm, scn, y.stride(0), y.stride(1))
     pdl = pdl_for(use_pdl, x)
     extra = {"launch_pdl": True} if pdl else {}
+    pf_bytes = prefetch_plan(w, split_k, k_per_split, l2_prefetch_kb) if pdl else 0
+    if pf_bytes:
+        extra.update(pf_bytes=pf_bytes, L2_PF=True, PIECES=32 * num_warps)
     if rows:
         _gemv_rows_kernel[(tiles, split_k)](*args, HAS_C=c is not None, M_PAD=triton.next_power_of_2(m),
                                             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=pdl, PEEL=bool(use_pdl),
@@ -258,6 +284,19 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
         _gemv_kernel[(tiles, split_k)](*args, HAS_C=c is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
                                        SPLIT_K=split_k, USE_PDL=pdl, PEEL=bool(use_pdl), num_warps=num_warps, **extra)
     return y
+
+
+def prefetch_plan(w: torch.Tensor, split_k: int, k_per_split: int, l2_prefetch_kb: int) -> int:
+    """Bytes of each weight row segment (one row of one K split) a program asks L2 for before its gdc_wait: the
+    launch's budget (l2_prefetch_kb KiB) spread evenly over its N x split_k segments, the leading part of each, in
+    16-byte units; 0 (no prefetch) without a budget or where the bulk prefetch's alignment does not hold (rows not
+    contiguous, a row pitch or K's bytes not a multiple of 16, an unaligned weight pointer)."""
+    n, k = w.shape
+    esize = w.element_size()
+    if l2_prefetch_kb <= 0 or w.stride(1) != 1 or (k * esize) % l2_prefetch.ALIGN \
+            or not l2_prefetch.region_ok(w, w.stride(0) * esize):
+        return 0
+    return l2_prefetch.cap_elements(l2_prefetch_kb * 1024, n * split_k, k_per_split, esize) * esize
 
 
 def split_plan(m: int, n: int, k: int, block_n: int, block_k: int, split_k: int, rows: bool, device,
@@ -306,23 +345,24 @@ def rows_configs(n: int, k: int) -> list[tuple[int, int, int, int]]:
 
 @torch.library.custom_op("k3::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, max_m: int, block_n: int, block_k: int,
-         split_k: int, design: int = 0, use_pdl: bool = False, num_warps: int = 4) -> torch.Tensor:
+         split_k: int, design: int = 0, use_pdl: bool = False, num_warps: int = 4,
+         l2_prefetch_kb: int = 0) -> torch.Tensor:
     """y = x @ w.T (then + c): the aten calls (CPU, or rows > max_m); see the module doc."""
     check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design, num_warps)
     return gemv_reference(x, w, c)
 
 
 @gemv.register_kernel("cuda")
-def _gemv_cuda(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False, num_warps=4):
+def _gemv_cuda(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False, num_warps=4, l2_prefetch_kb=0):
     check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design, num_warps)
     if kernel_supports(x, w, max_m, design):
         with torch.cuda.device(x.device):  # Triton launches on the current device
             return gemv_triton(x, w, c, block_n, block_k, split_k, num_warps=num_warps, design=design,
-                               use_pdl=use_pdl)
+                               use_pdl=use_pdl, l2_prefetch_kb=l2_prefetch_kb)
     return gemv_reference(x, w, c)
 
 
 @gemv.register_fake
-def _gemv_fake(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False, num_warps=4):
+def _gemv_fake(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False, num_warps=4, l2_prefetch_kb=0):
     check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design, num_warps)
     return x.new_empty(x.shape[0], w.shape[0])

@@ -125,6 +125,40 @@ def test_engine_written_before_num_warps_still_loads():
     assert torch.equal(run_graph(back, inputs)[0][0], run_graph(gm, inputs)[0][0])
 
 
+def test_l2_prefetch_option_reaches_the_nodes_the_report_and_the_engine_format():
+    """l2_prefetch_mb: each k3.gemv gets an 11th argument (KiB), recorded per node; without it (the default) the
+    nodes keep 10 arguments, as before the option; the op takes it on CPU (the aten call) and in opcheck."""
+    gm = engine_before("kimi-linear-tiny")
+    assert run_pass(gm, P8, choice="gemv", l2_prefetch_mb=24) == 33
+    gemvs = [n for n in gm.graph.nodes if n.target == GEMV]
+    assert len(gemvs) == 33 and all(len(n.args) == 11 and n.args[10] == 24 << 10 for n in gemvs)
+    assert all(r["l2_prefetch_kb"] == 24 << 10 for r in gm.meta["k3"]["pass_details"][P8]["nodes"])
+    keys = {n.target: n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    weights = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    back = graph_from_dict(graph_to_dict(gm, "decode", keys), weights, STEP_INPUTS)
+    assert [n.args[10] for n in back.graph.nodes if n.target == GEMV] == [24 << 10] * 33
+    inputs = inputs_for("kimi-linear-tiny", "decode", torch.bfloat16)
+    plain = engine_before("kimi-linear-tiny")
+    run_pass(plain, P8, choice="gemv")
+    assert all(len(n.args) == 10 for n in plain.graph.nodes if n.target == GEMV)
+    assert torch.equal(run_graph(back, inputs)[0][0], run_graph(plain, inputs)[0][0])
+    no_pdl = engine_before("kimi-linear-tiny")
+    run_pass(no_pdl, P8, choice="gemv", l2_prefetch_mb=24, use_pdl=False)  # the prefetch comes with PDL only
+    assert all(len(n.args) == 10 for n in no_pdl.graph.nodes if n.target == GEMV)
+    x, w = torch.randn(2, 16).bfloat16(), torch.randn(8, 16).bfloat16()
+    torch.library.opcheck(GEMV, (x, w, None, 4, 4, 128, 2, gemv_kernels.DESIGNS["rows"], True, 8, 1024))
+
+
+def test_prefetch_plan_spreads_the_budget_and_refuses_unaligned_rows():
+    w = torch.zeros(64, 256, dtype=torch.bfloat16)
+    assert gemv_kernels.prefetch_plan(w, 1, 256, 0) == 0
+    assert gemv_kernels.prefetch_plan(w, 1, 256, 1024) == 512  # 1 MiB > the weight: every row whole (512 bytes)
+    assert gemv_kernels.prefetch_plan(w, 2, 128, 1024) == 256  # split K: each split's segment whole
+    assert gemv_kernels.prefetch_plan(w, 1, 256, 16) == 256  # 16 KiB over 64 rows: 256 bytes of each
+    assert gemv_kernels.prefetch_plan(torch.zeros(64, 252, dtype=torch.bfloat16), 1, 256, 1024) == 0  # 504 B rows
+    assert gemv_kernels.prefetch_plan(w.t().contiguous().t(), 1, 256, 1024) == 0  # column-major: not row ranges
+
+
 def test_auto_times_the_way_the_engine_launches_and_carries_warps(monkeypatch):
     """'auto' with synthetic timings (no GPU): `timing` decides whether candidates are timed with PDL, the rows
     design's warps are candidates, and the chosen warps reach k3.gemv's arguments and the report."""
@@ -202,7 +236,8 @@ def test_bad_options_are_named():
     spec = get_pass(P8)
     for opts, what in (({"choice": "fast"}, "choice"), ({"buckets": "1,32"}, "buckets"),
                        ({"dtypes": "fp8"}, "dtypes"), ({"buckets": "a"}, "buckets"), ({"timing": "graph"}, "timing"),
-                       ({"rows_warps": "3"}, "rows_warps"), ({"rows_warps": "x"}, "rows_warps")):
+                       ({"rows_warps": "3"}, "rows_warps"), ({"rows_warps": "x"}, "rows_warps"),
+                       ({"l2_prefetch_mb": -1}, "l2_prefetch_mb")):
         with pytest.raises(PassConfigError, match=what):
             spec.config_cls(**opts).validate()
 
@@ -281,6 +316,38 @@ def test_warps_candidates_with_pdl_in_a_graph_on_gpu(n, k):
                 assert rel_err(got.float(), want) < 1e-2, (bn, bk, split, design, warps)
         got = GEMV(x, ws[0], None, 1, bn, bk, split, design, True, warps)
         assert rel_err(got.float(), wants[0]) < 1e-2, (bn, bk, split, design, warps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", ((2304, 4096), (12576, 2304)))  # 48B KDA o_proj, merged in-proj
+def test_l2_prefetch_gives_the_same_bits_in_a_pdl_graph_on_gpu(n, k):
+    """With an L2 prefetch before gdc_wait (whole weight, and a budget that covers part of each row) every launch
+    P8 may emit computes exactly what it computes without one, replayed in a CUDA graph with PDL."""
+    from k3compile.passes.p08_small_m_gemm import _candidates
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ws = [(0.02 * torch.randn(n, k, device="cuda", generator=gen)).bfloat16() for _ in range(2)]
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (1, 4):
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        want = gemv_kernels.gemv_reference(x.float(), ws[0].float())
+        for bn, bk, split, design, warps in _candidates(n, k, sm, (2, 8)):
+            if design == gemv_kernels.DESIGNS["rows"] and m > gemv_kernels.ROWS_MAX_M:
+                continue
+            outs = {}
+            for kb in (0, 1 << 20, 4 << 10):
+                def chain(kb=kb):
+                    return [gemv_kernels.gemv_triton(x, w, None, bn, bk, split, num_warps=warps, design=design,
+                                                     use_pdl=True, l2_prefetch_kb=kb) for w in ws]
+                chain()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    got = chain()
+                graph.replay()
+                graph.replay()
+                outs[kb] = got[0].clone()
+            assert torch.equal(outs[0], outs[1 << 20]) and torch.equal(outs[0], outs[4 << 10]), (bn, bk, split, design)
+            assert rel_err(outs[1 << 20].float(), want) < 1e-2
 
 
 @pytest.mark.gpu
