@@ -149,14 +149,15 @@ def test_l2_prefetch_option_reaches_the_nodes_the_report_and_the_engine_format()
     torch.library.opcheck(GEMV, (x, w, None, 4, 4, 128, 2, gemv_kernels.DESIGNS["rows"], True, 8, 1024))
 
 
-def test_prefetch_plan_spreads_the_budget_and_refuses_unaligned_rows():
-    w = torch.zeros(64, 256, dtype=torch.bfloat16)
-    assert gemv_kernels.prefetch_plan(w, 1, 256, 0) == 0
-    assert gemv_kernels.prefetch_plan(w, 1, 256, 1024) == 512  # 1 MiB > the weight: every row whole (512 bytes)
-    assert gemv_kernels.prefetch_plan(w, 2, 128, 1024) == 256  # split K: each split's segment whole
-    assert gemv_kernels.prefetch_plan(w, 1, 256, 16) == 256  # 16 KiB over 64 rows: 256 bytes of each
-    assert gemv_kernels.prefetch_plan(torch.zeros(64, 252, dtype=torch.bfloat16), 1, 256, 1024) == 0  # 504 B rows
-    assert gemv_kernels.prefetch_plan(w.t().contiguous().t(), 1, 256, 1024) == 0  # column-major: not row ranges
+def test_prefetch_plan_counts_the_leading_programs_the_budget_covers_and_refuses_unaligned_rows():
+    w = torch.zeros(64, 256, dtype=torch.bfloat16)  # 512-byte rows
+    assert gemv_kernels.prefetch_plan(w, 4, 1, 256, 0) == 0
+    assert gemv_kernels.prefetch_plan(w, 4, 1, 256, 1024) == 16  # 1 MiB > the weight: all 16 programs
+    assert gemv_kernels.prefetch_plan(w, 4, 2, 128, 1024) == 32  # split K: 16 tiles x 2 splits
+    assert gemv_kernels.prefetch_plan(w, 4, 1, 256, 5) == 2  # 5 KiB: two whole 2 KiB slices
+    assert gemv_kernels.prefetch_plan(w, 4, 1, 256, 1) == 0  # less than one slice: none
+    assert gemv_kernels.prefetch_plan(torch.zeros(64, 252, dtype=torch.bfloat16), 4, 1, 256, 1024) == 0  # 504 B rows
+    assert gemv_kernels.prefetch_plan(w.t().contiguous().t(), 4, 1, 256, 1024) == 0  # column-major: not row ranges
 
 
 def test_auto_times_the_way_the_engine_launches_and_carries_warps(monkeypatch):
