@@ -17,13 +17,19 @@ Attention, anchored on `k3::mla_decode`:
 -> `k3.mla_decode_fused(q_nope_lat, q_rope, kv, layer, page_table, seq_lens, scale, pdl, launch_table)`
    (launch_table: the config's per-batch (num_splits, merge_cols) rows, flattened; the op picks its row at run time)
 
-(the concatenation disappears: the kernel reads both halves where they are). W_UK before stays a
-cuBLAS batched GEMM. W_UV after (`absorb_out`), anchored on the fused attention:
+(the concatenation disappears: the kernel reads both halves where they are). W_UK before (the attention's
+q_nope_lat input) stays a cuBLAS batched GEMM by default; with `absorb_q="triton"`:
+
+    q_nope_lat = views(bmm(views(q_nope), views of the weight))     einsum("bhd,hdr->bhr", q_nope, W_UK)
+-> `k3.mla_absorb_q(q_nope, kv_b_weight, nope, pdl)`   (kernels/mla_absorb.py: a GEMV with PDL, so the split
+   kernel after it launches early; q_nope read in place, a strided view of the query GEMM's output)
+
+W_UV after (`absorb_out`), anchored on the fused attention:
 
     o = flatten(einsum("bhr,hdr->bhd", o_lat, W_UV))    W_UV = kv_b_proj.weight.unflatten(0, (H, -1))[:, nope:]
       as make_fx spells it: view ops -> bmm(., view ops of the weight) -> view ops, clone, _unsafe_view
 -> `k3.mla_decode_fused_out(q_nope, q_rope, kv, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl,
-   launch_table)`
+   launch_table[, prefetch_w])`   (prefetch_w: `prefetch_w_uv`, recorded only when on)
    ([B, H * dv]: the merge kernel applies W_UV per (token, head) up to kernels.mla_decode.OUT_MAX_TOKENS
    tokens, so the batched GEMM, the layout copy after it and one launch leave the decode step).
 
@@ -33,7 +39,7 @@ flatten), so any other spelling of the same einsum is matched and nothing else i
 
 Decode graphs only: a kv_write is fused only when an `mla_decode` of the same (pool, layer) follows,
 so prefill graphs are left unchanged (0 matches). Count per decode graph: 3 per MLA layer (one
-prologue, one attention, one W_UV absorbed). A chain whose intermediates are read elsewhere is left alone.
+prologue, one attention, one W_UV absorbed), 4 with absorb_q="triton" (W_UK absorbed). A chain whose intermediates are read elsewhere is left alone.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .graph_utils import attr_tensor, erase_if_dead, erase_subgraph, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
+from .kernels import mla_absorb as _absorb  # noqa: F401  (registers k3.mla_absorb_q)
 from .kernels import mla_decode as _kernels  # noqa: F401  (registers the k3.mla_decode_* ops)
 from .patterns import NoMatch, match_rms_norm, need
 from .registry import PassConfig, PassConfigError, register_pass
@@ -54,6 +61,8 @@ MLA_DECODE = torch.ops.k3.mla_decode.default
 PROLOGUE = torch.ops.k3.mla_decode_prologue.default
 FUSED = torch.ops.k3.mla_decode_fused.default
 FUSED_OUT = torch.ops.k3.mla_decode_fused_out.default
+ABSORB_Q = torch.ops.k3.mla_absorb_q.default
+ABSORB_Q_CHOICES = ("cublas", "triton")
 VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
             aten.unsqueeze.default, aten.squeeze.dim, aten.transpose.int, aten.t.default, aten.clone.default,
             aten.expand.default}  # layout-only ops of an einsum's make_fx spelling (clone: the flatten's copy)
@@ -69,8 +78,15 @@ class MLADecodeConfig(PassConfig):
     # is symbolic here): rows (largest batch, num_splits (0: from the shapes), merge_cols (0: whole-row merge));
     # see kernels.mla_decode.LAUNCH_TABLE (tools/bench_mla9.py measures the choices)
     launch_table: str = _kernels.format_launch_table(_kernels.LAUNCH_TABLE)  # '1:0:64/4:32:64/*:0:0'
+    # W_UK (the einsum before the attention): "cublas" leaves the batched GEMM; "triton" -> k3.mla_absorb_q, a GEMV
+    # with PDL (kernels/mla_absorb.py; the GEMM above its MAX_TOKENS). tools/bench_mla10.py measures both.
+    absorb_q: str = "cublas"
+    # the W_UV merge kernel L2-prefetches its weight block before gdc_wait (only with PDL and aligned blocks)
+    prefetch_w_uv: bool = False
 
     def validate(self) -> None:
+        if self.absorb_q not in ABSORB_Q_CHOICES:
+            raise PassConfigError(f"p15_mla_decode: absorb_q must be one of {ABSORB_Q_CHOICES}, got {self.absorb_q!r}")
         try:
             _kernels.parse_launch_table(self.launch_table)
         except ValueError as e:
@@ -252,7 +268,65 @@ def _match_out(gm: GraphModule, fused: Node):
     return dict(nodes=set(left) | {bmm} | set(right), w_chain=w_chain, w=w, nope=nope, out=right[-1])
 
 
-def _absorb_out(gm: GraphModule, fused: Node, fake_mode) -> bool:
+def _view_chain_back(node: Node) -> list:
+    """The layout-only ops ending at `node` (inclusive), each the only user of its input, oldest first."""
+    chain = []
+    while is_call(node, *VIEW_OPS) and len(node.users) == 1:
+        chain.insert(0, node)
+        node = node.args[0]
+    return chain
+
+
+def _match_absorb_q(gm: GraphModule, q_nope: Node):
+    """q_nope = views(bmm(views(X), views(W))) spelling einsum("bhd,hdr->bhr", X, W_UK): (X, W node, nope, nodes,
+    w_chain). The chains are checked on concrete tensors as in _match_out."""
+    need(is_call(q_nope, *VIEW_OPS))
+    right = _view_chain_back(q_nope) if len(q_nope.users) == 1 else []
+    need(right and right[-1] is q_nope)
+    bmm = right[0].args[0]
+    need(is_call(bmm, aten.bmm.default) and len(bmm.users) == 1)
+    left = _view_chain_back(bmm.args[0])
+    need(left)
+    x = left[0].args[0]
+    w_chain, w = [], bmm.args[1]
+    while isinstance(w, Node) and is_call(w, *(VIEW_OPS | {aten.slice.Tensor})):  # views of a weight: may be shared
+        w_chain.insert(0, w)
+        w = w.args[0]
+    need(isinstance(w, Node) and w.op == "get_attr" and w_chain)
+    B, H, R = val_of(q_nope).shape
+    xv = val_of(x)
+    need(xv is not None and xv.dim() == 3 and xv.shape[:2] == (B, H))
+    nope = xv.shape[2]
+    weight = attr_tensor(gm, w)
+    need(weight.dim() == 2 and weight.shape[1] == R and weight.shape[0] % H == 0 and weight.shape[0] // H > nope > 0)
+    tokens = 3 if H != 3 else 5
+    xs = torch.arange(tokens * H * nope, dtype=torch.float32).view(tokens, H, nope)
+    need(torch.equal(_evaluate(left, x, xs, tokens), xs.transpose(0, 1)))
+    need(torch.equal(_evaluate(w_chain, w, weight, tokens), _absorb.w_uk_of(weight, H, nope)))
+    y = torch.arange(H * tokens * R, dtype=torch.float32).view(H, tokens, R)
+    need(torch.equal(_evaluate(right, bmm, y, tokens), y.transpose(0, 1)))
+    return dict(x=x, w=w, nope=nope, nodes=set(left) | {bmm} | set(right), w_chain=w_chain)
+
+
+def _absorb_q(gm: GraphModule, q_nope: Node, fake_mode, pdl: bool) -> Node | None:
+    """W_UK's batched GEMM (and its views) feeding the attention -> one k3.mla_absorb_q; the new node, or None."""
+    try:
+        m = _match_absorb_q(gm, q_nope)
+    except NoMatch:
+        return None
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if not _hoist_weight(m["w"], q_nope, order):
+        return None
+    with gm.graph.inserting_before(q_nope):
+        new = gm.graph.call_function(ABSORB_Q, (m["x"], m["w"], m["nope"], bool(pdl)))
+    set_meta_val(new, fake_mode)
+    replace_uses(q_nope, new, fake_mode)
+    erase_subgraph(gm, m["nodes"])
+    erase_if_dead(gm, m["w_chain"])  # W_UV's slice may read the same view of kv_b_proj's weight
+    return new
+
+
+def _absorb_out(gm: GraphModule, fused: Node, fake_mode, prefetch_w: bool = False) -> bool:
     try:
         m = _match_out(gm, fused)
     except NoMatch:
@@ -262,7 +336,8 @@ def _absorb_out(gm: GraphModule, fused: Node, fake_mode) -> bool:
     if not _hoist_weight(m["w"], fused, order):
         return False
     with g.inserting_after(fused):
-        new = g.call_function(FUSED_OUT, (*fused.args[:7], m["w"], m["nope"], *fused.args[7:]))
+        new = g.call_function(FUSED_OUT, (*fused.args[:7], m["w"], m["nope"], *fused.args[7:])
+                              + ((True,) if prefetch_w else ()))  # an engine built before: no 11th argument
     set_meta_val(new, fake_mode)
     replace_uses(m["out"], new, fake_mode)
     erase_subgraph(gm, m["nodes"] | {fused})
@@ -298,6 +373,11 @@ def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
             except NoMatch:
                 continue
             _, kv, layer, page_table, seq_lens, scale, _ = node.args
+            if config.absorb_q == "triton":
+                absorbed = _absorb_q(gm, q_nope, fake_mode, config.pdl)
+                if absorbed is not None:
+                    q_nope = absorbed
+                    matches += 1
             with g.inserting_before(node):
                 fused = g.call_function(FUSED, (q_nope, q_rope, kv, layer, page_table, seq_lens, scale,
                                                 bool(config.pdl), launch_table))
@@ -305,6 +385,6 @@ def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
             replace_uses(node, fused, fake_mode)
             erase_subgraph(gm, [node, q_lat])
             matches += 1
-            if config.absorb_out and _absorb_out(gm, fused, fake_mode):
+            if config.absorb_out and _absorb_out(gm, fused, fake_mode, config.pdl and config.prefetch_w_uv):
                 matches += 1
     return matches

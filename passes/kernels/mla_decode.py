@@ -43,6 +43,7 @@ import torch
 
 from k3compile.model_def.ops import attention_math
 
+from . import l2_prefetch
 from .pdl import pdl_for
 
 try:
@@ -345,7 +346,9 @@ if triton is not None:
     def _decode_merge_out_cols_kernel(part_ptr, lse_ptr, seq_ptr, w_ptr, w_sh, w_sd, ws_ptr, count_ptr, out_ptr, H,
                                       R: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
                                       MERGE_COLS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                                      BLOCK_N: tl.constexpr, LAT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
+                                      BLOCK_N: tl.constexpr, LAT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr,
+                                      PREFETCH_W: tl.constexpr = False, W_BYTES: tl.constexpr = 2,
+                                      PIECES: tl.constexpr = 128):
         # Program (request x head, block kb of MERGE_COLS latent columns): the merge at those columns, rounded to the
         # latent output's dtype (as mla_decode_fused returns it), times W_UV[h, :, those columns]: a [DV] fp32
         # partial of the einsum "bhr,hdr->bhd". With one block it is the result; otherwise each program stores its
@@ -358,6 +361,9 @@ if triton is not None:
         d = tl.arange(0, DV_PAD)
         dm = d < DV
         cols = kb * MERGE_COLS + tl.arange(0, MERGE_COLS)
+        if PREFETCH_W:  # ask L2 for the whole W_UV block at once (DV rows of MERGE_COLS) before anything else
+            l2_prefetch.prefetch_rows_l2(w_ptr + h * w_sh + kb * MERGE_COLS, DV, MERGE_COLS * W_BYTES, w_sd * W_BYTES,
+                                         PIECES)
         # W_UV is a weight: with PDL its block loads while the split kernel finishes
         w = tl.load(w_ptr + h * w_sh + d[:, None] * w_sd + cols[None, :], mask=dm[:, None], other=0.0)
         used = _used_splits(tl.load(seq_ptr + bh // H).to(tl.int32), NUM_SPLITS, BLOCK_N)
@@ -435,6 +441,14 @@ def launch_for(batch: int, r: int, table=LAUNCH_TABLE) -> tuple[int, int]:
     raise ValueError(f"mla decode: no row of the launch table {table!r} covers batch {batch}")
 
 
+def w_uv_prefetch_ok(w_uv: torch.Tensor, merge_cols: int) -> bool:
+    """Whether every column-block merge program's W_UV block [dv rows x merge_cols] can be bulk-prefetched: base,
+    head and row pitches and the block's width in 16-byte units (kernels/l2_prefetch.py)."""
+    eb = w_uv.element_size()
+    return (l2_prefetch.region_ok(w_uv, w_uv.stride(1) * eb, w_uv.stride(0) * eb)
+            and (merge_cols * eb) % l2_prefetch.ALIGN == 0)
+
+
 _ARRIVALS: dict = {}
 
 
@@ -452,13 +466,15 @@ def arrival_counts(device, n: int) -> torch.Tensor:
 def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl: bool = False,
                   num_splits: int | None = None, block_h: int | None = None, block_n: int = BLOCK_N,
                   num_warps: int = 4, w_uv: torch.Tensor | None = None, block_dv: int = BLOCK_DV,
-                  merge_cols: int | None = None) -> torch.Tensor:
+                  merge_cols: int | None = None, prefetch_w: bool = False) -> torch.Tensor:
     """Launch the split and merge kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1): o_lat [B, H, r];
     with `w_uv` [H, dv, r] (rows contiguous) the merge kernel also applies it: [B, H * dv] (`decode_out_reference`).
     num_splits (None: LAUNCH_TABLE's; 0: from the shapes) / block_h / block_n / num_warps override the defaults
     (tools/bench_mla9.py sweeps them);
     merge_cols: latent columns per merge program (a power of two <= r; None: LAUNCH_TABLE's choice), or 0 for
-    the whole-row merge kernels (one program per (request, head) [x block_dv rows of W_UV]: the baseline)."""
+    the whole-row merge kernels (one program per (request, head) [x block_dv rows of W_UV]: the baseline).
+    prefetch_w: the column-block merge + W_UV kernel asks L2 for its W_UV block before gdc_wait (`w_uv_prefetch_ok`:
+    only with PDL and 16-byte aligned blocks; otherwise ignored). Same values either way."""
     check_decode_args(q_nope, q_rope, kv_pool, layer, page_table, seq_lens)
     if triton is None:
         raise RuntimeError("mla_decode_fused: triton is not installed")
@@ -517,11 +533,13 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
         blocks = R // merge_cols
         ws = torch.empty(B * H * blocks * dv_pad if blocks > 1 else 1, dtype=torch.float32, device=q_nope.device)
         counts = arrival_counts(q_nope.device, B * H)
+        merge_warps = 4 if dv_pad * merge_cols <= 8192 else 8
         _decode_merge_out_cols_kernel[(B * H, blocks)](
             part, lse, seq_lens, w_uv, w_uv.stride(0), w_uv.stride(1), ws, counts, out, H, R=R, DV=dv, DV_PAD=dv_pad,
             MERGE_COLS=merge_cols, NUM_SPLITS=splits, SPLITS_PAD=pad, BLOCK_N=block_n,
-            LAT_DTYPE=_TL_DTYPES[q_nope.dtype], USE_PDL=pdl, num_warps=4 if dv_pad * merge_cols <= 8192 else 8,
-            **extra)
+            LAT_DTYPE=_TL_DTYPES[q_nope.dtype], USE_PDL=pdl,
+            PREFETCH_W=bool(prefetch_w) and pdl and w_uv_prefetch_ok(w_uv, merge_cols), W_BYTES=w_uv.element_size(),
+            PIECES=32 * merge_warps, num_warps=merge_warps, **extra)
         return out
     if w_uv is None:
         _decode_merge_kernel[(B * H,)](part, lse, seq_lens, out, H, R=R, NUM_SPLITS=splits, SPLITS_PAD=pad,
@@ -643,15 +661,17 @@ def _decode_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pd
 @torch.library.custom_op("k3::mla_decode_fused_out", mutates_args=())
 def mla_decode_fused_out(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, kv_b_weight: torch.Tensor,
-                         nope: int, pdl: bool, launch_table: Optional[list[int]] = None) -> torch.Tensor:
-    """mla_decode_fused, then W_UV (the v rows of kv_b_proj's weight, per head) and the flatten: [B, H * dv]."""
+                         nope: int, pdl: bool, launch_table: Optional[list[int]] = None,
+                         prefetch_w: bool = False) -> torch.Tensor:
+    """mla_decode_fused, then W_UV (the v rows of kv_b_proj's weight, per head) and the flatten: [B, H * dv].
+    prefetch_w: the merge kernel L2-prefetches its W_UV block before gdc_wait (P15's prefetch_w_uv; same values)."""
     return decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale,
                                 w_uv_of(kv_b_weight, q_nope.shape[1], nope))
 
 
 @mla_decode_fused_out.register_kernel("cuda")
 def _decode_out_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl,
-                     launch_table=None):
+                     launch_table=None, prefetch_w=False):
     w_uv = w_uv_of(kv_b_weight, q_nope.shape[1], nope)
     if not kernel_supports_decode(q_nope.shape[-1], q_rope.shape[-1]):
         return decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, w_uv)
@@ -660,13 +680,13 @@ def _decode_out_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale
     with torch.cuda.device(q_nope.device):
         if q_nope.shape[0] <= OUT_MAX_TOKENS:  # a static shape: a captured graph always takes the same branch
             return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl, w_uv=w_uv,
-                                 **choice)
+                                 prefetch_w=prefetch_w, **choice)
         o_lat = decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl, **choice)
         return torch.einsum("bhr,hdr->bhd", o_lat, w_uv).flatten(-2)
 
 
 @mla_decode_fused_out.register_fake
 def _decode_out_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl,
-                     launch_table=None):
+                     launch_table=None, prefetch_w=False):
     heads = q_nope.shape[1]
     return q_nope.new_empty(q_nope.shape[0], heads * (kv_b_weight.shape[0] // heads - nope))

@@ -1,0 +1,81 @@
+"""kernels/mla_absorb: the W_UK absorption reference is MLAMixer's einsum, the Triton kernel under the interpreter
+on CPU and at the 48B shape on a GPU (with PDL, in a CUDA graph after the prologue) matches it."""
+import pytest
+import torch
+
+from k3compile.passes.kernels import mla_absorb
+
+from .interpreted import rel_err, run_interpreted
+
+G = torch.Generator().manual_seed(0)
+
+
+def test_reference_is_the_mixers_einsum_on_kv_b_projs_nope_rows():
+    heads, nope, dv, r = 3, 4, 5, 8
+    w = torch.randn(heads * (nope + dv), r, generator=G)
+    q = torch.randn(2, heads, nope, generator=G)
+    w_uk = w.unflatten(0, (heads, -1))[:, :nope]
+    want = torch.stack([torch.stack([q[b, h] @ w_uk[h] for h in range(heads)]) for b in range(2)])
+    torch.testing.assert_close(mla_absorb.absorb_reference(q, w, nope), want)
+    torch.testing.assert_close(torch.ops.k3.mla_absorb_q(q, w, nope, False), want)
+
+
+def test_triton_kernel_under_interpreter_matches_reference():
+    run_interpreted("interpret_mla_absorb.py")
+
+
+def test_bad_arguments_raise_clear_errors():
+    w = torch.randn(2 * 12, 16)
+    with pytest.raises(ValueError, match="q_nope must be"):
+        mla_absorb.absorb_reference(torch.randn(1, 2, 5), w, 4)
+    with pytest.raises(ValueError, match="not \\[2 heads"):
+        mla_absorb.absorb_reference(torch.randn(1, 2, 12), w, 12)
+    with pytest.raises(ValueError, match="not \\[5 heads"):
+        mla_absorb.absorb_reference(torch.randn(1, 5, 4), w, 4)
+
+
+def test_op_passes_opcheck():
+    q = torch.randn(3, 2, 24, generator=G)[..., :16]
+    torch.library.opcheck(torch.ops.k3.mla_absorb_q.default, (q, torch.randn(2 * 24, 32, generator=G), 16, True))
+
+
+def _inputs_48b(batch, dtype=torch.bfloat16):
+    """The 48B shape: 32 heads, nope 128 of a 192-wide query head, v 128, r 512; q a strided view as in the graph."""
+    heads, nope, rope, dv, r = 32, 128, 64, 128, 512
+    q = torch.randn(batch, heads * (nope + rope), generator=G).to(dtype).cuda().unflatten(-1, (heads, -1))
+    w = (torch.randn(heads * (nope + dv), r, generator=G) * 0.05).to(dtype).cuda()
+    return q[..., :nope], w, nope
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_cuda_absorb_matches_reference_at_48b_shape(batch):
+    q, w, nope = _inputs_48b(batch)
+    want = torch.einsum("bhd,hdr->bhr", q.float(), mla_absorb.w_uk_of(w, q.shape[1], nope).float())
+    for pdl in (False, True):
+        got = mla_absorb.absorb_triton(q, w, nope, pdl)
+        assert rel_err(got, want) < 1e-2
+    assert rel_err(torch.ops.k3.mla_absorb_q(q, w, nope, True), want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_absorb_in_a_cuda_graph_with_pdl_after_a_producer():
+    """q written by a kernel just before (as the input GEMM / prologue do), replayed with new values."""
+    q_src, w, nope = _inputs_48b(4)
+    q = torch.empty_like(q_src)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            q.copy_(q_src)
+            torch.ops.k3.mla_absorb_q(q, w, nope, True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q.copy_(q_src)
+        out = torch.ops.k3.mla_absorb_q(q, w, nope, True)
+    q_src.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, mla_absorb.absorb_reference(q_src.float(), w.float(), nope)) < 1e-2
