@@ -6,10 +6,10 @@ import functools
 
 import torch
 
-from k3compile.passes.kernels import gemv, kda_decode, mla_decode, moe_decode, norm_gemv, norm_route, pdl
+from k3compile.passes.kernels import gemv, kda_decode, mla_absorb, mla_decode, moe_decode, norm_gemv, norm_route, pdl
 from k3compile.passes.kernels import attn_res_norm as arn
 
-for _mod in (gemv, kda_decode, mla_decode, moe_decode, norm_gemv, norm_route, arn):
+for _mod in (gemv, kda_decode, mla_absorb, mla_decode, moe_decode, norm_gemv, norm_route, arn):
     _mod.pdl_for = lambda requested, tensor: bool(requested)  # compile the PDL variants too
 G = torch.Generator().manual_seed(0)
 BF = torch.bfloat16
@@ -69,6 +69,14 @@ def mla(batch, with_out, **launch):
     q_nope, q_rope = _randn(batch, heads, r), _randn(batch, heads, rope)
     w_uv = mla_decode.w_uv_of(_randn(heads * 256, r), heads, 128) if with_out else None
     return lambda: mla_decode.decode_triton(q_nope, q_rope, kv, 0, table, seq, 0.07, True, w_uv=w_uv, **launch)
+
+
+def mla_absorb_case(batch, **launch):
+    """P15's absorb_q="triton" at the 48B shape: q_nope a strided view of the [nope + rope] query heads."""
+    heads, nope, rope, dv, r = 32, 128, 64, 128, 512
+    q = _randn(batch, heads * (nope + rope)).unflatten(-1, (heads, -1))[..., :nope]
+    w = _randn(heads * (nope + dv), r)
+    return lambda: mla_absorb.absorb_triton(q, w, nope, True, **launch)
 
 
 def route(batch):
@@ -144,6 +152,11 @@ CASES = [
     ("mla 48B batch 1 + W_UV, merge cols 128, block_h 32, 8 warps", mla(1, True, merge_cols=128, block_h=32,
                                                                        num_warps=8)),
     ("mla 48B batch 1 + W_UV, whole-row merge", mla(1, True, merge_cols=0)),
+    ("mla 48B batch 1 + W_UV, L2 prefetch of W_UV (prefetch_w_uv)", mla(1, True, prefetch_w=True)),
+    ("mla 48B batch 4 + W_UV, L2 prefetch of W_UV (prefetch_w_uv)", mla(4, True, prefetch_w=True)),
+    ("mla absorb_q 48B batch 1", mla_absorb_case(1)),
+    ("mla absorb_q 48B batch 8", mla_absorb_case(8)),
+    ("mla absorb_q 48B batch 1, 128 columns, 8 warps", mla_absorb_case(1, block_r=128, num_warps=8)),
     ("mla 48B batch 8 (merge cols from the table)", mla(8, False)),
     ("mla 48B batch 8, whole-row merge", mla(8, False, merge_cols=0)),
     ("norm_route 48B batch 1", route(1)),

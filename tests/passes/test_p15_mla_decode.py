@@ -4,7 +4,7 @@ the unpassed graph and the eager model, pools included."""
 import pytest
 import torch
 
-from k3compile.passes.kernels import mla_decode  # (also registers torch.ops.k3.mla_decode_*)
+from k3compile.passes.kernels import mla_absorb, mla_decode  # noqa: F401  (register torch.ops.k3.mla_*)
 
 from .helpers import (BF16_TOL, FP32_TOL, MODELS, assert_same_step, eager_step, graph, inputs_for, layer_counts, model,
                       op_counts, other_batch, run_graph, run_pass)
@@ -101,3 +101,50 @@ def test_launch_table_is_recorded_on_every_attention_node_and_checked():
         cfg = config_cls(launch_table=bad)
         with pytest.raises(PassConfigError, match="launch table"):
             cfg.validate()
+
+
+ABSORB_Q = torch.ops.k3.mla_absorb_q.default
+
+
+@pytest.mark.parametrize("name,dtype", [("kimi-linear-tiny", torch.float32), ("k3-tiny", torch.bfloat16)])
+def test_absorb_q_triton_replaces_w_uks_batched_gemm(name, dtype):
+    """absorb_q="triton": a fourth rewrite per MLA layer, W_UK's bmm (and its views) -> k3.mla_absorb_q reading the
+    query's nope columns in place; the default leaves the bmm; numerics vs the unpassed graph and the eager model."""
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    cfg = model(name).config
+    n = layer_counts(cfg)["mla"]
+    before, gm = graph(name, "decode", dtype), graph(name, "decode", dtype)
+    bmm_before = op_counts(before)[aten.bmm.default]
+    assert run_pass(gm, P15, absorb_q="triton") == 4 * n
+    after = op_counts(gm)
+    assert after[ABSORB_Q] == after[FUSED_OUT] == n and after[aten.bmm.default] == bmm_before - 2 * n
+    for node in gm.graph.nodes:
+        if node.target == ABSORB_Q:
+            q, w, nope, pdl = node.args
+            assert nope == cfg.qk_nope_head_dim and pdl is True
+            assert w.op == "get_attr" and w.target.endswith("kv_b_proj_weight")
+            assert tuple(q.meta["val"].shape[1:]) == (cfg.num_attention_heads, nope)
+            assert [u.target for u in node.users] == [FUSED_OUT]
+    code = gm.code
+    assert run_pass(gm, P15, absorb_q="triton") == 0 and gm.code == code
+    for x in (inputs_for(name, "decode", dtype), other_batch(model(name, dtype), "decode")):
+        got = run_graph(gm, x)
+        assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")
+        assert_same_step(got, eager_step(model(name, dtype), "decode", x), tol, "vs eager model")
+
+
+def test_prefetch_w_uv_is_recorded_only_when_on_and_absorb_q_is_checked():
+    from k3compile.passes.registry import PassConfigError, get_pass
+    n = layer_counts(model("kimi-linear-tiny").config)["mla"]
+    gm = graph("kimi-linear-tiny", "decode")
+    assert run_pass(gm, P15) == 3 * n
+    assert [len(node.args) for node in gm.graph.nodes if node.target == FUSED_OUT] == [11] * n  # as engines before
+    gm = graph("kimi-linear-tiny", "decode")
+    assert run_pass(gm, P15, prefetch_w_uv=True) == 3 * n
+    assert [node.args[11] for node in gm.graph.nodes if node.target == FUSED_OUT] == [True] * n
+    gm = graph("kimi-linear-tiny", "decode")
+    assert run_pass(gm, P15, prefetch_w_uv=True, pdl=False) == 3 * n  # the prefetch only ever runs under PDL
+    assert [len(node.args) for node in gm.graph.nodes if node.target == FUSED_OUT] == [11] * n
+    assert get_pass(P15).config_cls().absorb_q == "cublas"
+    with pytest.raises(PassConfigError, match="absorb_q"):
+        get_pass(P15).config_cls(absorb_q="cutlass").validate()

@@ -8,7 +8,7 @@ import torch
 
 from k3compile.model_def.ops import library  # noqa: F401  (torch.ops.k3.kv_write / mla_decode)
 from k3compile.passes.kernels.mla_decode import (arrival_counts, decode_reference, decode_triton, prologue_reference,
-                                                  w_uv_of)
+                                                  w_uv_of, w_uv_prefetch_ok)
 
 from .interpreted import run_interpreted
 
@@ -224,3 +224,44 @@ def test_cuda_column_block_merges_match_whole_row_and_reference(batch, context):
                                                            w_uv.float()).flatten(-2)
             assert _rel(outs[layer], want) <= 1.5e-2, f"merge_cols {cols} layer {layer}"
         assert not arrival_counts(q_nope.device, 1).any()
+
+
+def test_w_uv_prefetch_needs_16_byte_blocks():
+    w_kv_b = torch.empty(4 * 24, 64, dtype=torch.bfloat16)
+    assert w_uv_prefetch_ok(w_uv_of(w_kv_b, 4, 8), 64)  # W_UV starts 8 rows (1 KB) in: aligned
+    assert not w_uv_prefetch_ok(w_uv_of(w_kv_b, 4, 8), 4)  # a 4-column block is 8 bytes
+    shifted = w_kv_b.view(-1)[1: 1 + 95 * 64].view(95, 64)  # 2 bytes past an aligned start
+    assert not w_uv_prefetch_ok(w_uv_of(shifted, 1, 8), 64)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 4])
+def test_cuda_w_uv_l2_prefetch_changes_no_value(batch):
+    """P15's prefetch_w_uv at the 48B shape in a CUDA graph with PDL over three layers: the same bits as without."""
+    q_nope, q_rope, kv1, table, seq = _decode_inputs(batch, 512, 16, seed=7)
+    kv = torch.cat([kv1, kv1.roll(1, 0), kv1.flip(2)], 1)
+    gen = torch.Generator().manual_seed(8)
+    w_kv_bs = [(torch.randn(32 * 256, 512, generator=gen) * 512 ** -0.5).bfloat16().cuda() for _ in range(3)]
+    assert all(w_uv_prefetch_ok(w_uv_of(w, 32, 128), 64) for w in w_kv_bs)
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    results = []
+    for prefetch in (False, True):
+        def step():
+            return [FUSED_OUT(q_nope, q_rope, kv, layer, table, seq, 192 ** -0.5, w_kv_bs[layer], 128, pdl, None,
+                              prefetch) for layer in range(3)]
+        step()  # compile outside the capture
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                outs = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        results.append([o.clone() for o in outs])
+    for layer in range(3):
+        assert torch.equal(results[0][layer], results[1][layer]), f"layer {layer}: prefetch changed the output"
+        o_lat = decode_reference(q_nope.float(), q_rope.float(), kv.float(), layer, table, seq, 192 ** -0.5)
+        w_uv = w_uv_of(w_kv_bs[layer], 32, 128)
+        want = torch.einsum("bhr,hdr->bhd", o_lat.bfloat16().float(), w_uv.float()).flatten(-2)
+        assert _rel(results[1][layer], want) <= 1.5e-2
