@@ -157,6 +157,8 @@ CASES = [
     ("mla absorb_q 48B batch 1", mla_absorb_case(1)),
     ("mla absorb_q 48B batch 8", mla_absorb_case(8)),
     ("mla absorb_q 48B batch 1, 128 columns, 8 warps", mla_absorb_case(1, block_r=128, num_warps=8)),
+    ("mla absorb_q 48B batch 1, 128 columns, 4 warps", mla_absorb_case(1, block_r=128)),
+    ("mla absorb_q 48B batch 1, 32 columns", mla_absorb_case(1, block_r=32)),
     ("mla 48B batch 8 (merge cols from the table)", mla(8, False)),
     ("mla 48B batch 8, whole-row merge", mla(8, False, merge_cols=0)),
     ("norm_route 48B batch 1", route(1)),

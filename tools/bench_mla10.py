@@ -33,6 +33,7 @@ FUSED_OUT = torch.ops.k3.mla_decode_fused_out
 # (name, W_UK through the Triton kernel, W_UV prefetch)
 ARMS = (("today (cuBLAS W_UK)", False, False), ("absorb_q=triton", True, False),
         ("absorb_q=triton + prefetch_w_uv", True, True), ("cuBLAS W_UK + prefetch_w_uv", False, True))
+ABSORB_SWEEP = ((32, 4), (128, 4), (128, 8))  # (block_r, num_warps) besides the default (BLOCK_R, 4)
 
 
 def make_inputs(batch, context, capacity, layers, gen):
@@ -122,9 +123,13 @@ def main() -> int:
                 print(f"| {batch} | {context} | {name} | {us:.2f} | {base / us:.3f}x | {err:.2e} |", flush=True)
             if context == args.context[0]:  # the absorption alone, once per batch
                 q_nope = views(x)[0]
-                for name, fn in (("W_UK alone: cuBLAS", lambda w: torch.einsum(
-                                     "bhd,hdr->bhr", q_nope, mla_absorb.w_uk_of(w, HEADS, NOPE))),
-                                 ("W_UK alone: k3.mla_absorb_q", lambda w: ABSORB_Q(q_nope, w, NOPE, pdl))):
+                alone = [("W_UK alone: cuBLAS", lambda w: torch.einsum(
+                             "bhd,hdr->bhr", q_nope, mla_absorb.w_uk_of(w, HEADS, NOPE))),
+                         ("W_UK alone: k3.mla_absorb_q", lambda w: ABSORB_Q(q_nope, w, NOPE, pdl))]
+                alone += [(f"W_UK alone: Triton block_r {br}, {nw} warps",
+                           lambda w, br=br, nw=nw: mla_absorb.absorb_triton(q_nope, w, NOPE, pdl, br, nw))
+                          for br, nw in ABSORB_SWEEP]
+                for name, fn in alone:
                     us = replay_us([lambda w=w: fn(w) for w in x["w_kv_b"]])
                     err = rel(fn(x["w_kv_b"][0]), mla_absorb.absorb_reference(q_nope.float(), x["w_kv_b"][0].float(),
                                                                               NOPE))

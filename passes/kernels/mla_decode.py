@@ -30,6 +30,11 @@ and the split kernel calls `gdc_launch_dependents` once its loop is done so the 
 launch overlaps its tail; the prologue (`pdl` argument) waits before reading ckv / q_a and releases
 its dependents once they are read. Off by default in the ops; P15's config turns it on (its default).
 
+W_UV L2 prefetch (`prefetch_w`, P15's `prefetch_w_uv`, off by default): each column-block merge + W_UV program asks
+L2 for its W_UV block (dv rows x merge_cols, kernels/l2_prefetch.py) before gdc_wait, so the 4 MB a layer (48B)
+streams while the latency-bound split kernel runs; only with PDL and 16-byte aligned blocks (`w_uv_prefetch_ok`),
+same values either way. The query's W_UK absorption before the split kernel: kernels/mla_absorb.py.
+
 CPU (and any device without Triton) runs the references, which are the exact compositions of
 `model_def` ops (`attention_math.mla_decode_latent`, `k3::kv_write`). Testing without a GPU:
 TRITON_INTERPRET=1 before this module is imported runs the kernels on CPU tensors
