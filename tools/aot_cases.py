@@ -79,6 +79,17 @@ def mla_absorb_case(batch, **launch):
     return lambda: mla_absorb.absorb_triton(q, w, nope, True, **launch)
 
 
+def mla_prologue_absorb_case(batch):
+    """The prologue + W_UK absorption in one launch (Kimi Linear: no q-LoRA), 48B shape, one merged GEMM output."""
+    heads, nope, rope, dv, r, page = 32, 128, 64, 128, 512, 16
+    merged = _randn(batch, heads * (nope + rope) + r + rope)
+    q = merged[:, : heads * (nope + rope)].unflatten(-1, (heads, -1))[..., :nope]
+    kv = _randn(batch * 2 + 1, 2, page, r + rope)
+    loc = torch.arange(batch) * 2 * page + page
+    return lambda: mla_absorb.prologue_absorb_triton(merged[:, heads * (nope + rope):], _randn(r), 1e-6, kv, 1, loc, q,
+                                                     _randn(heads * (nope + dv), r), nope, True)
+
+
 def route(batch):
     x, delta, w = _randn(batch, 2304), _randn(batch, 2304), torch.ones(2304, dtype=BF)
     router, bias = _randn(256, 2304), torch.zeros(256)
@@ -159,6 +170,13 @@ CASES = [
     ("mla absorb_q 48B batch 1, 128 columns, 8 warps", mla_absorb_case(1, block_r=128, num_warps=8)),
     ("mla absorb_q 48B batch 1, 128 columns, 4 warps", mla_absorb_case(1, block_r=128)),
     ("mla absorb_q 48B batch 1, 32 columns", mla_absorb_case(1, block_r=32)),
+    ("mla prologue + absorb_q 48B batch 1", mla_prologue_absorb_case(1)),
+    ("mla prologue + absorb_q 48B batch 8", mla_prologue_absorb_case(8)),
+    ("mla prologue 48B batch 1 (no q-LoRA)", lambda: mla_decode.prologue_triton(
+        _randn(1, 576), _randn(512), 1e-6, _randn(3, 2, 16, 576), 1, torch.tensor([16]), pdl=True)),
+    ("mla prologue 48B batch 1 (K3 q-LoRA)", lambda: mla_decode.prologue_triton(
+        _randn(1, 576), _randn(512), 1e-6, _randn(3, 2, 16, 576), 1, torch.tensor([16]), _randn(1, 1536),
+        _randn(1536), 1e-6, pdl=True)),
     ("mla 48B batch 8 (merge cols from the table)", mla(8, False)),
     ("mla 48B batch 8, whole-row merge", mla(8, False, merge_cols=0)),
     ("norm_route 48B batch 1", route(1)),

@@ -32,7 +32,8 @@ ABSORB_Q = torch.ops.k3.mla_absorb_q
 FUSED_OUT = torch.ops.k3.mla_decode_fused_out
 # (name, W_UK through the Triton kernel, W_UV prefetch)
 ARMS = (("today (cuBLAS W_UK)", False, False), ("absorb_q=triton", True, False),
-        ("absorb_q=triton + prefetch_w_uv", True, True), ("cuBLAS W_UK + prefetch_w_uv", False, True))
+        ("absorb_q=triton + prefetch_w_uv", True, True), ("cuBLAS W_UK + prefetch_w_uv", False, True),
+        ("prologue + W_UK in one kernel", "fold", False), ("prologue + W_UK in one kernel + prefetch_w_uv", "fold", True))
 ABSORB_SWEEP = ((32, 4), (128, 4), (128, 8))  # (block_r, num_warps) besides the default (BLOCK_R, 4)
 
 
@@ -59,10 +60,15 @@ def views(x):
 
 
 def chain(x, layer, pdl, triton_absorb, prefetch):
-    """One MLA layer's decode kernels, as the graph after P15 calls them: [B, H * dv]."""
+    """One MLA layer's decode kernels, as the graph after P15 calls them: [B, H * dv]. triton_absorb "fold": the
+    prologue and the absorption in one launch (mla_absorb.prologue_absorb_triton; not a P15 option yet)."""
     q_nope, q_rope, ckv = views(x)
-    PROLOGUE(ckv, x["kv_norm_w"], 1e-6, x["kv"], layer, x["loc"], None, None, 0.0, pdl)
     w = x["w_kv_b"][layer]
+    if triton_absorb == "fold":
+        q_lat = mla_absorb.prologue_absorb_triton(ckv, x["kv_norm_w"], 1e-6, x["kv"], layer, x["loc"], q_nope, w,
+                                                  NOPE, pdl)
+        return FUSED_OUT(q_lat, q_rope, x["kv"], layer, x["table"], x["seq"], SCALE, w, NOPE, pdl, None, prefetch)
+    PROLOGUE(ckv, x["kv_norm_w"], 1e-6, x["kv"], layer, x["loc"], None, None, 0.0, pdl)
     if triton_absorb:
         q_lat = ABSORB_Q(q_nope, w, NOPE, pdl)
     else:

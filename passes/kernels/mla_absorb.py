@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from . import mla_decode
 from .pdl import pdl_for
 
 try:
@@ -59,25 +60,56 @@ def absorb_reference(q_nope: torch.Tensor, kv_b_weight: torch.Tensor, nope: int)
 if triton is not None:
 
     @triton.jit
-    def _absorb_q_kernel(q_ptr, q_sb, q_sh, w_ptr, w_sh, w_sd, out_ptr, B, H,
-                         R: tl.constexpr, NOPE: tl.constexpr, NOPE_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-        # program (head h, block of BLOCK_R latent columns): out[b, h, cols] = sum_d q[b, h, d] W_UK[h, d, cols]
-        h = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    def _absorb_block(h, cb, q_ptr, q_sb, q_sh, w_ptr, w_sh, w_sd, out_ptr, B, H,
+                      R: tl.constexpr, NOPE: tl.constexpr, NOPE_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+        """out[b, h, cols] = sum_d q[b, h, d] W_UK[h, d, cols] for every token b, cols the cb-th BLOCK_R columns."""
+        cols = cb * BLOCK_R + tl.arange(0, BLOCK_R)
         d = tl.arange(0, NOPE_PAD)
         dm = d < NOPE
-        # W_UK is a weight: with PDL its tile loads while the kernel before us (the prologue) still runs
+        # W_UK is a weight: with PDL its tile loads while the kernel before us still runs
         w = tl.load(w_ptr + h * w_sh + d[:, None] * w_sd + cols[None, :], mask=dm[:, None], other=0.0)
         w = w.to(tl.float32)
         if USE_PDL:
-            tl.extra.cuda.gdc_wait()  # q comes from the input GEMM, before the prologue
+            tl.extra.cuda.gdc_wait()  # q comes from the input GEMM
         for b in range(0, B):
             q = tl.load(q_ptr + b * q_sb + h * q_sh + d, mask=dm, other=0.0).to(tl.float32)
             y = tl.sum(q[:, None] * w, axis=0)
             tl.store(out_ptr + (b * H + h) * R + cols, y.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _absorb_q_kernel(q_ptr, q_sb, q_sh, w_ptr, w_sh, w_sd, out_ptr, B, H,
+                         R: tl.constexpr, NOPE: tl.constexpr, NOPE_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+        # program (head h, block of BLOCK_R latent columns)
+        _absorb_block(tl.program_id(0).to(tl.int64), tl.program_id(1), q_ptr, q_sb, q_sh, w_ptr, w_sh, w_sd, out_ptr,
+                      B, H, R, NOPE, NOPE_PAD, BLOCK_R, USE_PDL)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()  # the split kernel's wait still covers our stores
+
+    @triton.jit
+    def _prologue_absorb_kernel(
+        ckv_ptr, ckv_stride, kv_w_ptr, kv_eps, pool_ptr, pool_stride_page, pool_stride_slot, loc_ptr,
+        q_ptr, q_sb, q_sh, w_ptr, w_sh, w_sd, out_ptr, B, H,
+        R: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, ROW_DTYPE: tl.constexpr, BLOCK_ROPE: tl.constexpr,
+        NOPE: tl.constexpr, NOPE_PAD: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
+    ):
+        # programs 0..B-1: the prologue of token pid (kv norm + KV page write); the others: the absorption's
+        # (head, column block) programs. Independent halves (both read only the input GEMM's output), one launch.
+        pid = tl.program_id(0)
+        if pid < B:
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
+            mla_decode.prologue_row(pid.to(tl.int64), ckv_ptr, ckv_stride, kv_w_ptr, kv_eps, pool_ptr,
+                                    pool_stride_page, pool_stride_slot, loc_ptr, R, ROPE, PAGE, ROW_DTYPE, R,
+                                    BLOCK_ROPE)
+        else:
+            blocks = R // BLOCK_R
+            a = pid - B
+            _absorb_block((a // blocks).to(tl.int64), a % blocks, q_ptr, q_sb, q_sh, w_ptr, w_sh, w_sd, out_ptr, B,
+                          H, R, NOPE, NOPE_PAD, BLOCK_R, USE_PDL)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 def absorb_triton(q_nope: torch.Tensor, kv_b_weight: torch.Tensor, nope: int, pdl: bool = False,
@@ -103,6 +135,47 @@ def absorb_triton(q_nope: torch.Tensor, kv_b_weight: torch.Tensor, nope: int, pd
         q_nope, q_nope.stride(0), q_nope.stride(1), w_uk, w_uk.stride(0), w_uk.stride(1), out, B, H,
         R=r, NOPE=nope, NOPE_PAD=triton.next_power_of_2(nope), BLOCK_R=block_r, USE_PDL=pdl, num_warps=num_warps,
         **extra)
+    return out
+
+
+def prologue_absorb_triton(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_nope, kv_b_weight, nope: int,
+                           pdl: bool = False, block_r: int = BLOCK_R, num_warps: int = 4) -> torch.Tensor:
+    """The MLA prologue without q-LoRA (Kimi Linear: the query comes from the input GEMM, not from the prologue's
+    q_a norm) and the W_UK absorption in one launch: `k3.mla_decode_prologue(...)` then `k3.mla_absorb_q(...)`;
+    returns q_lat_nope [B, H, r]. A candidate to fold into P15 (tools/bench_mla10.py measures it)."""
+    mla_decode.check_prologue_args(ckv, kv_norm_weight, kv_pool, layer, out_cache_loc, None, None)
+    check_absorb_args(q_nope, kv_b_weight, nope)
+    if triton is None:
+        raise RuntimeError("mla prologue + absorption: triton is not installed")
+    n, width = ckv.shape
+    B, H, _ = q_nope.shape
+    r = kv_b_weight.shape[1]
+    if n != B or kv_norm_weight.shape[0] != r:
+        raise ValueError(f"mla prologue + absorption: {n} ckv rows and r = {kv_norm_weight.shape[0]} must match the "
+                         f"query's {B} tokens and kv_b_proj's r = {r}")
+    if r % block_r or block_r != triton.next_power_of_2(block_r) or r != triton.next_power_of_2(r):
+        raise ValueError(f"mla prologue + absorption kernel: r = {r} and block_r = {block_r} must be powers of two, "
+                         f"block_r dividing r")
+    if ckv.stride(-1) != 1:
+        ckv = ckv.contiguous()
+    if q_nope.stride(-1) != 1:
+        q_nope = q_nope.contiguous()
+    if kv_pool.stride(-1) != 1:
+        raise ValueError("mla prologue + absorption: the pool's rows must be contiguous")
+    out = torch.empty(B, H, r, dtype=q_nope.dtype, device=q_nope.device)
+    if B == 0:
+        return out
+    w_uk = w_uk_of(kv_b_weight, H, nope)
+    layer_view = kv_pool[:, layer]
+    pdl = pdl_for(pdl, q_nope)
+    extra = {"launch_pdl": True} if pdl else {}
+    _prologue_absorb_kernel[(B + H * (r // block_r),)](
+        ckv, ckv.stride(0), kv_norm_weight, float(kv_eps), layer_view, layer_view.stride(0), layer_view.stride(1),
+        out_cache_loc, q_nope, q_nope.stride(0), q_nope.stride(1), w_uk, w_uk.stride(0), w_uk.stride(1), out, B, H,
+        R=r, ROPE=width - r, PAGE=kv_pool.shape[2],
+        ROW_DTYPE=mla_decode._TL_DTYPES[torch.promote_types(kv_norm_weight.dtype, ckv.dtype)],
+        BLOCK_ROPE=triton.next_power_of_2(width - r), NOPE=nope, NOPE_PAD=triton.next_power_of_2(nope),
+        BLOCK_R=block_r, USE_PDL=pdl, num_warps=num_warps, **extra)
     return out
 
 

@@ -174,17 +174,10 @@ if triton is not None:
         return tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32) * normed
 
     @triton.jit
-    def _prologue_kernel(
-        ckv_ptr, ckv_stride, kv_w_ptr, kv_eps, pool_ptr, pool_stride_page, pool_stride_slot, loc_ptr,
-        qa_ptr, qa_stride, q_w_ptr, q_eps, q_out_ptr,
-        R: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, Q_DIM: tl.constexpr, ROW_DTYPE: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_Q: tl.constexpr, HAS_Q: tl.constexpr,
-        USE_PDL: tl.constexpr,
-    ):
-        # pool_ptr already points at layer `layer` of page 0
-        tok = tl.program_id(0).to(tl.int64)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()  # ckv / q_a come from the GEMM before; the pool is read after us
+    def prologue_row(tok, ckv_ptr, ckv_stride, kv_w_ptr, kv_eps, pool_ptr, pool_stride_page, pool_stride_slot, loc_ptr,
+                     R: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, ROW_DTYPE: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr):
+        """Token `tok`'s kv norm and KV page write (after the caller's gdc_wait); pool_ptr at layer `layer`."""
         loc = tl.load(loc_ptr + tok).to(tl.int64)
         dst = pool_ptr + (loc // PAGE) * pool_stride_page + (loc % PAGE) * pool_stride_slot
         src = ckv_ptr + tok * ckv_stride
@@ -195,6 +188,20 @@ if triton is not None:
         rc = tl.arange(0, BLOCK_ROPE)
         k_r = tl.load(src + R + rc, mask=rc < ROPE, other=0.0)
         tl.store(dst + R + rc, k_r.to(ROW_DTYPE).to(pool_ptr.dtype.element_ty), mask=rc < ROPE)
+
+    @triton.jit
+    def _prologue_kernel(
+        ckv_ptr, ckv_stride, kv_w_ptr, kv_eps, pool_ptr, pool_stride_page, pool_stride_slot, loc_ptr,
+        qa_ptr, qa_stride, q_w_ptr, q_eps, q_out_ptr,
+        R: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, Q_DIM: tl.constexpr, ROW_DTYPE: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_Q: tl.constexpr, HAS_Q: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
+        tok = tl.program_id(0).to(tl.int64)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # ckv / q_a come from the GEMM before; the pool is read after us
+        prologue_row(tok, ckv_ptr, ckv_stride, kv_w_ptr, kv_eps, pool_ptr, pool_stride_page, pool_stride_slot, loc_ptr,
+                     R, ROPE, PAGE, ROW_DTYPE, BLOCK_R, BLOCK_ROPE)
         if HAS_Q:
             qc = tl.arange(0, BLOCK_Q)
             q = _rms_row(qa_ptr + tok * qa_stride, q_w_ptr, Q_DIM, q_eps, BLOCK_Q)

@@ -79,3 +79,27 @@ def test_cuda_absorb_in_a_cuda_graph_with_pdl_after_a_producer():
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(out, mla_absorb.absorb_reference(q_src.float(), w.float(), nope)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_cuda_prologue_and_absorb_in_one_launch_match_references(batch):
+    """mla_absorb.prologue_absorb_triton at the 48B shape (Kimi Linear, no q-LoRA), PDL on where available: the
+    pool row and q_lat as the prologue and absorption references give them."""
+    from k3compile.passes.kernels.mla_decode import prologue_reference
+    from k3compile.passes.kernels.pdl import pdl_available
+    heads, nope, rope, dv, r, page = 32, 128, 64, 128, 512, 16
+    merged = torch.randn(batch, heads * (nope + rope) + r + rope, generator=G).bfloat16().cuda()
+    q = merged[:, : heads * (nope + rope)].unflatten(-1, (heads, -1))[..., :nope]
+    ckv = merged[:, heads * (nope + rope):]
+    kv = torch.randn(batch * 2 + 1, 2, page, r + rope, generator=G).bfloat16().cuda()
+    kv_ref = kv.clone()
+    loc = (torch.randperm(batch * 2 * page, generator=G)[:batch] + page).cuda()
+    kv_w = (1 + 0.1 * torch.randn(r, generator=G)).bfloat16().cuda()
+    w = (torch.randn(heads * (nope + dv), r, generator=G) * 0.05).bfloat16().cuda()
+    got = mla_absorb.prologue_absorb_triton(ckv, kv_w, 1e-6, kv, 1, loc, q, w, nope, pdl_available())
+    prologue_reference(ckv, kv_w, 1e-6, kv_ref, 1, loc)
+    assert rel_err(kv, kv_ref) <= 1e-2 and (kv != kv_ref).float().mean().item() < 0.01  # rounding ties only
+    want = torch.einsum("bhd,hdr->bhr", q.float(), mla_absorb.w_uk_of(w, heads, nope).float())
+    assert rel_err(got, want) < 1e-2
