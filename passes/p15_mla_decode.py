@@ -23,6 +23,9 @@ q_nope_lat input) stays a cuBLAS batched GEMM by default; with `absorb_q="triton
     q_nope_lat = views(bmm(views(q_nope), views of the weight))     einsum("bhd,hdr->bhr", q_nope, W_UK)
 -> `k3.mla_absorb_q(q_nope, kv_b_weight, nope, pdl)`   (kernels/mla_absorb.py: a GEMV with PDL, so the split
    kernel after it launches early; q_nope read in place, a strided view of the query GEMM's output)
+   with `absorb_q="fold"`, where the layer's prologue has no q-LoRA (the query is there before it), that and the
+   prologue -> `k3.mla_decode_prologue_absorb(X, kv_norm_w, kv_eps, kv, layer, out_cache_loc, q_nope, kv_b_weight,
+   nope, pdl)` at the later one's place (one launch; same match count)
 
 W_UV after (`absorb_out`), anchored on the fused attention:
 
@@ -62,7 +65,8 @@ PROLOGUE = torch.ops.k3.mla_decode_prologue.default
 FUSED = torch.ops.k3.mla_decode_fused.default
 FUSED_OUT = torch.ops.k3.mla_decode_fused_out.default
 ABSORB_Q = torch.ops.k3.mla_absorb_q.default
-ABSORB_Q_CHOICES = ("cublas", "triton")
+PROLOGUE_ABSORB = torch.ops.k3.mla_decode_prologue_absorb.default
+ABSORB_Q_CHOICES = ("cublas", "triton", "fold")
 VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
             aten.unsqueeze.default, aten.squeeze.dim, aten.transpose.int, aten.t.default, aten.clone.default,
             aten.expand.default}  # layout-only ops of an einsum's make_fx spelling (clone: the flatten's copy)
@@ -79,7 +83,8 @@ class MLADecodeConfig(PassConfig):
     # see kernels.mla_decode.LAUNCH_TABLE (tools/bench_mla9.py measures the choices)
     launch_table: str = _kernels.format_launch_table(_kernels.LAUNCH_TABLE)  # '1:0:64/4:32:64/*:0:0'
     # W_UK (the einsum before the attention): "cublas" leaves the batched GEMM; "triton" -> k3.mla_absorb_q, a GEMV
-    # with PDL (kernels/mla_absorb.py; the GEMM above its MAX_TOKENS). tools/bench_mla10.py measures both.
+    # with PDL (kernels/mla_absorb.py; the GEMM above its MAX_TOKENS); "fold": as "triton", and where the layer's
+    # prologue has no q-LoRA (Kimi Linear) both in one kernel, k3.mla_decode_prologue_absorb. tools/bench_mla10.py.
     absorb_q: str = "cublas"
     # the W_UV merge kernel L2-prefetches its weight block before gdc_wait (only with PDL and aligned blocks)
     prefetch_w_uv: bool = False
@@ -345,6 +350,34 @@ def _absorb_out(gm: GraphModule, fused: Node, fake_mode, prefetch_w: bool = Fals
     return True
 
 
+def _fold_into_prologue(gm: GraphModule, absorbed: Node, kv, layer, fake_mode) -> Node | None:
+    """k3.mla_absorb_q + the same (pool, layer)'s prologue without q-LoRA -> one k3.mla_decode_prologue_absorb at the
+    later one's place (not when the query comes out of the prologue); the new node, or None."""
+    g = gm.graph
+    prologues = [n for n in g.nodes if is_call(n, PROLOGUE) and n.args[3] is kv and n.args[4] == layer
+                 and n.args[6] is None and not n.users]
+    if len(prologues) != 1:
+        return None
+    prologue = prologues[0]
+    nodes = list(g.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    q_x, w, nope, pdl = absorbed.args
+    # the fused node goes where the later of the two is; the pool write may move down to the absorption only if no
+    # node in between touches the pool
+    first, last = sorted((prologue, absorbed), key=order.__getitem__)
+    if last is prologue and (order[q_x] > order[prologue] or not _hoist_weight(w, prologue, order)):
+        return None
+    if any(kv in n.all_input_nodes for n in nodes[order[first] + 1: order[last]]):
+        return None
+    with g.inserting_before(last):
+        new = g.call_function(PROLOGUE_ABSORB, (*prologue.args[:6], q_x, w, nope, pdl))
+    set_meta_val(new, fake_mode)
+    replace_uses(absorbed, new, fake_mode)
+    g.erase_node(absorbed)
+    g.erase_node(prologue)
+    return new
+
+
 @register_pass("p15_mla_decode", MLADecodeConfig)
 def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
     """MLA decode: norms + KV write -> one prologue kernel; latent attention -> a Triton split-K kernel."""
@@ -373,11 +406,13 @@ def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
             except NoMatch:
                 continue
             _, kv, layer, page_table, seq_lens, scale, _ = node.args
-            if config.absorb_q == "triton":
+            if config.absorb_q in ("triton", "fold"):
                 absorbed = _absorb_q(gm, q_nope, fake_mode, config.pdl)
                 if absorbed is not None:
-                    q_nope = absorbed
                     matches += 1
+                    folded = _fold_into_prologue(gm, absorbed, kv, layer, fake_mode) if config.absorb_q == "fold" \
+                        else None
+                    q_nope = folded or absorbed
             with g.inserting_before(node):
                 fused = g.call_function(FUSED, (q_nope, q_rope, kv, layer, page_table, seq_lens, scale,
                                                 bool(config.pdl), launch_table))

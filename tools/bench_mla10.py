@@ -1,5 +1,6 @@
 """The MLA decode layer's kernel chain at the Kimi-Linear-48B shape, µs per layer: prologue -> W_UK absorption ->
-split -> merge + W_UV, as the P15 ops run it, with W_UK through cuBLAS (today) or k3.mla_absorb_q (absorb_q="triton"),
+split -> merge + W_UV, as the P15 ops run it, with W_UK through cuBLAS (today), k3.mla_absorb_q (absorb_q="triton") or in the prologue's launch
+(absorb_q="fold", k3.mla_decode_prologue_absorb),
 and the merge kernel's W_UV L2 prefetch (prefetch_w_uv) off / on.
 
 Shape: 32 heads, q heads nope 128 + rope 64 (q_nope a strided view of the query GEMM's output, as in the graph),
@@ -29,11 +30,13 @@ SCALE = (NOPE + ROPE) ** -0.5
 Q_COLS = HEADS * (NOPE + ROPE)
 PROLOGUE = torch.ops.k3.mla_decode_prologue
 ABSORB_Q = torch.ops.k3.mla_absorb_q
+PROLOGUE_ABSORB = torch.ops.k3.mla_decode_prologue_absorb
 FUSED_OUT = torch.ops.k3.mla_decode_fused_out
 # (name, W_UK through the Triton kernel, W_UV prefetch)
 ARMS = (("today (cuBLAS W_UK)", False, False), ("absorb_q=triton", True, False),
         ("absorb_q=triton + prefetch_w_uv", True, True), ("cuBLAS W_UK + prefetch_w_uv", False, True),
-        ("prologue + W_UK in one kernel", "fold", False), ("prologue + W_UK in one kernel + prefetch_w_uv", "fold", True))
+        ("absorb_q=fold (prologue + W_UK, one kernel)", "fold", False),
+        ("absorb_q=fold + prefetch_w_uv", "fold", True))
 ABSORB_SWEEP = ((32, 4), (128, 4), (128, 8))  # (block_r, num_warps) besides the default (BLOCK_R, 4)
 
 
@@ -61,12 +64,11 @@ def views(x):
 
 def chain(x, layer, pdl, triton_absorb, prefetch):
     """One MLA layer's decode kernels, as the graph after P15 calls them: [B, H * dv]. triton_absorb "fold": the
-    prologue and the absorption in one launch (mla_absorb.prologue_absorb_triton; not a P15 option yet)."""
+    prologue and the absorption in one launch (P15 absorb_q=fold)."""
     q_nope, q_rope, ckv = views(x)
     w = x["w_kv_b"][layer]
     if triton_absorb == "fold":
-        q_lat = mla_absorb.prologue_absorb_triton(ckv, x["kv_norm_w"], 1e-6, x["kv"], layer, x["loc"], q_nope, w,
-                                                  NOPE, pdl)
+        q_lat = PROLOGUE_ABSORB(ckv, x["kv_norm_w"], 1e-6, x["kv"], layer, x["loc"], q_nope, w, NOPE, pdl)
         return FUSED_OUT(q_lat, q_rope, x["kv"], layer, x["table"], x["seq"], SCALE, w, NOPE, pdl, None, prefetch)
     PROLOGUE(ckv, x["kv_norm_w"], 1e-6, x["kv"], layer, x["loc"], None, None, 0.0, pdl)
     if triton_absorb:
@@ -145,7 +147,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     for n in notes:
         print(f"\nnote: {n}")
-    print(f"\n({time.time() - t0:.0f} s; P15 options: p15_mla_decode.absorb_q=triton, p15_mla_decode.prefetch_w_uv=true)")
+    print(f"\n({time.time() - t0:.0f} s; P15 options: p15_mla_decode.absorb_q=triton|fold, p15_mla_decode.prefetch_w_uv=true)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "pdl": pdl, "rows": rows, "notes": notes}, f, indent=1)

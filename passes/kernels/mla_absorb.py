@@ -14,7 +14,12 @@ attention and the split kernel cannot launch early. Here one program owns one he
 loads its W_UK tile [nope, BLOCK_R] (a weight) before `gdc_wait`, so with PDL the load overlaps the prologue kernel
 before it, then reads q for every token and releases its dependents (the split kernel) once q is read.
 
-Above MAX_TOKENS tokens the op keeps the batched GEMM (W_UK read once per head, not once per token block): a
+`torch.ops.k3.mla_decode_prologue_absorb(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_nope,
+kv_b_weight, nope, pdl) -> q_lat_nope`: where the query does not come out of the prologue (Kimi Linear: no q-LoRA),
+the prologue (kernels/mla_decode.py) and the absorption in one launch, programs 0..B-1 doing the prologue's tokens
+and the rest the absorption's (head, column block)s: one kernel boundary fewer per MLA layer.
+
+Above MAX_TOKENS tokens the ops keep the batched GEMM (W_UK read once per head, not once per token block): a
 static shape, so a captured graph always takes the same branch. CPU runs the reference; TRITON_INTERPRET=1 runs the
 kernel on CPU tensors (tests/passes/kernels/interpret_mla_absorb.py).
 """
@@ -142,7 +147,7 @@ def prologue_absorb_triton(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cach
                            pdl: bool = False, block_r: int = BLOCK_R, num_warps: int = 4) -> torch.Tensor:
     """The MLA prologue without q-LoRA (Kimi Linear: the query comes from the input GEMM, not from the prologue's
     q_a norm) and the W_UK absorption in one launch: `k3.mla_decode_prologue(...)` then `k3.mla_absorb_q(...)`;
-    returns q_lat_nope [B, H, r]. A candidate to fold into P15 (tools/bench_mla10.py measures it)."""
+    returns q_lat_nope [B, H, r] (`k3.mla_decode_prologue_absorb`, P15's absorb_q="fold")."""
     mla_decode.check_prologue_args(ckv, kv_norm_weight, kv_pool, layer, out_cache_loc, None, None)
     check_absorb_args(q_nope, kv_b_weight, nope)
     if triton is None:
@@ -200,4 +205,30 @@ def _absorb_cuda(q_nope, kv_b_weight, nope, pdl):
 
 @mla_absorb_q.register_fake
 def _absorb_fake(q_nope, kv_b_weight, nope, pdl):
+    return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], kv_b_weight.shape[1])
+
+
+@torch.library.custom_op("k3::mla_decode_prologue_absorb", mutates_args=("kv_pool",))
+def mla_decode_prologue_absorb(ckv: torch.Tensor, kv_norm_weight: torch.Tensor, kv_eps: float, kv_pool: torch.Tensor,
+                               layer: int, out_cache_loc: torch.Tensor, q_nope: torch.Tensor,
+                               kv_b_weight: torch.Tensor, nope: int, pdl: bool) -> torch.Tensor:
+    """k3.mla_decode_prologue without q-LoRA, then k3.mla_absorb_q: one launch (P15's absorb_q="fold")."""
+    mla_decode.prologue_reference(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc)
+    return absorb_reference(q_nope, kv_b_weight, nope).contiguous()
+
+
+@mla_decode_prologue_absorb.register_kernel("cuda")
+def _prologue_absorb_cuda(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_nope, kv_b_weight, nope, pdl):
+    r = kv_b_weight.shape[1]
+    if not kernel_supports_absorb(r, q_nope.shape[0]) or kv_norm_weight.shape[0] != r:
+        torch.ops.k3.mla_decode_prologue(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, None, None, 0.0,
+                                         pdl)
+        return torch.ops.k3.mla_absorb_q(q_nope, kv_b_weight, nope, pdl)
+    with torch.cuda.device(q_nope.device):
+        return prologue_absorb_triton(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_nope, kv_b_weight,
+                                      nope, pdl_for(pdl, q_nope))
+
+
+@mla_decode_prologue_absorb.register_fake
+def _prologue_absorb_fake(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cache_loc, q_nope, kv_b_weight, nope, pdl):
     return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], kv_b_weight.shape[1])

@@ -148,3 +148,32 @@ def test_prefetch_w_uv_is_recorded_only_when_on_and_absorb_q_is_checked():
     assert get_pass(P15).config_cls().absorb_q == "cublas"
     with pytest.raises(PassConfigError, match="absorb_q"):
         get_pass(P15).config_cls(absorb_q="cutlass").validate()
+
+
+PROLOGUE_ABSORB = torch.ops.k3.mla_decode_prologue_absorb.default
+
+
+@pytest.mark.parametrize("name,dtype,merged", [("kimi-linear-tiny", torch.float32, False),
+                                               ("kimi-linear-tiny", torch.bfloat16, True),
+                                               ("k3-tiny", torch.float32, True)])
+def test_absorb_q_fold_joins_the_prologue_without_q_lora(name, dtype, merged):
+    """absorb_q="fold": Kimi Linear's prologue and W_UK absorption become one k3.mla_decode_prologue_absorb per MLA
+    layer (same 4 matches); K3's query comes out of the prologue's q_a norm, so it keeps the two ops; numerics."""
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    cfg = model(name).config
+    n = layer_counts(cfg)["mla"]
+    before, gm = graph(name, "decode", dtype), graph(name, "decode", dtype)
+    if merged:
+        run_pass(gm, "p01_gemm_merge")
+    assert run_pass(gm, P15, absorb_q="fold") == 4 * n
+    after = op_counts(gm)
+    folded = n if cfg.q_lora_rank is None else 0
+    assert after[PROLOGUE_ABSORB] == folded and after[ABSORB_Q] == after[PROLOGUE] == n - folded
+    for node in gm.graph.nodes:
+        if node.target == PROLOGUE_ABSORB:
+            assert node.args[4] in range(n) and node.args[8] == cfg.qk_nope_head_dim and node.args[9] is True
+            assert [u.target for u in node.users] == [FUSED_OUT]
+    for x in (inputs_for(name, "decode", dtype), other_batch(model(name, dtype), "decode")):
+        got = run_graph(gm, x)
+        assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")  # KV pool included
+        assert_same_step(got, eager_step(model(name, dtype), "decode", x), tol, "vs eager model")

@@ -39,6 +39,20 @@ def test_op_passes_opcheck():
     torch.library.opcheck(torch.ops.k3.mla_absorb_q.default, (q, torch.randn(2 * 24, 32, generator=G), 16, True))
 
 
+def test_prologue_absorb_op_is_prologue_then_absorption_and_passes_opcheck():
+    from k3compile.passes.kernels.mla_decode import prologue_reference
+    merged = torch.randn(3, 2 * 24 + 40, generator=G)
+    q, ckv = merged[:, :48].unflatten(-1, (2, 24))[..., :16], merged[:, 48:]
+    kv, w, kv_w = torch.randn(4, 2, 4, 40, generator=G), torch.randn(2 * 24, 32, generator=G), torch.rand(32) + 0.5
+    loc = torch.tensor([1, 6, 13])
+    kv_ref = kv.clone()
+    got = torch.ops.k3.mla_decode_prologue_absorb(ckv, kv_w, 1e-6, kv, 1, loc, q, w, 16, True)
+    prologue_reference(ckv, kv_w, 1e-6, kv_ref, 1, loc)
+    torch.testing.assert_close(kv, kv_ref)
+    torch.testing.assert_close(got, mla_absorb.absorb_reference(q, w, 16))
+    torch.library.opcheck(torch.ops.k3.mla_decode_prologue_absorb.default, (ckv, kv_w, 1e-6, kv, 1, loc, q, w, 16, True))
+
+
 def _inputs_48b(batch, dtype=torch.bfloat16):
     """The 48B shape: 32 heads, nope 128 of a 192-wide query head, v 128, r 512; q a strided view as in the graph."""
     heads, nope, rope, dv, r = 32, 128, 64, 128, 512
