@@ -108,6 +108,17 @@ def _decode_inputs(batch, context, page, heads=32, r=512, rope=64, dtype=torch.b
     return q_nope, q[..., 128:], kv, table, seq
 
 
+def _captured(step):
+    """(graph, outputs) of `step` captured in a CUDA graph, compiled outside the capture first."""
+    step()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = step()
+    return graph, outs
+
+
 def _rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
@@ -207,12 +218,7 @@ def test_cuda_column_block_merges_match_whole_row_and_reference(batch, context):
         def step():
             return [decode_triton(q_nope, q_rope, kv, layer, table, seq, 192 ** -0.5, pdl, w_uv=w_uv, merge_cols=cols)
                     for layer in range(3)]
-        step()  # compile outside the capture
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                outs = step()
+        graph, outs = _captured(step)
         graph.replay()
         first = [o.clone() for o in outs]
         graph.replay()
@@ -250,12 +256,7 @@ def test_cuda_w_uv_l2_prefetch_changes_no_value(batch):
         def step():
             return [FUSED_OUT(q_nope, q_rope, kv, layer, table, seq, 192 ** -0.5, w_kv_bs[layer], 128, pdl, None,
                               prefetch) for layer in range(3)]
-        step()  # compile outside the capture
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                outs = step()
+        graph, outs = _captured(step)
         graph.replay()
         torch.cuda.synchronize()
         results.append([o.clone() for o in outs])
