@@ -9,9 +9,9 @@ source tools/gpu_setup.sh
 {
   echo "# mla10 on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(git log --oneline -1 2>/dev/null)"
   echo
-  timeout 55 python3 tools/bench_mla10.py --budget-s 35 --out $OUT/mla10.json 2>&1 | grep -v -i warn
+  timeout 50 python3 tools/bench_mla10.py --budget-s 30 --out $OUT/mla10.json 2>&1 | grep -v -i warn
   echo; echo "## MLA GPU tests"; echo '```'
-  timeout 30 python3 -m pytest -q -m gpu -p no:cacheprovider tests/passes/kernels/test_mla_absorb.py \
+  timeout 40 python3 -m pytest -q -m gpu -p no:cacheprovider tests/passes/kernels/test_mla_absorb.py \
     tests/passes/kernels/test_mla_decode.py -k "absorb or prefetch or w_uv or prologue" > $OUT/mla10_tests.txt 2>&1
   grep -E "passed|failed|FAILED|Error" $OUT/mla10_tests.txt | tail -15; echo '```'
 } > $OUT/mla10.md
