@@ -167,6 +167,62 @@ def test_split_launch_comes_from_the_table_and_bad_launches_raise():
             moe_decode.fused_moe_triton(*_op_args(p)[:13], designs=("rows", "split"), split=bad)
 
 
+class _Recorder:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **kwargs)` records the launch, runs nothing."""
+
+    def __init__(self, launches, name):
+        self.launches, self.name = launches, name
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.name, tuple(grid), kwargs))
+
+
+@pytest.mark.skipif(moe_decode.triton is None, reason="needs triton")
+def test_l2_prefetch_options_reach_the_launches(monkeypatch):
+    """shared_l2_prefetch: kernel A's grid transposed (shared slot first) whenever asked and the slot exists; its L2
+    prefetch (PIECES = 32 x num_warps) only with PDL and 16-byte rows; down_l2_prefetch: B''s shared slot, likewise.
+    Off: the launches are today's (no new constexprs). Kernels replaced by recorders: launch arguments only."""
+    launches = []
+    for name in ("_expert_up_rows_kernel", "_expert_up_kernel", "_expert_down_split_kernel"):
+        monkeypatch.setattr(moe_decode, name, _Recorder(launches, name))
+    pdl = {"on": False}
+    monkeypatch.setattr(moe_decode, "pdl_for", lambda requested, tensor: bool(requested) and pdl["on"])
+
+    def launch(d=64, s=32, dtype=torch.bfloat16, up="rows", **options):
+        p = _problem(n=2, e=8, k=3, d=d, i=32, do=48, s=s, dtype=dtype)
+        sw13 = torch.randn(2 * s, d).to(dtype)
+        launches.clear()
+        moe_decode.fused_moe_triton(*_op_args(dict(p, shared_in=None, shared_up=None))[:13], shared_w13=sw13,
+                                    use_pdl=True, designs=(up, "split"), **options)
+        (a_name, a_grid, a_kw), (b_name, _, b_kw) = launches
+        assert a_name == f"_expert_up{'_rows' if up == 'rows' else ''}_kernel" and b_name == "_expert_down_split_kernel"
+        return a_grid, a_kw, b_kw
+
+    a_grid, a_kw, b_kw = launch()
+    today, blocks = a_grid, a_grid[1]  # (tokens x (k + 1) slots, column blocks)
+    assert a_grid[0] == 2 * 4 and "SHARED_FIRST" not in a_kw and "SHARED_L2_PREFETCH" not in b_kw
+    a_grid, a_kw, b_kw = launch(shared_l2_prefetch=True, down_l2_prefetch=True)  # no PDL: the order only
+    assert a_grid == today[::-1] and a_kw["SHARED_FIRST"] and not a_kw["SHARED_L2_PREFETCH"]
+    assert "SHARED_L2_PREFETCH" not in b_kw
+    pdl["on"] = True
+    for up in ("rows", "tiles"):
+        a_grid, a_kw, b_kw = launch(up=up, shared_l2_prefetch=True, down_l2_prefetch=True)
+        assert a_grid == launch(up=up)[0][::-1]
+        a_grid, a_kw, b_kw = launch(up=up, shared_l2_prefetch=True, down_l2_prefetch=True)
+        assert a_kw["SHARED_FIRST"] and a_kw["SHARED_L2_PREFETCH"] and a_kw["PIECES"] == 32 * a_kw["num_warps"]
+        assert b_kw["SHARED_L2_PREFETCH"] and b_kw["PIECES"] == 32 * b_kw["num_warps"] and b_kw["launch_pdl"]
+    a_grid, a_kw, b_kw = launch(down_l2_prefetch=True)  # B' alone
+    assert "SHARED_FIRST" not in a_kw and b_kw["SHARED_L2_PREFETCH"]
+    # rows that are not whole 16-byte units (D = 60, Is = 36 bf16): no prefetch, the order stays as asked
+    a_grid, a_kw, b_kw = launch(d=60, s=36, shared_l2_prefetch=True, down_l2_prefetch=True)
+    assert a_kw["SHARED_FIRST"] and not a_kw["SHARED_L2_PREFETCH"] and "SHARED_L2_PREFETCH" not in b_kw
+    # without the shared slot in A (shared_in / shared_up given) the option changes nothing in A
+    p = _problem(n=2, e=8, k=3, d=64, i=32, do=48, s=32, dtype=torch.bfloat16)
+    launches.clear()
+    moe_decode.fused_moe_triton(*_op_args(p)[:13], use_pdl=True, designs=("rows", "split"), shared_l2_prefetch=True)
+    assert launches[0][1] == (2 * 3, blocks) and "SHARED_FIRST" not in launches[0][2]
+
+
 def test_op_passes_opcheck_and_stays_one_node():
     p = _problem(n=2)
     torch.library.opcheck(FUSED, _op_args(p))
