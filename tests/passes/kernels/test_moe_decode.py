@@ -501,3 +501,39 @@ def test_cuda_shared_slot_with_pdl_replays_from_a_cuda_graph(n):
                for key, v in p.items()}
         ref = fused_moe_reference(*_op_args(f32, "silu", 0)[:13], shared_w13=sw13.float())
         assert _rel(out, ref) < 1e-2, (seed, _rel(out, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1, 8])
+def test_cuda_l2_prefetch_options_give_the_same_bits_at_the_48b_shape(n):
+    """shared_l2_prefetch (kernel A: shared slot first, its gate/up rows asked of L2 before gdc_wait) and
+    down_l2_prefetch (B''s shared slot) at the 48B shape, PDL on, rows and tiles designs of A, eager and replayed from
+    a CUDA graph after a router-like kernel: outputs bit-identical with the options off, and within the reference's
+    tolerance."""
+    p, sw13 = _with_shared_w13(_cuda_problem(n, 600 + n, **_shape_48b()), 600 + n)
+    f32 = {key: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v) for key, v in p.items()}
+    ref = fused_moe_reference(*_op_args(f32, "silu", 0)[:13], shared_w13=sw13.float())
+    args = _op_args(p, "silu", 0)[:13]
+    for up in ("rows", "tiles"):
+        off = moe_decode.fused_moe_triton(*args, shared_w13=sw13, use_pdl=True, designs=(up, "split"))
+        for a, b in ((True, False), (False, True), (True, True)):
+            on = moe_decode.fused_moe_triton(*args, shared_w13=sw13, use_pdl=True, designs=(up, "split"),
+                                             shared_l2_prefetch=a, down_l2_prefetch=b)
+            torch.cuda.synchronize()
+            assert torch.equal(on, off), (up, a, b)
+        assert _rel(off, ref) < 1e-2, (up, _rel(off, ref))
+    # the op as the engine calls it (options as its last two arguments), replayed from a CUDA graph behind another
+    # kernel, as a step replays it
+    scratch = torch.empty(1 << 22, device="cuda")
+    graphs = []
+    for on in (False, True):
+        def step(on=on):
+            scratch.mul_(0.5)
+            return FUSED(*_op_args(p, "silu", 1 << 30), None, None, 1e-5, True, sw13, None, on, on)
+        graphs.append(_graphed(step))
+    for graph, _ in graphs:
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphs[0][1], graphs[1][1])
+    assert _rel(graphs[1][1], ref) < 1e-2
