@@ -298,8 +298,9 @@ if triton is not None:
         if L2_PREFETCH:
             elem: tl.constexpr = sw13_ptr.dtype.element_ty.primitive_bitwidth // 8
             rows = tl.minimum(tl.maximum(IS - col_block * BLOCK_N, 0), BLOCK_N)  # 0 past Is: nothing asked
+            # two ranges (gate rows, up rows) Is x D apart (int32 bytes: half a shared expert's weight, < 2 GiB)
             l2_prefetch.prefetch_rows_l2(sw13_ptr + (col_block * BLOCK_N).to(tl.int64) * D, 2, rows * D * elem,
-                                         IS.to(tl.int64) * D * elem, PIECES)
+                                         IS * D * elem, PIECES)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # x comes from an earlier kernel
         g = _rows_dot(sw13_ptr, cols, cmask, x_row, D, BLOCK_N, BLOCK_K)
@@ -521,7 +522,7 @@ if triton is not None:
                 elem: tl.constexpr = sw2_ptr.dtype.element_ty.primitive_bitwidth // 8
                 c0 = (group - token * blocks) * BLOCK_N
                 l2_prefetch.prefetch_rows_l2(sw2_ptr + c0 * IS + k_lo, tl.minimum(DO - c0, BLOCK_N),
-                                             tl.maximum(k_hi - k_lo, 0) * elem, IS.to(tl.int64) * elem, PIECES)
+                                             tl.maximum(k_hi - k_lo, 0) * elem, IS * elem, PIECES)
             part = _gemv_chunk(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
                                cmask, IS, k_lo, k_hi, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS, USE_PDL,
                                PREFETCH)
