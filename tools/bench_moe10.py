@@ -57,14 +57,14 @@ def a_prefetch_allowed(allowed: bool):
 
 def route_sets(spec, n: int, gen) -> list[dict]:
     """ROUTINGS router inputs (x, delta, norm and router weights, bias) and the layer's shared-weight copy of each."""
-    d, e = spec["d_in"], spec["e"]
+    d, e, dev = spec["d_in"], spec["e"], spec["w13"].device
     sets = []
     for r in range(ROUTINGS):
         def randn(*shape, scale=1.0):
-            return (torch.randn(*shape, generator=gen, device="cuda") * scale).bfloat16()
+            return (torch.randn(*shape, generator=gen, device=dev) * scale).bfloat16()
         sw13, sw2 = spec["shared"][r]
         sets.append(dict(x=randn(n, d), delta=randn(n, d), norm_w=1 + 0.1 * randn(d), router=randn(e, d, scale=d ** -0.5),
-                         bias=torch.zeros(e, device="cuda"), sw13=sw13, sw2=sw2))
+                         bias=torch.zeros(e, device=dev), sw13=sw13, sw2=sw2))
     return sets
 
 
