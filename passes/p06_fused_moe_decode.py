@@ -18,7 +18,9 @@ into the layer's input GEMM):
           | anything else                                           -> shared_in=a (already activated)]
 
 and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
-act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps, use_pdl, shared_w13[, down_split])`.
+act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps, use_pdl, shared_w13[, down_split[,
+shared_l2_prefetch[, down_l2_prefetch]]])`: the trailing options only up to the last one set (a node of an engine
+built before them has the same arguments as then).
 
 Shared gate/up into kernel A (`fuse_shared_up`): when the GLU's g and up are column blocks of constant-weight
 GEMMs on z itself (P1's merged mm(z, t(W)) + split, or two plain mms), read by nothing but the GLU, and the
@@ -69,6 +71,11 @@ class FusedMoEDecodeConfig(PassConfig):
     # kernel B''s launch at every GEMV batch, "BLOCK_N x BLOCK_K x num_warps x K chunks x prefetch (0/1)" (e.g.
     # "64x128x4x2x1"), instead of kernels.moe_decode.SPLIT_TUNED's per-shape entry; None: the table (A/B arms)
     down_split: str | None = None
+    # kernel A's shared slot first in its launch order and, with PDL, asking L2 for its static gate/up rows before
+    # it waits for the router kernel (moe_decode.fused_moe_triton's shared_l2_prefetch); off until measured whole-engine
+    shared_l2_prefetch: bool = False
+    # the same for kernel B''s shared slot (its W2 rows, before it waits for kernel A): a separate A/B arm
+    down_l2_prefetch: bool = False
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
 
@@ -270,6 +277,15 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
     return crossover
 
 
+def _launch_options(config: FusedMoEDecodeConfig) -> tuple:
+    """The op's trailing launch options (down_split, shared_l2_prefetch, down_l2_prefetch), cut after the last one
+    that differs from the op's default: unset, a node keeps the arguments it had before the options existed."""
+    options = [config.down_split_values(), bool(config.shared_l2_prefetch), bool(config.down_l2_prefetch)]
+    while options and options[-1] in (None, False):
+        options.pop()
+    return tuple(options)
+
+
 # Steps whose MoE sees a handful of tokens per request: decode (one) and verify (anchor + drafts, a few). The op
 # takes any number of rows (the grouped GEMM from its crossover batch up), so verify graphs get it as well;
 # prefill keeps the unfused experts (long chunks: grouped GEMMs over thousands of rows).
@@ -320,12 +336,10 @@ def fused_moe_decode(gm: GraphModule, config: FusedMoEDecodeConfig) -> int:
         crossover = _resolve_crossover(
             config, [w for w in weights[:4] if w is not None], val_of(ids).shape[1], act, beta, linear_beta,
             val_of(z).dtype, weights[4], shared_glu, (weights[5], weights[6], eps), tensor(shared_w13))
-        split = config.down_split_values()  # the op's last argument only when set (the table decides otherwise)
         with gm.graph.inserting_before(out):
             fused = gm.graph.call_function(FUSED, (z, ids, wts, w13, w2, s13, s2, shared_in, shared_up, shared_w2,
                                                    act, beta, linear_beta, crossover, up_w, norm_w, eps,
-                                                   bool(config.use_pdl), shared_w13)
-                                            + ((split,) if split is not None else ()))
+                                                   bool(config.use_pdl), shared_w13) + _launch_options(config))
         set_meta_val(fused, fake_mode)
         replace_uses(out, fused, fake_mode)
         erase_if_dead(gm, [out, moe] + dead)

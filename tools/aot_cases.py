@@ -109,14 +109,14 @@ def _experts(quantized: bool):
             torch.full((e, 2 * i, d // 32), 127, dtype=u8), torch.full((e, d, i // 32), 127, dtype=u8))
 
 
-def moe(batch, shared_w13: bool, split=None):
+def moe(batch, shared_w13: bool, split=None, **options):
     e, k, i, d = 256, 8, 1024, 2304
     x, (w13, w2) = _randn(batch, d), _experts(False)
     ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
     sw13, sw2 = _randn(2 * i, d), _randn(d, i)
     if shared_w13:
         return lambda: moe_decode.fused_moe_triton(x, ids, wts, w13, w2, shared_w2=sw2, shared_w13=sw13, use_pdl=True,
-                                                   split=split)
+                                                   split=split, **options)
     g, u = _randn(batch, i), _randn(batch, i)
     return lambda: moe_decode.fused_moe_triton(x, ids, wts, w13, w2, shared_in=g, shared_up=u, shared_w2=sw2,
                                                use_pdl=True)
@@ -190,3 +190,21 @@ if hasattr(moe_decode, "SPLIT_CANDIDATES"):  # every kernel B' launch tools/benc
     CASES += [(f"moe 48B batch 1, B' {tuple(c)}", moe(1, True, c)) for c in moe_decode.SPLIT_CANDIDATES]
     CASES += [("moe 48B batch 8, B' (64, 128, 4, 2, True)", moe(8, True, moe_decode.SplitConfig(64, 128, 4, 2, True))),
               ("moe 48B MXFP4 batch 1, B' (16, 256, 4, 4, True)", moe_mxfp4(1, moe_decode.SplitConfig(16, 256, 4, 4, True)))]
+if "shared_l2_prefetch" in moe_decode.fused_moe_triton.__code__.co_varnames:  # P6's L2 prefetch options (moepf10)
+    _pf = dict(shared_l2_prefetch=True, down_l2_prefetch=True)
+    CASES += [("moe 48B batch 1, shared slot first + L2 prefetch in A and B'", moe(1, True, **_pf)),
+              ("moe 48B batch 8, shared slot first + L2 prefetch in A and B'", moe(8, True, **_pf)),
+              ("moe 48B batch 2, B' (64, 128, 4, 2, False) + L2 prefetch in A and B'",
+               moe(2, True, moe_decode.SplitConfig(64, 128, 4, 2, False), **_pf)),
+              ("moe 48B batch 1, tiles A: shared slot first + L2 prefetch",
+               lambda: _moe_tiles_prefetch(1))]
+
+
+def _moe_tiles_prefetch(batch):
+    """Kernel A's "tiles" design with the shared slot first and its L2 prefetch (MXFP4 routed experts)."""
+    e, k, i, d = 256, 8, 1024, 2304
+    w13, w2, s13, s2 = _experts(True)
+    x, sw13, sw2 = _randn(batch, d), _randn(2 * i, d), _randn(d, i)
+    ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
+    moe_decode.fused_moe_triton(x, ids, wts, w13, w2, s13, s2, shared_w2=sw2, shared_w13=sw13, use_pdl=True,
+                                shared_l2_prefetch=True, down_l2_prefetch=True)

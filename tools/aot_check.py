@@ -8,10 +8,12 @@ computed (the launchers' results are garbage): this checks compilation only.
 
     python tools/aot_check.py            # every case below; exit 1 if any kernel fails to compile
     python tools/aot_check.py gemv mla   # only the cases whose name contains one of the words
+    python tools/aot_check.py --ptx DIR moe   # also write each compiled kernel's PTX to DIR (to grep it)
 Run it under the Triton the GPU box has (e.g. a venv with triton==3.6.0) as well as the local one.
 """
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
@@ -25,6 +27,7 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
           torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "launch_pdl")
 compiled: list[str] = []
+ptx_dir: str | None = None  # --ptx DIR: where each compiled kernel's PTX goes (case index, kernel name)
 
 
 def _sig(value) -> str:
@@ -59,8 +62,12 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if signature[name] != "constexpr"
              and (isinstance(values.get(name), torch.Tensor)
                   or (type(values.get(name)) is int and values[name] % 16 == 0))}
-    triton.compile(ASTSource(self, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=options)
     compiled.append(self.fn.__name__)
+    if ptx_dir is not None:
+        with open(os.path.join(ptx_dir, f"{len(compiled):03d}_{self.fn.__name__}.ptx"), "w") as f:
+            f.write(kernel.asm["ptx"])
     return None
 
 
@@ -68,7 +75,13 @@ def main() -> int:
     JITFunction.run = _compile_only
     sys.path.insert(0, "tools")
     from aot_cases import CASES  # the launcher calls, one per kernel path
+    global ptx_dir
     words = sys.argv[1:]
+    if words[:1] == ["--ptx"]:
+        if len(words) < 2:
+            sys.exit("aot_check: --ptx needs a folder")
+        ptx_dir, words = words[1], words[2:]
+        os.makedirs(ptx_dir, exist_ok=True)
     CASES = [(name, case) for name, case in CASES if not words or any(w in name for w in words)]
     failures = 0
     for name, case in CASES:

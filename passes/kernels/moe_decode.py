@@ -38,6 +38,9 @@ Triton kernels:
     shared expert's gate/up rows and store its activated input hs [N, Is] (fp32), which B reads as an
     already activated shared input: the shared gate/up GEMM is no separate kernel. The slot runs the
     routed rows' own loop (so the kernel's register budget stays theirs) and waits for x under PDL.
+    Option shared_l2_prefetch: the grid is transposed so the shared slot's programs launch first (resident while
+    the router kernel before A runs), and under PDL each asks L2 for its static gate/up rows before its wait
+    (kernels.l2_prefetch); down_l2_prefetch does the same for B''s shared slot (W2 rows). Same output bits.
   B `_expert_down_kernel`, one program per (token, column block of Do): for each of the token's k
     experts the GEMV of W2's block with h, scaled by its routing weight and summed in registers;
     then the shared expert's GEMV over the same block; one store.
@@ -72,6 +75,7 @@ import torch.nn.functional as F
 from k3compile.model_def.ops import mxfp4
 from k3compile.model_def.ops.moe_math import glu_act, moe_experts_gather, moe_experts_grouped, moe_experts_loop
 
+from . import l2_prefetch
 from .arrivals import arrival_counters
 from .graph_timing import replay_us
 from .pdl import pdl_for
@@ -280,13 +284,23 @@ if triton is not None:
 
     @triton.jit
     def _shared_up_slot(x_row, sw13_ptr, hs_row, col_block, D, IS, beta, linear_beta, ACT: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+                        L2_PREFETCH: tl.constexpr = False, PIECES: tl.constexpr = 128):
         """Kernel A's shared slot: hs[cols] = act(Wg[cols] . x, Wu[cols] . x) for one column block of the shared
         expert's [2 Is, D] gate/up weight (dense), with the routed rows' own loop (`_rows_dot`, reduced every K
         step): a slot that kept [BLOCK_N, BLOCK_K] fp32 products for the whole loop set the kernel's register
-        budget for every program, and A ran 21.7 -> 31.6 us at the 48B shape, batch 1 (H200, bench_moe8)."""
+        budget for every program, and A ran 21.7 -> 31.6 us at the 48B shape, batch 1 (H200, bench_moe8).
+        L2_PREFETCH (with PDL only): the block's gate rows and up rows (two contiguous ranges of the static weight)
+        are asked of L2 before the wait, so they stream while the router kernel before A runs; the loads after
+        the wait are the same, so are the sums."""
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < IS
+        if L2_PREFETCH:
+            elem: tl.constexpr = sw13_ptr.dtype.element_ty.primitive_bitwidth // 8
+            rows = tl.minimum(tl.maximum(IS - col_block * BLOCK_N, 0), BLOCK_N)  # 0 past Is: nothing asked
+            # two ranges (gate rows, up rows) Is x D apart (int32 bytes: half a shared expert's weight, < 2 GiB)
+            l2_prefetch.prefetch_rows_l2(sw13_ptr + (col_block * BLOCK_N).to(tl.int64) * D, 2, rows * D * elem,
+                                         IS * D * elem, PIECES)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # x comes from an earlier kernel
         g = _rows_dot(sw13_ptr, cols, cmask, x_row, D, BLOCK_N, BLOCK_K)
@@ -296,18 +310,33 @@ if triton is not None:
         tl.store(hs_row + cols, _glu(g, u, beta, linear_beta, ACT), mask=cmask)
 
     @triton.jit
+    def _up_program(PAIRS, TOP_K: tl.constexpr, SHARED_FIRST: tl.constexpr):
+        """(pair, column block) of a kernel A program. Default grid (pairs + tokens, column blocks): pair is axis 0,
+        the shared slot's programs from PAIRS on, i.e. one in every k + 1 programs of the launch order. SHARED_FIRST:
+        grid (column blocks, tokens + pairs), axis 1's first `tokens` rows being the shared slot: its programs are
+        the first ones launched (the first wave, resident while the kernel before A runs, where they prefetch)."""
+        if SHARED_FIRST:
+            row = tl.program_id(1).to(tl.int64)
+            tokens = PAIRS // TOP_K
+            pair = tl.where(row < tokens, row + PAIRS, row - tokens)
+            return pair, tl.program_id(0)
+        return tl.program_id(0).to(tl.int64), tl.program_id(1)
+
+    @triton.jit
     def _expert_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, sw13_ptr, hs_ptr, x_row_stride, D, I, IS,
                           PAIRS, beta, linear_beta, TOP_K: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
                           SHARED_SLOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          USE_PDL: tl.constexpr):
-        pair = tl.program_id(0).to(tl.int64)  # token * TOP_K + slot; from PAIRS on (SHARED_SLOT) the shared slot
+                          USE_PDL: tl.constexpr, SHARED_FIRST: tl.constexpr = False,
+                          SHARED_L2_PREFETCH: tl.constexpr = False, PIECES: tl.constexpr = 128):
+        # pair: token * TOP_K + slot; from PAIRS on (SHARED_SLOT) the shared slot
+        pair, col_block = _up_program(PAIRS, TOP_K, SHARED_FIRST)
         if SHARED_SLOT:
             if pair >= PAIRS:
                 token = pair - PAIRS
-                _shared_up_slot(x_ptr + token * x_row_stride, sw13_ptr, hs_ptr + token * IS, tl.program_id(1), D,
-                                IS, beta, linear_beta, ACT, BLOCK_N, BLOCK_K, USE_PDL)
+                _shared_up_slot(x_ptr + token * x_row_stride, sw13_ptr, hs_ptr + token * IS, col_block, D,
+                                IS, beta, linear_beta, ACT, BLOCK_N, BLOCK_K, USE_PDL, SHARED_L2_PREFETCH, PIECES)
                 return
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < I
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # the ids (routing) and x come from earlier kernels
@@ -471,7 +500,8 @@ if triton is not None:
                                   beta, linear_beta, TOP_K: tl.constexpr, SLOTS: tl.constexpr, ACT: tl.constexpr,
                                   MXFP4: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
-                                  USE_PDL: tl.constexpr, KSPLIT: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+                                  USE_PDL: tl.constexpr, KSPLIT: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
+                                  SHARED_L2_PREFETCH: tl.constexpr = False, PIECES: tl.constexpr = 128):
         PARTS: tl.constexpr = SLOTS * KSPLIT
         group = tl.program_id(0).to(tl.int64)  # token * column blocks + column block
         part_id = tl.program_id(1)  # slot * KSPLIT + K chunk
@@ -488,6 +518,11 @@ if triton is not None:
         # waited for it before releasing us), so their first W2 tile streams while kernel A finishes
         if slot == TOP_K:  # the shared slot (never reached without SHARED: then slot < SLOTS = TOP_K)
             k_lo, k_hi = _chunk(ks, IS, KSPLIT, BLOCK_KS)
+            if SHARED_L2_PREFETCH:  # (PDL only) the rest of the slot's static rows asked of L2 before the wait
+                elem: tl.constexpr = sw2_ptr.dtype.element_ty.primitive_bitwidth // 8
+                c0 = (group - token * blocks) * BLOCK_N
+                l2_prefetch.prefetch_rows_l2(sw2_ptr + c0 * IS + k_lo, tl.minimum(DO - c0, BLOCK_N),
+                                             tl.maximum(k_hi - k_lo, 0) * elem, IS * elem, PIECES)
             part = _gemv_chunk(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
                                cmask, IS, k_lo, k_hi, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS, USE_PDL,
                                PREFETCH)
@@ -540,15 +575,18 @@ if triton is not None:
     @triton.jit
     def _expert_up_rows_kernel(x_ptr, ids_ptr, w13_ptr, h_ptr, sw13_ptr, hs_ptr, x_row_stride, D, I, IS, PAIRS,
                                beta, linear_beta, TOP_K: tl.constexpr, ACT: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-        pair = tl.program_id(0).to(tl.int64)  # token * TOP_K + slot; from PAIRS on (SHARED_SLOT) the shared slot
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+                               SHARED_FIRST: tl.constexpr = False, SHARED_L2_PREFETCH: tl.constexpr = False,
+                               PIECES: tl.constexpr = 128):
+        # pair: token * TOP_K + slot; from PAIRS on (SHARED_SLOT) the shared slot
+        pair, col_block = _up_program(PAIRS, TOP_K, SHARED_FIRST)
         if SHARED_SLOT:
             if pair >= PAIRS:
                 token = pair - PAIRS
-                _shared_up_slot(x_ptr + token * x_row_stride, sw13_ptr, hs_ptr + token * IS, tl.program_id(1), D,
-                                IS, beta, linear_beta, ACT, BLOCK_N, BLOCK_K, USE_PDL)
+                _shared_up_slot(x_ptr + token * x_row_stride, sw13_ptr, hs_ptr + token * IS, col_block, D,
+                                IS, beta, linear_beta, ACT, BLOCK_N, BLOCK_K, USE_PDL, SHARED_L2_PREFETCH, PIECES)
                 return
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < I
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # the ids (routing) and x come from earlier kernels
@@ -770,6 +808,15 @@ def shared_block_k(block_n: int, width: int) -> int:
     return max(32, min(TILE_ELEMS // block_n, triton.next_power_of_2(width)))
 
 
+def shared_l2_launch(asked: bool, pdl: bool, shared_w13: torch.Tensor, width: int) -> tuple[bool, bool]:
+    """(shared slot first in kernel A's launch order, its L2 prefetch) for the op's shared_l2_prefetch option: the
+    order whenever asked (the interpreter runs it, so CPU tests cover it); the prefetch only with PDL (the inline PTX
+    has no interpreter, and without PDL there is no kernel before A to overlap) and 16-byte-aligned rows."""
+    if not asked:
+        return False, False
+    return True, pdl and l2_prefetch.region_ok(shared_w13, width * shared_w13.element_size())
+
+
 def _pow2(name: str, value: int, least: int) -> None:
     if value < least or value & (value - 1):
         raise ValueError(f"fused_moe_decode: {name} must be a power of two >= {least}, got {value}")
@@ -780,13 +827,17 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
                      latent_norm_w=None, latent_eps=1e-5, shared_w13=None, block_k: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
                      use_pdl: bool = False, designs: tuple[str, str] | None = None,
-                     split: SplitConfig | None = None) -> torch.Tensor:
+                     split: SplitConfig | None = None, shared_l2_prefetch: bool = False,
+                     down_l2_prefetch: bool = False) -> torch.Tensor:
     """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n / block_k
     / num_warps override the tile rule's choice for every kernel (tests, tile sweeps). use_pdl: launch with
     programmatic dependent launch where available (sm90+, Triton >= 3.4; ignored elsewhere). designs: (up,
     down), up "rows" or "tiles", down also "split", overrides kernel_designs() (tests, benches; "rows" needs
     dense weights). split: kernel B''s launch (SplitConfig) instead of split_config()'s (benches, tests); block_n /
-    block_k / num_warps still override its fields."""
+    block_k / num_warps still override its fields. shared_l2_prefetch (with shared_w13): kernel A's grid puts the
+    shared slot's programs first in launch order, and with PDL they ask L2 for their static gate/up rows before
+    gdc_wait (`shared_l2_launch`); down_l2_prefetch: with PDL, B' (split)'s shared slot asks L2 for its W2 rows before
+    the wait. Neither changes a loaded value or the order of a sum: the same output bits either way."""
     if triton is None:
         raise RuntimeError("fused_moe_decode: triton is not installed")
     num_experts, inter, width, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
@@ -834,16 +885,20 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     hs = torch.empty(n, shared_width_a, dtype=torch.float32, device=x.device) if slot_a else h
     sw13 = shared_w13.contiguous() if slot_a else h  # unused pointer without the shared slot
     grid_a = (n * (k + int(slot_a)), triton.cdiv(max(inter, shared_width_a), bn))
+    first, prefetch_a = shared_l2_launch(shared_l2_prefetch and slot_a, pdl, sw13, width)
+    if first:
+        grid_a = grid_a[::-1]  # (column blocks, tokens + pairs): the shared slot's programs launch first
+    a_opts = dict(SHARED_FIRST=first, SHARED_L2_PREFETCH=prefetch_a, PIECES=32 * warps) if first else {}
     if up_design == "rows":
         _expert_up_rows_kernel[grid_a](
             x, ids, w13, h, sw13, hs, x.stride(0), width, inter, shared_width_a, n * k, float(beta),
             float(linear_beta), TOP_K=k, ACT=act_id, SHARED_SLOT=slot_a, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
-            num_warps=warps, **launch)
+            num_warps=warps, **a_opts, **launch)
     else:
         _expert_up_kernel[grid_a](
             x, ids, w13, s13, h, sw13, hs, x.stride(0), width, inter, shared_width_a, n * k, float(beta),
             float(linear_beta), TOP_K=k, ACT=act_id, MXFP4=quantized, SHARED_SLOT=slot_a, BLOCK_N=bn, BLOCK_K=bk,
-            USE_PDL=pdl, num_warps=warps, **launch)
+            USE_PDL=pdl, num_warps=warps, **a_opts, **launch)
     if slot_a:  # B (any design) reads the shared expert's input already activated, from kernel A
         shared_in, shared_up = hs, None
     shared = shared_w2 is not None
@@ -865,13 +920,16 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
         groups = n * triton.cdiv(routed_width, bn)
         parts = slots * launch_b.k_split
         partials = torch.empty(groups * parts * bn, dtype=torch.float32, device=x.device)
+        prefetch_b = (down_l2_prefetch and shared_in_b and pdl
+                      and l2_prefetch.region_ok(sw2, shared_width * sw2.element_size()))
+        b_opts = dict(SHARED_L2_PREFETCH=True, PIECES=32 * warps) if prefetch_b else {}
         _expert_down_split_kernel[(groups, parts)](
             h, ids, wts, w2, s2, sin, sup, sw2, u, partials, arrival_counters(x.device, groups, ARRIVALS_OWNER),
             inter, routed_width, shared_width, sin.stride(0), sup.stride(0), u.stride(0), float(beta),
             float(linear_beta), TOP_K=k, SLOTS=slots, ACT=act_id, MXFP4=quantized, SHARED=shared_in_b,
             SHARED_GLU=shared_up is not None, BLOCK_N=bn, BLOCK_K=bk,
             BLOCK_KS=block_k or shared_block_k(bn, max(shared_width, 1)), USE_PDL=pdl, KSPLIT=launch_b.k_split,
-            PREFETCH=launch_b.prefetch and not quantized, num_warps=warps, **launch)
+            PREFETCH=launch_b.prefetch and not quantized, num_warps=warps, **b_opts, **launch)
     elif down_design == "rows":
         bn, bk, warps = config("down", n, routed_width, inter, down_design)
         _expert_down_rows_kernel[(n, triton.cdiv(routed_width, bn))](
@@ -910,10 +968,12 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      crossover: int, latent_up_w: torch.Tensor | None = None,
                      latent_norm_w: torch.Tensor | None = None, latent_eps: float = 1e-5,
                      use_pdl: bool = False, shared_w13: torch.Tensor | None = None,
-                     down_split: list[int] | None = None) -> torch.Tensor:
+                     down_split: list[int] | None = None, shared_l2_prefetch: bool = False,
+                     down_l2_prefetch: bool = False) -> torch.Tensor:
     """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc.
     down_split: kernel B''s launch (SplitConfig's fields, prefetch as 0/1) at every batch below the crossover,
-    instead of split_config()'s per-shape choice (P6's down_split option; the CPU reference ignores it)."""
+    instead of split_config()'s per-shape choice (P6's down_split option; the CPU reference ignores it).
+    shared_l2_prefetch / down_l2_prefetch: fused_moe_triton's options of the same names (P6's; same values)."""
     return fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
 
@@ -921,20 +981,23 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 @fused_moe_decode.register_kernel("cuda")
 def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
-                           latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None):
+                           latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
+                           shared_l2_prefetch=False, down_l2_prefetch=False):
     args = (x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
             linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
     if triton is None or x.shape[0] >= crossover:
         return fused_moe_grouped(*args)
     split = None if down_split is None else split_from_list(down_split)
     with torch.cuda.device(x.device):  # Triton launches on the current device
-        return fused_moe_triton(*args, use_pdl=use_pdl, split=split)
+        return fused_moe_triton(*args, use_pdl=use_pdl, split=split, shared_l2_prefetch=shared_l2_prefetch,
+                                down_l2_prefetch=down_l2_prefetch)
 
 
 @fused_moe_decode.register_fake
 def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
-                           latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None):
+                           latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
+                           shared_l2_prefetch=False, down_l2_prefetch=False):
     _, _, _, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                     shared_w2, act, latent_up_w, latent_norm_w, shared_w13)
     return x.new_empty(x.shape[0], out_width)

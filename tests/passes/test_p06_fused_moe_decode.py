@@ -239,6 +239,27 @@ def test_down_split_option_goes_into_the_op_and_bad_values_are_refused():
             pipeline_from_flags(P6, pass_opts=[f"{P6}.down_split={bad}"]).validate()
 
 
+def test_l2_prefetch_options_go_into_the_op_after_down_split_and_default_off():
+    """shared_l2_prefetch / down_l2_prefetch (kernel A's and B''s shared slot: launch order and L2 prefetch) become the
+    op's arguments 20 and 21, after down_split (None when unset); off (the default), a node has the 19 arguments it
+    had before them. On CPU the op computes the reference whatever they say."""
+    x = inputs_for("kimi-linear-tiny", "decode", torch.float32)
+    before = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
+    want = run_graph(before, x)
+    for options, tail in (({}, ()), ({"shared_l2_prefetch": True}, (None, True)),
+                          ({"down_l2_prefetch": True}, (None, False, True)),
+                          ({"shared_l2_prefetch": True, "down_l2_prefetch": True, "down_split": "64x128x4"},
+                           ([64, 128, 4], True, True))):
+        gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
+        assert run_pass(gm, P6, **options) == 5
+        assert all(tuple(n.args[19:]) == tail for n in _fused_nodes(gm)), options
+        assert_same_step(run_graph(gm, x), want, FP32_TOL, f"{options} on CPU vs unpassed graph")
+    pipeline = pipeline_from_flags(P6, pass_opts=[f"{P6}.shared_l2_prefetch=true", f"{P6}.down_l2_prefetch=on"])
+    pipeline.validate()
+    assert pipeline.config(P6).shared_l2_prefetch is True and pipeline.config(P6).down_l2_prefetch is True
+    assert pipeline_from_flags(P6).config(P6).shared_l2_prefetch is False  # off until measured whole-engine
+
+
 @functools.lru_cache(maxsize=None)
 def _k3_mini_like():
     """k3-mini-6b's MoE structure at tiny sizes (3 layers: dense, 2 MoE): latent MoE with RMSNorm, SiTU,
@@ -352,6 +373,28 @@ def test_kimi_like_on_cuda_with_the_down_split_launch_from_the_config():
     assert run_pass(gm, P6, use_pdl=True, crossover_batch=1 << 20, down_split="16x32x4x2x1") == 2
     x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 6)]
     assert_same_step(run_graph(gm, x), run_graph(before, x), BF16_TOL, "down_split on CUDA vs unpassed graph")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kimi_like_on_cuda_with_the_l2_prefetch_options():
+    """P6's shared_l2_prefetch and down_l2_prefetch reach kernels A and B' on CUDA (PDL on): the step computes the
+    same bits as with them off, and matches the unpassed graph."""
+    m = _small_model("situ")
+    gpu = build_model(m.config)
+    gpu.load_state_dict(m.state_dict())
+    gpu = gpu.to("cuda", torch.bfloat16)
+    before = _after_p1_p4(capture_step(gpu, "decode"))
+    x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 7)]
+    outs = []
+    for on in (False, True):
+        gm = _after_p1_p4(capture_step(gpu, "decode"))
+        assert run_pass(gm, P6, use_pdl=True, crossover_batch=1 << 20, shared_l2_prefetch=on, down_l2_prefetch=on) == 2
+        outs.append(run_graph(gm, x))
+    (out_off, in_off), (out_on, in_on) = outs
+    for i, (off, on) in enumerate(list(zip(out_off, out_on)) + list(zip(in_off, in_on))):
+        assert not isinstance(off, torch.Tensor) or torch.equal(off, on), f"tensor {i} differs with the options on"
+    assert_same_step(outs[1], run_graph(before, x), BF16_TOL, "L2 prefetch options on CUDA vs unpassed graph")
 
 
 @pytest.mark.parametrize("name,mode,dtype", [("kimi-linear-tiny", "verify", torch.float32),

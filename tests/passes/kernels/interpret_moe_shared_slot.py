@@ -2,7 +2,8 @@
 
 Started in a subprocess by test_moe_decode.py. Per case: the op with shared_w13 against the reference (its
 gate/up as the unfused graph computes them: one GEMM on x, then split), launched twice on the same inputs
-(both outputs equal: the second launch finds the split design's counters zeroed). Cases: SiLU-GLU and
+(both outputs equal: the second launch finds the split design's counters zeroed), and once more with
+shared_l2_prefetch (kernel A's shared slot first in launch order): the same bits. Cases: SiLU-GLU and
 SiTU-GLU, k = 3 (not a power of two), shared width Is equal to, below and above I (the shared slot's column
 blocks then run past or stop short of the routed ones), kernel A's "rows" and "tiles" designs (MXFP4 routed
 experts with the bf16/fp32 shared weight: the tiles design), every down design, PDL asked for (a no-op here:
@@ -71,6 +72,12 @@ def main() -> int:
             failures.append(f"{name} tile={tile}: rel err {err:.3g} > {TOL[dtype]:g}")
         if not torch.equal(got, again):
             failures.append(f"{name}: two launches on the same inputs differ")
+        # shared_l2_prefetch: kernel A's grid transposed, the shared slot first (the prefetch itself needs PDL,
+        # which the interpreter has not): the same programs computing the same sums, so the same bits
+        first = moe_decode.fused_moe_triton(**kw, block_n=block_n, block_k=block_k, designs=designs, use_pdl=pdl,
+                                            shared_l2_prefetch=True, down_l2_prefetch=True)
+        if not torch.equal(got, first):
+            failures.append(f"{name}: shared slot first (shared_l2_prefetch) changed the output")
     return report(failures, n)
 
 

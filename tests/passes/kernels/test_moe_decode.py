@@ -167,6 +167,62 @@ def test_split_launch_comes_from_the_table_and_bad_launches_raise():
             moe_decode.fused_moe_triton(*_op_args(p)[:13], designs=("rows", "split"), split=bad)
 
 
+class _Recorder:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **kwargs)` records the launch, runs nothing."""
+
+    def __init__(self, launches, name):
+        self.launches, self.name = launches, name
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.name, tuple(grid), kwargs))
+
+
+@pytest.mark.skipif(moe_decode.triton is None, reason="needs triton")
+def test_l2_prefetch_options_reach_the_launches(monkeypatch):
+    """shared_l2_prefetch: kernel A's grid transposed (shared slot first) whenever asked and the slot exists; its L2
+    prefetch (PIECES = 32 x num_warps) only with PDL and 16-byte rows; down_l2_prefetch: B''s shared slot, likewise.
+    Off: the launches are today's (no new constexprs). Kernels replaced by recorders: launch arguments only."""
+    launches = []
+    for name in ("_expert_up_rows_kernel", "_expert_up_kernel", "_expert_down_split_kernel"):
+        monkeypatch.setattr(moe_decode, name, _Recorder(launches, name))
+    pdl = {"on": False}
+    monkeypatch.setattr(moe_decode, "pdl_for", lambda requested, tensor: bool(requested) and pdl["on"])
+
+    def launch(d=64, s=32, dtype=torch.bfloat16, up="rows", **options):
+        p = _problem(n=2, e=8, k=3, d=d, i=32, do=48, s=s, dtype=dtype)
+        sw13 = torch.randn(2 * s, d).to(dtype)
+        launches.clear()
+        moe_decode.fused_moe_triton(*_op_args(dict(p, shared_in=None, shared_up=None))[:13], shared_w13=sw13,
+                                    use_pdl=True, designs=(up, "split"), **options)
+        (a_name, a_grid, a_kw), (b_name, _, b_kw) = launches
+        assert a_name == f"_expert_up{'_rows' if up == 'rows' else ''}_kernel" and b_name == "_expert_down_split_kernel"
+        return a_grid, a_kw, b_kw
+
+    a_grid, a_kw, b_kw = launch()
+    today, blocks = a_grid, a_grid[1]  # (tokens x (k + 1) slots, column blocks)
+    assert a_grid[0] == 2 * 4 and "SHARED_FIRST" not in a_kw and "SHARED_L2_PREFETCH" not in b_kw
+    a_grid, a_kw, b_kw = launch(shared_l2_prefetch=True, down_l2_prefetch=True)  # no PDL: the order only
+    assert a_grid == today[::-1] and a_kw["SHARED_FIRST"] and not a_kw["SHARED_L2_PREFETCH"]
+    assert "SHARED_L2_PREFETCH" not in b_kw
+    pdl["on"] = True
+    for up in ("rows", "tiles"):
+        a_grid, a_kw, b_kw = launch(up=up, shared_l2_prefetch=True, down_l2_prefetch=True)
+        assert a_grid == launch(up=up)[0][::-1]
+        a_grid, a_kw, b_kw = launch(up=up, shared_l2_prefetch=True, down_l2_prefetch=True)
+        assert a_kw["SHARED_FIRST"] and a_kw["SHARED_L2_PREFETCH"] and a_kw["PIECES"] == 32 * a_kw["num_warps"]
+        assert b_kw["SHARED_L2_PREFETCH"] and b_kw["PIECES"] == 32 * b_kw["num_warps"] and b_kw["launch_pdl"]
+    a_grid, a_kw, b_kw = launch(down_l2_prefetch=True)  # B' alone
+    assert "SHARED_FIRST" not in a_kw and b_kw["SHARED_L2_PREFETCH"]
+    # rows that are not whole 16-byte units (D = 60, Is = 36 bf16): no prefetch, the order stays as asked
+    a_grid, a_kw, b_kw = launch(d=60, s=36, shared_l2_prefetch=True, down_l2_prefetch=True)
+    assert a_kw["SHARED_FIRST"] and not a_kw["SHARED_L2_PREFETCH"] and "SHARED_L2_PREFETCH" not in b_kw
+    # without the shared slot in A (shared_in / shared_up given) the option changes nothing in A
+    p = _problem(n=2, e=8, k=3, d=64, i=32, do=48, s=32, dtype=torch.bfloat16)
+    launches.clear()
+    moe_decode.fused_moe_triton(*_op_args(p)[:13], use_pdl=True, designs=("rows", "split"), shared_l2_prefetch=True)
+    assert launches[0][1] == (2 * 3, blocks) and "SHARED_FIRST" not in launches[0][2]
+
+
 def test_op_passes_opcheck_and_stays_one_node():
     p = _problem(n=2)
     torch.library.opcheck(FUSED, _op_args(p))
@@ -445,3 +501,39 @@ def test_cuda_shared_slot_with_pdl_replays_from_a_cuda_graph(n):
                for key, v in p.items()}
         ref = fused_moe_reference(*_op_args(f32, "silu", 0)[:13], shared_w13=sw13.float())
         assert _rel(out, ref) < 1e-2, (seed, _rel(out, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1, 8])
+def test_cuda_l2_prefetch_options_give_the_same_bits_at_the_48b_shape(n):
+    """shared_l2_prefetch (kernel A: shared slot first, its gate/up rows asked of L2 before gdc_wait) and
+    down_l2_prefetch (B''s shared slot) at the 48B shape, PDL on, rows and tiles designs of A, eager and replayed from
+    a CUDA graph after a router-like kernel: outputs bit-identical with the options off, and within the reference's
+    tolerance."""
+    p, sw13 = _with_shared_w13(_cuda_problem(n, 600 + n, **_shape_48b()), 600 + n)
+    f32 = {key: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v) for key, v in p.items()}
+    ref = fused_moe_reference(*_op_args(f32, "silu", 0)[:13], shared_w13=sw13.float())
+    args = _op_args(p, "silu", 0)[:13]
+    for up in ("rows", "tiles"):
+        off = moe_decode.fused_moe_triton(*args, shared_w13=sw13, use_pdl=True, designs=(up, "split"))
+        for a, b in ((True, False), (False, True), (True, True)):
+            on = moe_decode.fused_moe_triton(*args, shared_w13=sw13, use_pdl=True, designs=(up, "split"),
+                                             shared_l2_prefetch=a, down_l2_prefetch=b)
+            torch.cuda.synchronize()
+            assert torch.equal(on, off), (up, a, b)
+        assert _rel(off, ref) < 1e-2, (up, _rel(off, ref))
+    # the op as the engine calls it (options as its last two arguments), replayed from a CUDA graph behind another
+    # kernel, as a step replays it
+    scratch = torch.empty(1 << 22, device="cuda")
+    graphs = []
+    for on in (False, True):
+        def step(on=on):
+            scratch.mul_(0.5)
+            return FUSED(*_op_args(p, "silu", 1 << 30), None, None, 1e-5, True, sw13, None, on, on)
+        graphs.append(_graphed(step))
+    for graph, _ in graphs:
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphs[0][1], graphs[1][1])
+    assert _rel(graphs[1][1], ref) < 1e-2
