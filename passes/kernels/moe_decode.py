@@ -716,6 +716,71 @@ SPLIT_CANDIDATES: tuple[SplitConfig, ...] = (
     SplitConfig(32, 256, 4, 2, True),
 )
 
+# The launches of k3-mini-6b's latent MoE (E=96, top-8, I=512 on the 1024-wide latent, up-projection to 2048, two
+# shared experts' width Is=1024 with its GLU in kernel C) were never swept: every rule above was tuned at the 48B
+# shape. tools/bench_moe10mini.py times the op at that shape (batch 1, 8, 2, 4), today's launches vs the candidates
+# below, one kernel varied at a time, then the best combination; it prints the table entries for its winners.
+# Kernel B' candidates there (key (tokens x 8, 1024, 512, False): today's rule gives (8, 512, 4) at batch 1, 1024
+# programs of 8 KB each, and (64, 128, 4) at batch 8): wider row blocks, K chunks, prefetch, fewer/more warps.
+LATENT_SPLIT_CANDIDATES: tuple[SplitConfig, ...] = (
+    SplitConfig(16, 512, 4), SplitConfig(32, 512, 8), SplitConfig(32, 256, 4, 1, True), SplitConfig(16, 256, 4, 2, True),
+    SplitConfig(8, 256, 4, 2, True), SplitConfig(4, 512, 4), SplitConfig(64, 128, 4, 1, True),
+    SplitConfig(32, 128, 4, 2, True),
+)
+
+# Kernel A's "rows" launch (and kernel B's, design "rows") per shape: (BLOCK_N, BLOCK_K, num_warps), keyed like
+# rows_config's call: (kernel "up" / "down", programs per row block (A: tokens x top_k), rows (A: I; B: Do), K (A: D;
+# B: I)); a key not listed takes the rule. Nothing measured yet, so empty (the 48B layer keeps its rule).
+ROWS_TUNED: dict[tuple[str, int, int, int], tuple[int, int, int]] = {}
+# What bench_moe10mini.py tries for kernel A (rows) at k3-mini: today's rule gives (8, 256, 4) at batch 1 (512 programs
+# of 32 KB: 16 rows x 1024) and (64, 128, 4) at batch 8.
+ROWS_CANDIDATES: tuple[tuple[int, int, int], ...] = (
+    (4, 256, 4), (4, 512, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (8, 256, 2), (32, 128, 4),
+    (64, 256, 8),
+)
+
+
+class LatentConfig(NamedTuple):
+    """Launch of kernel C (`_latent_out_kernel`): output columns per program, the up-projection's K tile, the shared
+    expert's K tile, warps."""
+    block_n: int
+    block_k: int
+    block_ks: int
+    num_warps: int
+
+
+# Kernel C's launch per shape, keyed (tokens, output width D, latent width, shared width Is); a key not listed takes
+# the tile rule (gemv_config "latent", K tiles from shared_block_k). Nothing measured yet: empty.
+LATENT_TUNED: dict[tuple[int, int, int, int], LatentConfig] = {}
+# What bench_moe10mini.py tries for kernel C at k3-mini: today's rule gives (4, 1024, 1024, 4) at batch 1 (512
+# programs of 16 KB: 4 rows of W_up and of the shared W2) and (16, 512, 512, 4) at batch 8.
+LATENT_CANDIDATES: tuple[LatentConfig, ...] = (
+    LatentConfig(8, 1024, 1024, 4), LatentConfig(8, 512, 512, 4), LatentConfig(16, 512, 512, 4),
+    LatentConfig(16, 512, 512, 8), LatentConfig(2, 1024, 1024, 4), LatentConfig(4, 512, 512, 4),
+    LatentConfig(4, 1024, 1024, 8), LatentConfig(32, 256, 256, 4),
+)
+
+
+def latent_config(tokens: int, out_width: int, latent_width: int, shared_width: int, quantized: bool = False,
+                  block_n: int | None = None) -> LatentConfig:
+    """Kernel C's launch: LATENT_TUNED's entry for (tokens, out_width, latent_width, shared_width), else the tile rule
+    (gemv_config "latent"; quantized only selects its TUNED key). block_n: the caller's override (tests, tile sweeps),
+    which skips the table and sizes the K tiles for that block."""
+    tuned = LATENT_TUNED.get((tokens, out_width, latent_width, shared_width)) if block_n is None else None
+    if tuned is not None:
+        return check_latent_config(tuned)
+    bn, _, warps = gemv_config("latent", tokens, out_width, latent_width, quantized)
+    bn = block_n or bn
+    return LatentConfig(bn, shared_block_k(bn, latent_width), shared_block_k(bn, max(shared_width, 1)), warps)
+
+
+def check_latent_config(launch: LatentConfig) -> LatentConfig:
+    """A LatentConfig (or a tuple of its fields) with every field a power of two in range, else ValueError."""
+    launch = LatentConfig(*launch)
+    for name, least in (("block_n", 1), ("block_k", 32), ("block_ks", 32), ("num_warps", 1)):
+        _pow2(f"latent {name}", getattr(launch, name), least)
+    return launch
+
 # Which design runs each kernel: "tiles" (the kernels above with a [rows, K] tile summed in place; MXFP4 and,
 # at small batches, the bf16 down-projection) or "rows" (_expert_*_rows_kernel, a per-iteration reduction;
 # dense weights only). From static shapes only (CUDA-graph safe, no runtime autotuning). Kernel µs measured
@@ -748,10 +813,17 @@ def kernel_designs(tokens: int, quantized: bool) -> tuple[str, str]:
     return table[max((b for b in table if b <= max(tokens, 1)), default=min(table))]
 
 
-def rows_config(programs_per_block: int, rows: int, pairs: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) of a "rows" kernel, the pre-rework rule: the widest BLOCK_N in 64..8 that
-    still gives >= 264 programs (2 per H200 SM); BLOCK_K 256 for <= 16 (token, expert) pairs, else 128 (its
-    H200 sweep at the 48B shape)."""
+def rows_config(programs_per_block: int, rows: int, pairs: int, kernel: str | None = None,
+                k: int | None = None) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of a "rows" kernel: ROWS_TUNED's entry for (kernel "up" / "down",
+    programs_per_block, rows, K = k), else the pre-rework rule: the widest BLOCK_N in 64..8 that still gives
+    >= 264 programs (2 per H200 SM); BLOCK_K 256 for <= 16 (token, expert) pairs, else 128 (its H200 sweep at
+    the 48B shape)."""
+    tuned = ROWS_TUNED.get((kernel, programs_per_block, rows, k))
+    if tuned is not None:
+        for name, value, least in zip(("rows block_n", "rows block_k", "rows num_warps"), tuned, (1, 32, 1)):
+            _pow2(name, value, least)
+        return tuple(tuned)
     block_n = next((bn for bn in (64, 32, 16) if programs_per_block * triton.cdiv(rows, bn) >= 264), 8)
     return block_n, 256 if pairs <= 16 else 128, 4
 
@@ -865,7 +937,7 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
 
     def config(kernel, programs, rows, kk, design="tiles"):
         if design == "rows":
-            bn, bk, warps = rows_config(programs, rows, n * k)
+            bn, bk, warps = rows_config(programs, rows, n * k, kernel, kk)
         else:
             bn, bk, warps = gemv_config(kernel, programs, rows, kk, quantized, k)
         return block_n or bn, block_k or bk, num_warps or warps
@@ -948,13 +1020,14 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     if latent:
         upw = latent_up_w.contiguous()
         nw = latent_norm_w.contiguous() if latent_norm_w is not None else upw
-        bn, _, warps = config("latent", n, out_width, routed_width)
+        launch_c = latent_config(n, out_width, routed_width, shared_width, quantized, block_n)
+        bn = launch_c.block_n
         _latent_out_kernel[(n, triton.cdiv(out_width, bn))](
             u, nw, upw, sin, sup, sw2, out, routed_width, out_width, shared_width,
             sin.stride(0), sup.stride(0), out.stride(0), float(latent_eps), float(beta), float(linear_beta),
             ACT=act_id, NORM=latent_norm_w is not None, SHARED=shared, SHARED_GLU=shared_up is not None,
-            BLOCK_N=bn, BLOCK_K=block_k or shared_block_k(bn, routed_width),
-            BLOCK_KS=block_k or shared_block_k(bn, max(shared_width, 1)), USE_PDL=pdl, num_warps=warps, **launch)
+            BLOCK_N=bn, BLOCK_K=block_k or launch_c.block_k, BLOCK_KS=block_k or launch_c.block_ks, USE_PDL=pdl,
+            num_warps=num_warps or launch_c.num_warps, **launch)
     return out
 
 
