@@ -1,0 +1,142 @@
+"""The fused MoE decode op's per-shape launch tables (ROWS_TUNED: kernel A's "rows" launch and B's "rows" design;
+SPLIT_TUNED: B'; LATENT_TUNED: kernel C): a table entry is the launch the op makes, launches from the tables match
+the CPU reference under the interpreter, and on CUDA every candidate tools/bench_moe10mini.py may pick at the
+k3-mini-6b latent MoE shape matches the reference."""
+import pytest
+import torch
+
+from k3compile.model_def.config import get_preset
+from k3compile.passes.kernels import moe_decode
+from k3compile.passes.kernels.moe_decode import LatentConfig, SplitConfig, fused_moe_reference, random_routing
+
+from .interpreted import run_interpreted
+
+needs_triton = pytest.mark.skipif(moe_decode.triton is None, reason="needs triton")
+
+
+def _latent_problem(n, e=6, k=3, lat=64, i=32, d=80, s=48, device="cpu", dtype=torch.float32, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+    ids, wts = random_routing(n, e, k, device, seed)
+    return dict(x=randn(n, lat), topk_ids=ids, topk_weights=wts, w13=randn(e, 2 * i, lat, scale=lat ** -0.5),
+                w2=randn(e, lat, i, scale=i ** -0.5), shared_in=randn(n, s), shared_up=randn(n, s),
+                shared_w2=randn(d, s, scale=s ** -0.5), act="situ", beta=4.0, linear_beta=25.0,
+                latent_up_w=randn(d, lat, scale=lat ** -0.5), latent_norm_w=(1 + 0.1 * randn(lat)).to(dtype),
+                latent_eps=1e-5)
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **constexprs)` records (grid, constexprs), runs nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((tuple(grid), kw))
+
+
+def _launches(monkeypatch, p, designs=("rows", "split")):
+    kernels = {name: _Recorder() for name in ("_expert_up_rows_kernel", "_expert_down_split_kernel",
+                                              "_latent_out_kernel")}
+    for name, rec in kernels.items():
+        monkeypatch.setattr(moe_decode, name, rec)
+    moe_decode.fused_moe_triton(**p, designs=designs)
+    assert all(len(rec.calls) == 1 for rec in kernels.values())
+    return [rec.calls[0] for rec in kernels.values()]
+
+
+@needs_triton
+def test_table_entries_are_the_launches_the_op_makes(monkeypatch):
+    n, k, lat, i, d, s = 2, 3, 64, 32, 80, 48
+    p = _latent_problem(n, k=k, lat=lat, i=i, d=d, s=s)
+    # no entry: the rules (what the op launched before the tables existed)
+    (grid_a, a), (grid_b, b), (grid_c, c) = _launches(monkeypatch, p)
+    bn, bk, warps = moe_decode.rows_config(n * k, i, n * k)
+    assert (grid_a, a["BLOCK_N"], a["BLOCK_K"], a["num_warps"]) == ((n * k, -(-i // bn)), bn, bk, warps)
+    rule_b = SplitConfig(*moe_decode.gemv_config("split", n * k, lat, i, False))
+    assert (b["BLOCK_N"], b["BLOCK_K"], b["num_warps"], b["KSPLIT"], b["PREFETCH"]) == rule_b
+    rule_c = moe_decode.gemv_config("latent", n, d, lat, False)
+    assert (grid_c, c["BLOCK_N"], c["num_warps"]) == ((n, -(-d // rule_c[0])), rule_c[0], rule_c[2])
+    assert (c["BLOCK_K"], c["BLOCK_KS"]) == (moe_decode.shared_block_k(rule_c[0], lat),
+                                             moe_decode.shared_block_k(rule_c[0], s))
+    # entries for this shape: exactly those launches (grids follow BLOCK_N)
+    monkeypatch.setitem(moe_decode.ROWS_TUNED, ("up", n * k, i, lat), (4, 64, 8))
+    monkeypatch.setitem(moe_decode.SPLIT_TUNED, (n * k, lat, i, False), SplitConfig(16, 32, 2, 2, True))
+    monkeypatch.setitem(moe_decode.LATENT_TUNED, (n, d, lat, s), LatentConfig(32, 64, 32, 8))
+    (grid_a, a), (grid_b, b), (grid_c, c) = _launches(monkeypatch, p)
+    assert (grid_a, a["BLOCK_N"], a["BLOCK_K"], a["num_warps"]) == ((n * k, i // 4), 4, 64, 8)
+    assert (grid_b, b["BLOCK_N"], b["BLOCK_K"], b["num_warps"], b["KSPLIT"], b["PREFETCH"]) == (
+        (n * -(-lat // 16), k * 2), 16, 32, 2, 2, True)
+    assert (grid_c, c["BLOCK_N"], c["BLOCK_K"], c["BLOCK_KS"], c["num_warps"]) == ((n, -(-d // 32)), 32, 64, 32, 8)
+    # the op's explicit overrides still win over the tables (tests, tile sweeps)
+    kernels = {name: _Recorder() for name in ("_expert_up_rows_kernel", "_expert_down_split_kernel",
+                                              "_latent_out_kernel")}
+    for name, rec in kernels.items():
+        monkeypatch.setattr(moe_decode, name, rec)
+    moe_decode.fused_moe_triton(**p, designs=("rows", "split"), block_n=8, block_k=32, num_warps=2)
+    for rec in kernels.values():
+        _, kw = rec.calls[0]
+        assert (kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"]) == (8, 32, 2)
+
+
+def test_k3_mini_launches_stay_as_before_and_bad_entries_raise(monkeypatch):
+    """Defaults as before the tables (k3-mini-6b, batch 1 and 8): the lead fills the tables from the sweep; the 48B
+    keys have no ROWS_TUNED / LATENT_TUNED entry. A bad entry is refused with a message naming the field."""
+    if moe_decode.triton is None:
+        pytest.skip("needs triton")
+    assert moe_decode.rows_config(8, 512, 8, "up", 1024) == (8, 256, 4)
+    assert moe_decode.rows_config(64, 512, 64, "up", 1024) == (64, 128, 4)
+    assert moe_decode.split_config(8, 1024, 512, False) == SplitConfig(8, 512, 4)
+    assert moe_decode.latent_config(1, 2048, 1024, 1024) == LatentConfig(4, 1024, 1024, 4)
+    assert moe_decode.latent_config(8, 2048, 1024, 1024) == LatentConfig(16, 512, 512, 4)
+    assert not any(key[3] == 2304 for key in moe_decode.ROWS_TUNED)
+    assert moe_decode.latent_config(1, 2048, 1024, 1024, block_n=16) == LatentConfig(16, 512, 512, 4)
+    monkeypatch.setitem(moe_decode.LATENT_TUNED, (1, 2048, 1024, 1024), LatentConfig(8, 100, 64, 4))
+    with pytest.raises(ValueError, match="latent block_k must be a power of two"):
+        moe_decode.latent_config(1, 2048, 1024, 1024)
+    monkeypatch.setitem(moe_decode.ROWS_TUNED, ("up", 8, 512, 1024), (8, 256, 3))
+    with pytest.raises(ValueError, match="rows num_warps must be a power of two"):
+        moe_decode.rows_config(8, 512, 8, "up", 1024)
+
+
+@needs_triton
+def test_launch_tables_under_interpreter_match_reference():
+    run_interpreted("interpret_moe_launch_tables.py", timeout=600)
+
+
+# ------------------------------------------------------------------------------------- CUDA
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1, 8])
+def test_cuda_every_k3_mini_launch_candidate_matches_reference(n):
+    """Each launch tools/bench_moe10mini.py may make the default at the k3-mini-6b latent MoE shape (bf16, PDL on),
+    put in through its table (A: ROWS_TUNED, C: LATENT_TUNED) or the op's split argument (B'), matches the fp32
+    reference."""
+    cfg = get_preset("k3-mini-6b")
+    k, i, lat, d = cfg.num_experts_per_token, cfg.moe_intermediate_size, cfg.latent_size, cfg.hidden_size
+    s = i * cfg.num_shared_experts
+    p = _latent_problem(n, e=cfg.num_experts, k=k, lat=lat, i=i, d=d, s=s, device="cuda", dtype=torch.bfloat16,
+                        seed=n)
+    ref = fused_moe_reference(**{key: v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v
+                                 for key, v in p.items()})
+    arms = [("A", c) for c in moe_decode.ROWS_CANDIDATES] + [("C", c) for c in moe_decode.LATENT_CANDIDATES]
+    arms += [("B", c) for c in moe_decode.LATENT_SPLIT_CANDIDATES]
+    for kernel, launch in arms:
+        table, key = {"A": (moe_decode.ROWS_TUNED, ("up", n * k, i, lat)),
+                      "C": (moe_decode.LATENT_TUNED, (n, d, lat, s)), "B": (None, None)}[kernel]
+        if table is not None:
+            table[key] = launch
+        try:
+            got = moe_decode.fused_moe_triton(**p, use_pdl=True, designs=("rows", "split"),
+                                              split=launch if kernel == "B" else None)
+        finally:
+            if table is not None:
+                table.pop(key)
+        assert got.shape == (n, d) and _rel(got, ref) < 1e-2, (kernel, launch, _rel(got, ref))
