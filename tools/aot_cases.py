@@ -208,3 +208,42 @@ def _moe_tiles_prefetch(batch):
     ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
     moe_decode.fused_moe_triton(x, ids, wts, w13, w2, s13, s2, shared_w2=sw2, shared_w13=sw13, use_pdl=True,
                                 shared_l2_prefetch=True, down_l2_prefetch=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _mini_experts():
+    """k3-mini-6b's latent MoE expert weights (E=96, I=512, latent 1024), uninitialized (compiled, never run)."""
+    return torch.empty(96, 2 * 512, 1024, dtype=BF), torch.empty(96, 1024, 512, dtype=BF)
+
+
+def moe_mini(batch, rows=None, split=None, latent=None):
+    """The op as P6 emits it for k3-mini-6b (latent path: A rows, B' split, C with norm, up-projection to 2048 and the
+    shared expert's GLU, Is = 1024), PDL on; A's and C's launches put in through ROWS_TUNED / LATENT_TUNED."""
+    e, k, i, lat, d, s = 96, 8, 512, 1024, 2048, 1024
+    (w13, w2), x = _mini_experts(), _randn(batch, lat)
+    ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
+    g, u, sw2, upw, nw = _randn(batch, s), _randn(batch, s), _randn(d, s), _randn(d, lat), _randn(lat)
+    entries = [(moe_decode.ROWS_TUNED, ("up", batch * k, i, lat), rows), (moe_decode.LATENT_TUNED, (batch, d, lat, s),
+                                                                           latent)]
+
+    def run():
+        for table, key, launch in entries:
+            if launch is not None:
+                table[key] = launch
+        try:
+            moe_decode.fused_moe_triton(x, ids, wts, w13, w2, shared_in=g, shared_up=u, shared_w2=sw2, act="situ",
+                                        latent_up_w=upw, latent_norm_w=nw, use_pdl=True, designs=("rows", "split"),
+                                        split=split)
+        finally:
+            for table, key, launch in entries:
+                table.pop(key, None)
+    return run
+
+
+if hasattr(moe_decode, "LATENT_CANDIDATES"):  # every launch tools/bench_moe10mini.py tries (k3-mini-6b, PDL on)
+    for _b in (1, 8):
+        CASES += [(f"moe mini batch {_b} (today's launches)", moe_mini(_b))]
+        CASES += [(f"moe mini batch {_b}, A {c}", moe_mini(_b, rows=c)) for c in moe_decode.ROWS_CANDIDATES]
+        CASES += [(f"moe mini batch {_b}, B' {tuple(c)}", moe_mini(_b, split=c))
+                  for c in moe_decode.LATENT_SPLIT_CANDIDATES]
+        CASES += [(f"moe mini batch {_b}, C {tuple(c)}", moe_mini(_b, latent=c)) for c in moe_decode.LATENT_CANDIDATES]
