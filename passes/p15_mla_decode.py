@@ -85,8 +85,10 @@ class MLADecodeConfig(PassConfig):
     # W_UK (the einsum before the attention): "cublas" leaves the batched GEMM; "triton" -> k3.mla_absorb_q, a GEMV
     # with PDL (kernels/mla_absorb.py; the GEMM above its MAX_TOKENS); "fold": as "triton", and where the layer's
     # prologue has no q-LoRA (Kimi Linear) both in one kernel, k3.mla_decode_prologue_absorb. tools/bench_mla10.py.
-    absorb_q: str = "cublas"
-    # the W_UV merge kernel L2-prefetches its weight block before gdc_wait (only with PDL and aligned blocks)
+    # Default "fold": 48B batch 1, whole engine (traces/h200_s10/call3): fold 2.237 ms, triton 2.255, cublas 2.260.
+    absorb_q: str = "fold"
+    # the W_UV merge kernel L2-prefetches its weight block before gdc_wait (only with PDL and aligned blocks); off:
+    # with fold, 2.238 vs 2.237 ms at 48B batch 1 (traces/h200_s10/call3)
     prefetch_w_uv: bool = False
 
     def validate(self) -> None:

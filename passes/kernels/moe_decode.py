@@ -705,6 +705,9 @@ SPLIT_TUNED: dict[tuple[int, int, int, bool], SplitConfig] = {
     # the whole 48B step, bench ladder variant 2.325 vs 2.319 ms)
     (18, 2304, 1024, False): SplitConfig(64, 128, 4, 2, False),
     (36, 2304, 1024, False): SplitConfig(64, 128, 4, 2, False),
+    # k3-mini-6b batch 2 (session 10, tools/bench_moe10mini.py, traces/h200_s10/call4/mini10.md: op 29.25 -> 26.36 us
+    # with the ROWS_TUNED / LATENT_TUNED entries of the same batch)
+    (16, 1024, 512, False): SplitConfig(64, 128, 4, 1, True),
 }
 # What bench_moe9.py tries besides today's choice (dense weights, 48B shape): more programs (smaller BLOCK_N or K
 # chunks: 324 programs of 128 KB on 132 SMs leave a third of the SMs a third program's worth of tail) and more
@@ -731,7 +734,14 @@ LATENT_SPLIT_CANDIDATES: tuple[SplitConfig, ...] = (
 # Kernel A's "rows" launch (and kernel B's, design "rows") per shape: (BLOCK_N, BLOCK_K, num_warps), keyed like
 # rows_config's call: (kernel "up" / "down", programs per row block (A: tokens x top_k), rows (A: I; B: Do), K (A: D;
 # B: I)); a key not listed takes the rule. Nothing measured yet, so empty (the 48B layer keeps its rule).
-ROWS_TUNED: dict[tuple[str, int, int, int], tuple[int, int, int]] = {}
+# k3-mini-6b (session 10, tools/bench_moe10mini.py, traces/h200_s10/call4/mini10.md, MoE op us with PDL, today ->
+# with the batch's entries here, in SPLIT_TUNED and in LATENT_TUNED): batch 2 29.25 -> 26.36, 4 47.15 -> 41.45,
+# 8 64.1 -> 60.91; batch 1's best (19.84 -> 19.57) is within noise: not adopted
+ROWS_TUNED: dict[tuple[str, int, int, int], tuple[int, int, int]] = {
+    ("up", 16, 512, 1024): (16, 512, 8),
+    ("up", 32, 512, 1024): (64, 256, 8),
+    ("up", 64, 512, 1024): (32, 128, 4),
+}
 # What bench_moe10mini.py tries for kernel A (rows) at k3-mini: today's rule gives (8, 256, 4) at batch 1 (512 programs
 # of 32 KB: 16 rows x 1024) and (64, 128, 4) at batch 8.
 ROWS_CANDIDATES: tuple[tuple[int, int, int], ...] = (
@@ -751,7 +761,11 @@ class LatentConfig(NamedTuple):
 
 # Kernel C's launch per shape, keyed (tokens, output width D, latent width, shared width Is); a key not listed takes
 # the tile rule (gemv_config "latent", K tiles from shared_block_k). Nothing measured yet: empty.
-LATENT_TUNED: dict[tuple[int, int, int, int], LatentConfig] = {}
+LATENT_TUNED: dict[tuple[int, int, int, int], LatentConfig] = {  # k3-mini-6b batch 2, 4, 8: see ROWS_TUNED
+    (2, 2048, 1024, 1024): LatentConfig(block_n=16, block_k=512, block_ks=512, num_warps=8),
+    (4, 2048, 1024, 1024): LatentConfig(block_n=32, block_k=256, block_ks=256, num_warps=4),
+    (8, 2048, 1024, 1024): LatentConfig(block_n=32, block_k=256, block_ks=256, num_warps=4),
+}
 # What bench_moe10mini.py tries for kernel C at k3-mini: today's rule gives (4, 1024, 1024, 4) at batch 1 (512
 # programs of 16 KB: 4 rows of W_up and of the shared W2) and (16, 512, 512, 4) at batch 8.
 LATENT_CANDIDATES: tuple[LatentConfig, ...] = (
@@ -880,6 +894,9 @@ def shared_block_k(block_n: int, width: int) -> int:
     return max(32, min(TILE_ELEMS // block_n, triton.next_power_of_2(width)))
 
 
+L2_PREFETCH_MAX_TOKENS = 1  # the shared-slot L2 prefetch options apply up to this many tokens (see fused_moe_triton)
+
+
 def shared_l2_launch(asked: bool, pdl: bool, shared_w13: torch.Tensor, width: int) -> tuple[bool, bool]:
     """(shared slot first in kernel A's launch order, its L2 prefetch) for the op's shared_l2_prefetch option: the
     order whenever asked (the interpreter runs it, so CPU tests cover it); the prefetch only with PDL (the inline PTX
@@ -957,6 +974,10 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     hs = torch.empty(n, shared_width_a, dtype=torch.float32, device=x.device) if slot_a else h
     sw13 = shared_w13.contiguous() if slot_a else h  # unused pointer without the shared slot
     grid_a = (n * (k + int(slot_a)), triton.cdiv(max(inter, shared_width_a), bn))
+    # the shared-slot prefetches at batch 1 only: there they made the 48B step 1% faster, at batch 8 the op 10%
+    # slower (traces/h200_s10/call4: 7.619 vs 7.090 ms with fold in both)
+    shared_l2_prefetch = shared_l2_prefetch and n <= L2_PREFETCH_MAX_TOKENS
+    down_l2_prefetch = down_l2_prefetch and n <= L2_PREFETCH_MAX_TOKENS
     first, prefetch_a = shared_l2_launch(shared_l2_prefetch and slot_a, pdl, sw13, width)
     if first:
         grid_a = grid_a[::-1]  # (column blocks, tokens + pairs): the shared slot's programs launch first

@@ -31,7 +31,7 @@ def _expected(cfg, dtype, mode) -> dict:
             "p03_casts_copies_dce": n["moe"] + folded, "p04_fused_routing": n["moe"],
             "p05_fused_kda_decode": n["kda"] if mode == "decode" else 0,
             "p06_fused_moe_decode": n["moe"] if mode == "decode" else 0,
-            "p07_attn_res_norm": 2 * n["layers"] + 1, "p15_mla_decode": 3 * n["mla"] if mode == "decode" else 0,
+            "p07_attn_res_norm": 2 * n["layers"] + 1, "p15_mla_decode": 4 * n["mla"] if mode == "decode" else 0,  # absorb_q=fold: + W_UK
             "p07_norm_route": n["moe"] if mode == "decode" and dtype != torch.float32 else 0,
             "p16_kda_verify_inputs": 0}  # verify graphs only
 

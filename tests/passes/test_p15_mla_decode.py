@@ -24,7 +24,7 @@ def test_three_rewrites_per_mla_layer_in_decode(name):
     before = op_counts(gm)
     assert before[torch.ops.k3.kv_write.default] == before[torch.ops.k3.mla_decode.default] == n["mla"]
     assert run_pass(gm, "p01_gemm_merge") > 0  # the merged input GEMM puts q_a next to the kv columns
-    assert run_pass(gm, P15) == 3 * n["mla"]
+    assert run_pass(gm, P15, absorb_q="cublas") == 3 * n["mla"]
     after = op_counts(gm)
     assert after[PROLOGUE] == after[FUSED_OUT] == n["mla"] and after[FUSED] == 0
     # W_UK's batched GEMM stays, W_UV's and the flatten's copy go
@@ -44,7 +44,7 @@ def test_three_rewrites_per_mla_layer_in_decode(name):
             assert node.args[9] is True and node.args[8] == cfg.qk_nope_head_dim
             assert node.args[7].op == "get_attr" and node.args[7].target.endswith("kv_b_proj_weight")
     code = gm.code
-    assert run_pass(gm, P15) == 0 and gm.code == code
+    assert run_pass(gm, P15, absorb_q="cublas") == 0 and gm.code == code
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -63,7 +63,7 @@ def test_numerics_vs_unpassed_graph_and_eager(name, dtype, merged):
     before, gm = graph(name, "decode", dtype), graph(name, "decode", dtype)
     if merged:
         run_pass(gm, "p01_gemm_merge")
-    assert run_pass(gm, P15, pdl=not merged) == 3 * layer_counts(model(name).config)["mla"]  # either way on CPU
+    assert run_pass(gm, P15, absorb_q="cublas", pdl=not merged) == 3 * layer_counts(model(name).config)["mla"]  # either way on CPU
     for x in (inputs_for(name, "decode", dtype), other_batch(model(name, dtype), "decode")):
         got = run_graph(gm, x)
         assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")  # KV pool included
@@ -73,12 +73,12 @@ def test_numerics_vs_unpassed_graph_and_eager(name, dtype, merged):
 def test_options_turn_each_half_off():
     gm = graph("kimi-linear-tiny", "decode")
     n = layer_counts(model("kimi-linear-tiny").config)["mla"]
-    assert run_pass(gm, P15, attention=False) == n
+    assert run_pass(gm, P15, absorb_q="cublas", attention=False) == n
     assert op_counts(gm)[PROLOGUE] == n and op_counts(gm)[FUSED] == 0
-    assert run_pass(gm, P15, prologue=False) == 2 * n
+    assert run_pass(gm, P15, absorb_q="cublas", prologue=False) == 2 * n
     assert op_counts(gm)[FUSED_OUT] == n
     gm = graph("kimi-linear-tiny", "decode")
-    assert run_pass(gm, P15, absorb_out=False) == 2 * n
+    assert run_pass(gm, P15, absorb_q="cublas", absorb_out=False) == 2 * n
     assert op_counts(gm)[FUSED] == n and op_counts(gm)[FUSED_OUT] == 0
 
 
@@ -88,7 +88,7 @@ def test_launch_table_is_recorded_on_every_attention_node_and_checked():
     config_cls = get_pass(P15).config_cls
     gm = graph("kimi-linear-tiny", "decode")
     n = layer_counts(model("kimi-linear-tiny").config)["mla"]
-    assert run_pass(gm, P15, launch_table="1:4:8/*:0:0") == 3 * n
+    assert run_pass(gm, P15, absorb_q="cublas", launch_table="1:4:8/*:0:0") == 3 * n
     recorded = [node.args[10] for node in gm.graph.nodes if node.target == FUSED_OUT]
     assert recorded == [[1, 4, 8, 1 << 30, 0, 0]] * n
     table = mla_decode.parse_launch_table("1:4:8/*:0:0")
@@ -137,15 +137,15 @@ def test_prefetch_w_uv_is_recorded_only_when_on_and_absorb_q_is_checked():
     from k3compile.passes.registry import PassConfigError, get_pass
     n = layer_counts(model("kimi-linear-tiny").config)["mla"]
     gm = graph("kimi-linear-tiny", "decode")
-    assert run_pass(gm, P15) == 3 * n
+    assert run_pass(gm, P15, absorb_q="cublas") == 3 * n
     assert [len(node.args) for node in gm.graph.nodes if node.target == FUSED_OUT] == [11] * n  # as engines before
     gm = graph("kimi-linear-tiny", "decode")
-    assert run_pass(gm, P15, prefetch_w_uv=True) == 3 * n
+    assert run_pass(gm, P15, absorb_q="cublas", prefetch_w_uv=True) == 3 * n
     assert [node.args[11] for node in gm.graph.nodes if node.target == FUSED_OUT] == [True] * n
     gm = graph("kimi-linear-tiny", "decode")
-    assert run_pass(gm, P15, prefetch_w_uv=True, pdl=False) == 3 * n  # the prefetch only ever runs under PDL
+    assert run_pass(gm, P15, absorb_q="cublas", prefetch_w_uv=True, pdl=False) == 3 * n  # the prefetch only ever runs under PDL
     assert [len(node.args) for node in gm.graph.nodes if node.target == FUSED_OUT] == [11] * n
-    assert get_pass(P15).config_cls().absorb_q == "cublas"
+    assert get_pass(P15).config_cls().absorb_q == "fold"  # the default since traces/h200_s10/call3
     with pytest.raises(PassConfigError, match="absorb_q"):
         get_pass(P15).config_cls(absorb_q="cutlass").validate()
 
