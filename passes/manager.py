@@ -113,7 +113,17 @@ def snapshot(gm: GraphModule) -> GraphModule:
     return clone
 
 
-def _check_graph(gm: GraphModule, name: str) -> None:
+def _code_inputs(gm: GraphModule) -> list:
+    """What gm.recompile() generates gm.forward from: the graph, its code generator and each node's op, name,
+    target, arguments and type."""
+    return [id(gm.graph), id(gm.graph._codegen)] + [(n.op, n.name, n.target, n.args, n.kwargs, n.type)
+                                                    for n in gm.graph.nodes]
+
+
+def _check_graph(gm: GraphModule, name: str, compiled_from: list | None) -> list:
+    """Lint the graph after pass `name` and bring gm.forward up to date with it; returns _code_inputs(gm).
+    Regenerating the code costs ~0.2 CPU s per k3-tiny graph and most passes match nothing on a given graph, so
+    it is skipped when the graph equals `compiled_from`, what the code was last generated from."""
     try:
         gm.graph.lint()
     except Exception as e:
@@ -122,7 +132,14 @@ def _check_graph(gm: GraphModule, name: str) -> None:
     if missing:
         raise PassError(f"pass {name} created nodes without meta['val'] (fake metadata later passes read): "
                         f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    gm.recompile()
+    code_inputs = _code_inputs(gm)
+    try:
+        unchanged = compiled_from is not None and code_inputs == compiled_from
+    except RuntimeError:  # a tensor argument replaced by another compares elementwise: changed
+        unchanged = False
+    if not unchanged:
+        gm.recompile()
+    return code_inputs
 
 
 class _Verifier:
@@ -173,18 +190,20 @@ class PassManager:
             os.makedirs(self.dump_dir, exist_ok=True)
             self._dump(gm, "00_captured.py", f"{name} graph as captured")
         start = time.perf_counter()
+        compiled_from = None  # the graph gm.forward was last generated from here (None: not yet in this run)
         for pos, pass_name in enumerate(self.config.order, 1):
             cfg = self.config.config(pass_name)
             if not cfg.enabled:
                 report.skipped.append(pass_name)
                 continue
-            report.passes.append(self._run_one(gm, pos, pass_name, cfg, verifier))
+            record, compiled_from = self._run_one(gm, pos, pass_name, cfg, verifier, compiled_from)
+            report.passes.append(record)
         report.seconds = time.perf_counter() - start
         report.nodes_after, report.launches_after = count_nodes(gm), count_launches(gm)
         gm.meta.setdefault("k3", {})["passes"] = report.to_dict()
         return report
 
-    def _run_one(self, gm, pos, pass_name, cfg, verifier) -> PassRecord:
+    def _run_one(self, gm, pos, pass_name, cfg, verifier, compiled_from) -> tuple[PassRecord, list]:
         spec = get_pass(pass_name)
         nodes0, launches0 = count_nodes(gm), count_launches(gm)
         existing = set(gm.graph.nodes)
@@ -196,7 +215,7 @@ class PassManager:
         seconds = time.perf_counter() - t0
         if not isinstance(matches, int) or isinstance(matches, bool) or matches < 0:
             raise PassError(f"pass {pass_name} must return its match count (an int >= 0), returned {matches!r}")
-        _check_graph(gm, pass_name)
+        compiled_from = _check_graph(gm, pass_name, compiled_from)
         for node in gm.graph.nodes:
             if node not in existing:
                 node.meta[PASS_META] = pass_name
@@ -209,7 +228,7 @@ class PassManager:
             rec.dump = self._dump(gm, f"{pos:02d}_{pass_name}.py",
                                   f"after {pass_name}: {matches} matches, nodes {nodes0} -> {rec.nodes_after}, "
                                   f"launches {launches0} -> {rec.launches_after}")
-        return rec
+        return rec, compiled_from
 
     def _dump(self, gm: GraphModule, filename: str, title: str) -> str:
         path = os.path.join(self.dump_dir, filename)

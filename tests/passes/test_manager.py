@@ -215,6 +215,25 @@ def test_verify_catches_a_broken_pass_and_names_it(test_pass):
     PassManager(pipeline_from_flags(passes="p99_corrupt_eps")).run(graph("kimi-linear-tiny", "decode"))
 
 
+def test_code_is_regenerated_only_after_a_pass_changed_the_graph(test_pass, monkeypatch):
+    """The manager skips gm.recompile() after a pass that left the graph as it was; an in-place argument edit
+    (RMSNorm's epsilon) after such passes still reaches the code the next pass and the verifier run."""
+    test_pass("p97_nothing", lambda gm, config: 0)
+    test_pass("p98_nothing", lambda gm, config: 0)
+    test_pass("p99_corrupt_eps", _corrupt_eps)
+    gm = graph("kimi-linear-tiny", "decode")
+    recompiles = []
+    recompile = torch.fx.GraphModule.recompile
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", lambda self: recompiles.append(1) or recompile(self))
+    PassManager(pipeline_from_flags(passes="p97,p98")).run(gm)
+    assert len(recompiles) == 1  # the run's first pass: the code may predate the manager
+    m = model("kimi-linear-tiny")
+    with pytest.raises(PassVerificationError, match=r"pass p99_corrupt_eps changed the step's results: .*logits"):
+        PassManager(pipeline_from_flags(passes="p97,p98,p99_corrupt_eps"), verify=True).run(gm,
+                                                                                              step_inputs(m, "decode"))
+    assert ", 1.0)" in gm.code
+
+
 def test_malformed_results_are_pass_errors(test_pass):
     def returns_none(gm, config):
         return None

@@ -12,6 +12,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+import tests.passes.kernels.interpreted  # noqa: E402,F401  (the interpreter's helper calls without re-patching)
 from k3compile.model_def.cache import CacheSpec, CacheTensors  # noqa: E402
 from k3compile.model_def.draft_window import DraftWindow, DraftWindowSpec  # noqa: E402
 from k3compile.model_def.ops import kda_math  # noqa: E402
@@ -55,7 +57,6 @@ for name, kw in CASES:
         failures.append(f"{name}: rel err {err:.2e}")
 
 # P5 decode vs verify inputs (kda_verify_inputs.py) + fold, as the GPU test runs it
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 from tests.runtime.spec.test_fold_gpu import decode_vs_fold  # noqa: E402
 
 # K=64: V split 4 with 16-column blocks (K=16: no split); the layout name reaches P5's
