@@ -31,15 +31,6 @@ def region_ok(tensor: torch.Tensor, row_bytes: int, first_byte: int = 0) -> bool
     return tensor.data_ptr() % ALIGN == 0 and row_bytes % ALIGN == 0 and first_byte % ALIGN == 0
 
 
-def cap_elements(cap_bytes: int, rows: int, k: int, elem_bytes: int) -> int:
-    """How many leading elements of each of `rows` rows of length k a launch prefetches for a per-launch budget of
-    cap_bytes (0: none; rounded down to 16-byte units, at most k)."""
-    if cap_bytes <= 0 or rows <= 0 or k <= 0:
-        return 0
-    per_row = min(k * elem_bytes, cap_bytes // rows) // ALIGN * ALIGN
-    return per_row // elem_bytes
-
-
 if triton is not None:
 
     @triton.jit

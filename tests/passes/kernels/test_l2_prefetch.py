@@ -29,14 +29,6 @@ if triton is not None:
 
 
 
-def test_cap_elements_splits_a_budget_over_rows_in_16_byte_units():
-    assert l2_prefetch.cap_elements(0, 8, 2304, 2) == 0
-    assert l2_prefetch.cap_elements(1 << 30, 8, 2304, 2) == 2304  # budget above the weight: whole rows
-    # 8 rows, 10,000 bytes: 1,250 bytes a row, rounded down to 1,248 (78 x 16) = 624 bf16 elements
-    assert l2_prefetch.cap_elements(10_000, 8, 2304, 2) == 624
-    assert l2_prefetch.cap_elements(100, 8, 2304, 2) == 0  # under 16 bytes a row: nothing
-
-
 def test_region_ok_needs_16_byte_pointer_pitch_and_offset():
     w = torch.zeros(4, 64, dtype=torch.bfloat16)
     assert l2_prefetch.region_ok(w, 128)
