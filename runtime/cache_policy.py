@@ -78,6 +78,10 @@ class CachePolicy:
     unused_ttl: int | None = None  # drop a never-hit progress checkpoint after this many lookups near it (radix.py)
     unused_max_age: int | None = None  # ... or once its neighbourhood has been quiet this many lookups
     protect_reused: bool = False  # "value": state pressure evicts checkpoints that showed reuse last (radix.py)
+    stale_age: int | None = None  # drop any checkpoint no lookup has covered for this many lookups (radix.py)
+    unused_root_new_only: bool = False  # unused checkpoints under the root age by new-family lookups only (radix.py)
+    protect_shared_leaves: bool = False  # "value": KV pressure deletes leaves restored from twice or more last
+    tail_min_new: float | None = None  # split_prompt_tail only when this share of the prompt is past its KV match
 
     def with_caps(self, per_path: int | None, total: int | None) -> "CachePolicy":
         return replace(self, max_checkpoints_per_path=per_path, max_checkpoints=total)

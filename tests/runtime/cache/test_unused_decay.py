@@ -167,3 +167,24 @@ def test_no_probation_checkpoint_outlives_the_ttl(ops, ttl, max_age):
     for lk in locks:
         cache.unlock(lk)
     check_cache(cache)
+
+
+def test_root_clock_new_only_ages_root_anchored_checkpoints_by_new_families_only():
+    """`root_clock_new_only` (session 10: a one-off's tail, or a new template's first state, is
+    anchored at the root, whose plain clock is all traffic; a repeat or the template's third root
+    came after 48 lookups into other families): lookups that go into a known family do not age it,
+    lookups that match nothing do."""
+    for new_only in (False, True):
+        mem = make_memory(P, num_slots=32, num_pages=256)
+        cache = HybridRadixCache(mem, P, unused_ttl=3, root_clock_new_only=new_only)
+        store(cache, mem, [5, 5, 6, 6])
+        cache.match([5, 5, 6, 6, 1])  # a family: its state is hit (exempt from now on)
+        store(cache, mem, [1, 1, 2, 2])  # a one-off's tail
+        for i in range(6):  # traffic into the family only
+            assert cache.match([5, 5, 6, 6, 7, i]).cached_len == 4
+        assert has_state_at(cache, [1, 1, 2, 2]) is new_only
+        if new_only:
+            for i in range(5):  # new families (no KV match): 4 > 3 at the start of the fifth
+                cache.match([9 + i, 9, 9, 9])
+            assert not has_state_at(cache, [1, 1, 2, 2])
+        check_cache(cache)
