@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from k3compile.runtime.cache.checks import check_cache
 from k3compile.runtime.cache.radix import HybridRadixCache
 
-from .harness import donate_sequence, make_memory
+from .harness import make_memory, run_random_ops, store_prefix
 
 P = 2  # page size = checkpoint interval
 
@@ -24,25 +23,19 @@ def make(**kw):
     return mem, cache, events
 
 
-def store(cache, mem, tokens):
-    res, pages = donate_sequence(cache, mem, tuple(tokens))
-    mem.free_pages(pages[res.length // P:])
-    return res
-
-
 def test_store_hit_and_drop_are_told_with_the_checkpoints_serial():
     mem, cache, events = make(max_checkpoints_per_path=1)
-    store(cache, mem, [1, 1, 2, 2])
+    store_prefix(cache, mem, [1, 1, 2, 2])
     assert events == [("store", 1)]
     assert cache.match([1, 1, 2, 2, 5]).cached_len == 4  # a repeat restores from serial 1
     cache.match([7, 7, 7])  # a miss tells nothing
     cache.match([1, 1, 2, 2, 5], touch=False)  # nor does a dry run
     assert events == [("store", 1), ("hit", 1)]
-    store(cache, mem, [1, 1, 2, 2, 3, 3])  # the per-path cap of 1 drops serial 1 for serial 2
+    store_prefix(cache, mem, [1, 1, 2, 2, 3, 3])  # the per-path cap of 1 drops serial 1 for serial 2
     assert events[2:] == [("drop", 1), ("store", 2)]
     cache.evict_pages(cache.evictable_pages())
     assert events[-1] == ("drop", 2) and cache.num_checkpoints() == 0
-    store(cache, mem, [1, 1, 2, 2])  # the same place stored again: a new serial
+    store_prefix(cache, mem, [1, 1, 2, 2])  # the same place stored again: a new serial
     assert events[-1] == ("store", 3)
     with pytest.raises(TypeError, match="callable"):
         cache.add_checkpoint_listener(42)
@@ -50,7 +43,7 @@ def test_store_hit_and_drop_are_told_with_the_checkpoints_serial():
 
 def test_decay_tells_drop():
     mem, cache, events = make(unused_ttl=1)
-    store(cache, mem, [1, 1, 2, 2])
+    store_prefix(cache, mem, [1, 1, 2, 2])
     for i in range(3):
         cache.match([9, 9, i, i])
     assert events == [("store", 1), ("drop", 1)] and cache.stats().checkpoints_expired == 1
@@ -66,7 +59,7 @@ SEQS = st.lists(st.integers(0, 3), min_size=2, max_size=12).map(tuple)
 def test_the_listeners_live_set_is_the_trees(ops, per_path, total, ttl):
     mem, cache, events = make(slots=64, pages=512, max_checkpoints_per_path=per_path, max_checkpoints=total,
                               unused_ttl=ttl)
-    live, stored, seen, locks = set(), set(), 0, []
+    live, stored, seen = set(), set(), 0
 
     def follow():
         nonlocal seen
@@ -82,27 +75,10 @@ def test_the_listeners_live_set_is_the_trees(ops, per_path, total, ttl):
         seen = len(events)
         assert live == {nd.ckpt_serial for nd in cache.nodes() if nd.checkpoint is not None}
 
-    for op, seq in ops:
-        n = len(seq) // P * P
-        if op == "store" and n:
-            store(cache, mem, seq[:n])
-        elif op == "match":
-            before = len(events)
-            hit = cache.match(seq)
-            hits = [s for e, s in events[before:] if e == "hit"]
-            assert hits == ([] if hit.node is cache.root else [hit.node.ckpt_serial])
-        elif op == "lock":
-            nd = cache.match(seq, touch=False).node
-            if nd is not cache.root:
-                locks.append(cache.lock(nd, pin_checkpoint=len(seq) % 2 == 0))
-        elif op == "unlock" and locks:
-            cache.unlock(locks.pop(len(seq) % len(locks)))
-        elif op == "evict":
-            cache.evict_pages(len(seq))
-        elif op == "evict_states":
-            cache.evict_checkpoints(len(seq) // 3)
-        follow()
-        check_cache(cache)
-    for lk in locks:
-        cache.unlock(lk)
-    follow()
+    def on_match(seq):
+        before = len(events)
+        hit = cache.match(seq)
+        hits = [s for e, s in events[before:] if e == "hit"]
+        assert hits == ([] if hit.node is cache.root else [hit.node.ckpt_serial])
+
+    run_random_ops(cache, mem, ops, on_match, after_op=follow)

@@ -12,7 +12,7 @@ from k3compile.bench.cache import parse_policy
 from k3compile.runtime.cache.checks import check_cache
 from k3compile.runtime.cache.radix import HybridRadixCache
 
-from .harness import donate_sequence, make_memory
+from .harness import has_state_at, make_memory, run_random_ops, store_prefix
 
 P = 2  # page size = checkpoint interval
 
@@ -22,19 +22,9 @@ def make(stale, slots=32, pages=256, **kw):
     return mem, HybridRadixCache(mem, P, stale_age=stale, **kw)
 
 
-def store(cache, mem, tokens):
-    res, pages = donate_sequence(cache, mem, tuple(tokens))
-    mem.free_pages(pages[res.length // P:])
-    return res
-
-
-def has_state_at(cache, tokens) -> bool:
-    return cache.match(tokens, touch=False).cached_len == len(tokens)
-
-
 def test_a_hit_checkpoint_goes_once_no_lookup_covers_it():
     mem, cache = make(stale=3)
-    store(cache, mem, [1, 1, 2, 2])
+    store_prefix(cache, mem, [1, 1, 2, 2])
     assert cache.match([1, 1, 2, 2, 5]).cached_len == 4  # hit: reuse shown (lookup 1 covers it)
     for i in range(3):  # 3 lookups elsewhere: not over the limit yet
         cache.match([9, 9, i, i])
@@ -48,7 +38,7 @@ def test_a_hit_checkpoint_goes_once_no_lookup_covers_it():
 
 def test_passing_through_keeps_a_checkpoint():
     mem, cache = make(stale=2)
-    store(cache, mem, [1, 1, 2, 2])
+    store_prefix(cache, mem, [1, 1, 2, 2])
     for i in range(10):  # every lookup goes through (1, 1, 2, 2) and beyond: covered each time
         cache.match([1, 1, 2, 2, 3, i])
     assert has_state_at(cache, [1, 1, 2, 2]) and cache.stats().checkpoints_stale == 0
@@ -56,15 +46,15 @@ def test_passing_through_keeps_a_checkpoint():
 
 def test_a_fork_stays_while_younger_paths_below_it_do():
     mem, cache = make(stale=3)
-    store(cache, mem, [1, 1, 2, 2, 3, 3])
-    store(cache, mem, [1, 1, 2, 2, 4, 4])
-    store(cache, mem, [1, 1, 2, 2])  # the fork's state, stored at lookup 0
+    store_prefix(cache, mem, [1, 1, 2, 2, 3, 3])
+    store_prefix(cache, mem, [1, 1, 2, 2, 4, 4])
+    store_prefix(cache, mem, [1, 1, 2, 2])  # the fork's state, stored at lookup 0
     for i in range(3):
         cache.match([9, 9, i, i])
     # younger checkpoints below both paths (born at lookup 3; stored without a lookup covering the
     # fork, as when a long prefill stores a state well after its admission lookup)
-    store(cache, mem, [1, 1, 2, 2, 3, 3, 5, 5])
-    store(cache, mem, [1, 1, 2, 2, 4, 4, 6, 6])
+    store_prefix(cache, mem, [1, 1, 2, 2, 3, 3, 5, 5])
+    store_prefix(cache, mem, [1, 1, 2, 2, 4, 4, 6, 6])
     cache.match([9, 9, 7, 7])
     cache.match([9, 9, 8, 8])  # the fork, (3, 3) and (4, 4) are stale: the two become tombstones, the fork stays
     assert has_state_at(cache, [1, 1, 2, 2]) and not has_state_at(cache, [1, 1, 2, 2, 3, 3])
@@ -92,33 +82,19 @@ SEQS = st.lists(st.integers(0, 3), min_size=2, max_size=12).map(tuple)
        stale=st.sampled_from([1, 2, 5]), ttl=st.sampled_from([None, 2]))
 def test_no_droppable_checkpoint_is_staler_than_the_limit(ops, stale, ttl):
     mem, cache = make(stale, slots=64, pages=512, unused_ttl=ttl, value_weight=0.25)
-    locks = []
-    for op, seq in ops:
-        n = len(seq) // P * P
-        if op == "store" and n:
-            store(cache, mem, seq[:n])
-        elif op == "match":
-            forks = {nd.id for nd in cache.nodes() if nd.checkpoint is not None and len(nd.children) >= 2}
-            cache.match(seq)
-            for nd in cache.nodes():
-                if nd.id in forks and len(nd.children) >= 2:  # still a fork: its state did not go
-                    assert nd.checkpoint is not None
-                if nd.checkpoint is None or len(nd.children) >= 2 or not cache._checkpoint_evictable(nd):
-                    continue
-                # swept at the start of this lookup (lookups - 1 then): nothing droppable over the limit
-                assert cache.stats().lookups - 1 - max(nd.ckpt_born, nd.last_pass) <= stale
-        elif op == "lock":
-            nd = cache.match(seq, touch=False).node
-            if nd is not cache.root:
-                locks.append(cache.lock(nd, pin_checkpoint=len(seq) % 2 == 0))
-        elif op == "unlock" and locks:
-            cache.unlock(locks.pop(len(seq) % len(locks)))
-        elif op == "evict":
-            cache.evict_pages(len(seq))
-        check_cache(cache)
-    for lk in locks:
-        cache.unlock(lk)
-    check_cache(cache)
+
+    def on_match(seq):
+        forks = {nd.id for nd in cache.nodes() if nd.checkpoint is not None and len(nd.children) >= 2}
+        cache.match(seq)
+        for nd in cache.nodes():
+            if nd.id in forks and len(nd.children) >= 2:  # still a fork: its state did not go
+                assert nd.checkpoint is not None
+            if nd.checkpoint is None or len(nd.children) >= 2 or not cache._checkpoint_evictable(nd):
+                continue
+            # swept at the start of this lookup (lookups - 1 then): nothing droppable over the limit
+            assert cache.stats().lookups - 1 - max(nd.ckpt_born, nd.last_pass) <= stale
+
+    run_random_ops(cache, mem, ops, on_match)
 
 
 def test_with_root_clock_new_only_a_root_anchored_checkpoint_goes_stale_by_new_families_only():
@@ -126,8 +102,8 @@ def test_with_root_clock_new_only_a_root_anchored_checkpoint_goes_stale_by_new_f
     families does not make it stale, new families (lookups that match nothing) do (session 10: a
     second repeat came 450 lookups after the first on a prompted-ToT trace)."""
     mem, cache = make(stale=3, root_clock_new_only=True)
-    store(cache, mem, [5, 5, 6, 6])
-    store(cache, mem, [1, 1, 2, 2])
+    store_prefix(cache, mem, [5, 5, 6, 6])
+    store_prefix(cache, mem, [1, 1, 2, 2])
     assert cache.match([1, 1, 2, 2, 3]).cached_len == 4  # the first repeat
     for i in range(10):  # the family at (5, 5, 6, 6) keeps being hit, so it stays too
         cache.match([5, 5, 6, 6, 7, i])
