@@ -12,7 +12,7 @@
 #   state/KV byte ratio, seed 1), unified (the agent trace on the unified arena) and unified_tot
 #   (the prompted ToT trace on it), unified_tot_fork (the tot_fork trace on it), decay (session 9's `valued`
 #   re-run on seeds 1-3, merged with the unchanged policies' rows), s10 (session 10's `valued` likewise, all three
-#   traces), s10_unified (the three traces on the unified arena at their tight budget), e.g. PHASES="k3 unified"
+#   traces), s10_unified / s10_unified_16 (the three traces on the unified arena at their tight budget / 16 MiB), e.g. PHASES="k3 unified"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-traces/cache_pressure}
@@ -74,10 +74,10 @@ if [[ " $PHASES " == *" decay "* ]]; then
   $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/report', '$OUT/tot_n3_report'], ['$OUT/decay_report_agent', '$OUT/decay_report_tot_65536', '$OUT/decay_report_tot_16384', '$OUT/decay_report_tot_4096'], '$OUT/decay_report', 's8'))"
 fi
 if [[ " $PHASES " == *" s10 "* ]]; then
-  # session 10: `valued` with stale_age, the root's new-family clock and protect_shared_leaves (chosen on seed 0:
+  # session 10: `valued` with stale_age and the root's new-family clock (chosen on seed 0:
   # s10_tune_seed0/) re-run on the report's seeds and budgets on split pools (agent, tot with n=3, tot_fork), merged
   # with the earlier rows (decay_report/ for agent and tot, report/ for tot_fork; session 9's valued stays as
-  # valued@s9); `none` not re-run (unchanged code, its rows are the earlier ones). One process per trace (tot: per
+  # valued@s9, report/'s as valued@s8); `none` not re-run (unchanged code, its rows are the earlier ones). One process per trace (tot: per
   # budget), each saving after every run, so a cut-short run still has every finished row.
   pids=()
   $BENCH --traces agent --seeds 1,2,3 --budgets-kib 65536,16384,8192 --policies valued \
@@ -92,21 +92,26 @@ if [[ " $PHASES " == *" s10 "* ]]; then
       --out "$OUT/s10_report_tot_fork" > "$OUT/s10_report_tot_fork.log" 2>&1 &
   pids+=($!)
   for pid in "${pids[@]}"; do wait "$pid"; done
-  $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/decay_report', '$OUT/report'], ['$OUT/s10_report_agent', '$OUT/s10_report_tot_65536', '$OUT/s10_report_tot_16384', '$OUT/s10_report_tot_4096', '$OUT/s10_report_tot_fork'], '$OUT/s10_report', 's9'))"
+  $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/decay_report', '$OUT/report'], ['$OUT/s10_report_agent', '$OUT/s10_report_tot_65536', '$OUT/s10_report_tot_16384', '$OUT/s10_report_tot_4096', '$OUT/s10_report_tot_fork'], '$OUT/s10_report', {'$OUT/decay_report': 's9', '$OUT/report': 's8'}))"
 fi
-if [[ " $PHASES " == *" s10_unified "* ]]; then
-  # session 10: the unified arena at the tight budget of each trace (agent and tot_fork 8 MiB, tot with n=3 4 MiB),
-  # seeds 1-3, every policy but sparse (time: the CPU is shared), one process per trace
-  pids=()
-  for spec in agent:8192 tot:4096 tot_fork:8192; do
-    $BENCH --unified --traces ${spec%%:*} --seeds 1,2,3 --budgets-kib ${spec##*:} \
-        --policies "none;end;every_chunk;valued" --out "$OUT/s10_unified_${spec%%:*}" \
-        > "$OUT/s10_unified_${spec%%:*}.log" 2>&1 &
-    pids+=($!)
-  done
-  for pid in "${pids[@]}"; do wait "$pid"; done
-  $PY -c "from k3compile.bench.cache_pressure import merge; print(merge(['$OUT/s10_unified_agent', '$OUT/s10_unified_tot', '$OUT/s10_unified_tot_fork'], '$OUT/s10_unified'))"
-fi
+for phase in s10_unified s10_unified_16; do
+  if [[ " $PHASES " == *" $phase "* ]]; then
+    # session 10: the unified arena, seeds 1-3, every policy but sparse (time: the CPU is shared), one process per
+    # trace: s10_unified at each trace's tight budget (agent and tot_fork 8 MiB, tot with n=3 4 MiB), s10_unified_16
+    # at 16 MiB
+    pids=()
+    specs="agent:8192 tot:4096 tot_fork:8192"
+    [[ $phase == s10_unified_16 ]] && specs="agent:16384 tot:16384 tot_fork:16384"
+    for spec in $specs; do
+      $BENCH --unified --traces ${spec%%:*} --seeds 1,2,3 --budgets-kib ${spec##*:} \
+          --policies "none;end;every_chunk;valued" --out "$OUT/${phase}_${spec%%:*}" \
+          > "$OUT/${phase}_${spec%%:*}.log" 2>&1 &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    $PY -c "from k3compile.bench.cache_pressure import merge; print(merge(['$OUT/${phase}_agent', '$OUT/${phase}_tot', '$OUT/${phase}_tot_fork'], '$OUT/${phase}'))"
+  fi
+done
 if [[ " $PHASES " == *" k3 "* ]]; then
   $BENCH --byte-ratio k3 --seeds 1 --budgets-kib 65536,16384 --out "$OUT/byte_ratio_k3"
 fi

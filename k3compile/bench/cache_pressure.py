@@ -189,14 +189,15 @@ def _write_report(doc: dict, out: str) -> str:
     return md
 
 
-def merge_rerun(previous: list[str], rerun: list[str], out: str, old_tag: str) -> str:
+def merge_rerun(previous: list[str], rerun: list[str], out: str, old_tag: "str | dict[str, str]") -> str:
     """One report from an earlier report's rows and a re-run of some of its policies on the same
     traces, seeds and budgets (the replay is deterministic: a policy whose code did not change gives
     the same row again). A re-run row replaces the earlier one; the earlier row of a re-run policy
     stays, renamed `policy@old_tag`, for comparison; ratios against `none` (tokens saved) and
     `every_chunk` (bytes) and the goals are recomputed over the merged rows. `outputs_match` stays as
     its own run computed it (a re-run without `none` has none). Where several earlier reports hold
-    a row for the same (trace, seed, budget, policy), the first in `previous` wins. Every row says where it comes from
+    a row for the same (trace, seed, budget, policy), the first in `previous` wins. `old_tag` may map
+    each earlier report's path to its own tag (reports from different sessions). Every row says where it comes from
     (`source`). Returns the markdown."""
     import json
 
@@ -219,7 +220,8 @@ def merge_rerun(previous: list[str], rerun: list[str], out: str, old_tag: str) -
                 continue
             taken.add(key(r))
             if r["policy"] in rerun_policies:
-                rows.append(dict(r, policy=f"{r['policy']}@{old_tag}", source=p))
+                tag = old_tag[p] if isinstance(old_tag, dict) else old_tag
+                rows.append(dict(r, policy=f"{r['policy']}@{tag}", source=p))
             else:
                 rows.append(dict(r, source=p))
     rows.extend(fresh.values())

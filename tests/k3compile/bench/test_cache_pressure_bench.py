@@ -408,3 +408,7 @@ def test_merge_rerun_keeps_unchanged_policies_and_relates_to_them(tmp_path):
     assert got["valued@old"]["bytes_vs_every_chunk"] == 3.0
     (g,) = doc["goals"]
     assert abs(g["points_above_end"] - (0.76 - 0.5) / 0.8) < 1e-9 and g["bytes_vs_every_chunk"] == 0.2
+    # a tag per earlier report (reports from different sessions)
+    merge_rerun([str(tmp_path / "old")], [str(tmp_path / "new")], str(tmp_path / "out2"), {str(tmp_path / "old"): "s8"})
+    doc = json.loads((tmp_path / "out2" / "cache_pressure.json").read_text())
+    assert "valued@s8" in {r["policy"] for r in doc["rows"]}
