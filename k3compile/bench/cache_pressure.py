@@ -27,7 +27,8 @@ counted per prompt: a request with n samples is one prompt, prefilled once; cach
 the KV-only bound on the same request order (cache_replay.kv_only_bound: a pure-attention radix
 cache with unlimited memory) and the fraction of it reached, prefill tokens saved against no
 cache at the same budget, checkpoint bytes (mean held over steps, peak held, and written: states
-stored x slot bytes), mean / p90 TTFT, how many exact repeats and shared-stem roots hit,
+stored x slot bytes), the oracle's bytes (the least an all-knowing policy holds for the row's own
+hits: cache_replay.oracle_held, same clock as the mean held), mean / p90 TTFT, how many exact repeats and shared-stem roots hit,
 retractions, whether greedy outputs equal the no-cache run's, and the hit rate of a KV-only
 radix cache with LRU at the engine's page count (cache_replay.kv_only_lru: the equal-memory
 reference the unlimited bound is not). Results: OUT/cache_pressure.json and .md; issue 15's goals

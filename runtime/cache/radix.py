@@ -78,7 +78,10 @@ Unused checkpoints (`unused_ttl`: decay, not only pressure)
   (extends it) does not age it. A neighbourhood that goes quiet (a finished search) stops that
   clock, so a checkpoint also goes once its anchor has seen no lookup for `unused_max_age`
   lookups (counted from its store at the earliest; the root never goes quiet). Issue 15: on prompted tree-of-thought most stored prompt tails
-  and ends are never hit and held most of the bytes.
+  and ends are never hit and held most of the bytes. With `root_clock_new_only` the root's clock
+  counts only lookups that matched nothing (a new prefix family): every lookup passes the root, so
+  a one-off's tail or a new template's first state otherwise aged with all traffic and was gone
+  before its repeat or the template's third root came (session 10).
 
 Stale checkpoints (`stale_age`: decay of what did show reuse)
 * A checkpoint whose node no lookup has covered for `stale_age` lookups (counted from its store at
