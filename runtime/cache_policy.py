@@ -28,7 +28,8 @@ decode. A policy says which of those snapshots are donated to the tree:
   them for 300 lookups (`stale_age`: a finished search's branch points, a repeat's tail long after
   its repeats); a checkpoint anchored at the root ages, for both rules, only by lookups that match
   nothing (`unused_root_new_only`: a one-off's tail or a new template's first state otherwise aged
-  with all traffic).
+  with all traffic); and KV pressure deletes leaves restored from twice or more last
+  (`protect_shared_leaves`: a template's state went with its KV once its problems were done).
 
 Tuning (issue 15, tools/cache_pressure_report.sh's tune phase: `bench cache-pressure --seeds 0`,
 production-shaped traces of 138-145 requests, engine default chunk 256, budgets 16384 and 8192
@@ -58,11 +59,13 @@ half of the state bytes `valued` held were hit states after their last hit. `sta
 1.99 MB for 0 / 0.2 / 0.9 points. The root's new-family clock kept seed 5's lost stem and one of
 seed 4's two lost repeats (both had decayed 48 lookups after their store while other families ran),
 for +0.12 MB held on agent at 64 MiB. `protect_shared_leaves` (KV pressure deletes leaves restored
-from twice or more last) kept seed 4's two stems that KV pressure had taken and moved agent at 8 MiB
-from 0.524 to 0.530, but cost tot_fork at 8 MiB 0.8 points and one of its 3 repeats (0.823 -> 0.815,
-one-off tails deleted under KV pressure instead of an old shared leaf): off by default (a first
-seeds 1-3 run with it on, s10_psl_report/, also showed agent seed 3 at 8 MiB 5.0 points lower; a
-diagnosis, not a choice). A stricter prompt-tail admission
+from twice or more last) kept seed 4's two stems that KV pressure had taken; on seed 0 it kept 4 of
+13 stems on the unified arena's tot at 4 MiB (9/13 -> 13/13, 0.838 -> 0.848) and moved split agent at
+8 MiB from 0.524 to 0.530, but cost split tot_fork at 8 MiB 0.8 points and one of its 3 repeats
+(0.823 -> 0.815: one-off tails deleted under KV pressure instead of an old shared leaf). On: 4 stems
+against 1 repeat. (It was off for a while after the tot_fork loss, before the unified seed-0 check;
+seeds 1-3 were run both ways in that time, traces/cache_pressure/README.md says what they show.)
+A stricter prompt-tail admission
 (`tail_min_new`: a tail only when half (a quarter) of the prompt lies past its KV match) held 1.05
 (1.25) MB on tot at 64 MiB but cost 5.3 (2.4) points of hit rate there and 1.5-1.6 on agent at 16 MiB:
 not adopted.
@@ -117,7 +120,7 @@ POLICIES = {
     "valued": CachePolicy("valued", donate_finish=True, branch_points=True, split_prompt_tail=True,
                           max_checkpoints_per_path=2, eviction="value", value_weight=0.25,
                           unused_ttl=48, unused_max_age=40, protect_reused=True, stale_age=300,
-                          unused_root_new_only=True),
+                          unused_root_new_only=True, protect_shared_leaves=True),
 }
 
 
