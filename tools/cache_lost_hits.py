@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from k3compile.bench import cache_pressure as cp  # noqa: E402
-from k3compile.bench.cache import parse_policy  # noqa: E402
-from k3compile.bench.cache_replay import StandInModel  # noqa: E402
-from k3compile.bench.cache_traces import PRESETS, TraceSpec, make_trace  # noqa: E402
+from cache_state_reuse import replay_listening  # noqa: E402  (tools/, next to this script)
+
+from k3compile.bench.cache_traces import PRESETS  # noqa: E402
 from k3compile.runtime.cache import radix  # noqa: E402
 
 CALLERS = ("_expire_unused", "_expire_stale", "evict_checkpoints", "evict_pages", "_make_room", "unlock")
@@ -40,38 +39,24 @@ def _caller() -> str:
 
 
 def record(trace: str, kib: int, policy: str, seed: int):
-    """(bench row, checkpoint events, lookups by query) for one replay."""
+    """(roots, bench row, checkpoint events, lookups by query) for one replay."""
     events, lookups = [], {}  # events: (lookup, "store"/"drop", serial, depth, hits, branch, caller)
-    init, match = radix.HybridRadixCache.__init__, radix.HybridRadixCache.match
 
-    def init_rec(self, *a, **kw):
-        init(self, *a, **kw)
-
+    def listen(cache):
         def on(event, serial):
             if event == "hit":
                 return
-            nd = next((n for n in self.nodes() if n.ckpt_serial == serial and n.checkpoint is not None), None)
-            events.append((self._stats.lookups, event, serial, nd.depth if nd else -1, nd.ckpt_hits if nd else -1,
-                           bool(self._is_branch(nd)) if nd else None, _caller() if event == "drop" else ""))
+            nd = next((n for n in cache.nodes() if n.ckpt_serial == serial and n.checkpoint is not None), None)
+            events.append((cache.stats().lookups, event, serial, nd.depth if nd else -1, nd.ckpt_hits if nd else -1,
+                           bool(cache._is_branch(nd)) if nd else None, _caller() if event == "drop" else ""))
 
-        self.add_checkpoint_listener(on)
+        cache.add_checkpoint_listener(on)
 
-    def match_rec(self, token_ids, touch=True):
-        r = match(self, token_ids, touch)
-        if touch:
-            lookups.setdefault(radix.as_token_tuple(token_ids), []).append(
-                (self._stats.lookups, r.cached_len, r.kv_match_len))
-        return r
+    def on_match(cache, token_ids, r):
+        lookups.setdefault(radix.as_token_tuple(token_ids), []).append((cache.stats().lookups, r.cached_len,
+                                                                         r.kv_match_len))
 
-    radix.HybridRadixCache.__init__, radix.HybridRadixCache.match = init_rec, match_rec
-    try:
-        args = SimpleNamespace(model="k3-tiny", dtype="fp32", device="cpu", forward="cost", page_size=16,
-                               chunk_size=None, track_interval=None, max_batch_tokens=2048, unified=False,
-                               step_ms=10.0, token_ms=0.05)
-        roots = make_trace(TraceSpec(mix=PRESETS[trace], roots=24, duration=90, seed=seed))
-        row = cp.run_one(args, StandInModel("k3-tiny", "tiny", 16), parse_policy(policy), roots, kib << 10)
-    finally:
-        radix.HybridRadixCache.__init__, radix.HybridRadixCache.match = init, match
+    roots, row = replay_listening(trace, kib, policy, seed, listen, on_match)
     return roots, row, events, lookups
 
 

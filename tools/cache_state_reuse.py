@@ -28,25 +28,24 @@ from k3compile.bench.cache_traces import PRESETS, TraceSpec, make_trace  # noqa:
 from k3compile.runtime.cache import radix  # noqa: E402
 
 
-def record(trace: str, kib: int, policy: str, seed: int) -> tuple[dict, dict]:
-    """Per stored checkpoint (by its serial): the lookup count at its store and at every hit
-    (HybridRadixCache.add_checkpoint_listener on the engine's cache), and the bench row."""
-    rec = {}
-    init = radix.HybridRadixCache.__init__
+def replay_listening(trace: str, kib: int, policy: str, seed: int, on_cache, on_match=None):
+    """Replay one (trace, budget, policy, seed) like `bench cache-pressure` (24 roots over 90 s,
+    split pools, the stand-in forward), calling `on_cache(cache)` when the engine builds its
+    HybridRadixCache (to add checkpoint listeners from its birth) and `on_match(cache, tokens,
+    result)` after every lookup. Returns (roots, bench row)."""
+    init, match = radix.HybridRadixCache.__init__, radix.HybridRadixCache.match
 
-    def init_rec(self, *a, **kw):  # the engine builds its cache inside run_one: listen to it from birth
+    def init_rec(self, *a, **kw):
         init(self, *a, **kw)
+        on_cache(self)
 
-        def on(event, serial):
-            if event == "store":
-                nd = next(n for n in self.nodes() if n.ckpt_serial == serial and n.checkpoint is not None)
-                rec[serial] = dict(store=self._stats.lookups, branch=bool(self._is_branch(nd)), depth=nd.depth, hits=[])
-            elif event == "hit":
-                rec[serial]["hits"].append(self._stats.lookups)
+    def match_rec(self, token_ids, touch=True):
+        r = match(self, token_ids, touch)
+        if touch and on_match is not None:
+            on_match(self, token_ids, r)
+        return r
 
-        self.add_checkpoint_listener(on)
-
-    radix.HybridRadixCache.__init__ = init_rec
+    radix.HybridRadixCache.__init__, radix.HybridRadixCache.match = init_rec, match_rec
     try:
         args = SimpleNamespace(model="k3-tiny", dtype="fp32", device="cpu", forward="cost", page_size=16,
                                chunk_size=None, track_interval=None, max_batch_tokens=2048, unified=False,
@@ -54,7 +53,27 @@ def record(trace: str, kib: int, policy: str, seed: int) -> tuple[dict, dict]:
         roots = make_trace(TraceSpec(mix=PRESETS[trace], roots=24, duration=90, seed=seed))
         row = cp.run_one(args, StandInModel("k3-tiny", "tiny", 16), parse_policy(policy), roots, kib << 10)
     finally:
-        radix.HybridRadixCache.__init__ = init
+        radix.HybridRadixCache.__init__, radix.HybridRadixCache.match = init, match
+    return roots, row
+
+
+def record(trace: str, kib: int, policy: str, seed: int) -> tuple[dict, dict]:
+    """Per stored checkpoint (by its serial): the lookup count at its store and at every hit
+    (HybridRadixCache.add_checkpoint_listener on the engine's cache), and the bench row."""
+    rec = {}
+
+    def listen(cache):
+        def on(event, serial):
+            if event == "store":
+                nd = next(n for n in cache.nodes() if n.ckpt_serial == serial and n.checkpoint is not None)
+                rec[serial] = dict(store=cache.stats().lookups, branch=bool(cache._is_branch(nd)), depth=nd.depth,
+                                   hits=[])
+            elif event == "hit":
+                rec[serial]["hits"].append(cache.stats().lookups)
+
+        cache.add_checkpoint_listener(on)
+
+    _, row = replay_listening(trace, kib, policy, seed, listen)
     return rec, row
 
 
