@@ -24,7 +24,12 @@ decode. A policy says which of those snapshots are donated to the tree:
   have passed its nearest fork without reaching it, or once that fork has seen no lookup for 40
   (`unused_ttl`, `unused_max_age`), pressure or not; and state pressure takes such unproven
   checkpoints before any that was hit or is a branch point (`protect_reused`; KV pressure keeps the
-  utility order).
+  utility order). Session 10: checkpoints that did show reuse decay too, once no lookup has covered
+  them for 300 lookups (`stale_age`: a finished search's branch points, a repeat's tail long after
+  its repeats); a checkpoint anchored at the root ages, for both rules, only by lookups that match
+  nothing (`unused_root_new_only`: a one-off's tail or a new template's first state otherwise aged
+  with all traffic); and KV pressure deletes leaves restored from twice or more last
+  (`protect_shared_leaves`: a template's state went with its KV once its problems were done).
 
 Tuning (issue 15, tools/cache_pressure_report.sh's tune phase: `bench cache-pressure --seeds 0`,
 production-shaped traces of 138-145 requests, engine default chunk 256, budgets 16384 and 8192
@@ -46,6 +51,24 @@ their store, so a global clock must wait that long) holds 3.5 MB instead of 5.1 
 on tot at 64 MiB for 0.9 (1.8) points of hit rate; `protect_reused` took tot at 4 MiB from 92.5% to
 96.2% of the bound (stems 3/13 -> 13/13); applied to KV pressure too it cost the agent trace at 16 MiB
 5.3 points of hit rate (0.820 -> 0.767), so it orders state evictions only.
+
+Session 10 (tuned on seed 0 only: traces/cache_pressure/s10_tune_seed0/; seeds 4 and 5, reported
+nowhere, only to find lost stems and repeats, seed 0 having none on tot): on prompted ToT at 64 MiB
+half of the state bytes `valued` held were hit states after their last hit. `stale_age` 300 holds
+2.44 MB instead of 3.38 MB there at the same hit rate (0.856); 250 / 200 / 150 hold 2.32 / 2.17 /
+1.99 MB for 0 / 0.2 / 0.9 points. The root's new-family clock kept seed 5's lost stem and one of
+seed 4's two lost repeats (both had decayed 48 lookups after their store while other families ran),
+for +0.12 MB held on agent at 64 MiB. `protect_shared_leaves` (KV pressure deletes leaves restored
+from twice or more last) kept seed 4's two stems that KV pressure had taken; on seed 0 it kept 4 of
+13 stems on the unified arena's tot at 4 MiB (9/13 -> 13/13, 0.838 -> 0.848) and moved split agent at
+8 MiB from 0.524 to 0.530, but cost split tot_fork at 8 MiB 0.8 points and one of its 3 repeats
+(0.823 -> 0.815: one-off tails deleted under KV pressure instead of an old shared leaf). On: 4 stems
+against 1 repeat. (It was off for a while after the tot_fork loss, before the unified seed-0 check;
+seeds 1-3 were run both ways in that time, traces/cache_pressure/README.md says what they show.)
+A stricter prompt-tail admission
+(`tail_min_new`: a tail only when half (a quarter) of the prompt lies past its KV match) held 1.05
+(1.25) MB on tot at 64 MiB but cost 5.3 (2.4) points of hit rate there and 1.5-1.6 on agent at 16 MiB:
+not adopted.
 
 Checkpoint bytes. With production-length prompts (multi-thousand-token shared prefixes, tool
 outputs of hundreds of tokens) `every_chunk` at the default chunk of 256 stores a state every 256
@@ -78,6 +101,10 @@ class CachePolicy:
     unused_ttl: int | None = None  # drop a never-hit progress checkpoint after this many lookups near it (radix.py)
     unused_max_age: int | None = None  # ... or once its neighbourhood has been quiet this many lookups
     protect_reused: bool = False  # "value": state pressure evicts checkpoints that showed reuse last (radix.py)
+    stale_age: int | None = None  # drop any checkpoint no lookup has covered for this many lookups (radix.py)
+    unused_root_new_only: bool = False  # unused checkpoints under the root age by new-family lookups only (radix.py)
+    protect_shared_leaves: bool = False  # "value": KV pressure deletes leaves restored from twice or more last
+    tail_min_new: float | None = None  # split_prompt_tail only when this share of the prompt is past its KV match
 
     def with_caps(self, per_path: int | None, total: int | None) -> "CachePolicy":
         return replace(self, max_checkpoints_per_path=per_path, max_checkpoints=total)
@@ -92,7 +119,8 @@ POLICIES = {
                           max_checkpoints_per_path=2),
     "valued": CachePolicy("valued", donate_finish=True, branch_points=True, split_prompt_tail=True,
                           max_checkpoints_per_path=2, eviction="value", value_weight=0.25,
-                          unused_ttl=48, unused_max_age=40, protect_reused=True),
+                          unused_ttl=48, unused_max_age=40, protect_reused=True, stale_age=300,
+                          unused_root_new_only=True, protect_shared_leaves=True),
 }
 
 

@@ -266,7 +266,9 @@ class LLMEngine:
         self.cache = HybridRadixCache(self.memory, interval, per_path, total, eviction=self.policy.eviction,
                                       recompute_cost=cost, value_weight=self.policy.value_weight,
                                       unused_ttl=self.policy.unused_ttl, unused_max_age=self.policy.unused_max_age,
-                                      protect_reused=self.policy.protect_reused)
+                                      protect_reused=self.policy.protect_reused, stale_age=self.policy.stale_age,
+                                      root_clock_new_only=self.policy.unused_root_new_only,
+                                      protect_shared_leaves=self.policy.protect_shared_leaves)
         self.table = RequestTable(self.cache)
 
         slots_per_request = MAX_TRANSIENT_SLOTS if self.policy.enabled else 1

@@ -374,6 +374,10 @@ class Scheduler:
         state that serves it sits at the boundary <= len - 1, not at the prompt's end."""
         if not (self.policy.enabled and self.policy.split_prompt_tail) or req.prefill_target < 2:
             return None
+        share = self.policy.tail_min_new
+        if share is not None and req.handle is not None and \
+                req.prefill_target - req.handle.hit.kv_match_len < share * req.prefill_target:
+            return None  # mostly a known prefix (a tree search's next prompt, an agent's next turn): no tail
         g = self.cfg.checkpoint_interval
         return (req.prefill_target - 1) // g * g or None
 

@@ -11,7 +11,10 @@
 #   tree-of-thought trace, seeds 1-3, budgets chosen on seed 0: tot_tune_seed0), tot_tune, k3 (K3's
 #   state/KV byte ratio, seed 1), unified (the agent trace on the unified arena) and unified_tot
 #   (the prompted ToT trace on it), unified_tot_fork (the tot_fork trace on it), decay (session 9's `valued`
-#   re-run on seeds 1-3, merged with the unchanged policies' rows), e.g. PHASES="k3 unified"
+#   re-run on seeds 1-3, merged with the unchanged policies' rows), s10 / s10_psl_off (session 10's `valued`
+#   likewise, all three traces; without protect_shared_leaves), s10_unified / s10_unified_16 (the three traces on the
+#   unified arena at their tight budget / 16 MiB), s10_unified_psl_off (`valued` without protect_shared_leaves
+#   there), e.g. PHASES="k3 unified"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-traces/cache_pressure}
@@ -71,6 +74,67 @@ if [[ " $PHASES " == *" decay "* ]]; then
   done
   for pid in "${pids[@]}"; do wait "$pid"; done
   $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/report', '$OUT/tot_n3_report'], ['$OUT/decay_report_agent', '$OUT/decay_report_tot_65536', '$OUT/decay_report_tot_16384', '$OUT/decay_report_tot_4096'], '$OUT/decay_report', 's8'))"
+fi
+for phase in s10 s10_psl_off; do
+  if [[ " $PHASES " == *" $phase "* ]]; then
+    # session 10: `valued` with stale_age, the root's new-family clock and protect_shared_leaves (chosen on seed 0:
+    # s10_tune_seed0/) re-run on the report's seeds and budgets on split pools (agent, tot with n=3, tot_fork),
+    # merged with the earlier rows (decay_report/ for agent and tot, report/ for tot_fork; session 9's valued stays
+    # as valued@s9, report/'s as valued@s8); `none` not re-run (unchanged code, its rows are the earlier ones).
+    # s10_psl_off: the same without protect_shared_leaves (as run in session 10, when it was briefly off by
+    # default, the rows say `valued`). One process per trace (tot: per budget), each saving after every run.
+    name=s10_report; policy=valued
+    [[ $phase == s10_psl_off ]] && name=s10_report_psl_off && policy="valued:protect_shared=0"
+    pids=()
+    $BENCH --traces agent --seeds 1,2,3 --budgets-kib 65536,16384,8192 --policies "$policy" \
+        --out "$OUT/${name}_agent" > "$OUT/${name}_agent.log" 2>&1 &
+    pids+=($!)
+    for kib in 4096 16384 65536; do
+      $BENCH --traces tot --seeds 1,2,3 --budgets-kib $kib --policies "$policy" --out "$OUT/${name}_tot_$kib" \
+          > "$OUT/${name}_tot_$kib.log" 2>&1 &
+      pids+=($!)
+    done
+    $BENCH --traces tot_fork --seeds 1,2,3 --budgets-kib 65536,16384,8192 --policies "$policy" \
+        --out "$OUT/${name}_tot_fork" > "$OUT/${name}_tot_fork.log" 2>&1 &
+    pids+=($!)
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/decay_report', '$OUT/report'], ['$OUT/${name}_agent', '$OUT/${name}_tot_65536', '$OUT/${name}_tot_16384', '$OUT/${name}_tot_4096', '$OUT/${name}_tot_fork'], '$OUT/${name}', {'$OUT/decay_report': 's9', '$OUT/report': 's8'}))"
+  fi
+done
+for phase in s10_unified s10_unified_16; do
+  if [[ " $PHASES " == *" $phase "* ]]; then
+    # session 10: the unified arena, seeds 1-3, every policy but sparse (time: the CPU is shared), one process per
+    # trace: s10_unified at each trace's tight budget (agent and tot_fork 8 MiB, tot with n=3 4 MiB), s10_unified_16
+    # at 16 MiB
+    pids=()
+    specs="agent:8192 tot:4096 tot_fork:8192"
+    [[ $phase == s10_unified_16 ]] && specs="agent:16384 tot:16384 tot_fork:16384"
+    for spec in $specs; do
+      $BENCH --unified --traces ${spec%%:*} --seeds 1,2,3 --budgets-kib ${spec##*:} \
+          --policies "none;end;every_chunk;valued" --out "$OUT/${phase}_${spec%%:*}" \
+          > "$OUT/${phase}_${spec%%:*}.log" 2>&1 &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    $PY -c "from k3compile.bench.cache_pressure import merge; print(merge(['$OUT/${phase}_agent', '$OUT/${phase}_tot', '$OUT/${phase}_tot_fork'], '$OUT/${phase}'))"
+  fi
+done
+if [[ " $PHASES " == *" s10_unified_psl_off "* ]]; then
+  # session 10: `valued` without protect_shared_leaves on the unified arena at both budgets (run while it was briefly
+  # off by default: the rows say `valued`), merged over s10_unified / s10_unified_16, whose `valued` stays as valued@psl
+  pids=()
+  for spec in agent:8192 tot:4096 tot_fork:8192; do
+    $BENCH --unified --traces ${spec%%:*} --seeds 1,2,3 --budgets-kib ${spec##*:} --policies "valued:protect_shared=0" \
+        --out "$OUT/s10_unified_psl_off_${spec%%:*}" > "$OUT/s10_unified_psl_off_${spec%%:*}.log" 2>&1 &
+    pids+=($!)
+    $BENCH --unified --traces ${spec%%:*} --seeds 1,2,3 --budgets-kib 16384 --policies "valued:protect_shared=0" \
+        --out "$OUT/s10_unified_16_psl_off_${spec%%:*}" > "$OUT/s10_unified_16_psl_off_${spec%%:*}.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  for phase in s10_unified s10_unified_16; do
+    $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/${phase}_agent', '$OUT/${phase}_tot', '$OUT/${phase}_tot_fork'], ['$OUT/${phase}_psl_off_agent', '$OUT/${phase}_psl_off_tot', '$OUT/${phase}_psl_off_tot_fork'], '$OUT/${phase}_psl_off', 'psl'))"
+  done
 fi
 if [[ " $PHASES " == *" k3 "* ]]; then
   $BENCH --byte-ratio k3 --seeds 1 --budgets-kib 65536,16384 --out "$OUT/byte_ratio_k3"

@@ -10,7 +10,8 @@ quick check that runs k3-tiny's forward: one seeded chat trace, one generous bud
 Policies are names from runtime/cache_policy.py, optionally with overrides, e.g.
 `sparse:per_path=2,handover=0` (keys: chunks, decode, handover, finish, branch, tail, per_path,
 total, weight (the `valued` eviction's value_weight, a float), ttl (unused_ttl: lookups near a never-hit
-checkpoint before it is dropped), max_age (unused_max_age: lookups its neighbourhood was quiet), protect (protect_reused); 0 turns a flag off / removes a cap;
+checkpoint before it is dropped), max_age (unused_max_age: lookups its neighbourhood was quiet), protect (protect_reused), stale (stale_age: lookups
+no lookup covered a checkpoint, hit or not, before it is dropped); 0 turns a flag off / removes a cap;
 `total=0.25`, a float, caps checkpoints at that share of the state slots). Every policy must
 produce the same greedy tokens (checked: `outputs_match`).
 """
@@ -22,7 +23,8 @@ _KEYS = {"chunks": "donate_chunks", "decode": "donate_decode", "handover": "dona
          "finish": "donate_finish", "branch": "branch_points", "tail": "split_prompt_tail",
          "per_path": "max_checkpoints_per_path", "total": "max_checkpoints", "weight": "value_weight",
          "ttl": "unused_ttl", "max_age": "unused_max_age",
-         "protect": "protect_reused"}
+         "protect": "protect_reused", "stale": "stale_age", "tail_new": "tail_min_new",
+         "root_new": "unused_root_new_only", "protect_shared": "protect_shared_leaves"}
 
 
 def register(sub):
@@ -46,13 +48,14 @@ def parse_policy(text: str):
             raise ValueError(f"policy {text!r}: expected key=value with keys {', '.join(_KEYS)}, got {item!r}")
         field = _KEYS[key]
         try:
-            v = float(val) if field == "value_weight" or (field == "max_checkpoints" and "." in val) else int(val)
+            v = float(val) if field in ("value_weight", "tail_min_new") or (field == "max_checkpoints" and "." in val) \
+                else int(val)
         except ValueError:
             raise ValueError(f"policy {text!r}: {key} takes a number, got {val!r}") from None
-        if isinstance(v, float):  # the eviction weight, or total=0.25: a share of the state slots
-            changes[field] = v
+        if isinstance(v, float):  # the eviction weight, a tail's new share, or total=0.25: a share of the state slots
+            changes[field] = v if v or field != "tail_min_new" else None
             continue
-        changes[field] = (v or None) if field.startswith(("max_", "unused_")) else bool(v)
+        changes[field] = (v or None) if field.startswith(("max_", "unused_", "stale_")) else bool(v)
     return replace(policy, name=text.strip(), **changes)
 
 

@@ -27,7 +27,8 @@ counted per prompt: a request with n samples is one prompt, prefilled once; cach
 the KV-only bound on the same request order (cache_replay.kv_only_bound: a pure-attention radix
 cache with unlimited memory) and the fraction of it reached, prefill tokens saved against no
 cache at the same budget, checkpoint bytes (mean held over steps, peak held, and written: states
-stored x slot bytes), mean / p90 TTFT, how many exact repeats and shared-stem roots hit,
+stored x slot bytes), the oracle's bytes (the least an all-knowing policy holds for the row's own
+hits: cache_replay.oracle_held, same clock as the mean held), mean / p90 TTFT, how many exact repeats and shared-stem roots hit,
 retractions, whether greedy outputs equal the no-cache run's, and the hit rate of a KV-only
 radix cache with LRU at the engine's page count (cache_replay.kv_only_lru: the equal-memory
 reference the unlimited bound is not). Results: OUT/cache_pressure.json and .md; issue 15's goals
@@ -144,7 +145,8 @@ def run(args) -> int:
                     res.update(trace=trace, seed=seed)
                     group.append(res)
                     print(f"  {budget >> 10} KiB {policy.name}: hit {res['hit_rate']:.3f} (bound "
-                          f"{res['kv_only_bound']:.3f}), ckpt mean {res['checkpoint_bytes_mean']:.0f} B, "
+                          f"{res['kv_only_bound']:.3f}), ckpt mean {res['checkpoint_bytes_mean']:.0f} B (oracle "
+                          f"{res['oracle_bytes_mean']:.0f} B), "
                           f"TTFT {res['ttft_mean_s']:.3f} s, {res['wall_seconds']:.0f} s wall", flush=True)
                     md = save(rows + _relate(group))  # after every run: a long sweep keeps what it has
                 rows.extend(_relate(group))
@@ -188,13 +190,15 @@ def _write_report(doc: dict, out: str) -> str:
     return md
 
 
-def merge_rerun(previous: list[str], rerun: list[str], out: str, old_tag: str) -> str:
+def merge_rerun(previous: list[str], rerun: list[str], out: str, old_tag: "str | dict[str, str]") -> str:
     """One report from an earlier report's rows and a re-run of some of its policies on the same
     traces, seeds and budgets (the replay is deterministic: a policy whose code did not change gives
     the same row again). A re-run row replaces the earlier one; the earlier row of a re-run policy
     stays, renamed `policy@old_tag`, for comparison; ratios against `none` (tokens saved) and
     `every_chunk` (bytes) and the goals are recomputed over the merged rows. `outputs_match` stays as
-    its own run computed it (a re-run includes `none`). Every row says where it comes from
+    its own run computed it (a re-run without `none` has none). Where several earlier reports hold
+    a row for the same (trace, seed, budget, policy), the first in `previous` wins. `old_tag` may map
+    each earlier report's path to its own tag (reports from different sessions). Every row says where it comes from
     (`source`). Returns the markdown."""
     import json
 
@@ -210,13 +214,15 @@ def merge_rerun(previous: list[str], rerun: list[str], out: str, old_tag: str) -
     fresh = {key(r): dict(r, source=p) for p, d in new_docs for r in d["rows"]}
     rerun_policies = {k[3] for k in fresh}
     groups = {k[:3] for k in fresh}
-    rows = []
+    rows, taken = [], set()
     for p, d in old_docs:
         for r in d["rows"]:
-            if key(r)[:3] not in groups:
+            if key(r)[:3] not in groups or key(r) in taken:  # the first earlier report holding a row wins
                 continue
+            taken.add(key(r))
             if r["policy"] in rerun_policies:
-                rows.append(dict(r, policy=f"{r['policy']}@{old_tag}", source=p))
+                tag = old_tag[p] if isinstance(old_tag, dict) else old_tag
+                rows.append(dict(r, policy=f"{r['policy']}@{tag}", source=p))
             else:
                 rows.append(dict(r, source=p))
     rows.extend(fresh.values())
@@ -238,6 +244,10 @@ def _set_ratios(row: dict, r: dict, none: dict | None, dense: dict | None) -> No
     for key, col in (("bytes_vs_every_chunk", "checkpoint_bytes_mean"), ("peak_vs_every_chunk", "checkpoint_bytes_peak"),
                      ("written_vs_every_chunk", "checkpoint_bytes_written")):
         row[key] = r[col] / dense[col] if dense and dense.get(col) else None
+    # the least this row's hits could have held (cache_replay.oracle_held), against every_chunk's mean held
+    row["oracle_vs_every_chunk"] = (r["oracle_bytes_mean"] / dense["checkpoint_bytes_mean"]
+                                    if r.get("oracle_bytes_mean") is not None and dense
+                                    and dense.get("checkpoint_bytes_mean") else None)
 
 
 def _relate(group: list[dict]) -> list[dict]:
@@ -270,6 +280,7 @@ def goals(rows: list[dict], policy: str = "valued") -> list[dict]:
                  "points_above_end": (new["hit_rate"] - end["hit_rate"]) / new["kv_only_bound"] if end else None,
                  "bytes_vs_every_chunk": new["bytes_vs_every_chunk"],
                  "written_vs_every_chunk": new.get("written_vs_every_chunk"),
+                 "oracle_vs_every_chunk": new.get("oracle_vs_every_chunk"),
                  "of_kv_lru_equal_pages": (new["hit_rate"] / new["kv_only_lru_equal_pages"]
                                            if new.get("kv_only_lru_equal_pages") else None),
                  "repeats_hit": f"{new['repeats_hit']}/{new['repeats']}", "stems_hit": f"{new['stems_hit']}/{new['stems']}"}
@@ -285,6 +296,10 @@ def _pct(x) -> str:
     return "-" if x is None else format(x, ".1%")
 
 
+def _kib(x) -> str:
+    return "-" if x is None else f"{x / 1024:.0f} KiB"
+
+
 def render_markdown(doc: dict) -> str:
     a = doc["args"]
     lines = ["# bench cache-pressure", "",
@@ -298,12 +313,14 @@ def render_markdown(doc: dict) -> str:
              "= KV-only radix cache with "
              "unlimited memory on the same request order; LRU-KV = KV-only radix cache with LRU at the engine's "
              "page count (optimistic: running requests' pages are evictable cache entries); checkpoint bytes: "
-             "mean held over steps, peak held, and written (states stored in the tree x slot bytes); the ratios "
-             "are against every_chunk at the same budget.", "",
+             "mean held over steps, peak held, and written (states stored in the tree x slot bytes); oracle = "
+             "mean bytes an all-knowing policy holds for this row's hits (each state a lookup restored from, "
+             "from its store to its last hit, nothing else; same clock and sampling as the mean held; "
+             "cache_replay.oracle_held); the ratios are against every_chunk's mean held at the same budget.", "",
              "| trace | seed | budget | requests | policy | hit rate | bound | of bound | LRU-KV | prefill saved | "
-             "ckpt mean | peak | written | mean vs every_chunk | peak vs ec | written vs ec | TTFT mean s | "
+             "ckpt mean | peak | written | oracle | mean vs every_chunk | peak vs ec | written vs ec | oracle vs ec | TTFT mean s | "
              "TTFT p90 s | TTFT steps | repeats hit | stems hit | retractions | outputs match |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         lru = r.get("kv_only_lru_equal_pages")
         lines.append(
@@ -312,23 +329,26 @@ def render_markdown(doc: dict) -> str:
             f"{r['kv_only_bound']:.3f} | {r['fraction_of_bound']:.1%} | {'-' if lru is None else format(lru, '.3f')} | "
             f"{r['prefill_tokens_saved']} | "
             f"{r['checkpoint_bytes_mean'] / 1024:.0f} KiB | {r['checkpoint_bytes_peak'] / 1024:.0f} KiB | "
-            f"{r.get('checkpoint_bytes_written', 0) / 1024:.0f} KiB | {_pct(r['bytes_vs_every_chunk'])} | "
+            f"{r.get('checkpoint_bytes_written', 0) / 1024:.0f} KiB | {_kib(r.get('oracle_bytes_mean'))} | "
+            f"{_pct(r['bytes_vs_every_chunk'])} | "
             f"{_pct(r.get('peak_vs_every_chunk'))} | {_pct(r.get('written_vs_every_chunk'))} | "
+            f"{_pct(r.get('oracle_vs_every_chunk'))} | "
             f"{r['ttft_mean_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['ttft_mean_steps']:.1f} | "
             f"{r['repeats_hit']}/{r['repeats']} | {r['stems_hit']}/{r['stems']} | {r['retractions']} | "
             f"{'yes' if r['outputs_match'] else ('-' if r['outputs_match'] is None else '**NO**')} |")
     lines += ["", f"Goals per budget (`valued` >= {GOAL_OF_BOUND:.0%} of the bound, >= "
                   f"{GOAL_ABOVE_END * 100:.0f} points of the bound above `end`, <= {GOAL_BYTES_VS_DENSE:.0%} of "
-                  f"every_chunk's mean checkpoint bytes held, every repeat and shared stem hits; written bytes and "
-                  f"the hit rate as a share of LRU-KV at equal pages for reference):", "",
+                  f"every_chunk's mean checkpoint bytes held, every repeat and shared stem hits; written bytes, "
+                  f"the oracle's bytes for `valued`'s hits and the hit rate as a share of LRU-KV at equal pages for "
+                  f"reference):", "",
               "| trace | seed | budget | of bound | points above end | mean bytes vs every_chunk | written vs ec | "
-              "of LRU-KV | repeats hit | stems hit | met |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "oracle vs ec | of LRU-KV | repeats hit | stems hit | met |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in doc["goals"]:
         lines.append(f"| {g['trace']} | {g['seed']} | {g['budget_bytes'] >> 10} KiB | {g['fraction_of_bound']:.1%} | "
                      f"{'-' if g['points_above_end'] is None else format(g['points_above_end'] * 100, '.1f')} | "
                      f"{_pct(g['bytes_vs_every_chunk'])} | {_pct(g.get('written_vs_every_chunk'))} | "
-                     f"{_pct(g.get('of_kv_lru_equal_pages'))} | "
+                     f"{_pct(g.get('oracle_vs_every_chunk'))} | {_pct(g.get('of_kv_lru_equal_pages'))} | "
                      f"{g['repeats_hit']} | {g['stems_hit']} | {'**yes**' if g['met'] else 'no'} |")
     lines += ["", "CPU run: token counts and bytes are exact; times are simulated by the step cost model above. "
                   "Forward `cost`: the model's forward is replaced by the stand-in (bench/cache_replay.py); "

@@ -158,6 +158,15 @@ def replay(engine, roots, step_ms: float, token_ms: float) -> dict:
     leader_of, samples_left = {}, {}
     arrival, arrival_step, first_time, first_step = {}, {}, {}, {}
     ckpt_bytes, now, step = [], 0.0, 0
+    lives: dict[int, list] = {}  # checkpoint serial -> [engine step of its store, of each hit ...]
+
+    def on_checkpoint(event: str, serial: int) -> None:  # `step`: the engine.step() call now running
+        if event == "store":
+            lives[serial] = [step]
+        elif event == "hit":
+            lives[serial].append(step)
+
+    engine.cache.add_checkpoint_listener(on_checkpoint)
     m = engine.metrics()
     done = m["prefill_tokens"] + m["generated_tokens"]
     while pending or engine.has_unfinished():
@@ -199,7 +208,19 @@ def replay(engine, roots, step_ms: float, token_ms: float) -> dict:
                         order += 1
     ttft = sorted(first_time[r] - arrival[r] for r in first_time)
     return {"events": events, "outputs": outputs, "cached": cached, "tags": tags, "prompts": prompts, "ttft": ttft,
-            "ttft_steps": list(first_step.values()), "checkpoint_bytes": ckpt_bytes, "steps": step, "sim_seconds": now}
+            "ttft_steps": list(first_step.values()), "checkpoint_bytes": ckpt_bytes, "steps": step, "sim_seconds": now,
+            "checkpoint_lives": lives}
+
+
+def oracle_held(lives: dict[int, list], steps: int) -> float:
+    """Mean number of checkpoints an all-knowing policy holds over the replay's `steps` samples to
+    get the same hits: each state that a lookup restored from, from the step that stored it to
+    its last hit, nothing else. On the replay's clock (`checkpoint_bytes` is sampled after every
+    engine step): a state stored in step s and last hit in step h is in the samples after steps
+    s .. h-1 (the restore copy runs in step h), so x slot bytes it is the same mean as the
+    `checkpoint_bytes_mean` column. It keeps the policy's trajectory (the same requests hit at the
+    same steps), so it is what those hits cost at the least, not a policy of its own."""
+    return sum(life[-1] - life[0] for life in lives.values() if len(life) > 1) / max(1, steps)
 
 
 def summarize_replay(engine, r: dict, page_size: int) -> dict:
@@ -228,6 +249,8 @@ def summarize_replay(engine, r: dict, page_size: int) -> dict:
         "checkpoint_bytes_peak": st.peak_checkpoint_bytes, "checkpoints_stored": st.checkpoints_stored,
         "checkpoint_bytes_written": st.checkpoints_stored * engine.memory.spec.slot_bytes,
         "checkpoints_evicted": st.checkpoints_evicted, "checkpoints_rejected": st.checkpoints_rejected,
+        "checkpoints_hit": sum(1 for life in r["checkpoint_lives"].values() if len(life) > 1),
+        "oracle_bytes_mean": oracle_held(r["checkpoint_lives"], len(r["checkpoint_bytes"])) * engine.memory.spec.slot_bytes,
         "pages_evicted": st.pages_evicted,
         "ttft_mean_s": statistics.fmean(ttft) if ttft else 0.0,
         "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))] if ttft else 0.0,

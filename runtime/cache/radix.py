@@ -78,7 +78,20 @@ Unused checkpoints (`unused_ttl`: decay, not only pressure)
   (extends it) does not age it. A neighbourhood that goes quiet (a finished search) stops that
   clock, so a checkpoint also goes once its anchor has seen no lookup for `unused_max_age`
   lookups (counted from its store at the earliest; the root never goes quiet). Issue 15: on prompted tree-of-thought most stored prompt tails
-  and ends are never hit and held most of the bytes.
+  and ends are never hit and held most of the bytes. With `root_clock_new_only` the root's clock
+  counts only lookups that matched nothing (a new prefix family): every lookup passes the root, so
+  a one-off's tail or a new template's first state otherwise aged with all traffic and was gone
+  before its repeat or the template's third root came (session 10).
+
+Stale checkpoints (`stale_age`: decay of what did show reuse)
+* A checkpoint whose node no lookup has covered for `stale_age` lookups (counted from its store at
+  the earliest) is dropped, pressure or not, whether it was hit or is a branch point: reuse shown
+  once does not keep a state forever. On prompted tree-of-thought half of the state bytes `valued`
+  held were states after their last hit (issue 15, session 10: a finished problem's branch points
+  and tails). A shared stem is covered by every request that goes through it, so it stays while
+  its traffic lasts. With `root_clock_new_only` a checkpoint anchored at the root counts only
+  lookups that matched nothing (as for `unused_ttl`): a one-off's tail waits for its repeat however
+  much traffic other families send.
 
 * `protect_reused` ("value" only): state pressure and the global cap take checkpoints that have
   shown no reuse first (never restored from, not a branch point), and those that have (a shared
@@ -115,7 +128,8 @@ class TreeNode:
 
     __slots__ = ("id", "key", "pages", "parent", "children", "depth", "checkpoint", "kv_lock", "ckpt_lock",
                  "last_access", "ckpt_access", "alive", "planted", "passes", "ckpt_hits", "unused_age",
-                 "anchor", "anchor_seen", "passes_seen", "ckpt_born", "last_pass")
+                 "anchor", "anchor_seen", "passes_seen", "ckpt_born", "last_pass", "ckpt_serial", "born_new",
+                 "last_pass_new")
 
     def __init__(self, nid: int, key: tuple[int, ...], pages: list[int], parent: "TreeNode | None", depth: int):
         self.id = nid
@@ -139,6 +153,8 @@ class TreeNode:
         self.passes_seen = 0  # ... and this node's
         self.ckpt_born = 0  # lookups (all of them) when the checkpoint was stored
         self.last_pass = 0  # lookups (all of them) when one last covered this edge
+        self.ckpt_serial = 0  # which stored checkpoint this node holds (1, 2, ...: checkpoint listeners' key)
+        self.born_new = self.last_pass_new = 0  # ckpt_born and last_pass on the root's new-family clock
 
     @property
     def is_leaf(self) -> bool:
@@ -209,7 +225,8 @@ class HybridRadixCache:
     def __init__(self, memory: KVStateMemory, checkpoint_interval: int, max_checkpoints_per_path: int | None = None,
                  max_checkpoints: int | float | None = None, eviction: str = "lru", recompute_cost: RecomputeCost | None = None,
                  value_weight: float = 1.0, unused_ttl: int | None = None, unused_max_age: int | None = None,
-                 protect_reused: bool = False):
+                 protect_reused: bool = False, stale_age: int | None = None, root_clock_new_only: bool = False,
+                 protect_shared_leaves: bool = False):
         p = memory.page_size
         if not isinstance(checkpoint_interval, int) or checkpoint_interval < 1 or checkpoint_interval % p:
             raise ValueError(f"checkpoint_interval must be a positive multiple of the page size {p}, "
@@ -227,9 +244,16 @@ class HybridRadixCache:
         if unused_max_age is not None and unused_ttl is None:
             raise ValueError("unused_max_age backs up unused_ttl: set unused_ttl too")
         self.unused_ttl, self.unused_max_age = unused_ttl, unused_max_age
+        _check_cap("stale_age", stale_age)
+        self.stale_age = stale_age
+        self.root_clock_new_only = root_clock_new_only
+        self._root_misses = 0  # lookups whose KV matched nothing: a new prefix family (the root's own clock)
         if protect_reused and eviction != "value":
             raise ValueError("protect_reused orders the 'value' eviction's candidates; eviction is " + repr(eviction))
         self.protect_reused = protect_reused
+        if protect_shared_leaves and eviction != "value":
+            raise ValueError("protect_shared_leaves orders the 'value' eviction's candidates; eviction is " + repr(eviction))
+        self.protect_shared_leaves = protect_shared_leaves
         self._probation: dict[int, TreeNode] = {}  # node id -> node whose checkpoint is on probation
         self.eviction, self.recompute_cost, self.value_weight = eviction, recompute_cost, float(value_weight)
         self.memory, self.page_size, self.checkpoint_interval = memory, p, checkpoint_interval
@@ -244,7 +268,22 @@ class HybridRadixCache:
         self._doomed_pages: list[int] = []  # freed at the end of the current call
         self._doomed_slots: list[int] = []
         self._stats = CacheStats()
+        self._checkpoint_listeners: list = []
         memory.add_relocation_listener(self._on_relocate)
+
+    def add_checkpoint_listener(self, fn) -> None:
+        """Call `fn(event, serial)` on every checkpoint's life events: "store" when one is admitted
+        (serials count stores from 1, so a state stored again after a drop is a new serial), "hit"
+        when a lookup restores from it, "drop" when it leaves the tree (any eviction or decay). For
+        measurements (the benchmark's oracle: which states a policy's hits needed, and when);
+        nothing in the cache depends on it."""
+        if not callable(fn):
+            raise TypeError(f"a checkpoint listener must be callable, got {type(fn).__name__}")
+        self._checkpoint_listeners.append(fn)
+
+    def _tell(self, event: str, serial: int) -> None:
+        for fn in self._checkpoint_listeners:
+            fn(event, serial)
 
     # ------------------------------------------------------------------ queries
     def match(self, token_ids, touch: bool = True) -> MatchResult:
@@ -256,6 +295,8 @@ class HybridRadixCache:
         tokens = as_token_tuple(token_ids)
         if touch and self.unused_ttl is not None and self._probation:
             self._expire_unused()  # before the walk: the result describes the tree as it stays
+        if touch and self.stale_age is not None and self._slot_owner:
+            self._expire_stale()
         n = len(tokens) - len(tokens) % self.page_size
         path, _, kv_len = self._walk(tokens, n)
         node = self.root
@@ -271,13 +312,16 @@ class HybridRadixCache:
             s.hit_tokens += node.depth
             s.kv_match_tokens += kv_len
             self.root.passes += 1
+            if kv_len == 0:
+                self._root_misses += 1
             for nd in path:
                 nd.passes += 1
-                nd.last_pass = s.lookups
+                nd.last_pass, nd.last_pass_new = s.lookups, self._root_misses
             if node is not self.root:
                 node.last_access = node.ckpt_access = self._tick()
                 node.ckpt_hits += 1
                 self._probation.pop(node.id, None)  # reuse shown: exempt from now on
+                self._tell("hit", node.ckpt_serial)
         return MatchResult(node=node, cached_len=node.depth, pages=self.path_pages(node),
                            checkpoint_slot=node.checkpoint, kv_match_len=kv_len, branch_point=branch)
 
@@ -378,7 +422,7 @@ class HybridRadixCache:
             self._stats.checkpoints_evicted += 1
         if admitted:
             node.ckpt_hits = node.unused_age = 0
-            node.ckpt_born = self._stats.lookups
+            node.ckpt_born, node.born_new = self._stats.lookups, self._root_misses
             self._rebase(node)
             if self.unused_ttl is not None:
                 self._probation[node.id] = node
@@ -388,7 +432,9 @@ class HybridRadixCache:
             node.checkpoint = checkpoint_slot
             self._slot_owner[checkpoint_slot] = node
             self._stats.checkpoints_stored += 1
+            node.ckpt_serial = self._stats.checkpoints_stored
             self._stats.peak_checkpoints = max(self._stats.peak_checkpoints, len(self._slot_owner))
+            self._tell("store", node.ckpt_serial)
         elif checkpoint_slot is not None:
             self._doomed_slots.append(checkpoint_slot)
         # Global-cap eviction may have emptied the subtree under `deepest`, leaving a tombstone leaf.
@@ -544,6 +590,8 @@ class HybridRadixCache:
                 leaves = [nd for nd in self._nodes.values() if nd.is_leaf and not nd.kv_lock]
                 if not leaves:
                     break
+                if self.protect_shared_leaves:  # a leaf several lookups restored from goes last
+                    leaves = [nd for nd in leaves if nd.ckpt_hits < 2] or leaves
                 freed += self._delete_upward(self._lowest_utility(leaves, "last_access"))[1]
             self._flush()
             return freed
@@ -644,9 +692,16 @@ class HybridRadixCache:
             a = a.parent
         return a
 
+    def _anchor_clock(self, a: TreeNode) -> int:
+        """Lookups that age the checkpoints anchored at `a`: those passing it, or for the root with
+        `root_clock_new_only`, those that matched nothing (a new prefix family). Every lookup passes
+        the root, so with that plain clock a one-off's tail or a new template's first state ages with
+        all traffic, and a repeat or the template's third root can come too late."""
+        return self._root_misses if a is self.root and self.root_clock_new_only else a.passes
+
     def _rebase(self, nd: TreeNode) -> None:
         nd.anchor = a = self._anchor(nd)
-        nd.anchor_seen, nd.passes_seen = a.passes, nd.passes
+        nd.anchor_seen, nd.passes_seen = self._anchor_clock(a), nd.passes
 
     def _expire_unused(self) -> None:
         """Bring every probation checkpoint's unused age up to date (the lookups its anchor saw
@@ -664,7 +719,9 @@ class HybridRadixCache:
                 continue
             a = self._anchor(nd)
             if a is nd.anchor:
-                nd.unused_age += max(0, (a.passes - nd.anchor_seen) - (nd.passes - nd.passes_seen))
+                # a lookup reaching the node passed the anchor too -- except on the root's new-only clock
+                reached = 0 if a is self.root and self.root_clock_new_only else nd.passes - nd.passes_seen
+                nd.unused_age += max(0, (self._anchor_clock(a) - nd.anchor_seen) - reached)
             self._rebase(nd)
             quiet = now - max(nd.ckpt_born, now if a is self.root else a.last_pass)
             if nd.unused_age > self.unused_ttl or (self.unused_max_age is not None and quiet > self.unused_max_age):
@@ -673,6 +730,29 @@ class HybridRadixCache:
             if nd.alive and nd.checkpoint is not None and self._checkpoint_evictable(nd):
                 self._evict_checkpoint(nd)
                 self._stats.checkpoints_expired += 1
+        self._flush()
+
+    def _expire_stale(self) -> None:
+        """`stale_age`: drop every checkpoint -- hit ones and branch points too -- whose node no
+        lookup has covered (passed through or restored from) for more than `stale_age` lookups
+        since its store: its neighbourhood is done (a finished search's branch points, a session's
+        old turn ends), whatever reuse it showed before. The deepest go first, so a fork loses its
+        paths before its own state, and a fork that still has two paths stays (no branch point goes
+        while live paths below it share it). A pinned one, or a locked leaf's, stays until it can go."""
+        now, new, limit = self._stats.lookups, self._root_misses, self.stale_age
+
+        def young_on_root_clock(nd):  # anchored at the root with root_clock_new_only: new-family lookups only
+            return self.root_clock_new_only and self._anchor(nd) is self.root and \
+                new - max(nd.born_new, nd.last_pass_new) <= limit
+
+        # (the new-family clock never runs ahead of the global one: check it only for the globally stale)
+        due = [nd for nd in self._slot_owner.values()
+               if now - max(nd.ckpt_born, nd.last_pass) > limit and not young_on_root_clock(nd)]
+        for nd in sorted(due, key=lambda nd: (-nd.depth, nd.id)):
+            # a fork whose paths are not all gone stays (one stored after it can be younger)
+            if nd.alive and nd.checkpoint is not None and self._checkpoint_evictable(nd) and not self._is_fork(nd):
+                self._evict_checkpoint(nd)
+                self._stats.checkpoints_stale += 1
         self._flush()
 
     # ------------------------------------------------------------------ tree surgery
@@ -710,7 +790,7 @@ class HybridRadixCache:
         top.kv_lock = node.kv_lock  # every lock through node passes through top
         top.last_access = node.last_access
         top.passes = node.passes  # every lookup that covered node's whole edge covered top's
-        top.last_pass = node.last_pass
+        top.last_pass, top.last_pass_new = node.last_pass, node.last_pass_new
         parent.children[top.key[:p]] = top
         node.key, node.pages, node.parent = node.key[k:], node.pages[k // p:], top
         top.children[node.key[:p]] = node
@@ -730,6 +810,7 @@ class HybridRadixCache:
         return leaf
 
     def _drop_checkpoint(self, nd: TreeNode) -> None:
+        self._tell("drop", nd.ckpt_serial)
         self._probation.pop(nd.id, None)
         del self._slot_owner[nd.checkpoint]
         self._doomed_slots.append(nd.checkpoint)

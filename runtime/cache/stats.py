@@ -20,6 +20,7 @@ class CacheStats:
     # evictions (caps, state pressure and KV pressure together)
     checkpoints_evicted: int = 0
     checkpoints_expired: int = 0  # of those, unused ones dropped by `unused_ttl` (no pressure needed)
+    checkpoints_stale: int = 0  # of those, ones no lookup covered for `stale_age` lookups (no pressure needed)
     nodes_evicted: int = 0
     pages_evicted: int = 0
     # gauges, filled in when a snapshot is taken

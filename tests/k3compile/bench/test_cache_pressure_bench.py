@@ -8,7 +8,7 @@ import pytest
 import k3compile
 from k3compile.bench.cache import parse_policy
 from k3compile.bench.cache_pressure import _relate, goals, register, render_markdown, run_one
-from k3compile.bench.cache_replay import StandInModel
+from k3compile.bench.cache_replay import StandInModel, oracle_held
 from k3compile.bench.cache_traces import PRESETS, Req, Root, TraceSpec, count, count_prompts, make_trace
 
 
@@ -267,6 +267,38 @@ def test_repeats_and_shared_stems_hit_exactly(policy):
     assert res["repeats_hit"] == res["repeats"] == 1
 
 
+def test_oracle_holds_each_hit_state_from_its_store_to_its_last_hit():
+    # serial -> [store step, hit steps...]: stored in step 2 and last hit in step 7, it is in the
+    # samples after steps 2..6 (5); one hit in its own store step costs nothing; never hit: nothing
+    assert oracle_held({1: [2, 4, 7], 2: [3, 3], 3: [0]}, 10) == 5 / 10
+    assert oracle_held({}, 0) == 0
+
+
+@pytest.mark.parametrize("policy", ["sparse", "valued"])
+def test_oracle_is_within_what_the_policy_held(policy):
+    """The oracle keeps only the states the policy's lookups restored from, for as long as needed,
+    on the clock of the `checkpoint_bytes_mean` column: never more than the policy held. On the
+    constructed trace both restore from 4 states (the stem's branch point, the repeat's tail, the
+    problem's tail, the branches' branch point)."""
+    res = run_one(pressure_args(), StandInModel(), parse_policy(policy), constructed_trace(), 64 << 20)
+    assert 0 < res["oracle_bytes_mean"] < res["checkpoint_bytes_mean"]
+    assert res["checkpoints_hit"] == 4
+
+
+def test_tail_min_new_skips_tails_of_mostly_known_prompts_and_keeps_repeats():
+    """`tail_new=0.5`: a prompt tail is split and stored only when half the prompt lies past its KV
+    match. The second and third agent roots on the stem know 64 of their 84 tokens (20 new: no
+    tail) and the fork's branches most of theirs; the stem's branch point is planted as before,
+    and the one-off (all new) keeps its tail, so its repeat still restores there."""
+    plain = run_one(pressure_args(), StandInModel(), parse_policy("valued"), constructed_trace(), 64 << 20)
+    strict = run_one(pressure_args(), StandInModel(), parse_policy("valued:tail_new=0.5"), constructed_trace(),
+                     64 << 20)
+    for res in (plain, strict):
+        assert [res["_cached"][f"a{k}"] for k in range(3)] == [0, 0, 64] and res["_cached"]["p.repeat"] == 96
+    assert strict["checkpoints_stored"] < plain["checkpoints_stored"]
+    assert strict["_outputs"] == plain["_outputs"]
+
+
 @pytest.mark.parametrize("policy", ["none", "valued"])
 def test_replay_forks_a_request_with_n_samples_from_one_prefill(policy):
     """A 100-token prompt with n=3, then (after all 3 samples finished) the same prompt again with
@@ -362,10 +394,11 @@ def test_merge_rerun_keeps_unchanged_policies_and_relates_to_them(tmp_path):
     old = [row("none", 0.0, 100, 0), row("end", 0.5, 60, 40), row("every_chunk", 0.55, 55, 100),
            row("valued", 0.7, 40, 300), dict(row("end", 0.1, 1, 1), trace="agent")]
     new = [row("none", 0.0, 100, 0), row("valued", 0.76, 30, 20)]
-    for name, rows in (("old", old), ("new", new)):
+    older = [row("end", 0.4, 70, 50)]  # an even earlier report's row for the same place: the first report wins
+    for name, rows in (("old", old), ("new", new), ("older", older)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "cache_pressure.json").write_text(json.dumps({"rows": rows, "args": args, "goals": []}))
-    merge_rerun([str(tmp_path / "old")], [str(tmp_path / "new")], str(tmp_path / "out"), "old")
+    merge_rerun([str(tmp_path / "old"), str(tmp_path / "older")], [str(tmp_path / "new")], str(tmp_path / "out"), "old")
     doc = json.loads((tmp_path / "out" / "cache_pressure.json").read_text())
     got = {r["policy"]: r for r in doc["rows"]}
     # the agent group was not re-run; the earlier `none` stays too (a re-run of unchanged code: the same row)
@@ -375,3 +408,7 @@ def test_merge_rerun_keeps_unchanged_policies_and_relates_to_them(tmp_path):
     assert got["valued@old"]["bytes_vs_every_chunk"] == 3.0
     (g,) = doc["goals"]
     assert abs(g["points_above_end"] - (0.76 - 0.5) / 0.8) < 1e-9 and g["bytes_vs_every_chunk"] == 0.2
+    # a tag per earlier report (reports from different sessions)
+    merge_rerun([str(tmp_path / "old")], [str(tmp_path / "new")], str(tmp_path / "out2"), {str(tmp_path / "old"): "s8"})
+    doc = json.loads((tmp_path / "out2" / "cache_pressure.json").read_text())
+    assert "valued@s8" in {r["policy"] for r in doc["rows"]}

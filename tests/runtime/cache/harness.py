@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from k3compile.model_def.cache import CacheSpec
+from k3compile.runtime.cache.checks import check_cache
 
 MOD = 65521
 SPEC = CacheSpec(n_kda=2, kda_heads=1, kda_head_k=2, kda_head_v=2, conv_channels=6, conv_window=2, n_mla=1,
@@ -203,3 +204,55 @@ def donate_sequence(cache, memory, tokens, checkpoint: bool = True):
         return cache.insert(tokens, pages, scratch), pages
     memory.free_slot(scratch)
     return cache.insert(tokens, pages, None), pages
+
+
+def store_prefix(cache, memory, tokens):
+    """Donate `tokens` with a state at their end, as a finished request does, and free the pages
+    the tree did not adopt. Returns the InsertResult."""
+    res, pages = donate_sequence(cache, memory, tuple(tokens))
+    memory.free_pages(pages[res.length // memory.page_size:])
+    return res
+
+
+def has_state_at(cache, tokens) -> bool:
+    """Does a lookup of `tokens` restore a state after all of them (a dry run: nothing changes)?"""
+    return cache.match(tokens, touch=False).cached_len == len(tokens)
+
+
+def run_random_ops(cache, memory, ops, on_match, after_op=None) -> None:
+    """Drive a cache through hypothesis-drawn (op, token sequence) pairs: "store" the sequence's
+    whole pages, "match" via `on_match(seq)` (which does the lookup and checks what it needs),
+    "evict_states" len(seq) // 3 checkpoints, or `lock_or_evict`; `after_op()` and check_cache
+    after each, and every lock released at the end."""
+    p, locks = memory.page_size, []
+    for op, seq in ops:
+        n = len(seq) // p * p
+        if op == "store" and n:
+            store_prefix(cache, memory, seq[:n])
+        elif op == "match":
+            on_match(seq)
+        elif op == "evict_states":
+            cache.evict_checkpoints(len(seq) // 3)
+        else:
+            lock_or_evict(cache, op, seq, locks)
+        if after_op is not None:
+            after_op()
+        check_cache(cache)
+    for lk in locks:
+        cache.unlock(lk)
+    if after_op is not None:
+        after_op()
+    check_cache(cache)
+
+
+def lock_or_evict(cache, op: str, seq, locks: list) -> None:
+    """The random-operation tests' shared moves: "lock" the node a dry match of `seq` ends at
+    (pinning its checkpoint for even lengths), "unlock" one of `locks`, "evict" len(seq) pages."""
+    if op == "lock":
+        nd = cache.match(seq, touch=False).node
+        if nd is not cache.root:
+            locks.append(cache.lock(nd, pin_checkpoint=len(seq) % 2 == 0))
+    elif op == "unlock" and locks:
+        cache.unlock(locks.pop(len(seq) % len(locks)))
+    elif op == "evict":
+        cache.evict_pages(len(seq))

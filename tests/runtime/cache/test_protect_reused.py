@@ -16,10 +16,10 @@ P = 2
 STEM = (7, 7, 7, 7)
 
 
-def setup(protect: bool):
+def setup(protect: bool, shared_leaves: bool = False):
     mem = make_memory(P, num_slots=32, num_pages=256)
     cache = HybridRadixCache(mem, P, eviction="value", recompute_cost=RecomputeCost(1.0, 0.0), value_weight=0.25,
-                             protect_reused=protect)
+                             protect_reused=protect, protect_shared_leaves=shared_leaves)
     res, pages = donate_sequence(cache, mem, STEM)  # a stem's state (a template, a tool prefix)
     for _ in range(2):  # two requests restore from it: reuse shown
         assert cache.match(STEM + (1, 2, 3)).cached_len == len(STEM)
@@ -50,6 +50,21 @@ def test_kv_pressure_keeps_the_utility_order():
         check_cache(cache)
 
 
+def test_kv_pressure_takes_a_leaf_restored_from_twice_last_with_protect_shared_leaves():
+    """`protect_shared_leaves` (session 10: a prompted-ToT template's state, restored from by 9
+    problems, went with its KV under KV pressure once its problems were done): leaves restored
+    from by two or more lookups go after every other leaf, and then by utility."""
+    mem, cache = setup(True, shared_leaves=True)
+    cache.evict_pages(len(STEM) // P)  # one tail (4 pages) goes instead of the stem
+    assert cache.match(STEM + (5,), touch=False).cached_len == len(STEM) and cache.num_checkpoints() == 4
+    cache.evict_pages(3 * 4)  # the other three tails (4 pages each), not yet the stem
+    assert cache.match(STEM + (5,), touch=False).cached_len == len(STEM) and cache.num_checkpoints() == 1
+    assert cache.evict_pages(1) == len(STEM) // P and cache.num_checkpoints() == 0
+    check_cache(cache)
+
+
 def test_protect_needs_value_eviction():
     with pytest.raises(ValueError, match="protect_reused"):
         HybridRadixCache(make_memory(P), P, protect_reused=True)
+    with pytest.raises(ValueError, match="protect_shared_leaves"):
+        HybridRadixCache(make_memory(P), P, protect_shared_leaves=True)
