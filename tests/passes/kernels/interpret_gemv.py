@@ -11,6 +11,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch  # noqa: E402
 
 from k3compile.passes.kernels import arrivals, gemv  # noqa: E402
+import interpreted  # noqa: E402,F401  (its shim: no re-patching of triton.language inside a launch; sys.path[0])
 
 TOL = 1e-2  # 16-bit output: two roundings (product, then + c) of an fp32 sum
 
