@@ -181,15 +181,16 @@ class _Recorder:
 def test_l2_prefetch_options_reach_the_launches(monkeypatch):
     """shared_l2_prefetch: kernel A's grid transposed (shared slot first) whenever asked and the slot exists; its L2
     prefetch (PIECES = 32 x num_warps) only with PDL and 16-byte rows; down_l2_prefetch: B''s shared slot, likewise.
-    Off: the launches are today's (no new constexprs). Kernels replaced by recorders: launch arguments only."""
+    Off, and above moe_decode.L2_PREFETCH_MAX_TOKENS tokens: the launches are today's (no new constexprs). Kernels
+    replaced by recorders: launch arguments only."""
     launches = []
     for name in ("_expert_up_rows_kernel", "_expert_up_kernel", "_expert_down_split_kernel"):
         monkeypatch.setattr(moe_decode, name, _Recorder(launches, name))
     pdl = {"on": False}
     monkeypatch.setattr(moe_decode, "pdl_for", lambda requested, tensor: bool(requested) and pdl["on"])
 
-    def launch(d=64, s=32, dtype=torch.bfloat16, up="rows", **options):
-        p = _problem(n=2, e=8, k=3, d=d, i=32, do=48, s=s, dtype=dtype)
+    def launch(d=64, s=32, dtype=torch.bfloat16, up="rows", n=1, **options):
+        p = _problem(n=n, e=8, k=3, d=d, i=32, do=48, s=s, dtype=dtype)
         sw13 = torch.randn(2 * s, d).to(dtype)
         launches.clear()
         moe_decode.fused_moe_triton(*_op_args(dict(p, shared_in=None, shared_up=None))[:13], shared_w13=sw13,
@@ -200,7 +201,7 @@ def test_l2_prefetch_options_reach_the_launches(monkeypatch):
 
     a_grid, a_kw, b_kw = launch()
     today, blocks = a_grid, a_grid[1]  # (tokens x (k + 1) slots, column blocks)
-    assert a_grid[0] == 2 * 4 and "SHARED_FIRST" not in a_kw and "SHARED_L2_PREFETCH" not in b_kw
+    assert a_grid[0] == 1 * 4 and "SHARED_FIRST" not in a_kw and "SHARED_L2_PREFETCH" not in b_kw
     a_grid, a_kw, b_kw = launch(shared_l2_prefetch=True, down_l2_prefetch=True)  # no PDL: the order only
     assert a_grid == today[::-1] and a_kw["SHARED_FIRST"] and not a_kw["SHARED_L2_PREFETCH"]
     assert "SHARED_L2_PREFETCH" not in b_kw
@@ -211,6 +212,9 @@ def test_l2_prefetch_options_reach_the_launches(monkeypatch):
         a_grid, a_kw, b_kw = launch(up=up, shared_l2_prefetch=True, down_l2_prefetch=True)
         assert a_kw["SHARED_FIRST"] and a_kw["SHARED_L2_PREFETCH"] and a_kw["PIECES"] == 32 * a_kw["num_warps"]
         assert b_kw["SHARED_L2_PREFETCH"] and b_kw["PIECES"] == 32 * b_kw["num_warps"] and b_kw["launch_pdl"]
+    assert moe_decode.L2_PREFETCH_MAX_TOKENS == 1  # two tokens: both options asked for, today's launches
+    a_grid, a_kw, b_kw = launch(n=2, shared_l2_prefetch=True, down_l2_prefetch=True)
+    assert a_grid == launch(n=2)[0] and "SHARED_FIRST" not in a_kw and "SHARED_L2_PREFETCH" not in b_kw
     a_grid, a_kw, b_kw = launch(down_l2_prefetch=True)  # B' alone
     assert "SHARED_FIRST" not in a_kw and b_kw["SHARED_L2_PREFETCH"]
     # rows that are not whole 16-byte units (D = 60, Is = 36 bf16): no prefetch, the order stays as asked
