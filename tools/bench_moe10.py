@@ -34,7 +34,7 @@ from k3compile.passes.kernels.graph_timing import replay_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe8 import ROUTINGS, SHAPE, layer  # noqa: E402
-from bench_moe_kernels import bench_setup, rel_err  # noqa: E402
+from bench_moe_kernels import bench_setup, rel_err, save_report  # noqa: E402
 
 BATCHES = (1, 8, 2, 4)  # batch 1 (the target) and 8 first: a timeout keeps what is saved
 ROUNDS = 3
@@ -149,10 +149,7 @@ def table(bandwidth: float, rows: list[dict]) -> str:
 
 
 def save(out_dir, bw, bandwidth, rows) -> None:
-    with open(os.path.join(out_dir, "moe10.md"), "w") as f:
-        f.write(table(bandwidth, rows) + "\n")
-    with open(os.path.join(out_dir, "moe10.json"), "w") as f:
-        json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1)
+    save_report(out_dir, "moe10", table(bandwidth, rows), {"copy_bandwidth": bw, "rows": rows})
 
 
 if __name__ == "__main__":

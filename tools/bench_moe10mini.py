@@ -36,7 +36,7 @@ from k3compile.passes.kernels import moe_decode
 from k3compile.passes.kernels.graph_timing import replay_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe_kernels import bench_setup, kernel_bytes, kernel_times, rel_err  # noqa: E402
+from bench_moe_kernels import bench_setup, kernel_bytes, kernel_times, rel_err, save_report  # noqa: E402
 
 SHAPE = "k3-mini-6b"
 BATCHES = (1, 8, 2, 4)  # batch 1 (the goal) and 8 (must not regress) first
@@ -250,10 +250,7 @@ def table(bandwidth: float, rows: list[dict], best: list[dict]) -> str:
 
 
 def save(out_dir, bw, bandwidth, rows, best) -> None:
-    with open(os.path.join(out_dir, "mini10.md"), "w") as f:
-        f.write(table(bandwidth, rows, best) + "\n")
-    with open(os.path.join(out_dir, "mini10.json"), "w") as f:
-        json.dump({"copy_bandwidth": bw, "rows": rows, "best": best}, f, indent=1)
+    save_report(out_dir, "mini10", table(bandwidth, rows, best), {"copy_bandwidth": bw, "rows": rows, "best": best})
 
 
 if __name__ == "__main__":

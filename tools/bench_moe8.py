@@ -26,7 +26,7 @@ from k3compile.passes.kernels import moe_decode
 from k3compile.passes.kernels.graph_timing import replay_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe_kernels import bench_setup, kernel_bytes, kernel_times, rel_err  # noqa: E402
+from bench_moe_kernels import bench_setup, kernel_bytes, kernel_times, rel_err, save_report  # noqa: E402
 
 SHAPE = "kimi-linear-48b"
 BATCHES = (1, 2, 4, 8)
@@ -133,10 +133,7 @@ def table(bandwidth: float, rows: list[dict]) -> str:
 
 
 def save(out_dir, bw, bandwidth, rows) -> None:
-    with open(os.path.join(out_dir, "moe8.md"), "w") as f:
-        f.write(table(bandwidth, rows) + "\n")
-    with open(os.path.join(out_dir, "moe8.json"), "w") as f:
-        json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1)
+    save_report(out_dir, "moe8", table(bandwidth, rows), {"copy_bandwidth": bw, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from k3compile.passes.kernels.graph_timing import replay_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe8 import ROUTINGS, SHAPE, layer, problem  # noqa: E402
-from bench_moe_kernels import bench_setup, kernel_bytes, kernel_times, rel_err  # noqa: E402
+from bench_moe_kernels import bench_setup, kernel_bytes, kernel_times, rel_err, save_report  # noqa: E402
 
 BATCHES = (1, 8, 2, 4)  # batch 1 (the target) and 8 (must not regress) first: a timeout keeps what is saved
 
@@ -124,10 +124,7 @@ def table(bandwidth: float, rows: list[dict], best: list[dict]) -> str:
 
 
 def save(out_dir, bw, bandwidth, rows, best) -> None:
-    with open(os.path.join(out_dir, "moe9.md"), "w") as f:
-        f.write(table(bandwidth, rows, best) + "\n")
-    with open(os.path.join(out_dir, "moe9.json"), "w") as f:
-        json.dump({"copy_bandwidth": bw, "rows": rows, "best": best}, f, indent=1)
+    save_report(out_dir, "moe9", table(bandwidth, rows, best), {"copy_bandwidth": bw, "rows": rows, "best": best})
 
 
 if __name__ == "__main__":

@@ -178,6 +178,14 @@ def tile_sweep(spec, bandwidth, gen) -> list[dict]:
     return out
 
 
+def save_report(out_dir: str, stem: str, markdown: str, payload: dict) -> None:
+    """OUT/<stem>.md (the table) and OUT/<stem>.json (every row): what the MoE benches write after each arm."""
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(markdown + "\n")
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(payload, f, indent=1)
+
+
 def bench_setup() -> tuple[dict, float, torch.Generator]:
     """Exact fp32 GEMMs; the same-run copy bandwidth (its record, and GB/s, printed); a seeded CUDA generator."""
     torch.backends.cuda.matmul.allow_tf32 = False
