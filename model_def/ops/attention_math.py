@@ -7,6 +7,7 @@ absorbed form (queries mapped into latent space), which reads only the 576-wide 
 from __future__ import annotations
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def mla_expanded(q: torch.Tensor, rows: torch.Tensor, kv_b_weight: torch.Tensor, kv_lora_rank: int,
@@ -70,9 +71,17 @@ def mla_expanded_sdpa_batch(q: torch.Tensor, rows: torch.Tensor, kv_b_weight: to
     v = kv[..., nope_dim:]
     # query t sits at absolute position prefix + t: causal aligned to the bottom-right corner
     allowed = _causal_from(prefix, T, L).unsqueeze(1)  # [G, 1, T, L]
-    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                         attn_mask=allowed, scale=scale)
+    with sdpa_kernel(MLA_PREFILL_SDPA_BACKENDS):
+        o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                             v.transpose(1, 2), attn_mask=allowed, scale=scale)
     return o.transpose(1, 2)
+
+
+# SDPA backends the MLA prefill may use: every one but cuDNN's. On an H200 (torch 2.11) SDPA picked cuDNN for
+# these masked calls, and cuDNN builds an execution graph for every new (batch, T, L) shape: ~12 ms a call on
+# the host (89 ms in the warm-up), and serving sees a new shape with nearly every prompt
+# (traces/h200_s11/call1/diag_serve.txt: 152 calls = 1.9 s of a 2.6 s round of 16 short prompts).
+MLA_PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 # Largest number of elements one batched call of `mla_prefill_packed` may expand (the per-head keys and values

@@ -16,6 +16,16 @@ def test_sdpa_prefill_equals_expanded_reference():
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_sdpa_prefill_never_asks_for_cudnn():
+    # cuDNN builds an execution graph per new shape (~12 ms of host time a call on the H200): prefill shapes change
+    # with every prompt, so the MLA prefill must not reach it (attention_math.MLA_PREFILL_SDPA_BACKENDS says why)
+    from torch.nn.attention import SDPBackend
+
+    assert SDPBackend.CUDNN_ATTENTION not in attention_math.MLA_PREFILL_SDPA_BACKENDS
+    assert SDPBackend.MATH in attention_math.MLA_PREFILL_SDPA_BACKENDS   # every device has a backend left
+
+
+
 def test_grouped_gemm_experts_equal_loop_reference():
     from k3compile.model_def.ops import moe_math
     if not hasattr(torch, "_grouped_mm"):
