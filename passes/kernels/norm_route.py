@@ -84,7 +84,7 @@ if triton is not None:
         NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, EXPERT_BLOCKS: tl.constexpr,
         GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-        GROUPS_PAD: tl.constexpr, GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr,
+        GROUPS_PAD: tl.constexpr, GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr, TAIL: tl.constexpr,
     ):
         block = tl.program_id(0)
         token = tl.program_id(1).to(tl.int64)
@@ -120,7 +120,7 @@ if triton is not None:
         logits = tl.sum(wr.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
         _store_logits_and_route(logits, e, e_ok, token, logits_ptr, arrivals_ptr, bias_ptr, weights_ptr, ids_ptr,
                                 scaling, NUM_EXPERTS, EXPERT_BLOCKS, GROUP_SIZE, NUM_GROUPS, TOPK_GROUP, TOP_K,
-                                RENORMALIZE, GROUPS_PAD, GROUP_SIZE_PAD, TOP_K_PAD)
+                                RENORMALIZE, GROUPS_PAD, GROUP_SIZE_PAD, TOP_K_PAD, TAIL)
 
 
 def kernel_supports(bank, x, router_weight, top_k) -> bool:
@@ -133,13 +133,15 @@ def kernel_supports(bank, x, router_weight, top_k) -> bool:
     return not bank or arn.one_pass_applies(bank, x)
 
 
-def default_blocks(num_tokens: int, num_experts: int, dim: int, num_bank: int) -> tuple[int, int]:
+def default_blocks(num_tokens: int, num_experts: int, dim: int, num_bank: int,
+                   target_programs: int = TARGET_PROGRAMS) -> tuple[int, int]:
     """(BLOCK_E, num_warps) from static shapes only (a CUDA graph replays one grid per batch size): experts per
-    program doubled while the grid keeps >= TARGET_PROGRAMS programs and the W tile fits MAX_TILE."""
+    program doubled while the grid keeps >= target_programs programs and the W tile fits MAX_TILE (a smaller
+    target: fewer, wider programs, so fewer arrivals before the token's last program routes)."""
     block_d = triton.next_power_of_2(dim)
     block_e = 1
     while (block_e * 2 <= MAX_BLOCK_E and block_e * 2 <= num_experts and block_e * 2 * block_d <= MAX_TILE
-           and num_tokens * triton.cdiv(num_experts, block_e * 2) >= TARGET_PROGRAMS):
+           and num_tokens * triton.cdiv(num_experts, block_e * 2) >= target_programs):
         block_e *= 2
     # 4 warps: best at every shape and batch the H200 sweep tried (48B and k3-mini-6b, batch 1-16, BLOCK_E 1-8;
     # traces/h200_s8/route8.md), by up to 2.2x over the 8-16 warps the tile size would suggest
@@ -148,12 +150,16 @@ def default_blocks(num_tokens: int, num_experts: int, dim: int, num_bank: int) -
 
 def norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight, top_k,
                       renormalize, scaling, num_expert_group=1, topk_group=1, pdl: bool = False,
-                      block_e: int | None = None, num_warps: int | None = None):
+                      block_e: int | None = None, num_warps: int | None = None, tail: str = "rounds",
+                      target_programs: int = TARGET_PROGRAMS):
     """Launch the fused kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1): (h, p, weights, ids).
-    block_e / num_warps override `default_blocks` (benchmarks)."""
+    block_e / num_warps override `default_blocks` (benchmarks), target_programs is its target (P7's option).
+    tail: the last-arriving program's routing tail, a key of routing.ROUTE_TAILS (P7's tail option; every tail
+    gives the same ids and weights)."""
     check_args(bank, x, delta, query, norm_weight, bias, router_weight, top_k, num_expert_group, topk_group)
     if triton is None:
         raise RuntimeError("norm_route: triton is not installed")
+    tail_code = routing.tail_code(tail)
     bank = [r.contiguous() for r in bank]
     x = x.contiguous()
     if not kernel_supports(bank, x, router_weight, top_k):
@@ -169,7 +175,7 @@ def norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bia
     ids = torch.empty(n, top_k, dtype=torch.int64, device=x.device)
     if n == 0:
         return h, p, weights, ids
-    be, nw = default_blocks(n, num_experts, d, len(bank))
+    be, nw = default_blocks(n, num_experts, d, len(bank), target_programs)
     be, nw = block_e or be, num_warps or nw
     if be & (be - 1):
         raise ValueError(f"norm_route kernel: block_e ({be}) must be a power of two")
@@ -185,7 +191,7 @@ def norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bia
         d, float(res_eps), float(norm_eps), float(scaling),
         NUM_BANK=len(bank), BANK_PAD=triton.next_power_of_2(max(len(bank), 1)), BLOCK_D=triton.next_power_of_2(d),
         HAS_DELTA=delta is not x, USE_PDL=pdl, NUM_EXPERTS=num_experts, BLOCK_E=be, EXPERT_BLOCKS=expert_blocks,
-        **routing._route_constants(num_experts, top_k, renormalize, num_expert_group, topk_group),
+        **routing._route_constants(num_experts, top_k, renormalize, num_expert_group, topk_group), TAIL=tail_code,
         num_warps=nw, **extra)
     return h, p, weights, ids
 
@@ -196,21 +202,24 @@ def norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bia
 def norm_route(bank: list[torch.Tensor], x: torch.Tensor, delta: torch.Tensor | None, query: torch.Tensor | None,
                norm_weight: torch.Tensor, res_eps: float, norm_eps: float, pdl: bool, bias: torch.Tensor,
                router_weight: torch.Tensor, top_k: int, renormalize: bool, scaling: float, num_expert_group: int,
-               topk_group: int, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h, p, topk_weights, topk_ids): k3::attn_res_norm then k3::fused_route on h.float(). See module doc."""
+               topk_group: int, max_tokens: int, tail: str = "rounds",
+               target_programs: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, p, topk_weights, topk_ids): k3::attn_res_norm then k3::fused_route on h.float(). See module doc.
+    tail / target_programs: the fused kernel's launch (P7's options of the same names; target_programs 0:
+    TARGET_PROGRAMS); the results do not depend on them."""
     return norm_route_reference(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight, top_k,
                                 renormalize, scaling, num_expert_group, topk_group)
 
 
 @norm_route.register_kernel("cuda")
 def _norm_route_cuda(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
-                     renormalize, scaling, num_expert_group, topk_group, max_tokens):
+                     renormalize, scaling, num_expert_group, topk_group, max_tokens, tail="rounds", target_programs=0):
     route = (top_k, renormalize, scaling, num_expert_group, topk_group)
     with torch.cuda.device(x.device):  # Triton launches on the current device
         if x.shape[0] <= min(max_tokens, FUSED_MAX_TOKENS) and kernel_supports([r.contiguous() for r in bank], x.contiguous(),
                                                         router_weight, top_k):
             return norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight,
-                                     *route, pdl=pdl)
+                                     *route, pdl=pdl, tail=tail, target_programs=target_programs or TARGET_PROGRAMS)
         # today's pair: P7's kernel with h's fp32 copy, then the router GEMM (cuBLAS) and the routing kernel
         check_args(bank, x, delta, query, norm_weight, bias, router_weight, top_k, num_expert_group, topk_group)
         h, p, h32 = torch.ops.k3.attn_res_norm_f32(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl)
@@ -220,7 +229,7 @@ def _norm_route_cuda(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl,
 
 @norm_route.register_fake
 def _norm_route_fake(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
-                     renormalize, scaling, num_expert_group, topk_group, max_tokens):
+                     renormalize, scaling, num_expert_group, topk_group, max_tokens, tail="rounds", target_programs=0):
     check_args(bank, x, delta, query, norm_weight, bias, router_weight, top_k, num_expert_group, topk_group)
     n = x.shape[0]
     return (x.new_empty(x.shape, dtype=arn._out_dtype(x, norm_weight)), torch.empty_like(x),

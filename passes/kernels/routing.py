@@ -175,11 +175,14 @@ if triton is not None:
                    GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                    GROUPS_PAD: tl.constexpr, GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr,
-                   L2_ONLY: tl.constexpr):
+                   L2_ONLY: tl.constexpr, TAIL: tl.constexpr):
         # Routes one token whose E logits start at row_ptr. Its experts sit in a [group,
         # expert-in-group] register tile (one row when there is no group limiting); top-k is k rounds
-        # of "take the best expert not yet taken", which also yields the documented order. L2_ONLY:
-        # the row was written by other programs of this launch, so read it past the (stale) L1.
+        # of "take the best expert not yet taken" (TAIL_ROUNDS, TAIL_LEAN) or one bitonic top-k network
+        # over the tile (TAIL_BITONIC); both yield the documented order. L2_ONLY: the row was written by
+        # other programs of this launch, so read it past the (stale) L1. TAIL_ROUNDS reads the picks'
+        # logits again from the row for their weights; the other tails gather them from the register tile
+        # (one shared-memory step instead of a dependent global load).
         group = tl.arange(0, GROUPS_PAD)
         col = tl.arange(0, GROUP_SIZE_PAD)
         expert = group[:, None] * GROUP_SIZE + col[None, :]
@@ -221,19 +224,28 @@ if triton is not None:
         gone = tl.full(key.shape, -9223372036854775808, tl.int64)
         key = tl.where(valid, key, gone)
         slot = tl.arange(0, TOP_K_PAD)
-        out_id = tl.zeros([TOP_K_PAD], dtype=tl.int64)
-        for i in tl.static_range(TOP_K):
-            best = tl.max(tl.max(key, axis=1), axis=0)
-            out_id = tl.where(slot == i, 0x7FFFFFFF - (best & 0x7FFFFFFF), out_id)
-            key = tl.where(key == best, gone, key)
-
-        # Weights are the unbiased scores of the picks: recompute them from the k logits.
         in_k = slot < TOP_K
-        if L2_ONLY:
-            z_top = tl.load(row_ptr + out_id, mask=in_k, other=0.0, cache_modifier=".cg").to(tl.float32)
+        if TAIL == 2:  # TAIL_BITONIC: the TOP_K_PAD largest keys, descending (log-depth compare-exchange steps)
+            top = tl.topk(tl.reshape(key, [GROUPS_PAD * GROUP_SIZE_PAD]), TOP_K_PAD)
+            out_id = tl.where(in_k, 0x7FFFFFFF - (top & 0x7FFFFFFF), 0)
         else:
-            z_top = tl.load(row_ptr + out_id, mask=in_k, other=0.0).to(tl.float32)
-        out_w = tl.where(in_k, tl.sigmoid(z_top), 0.0)
+            out_id = tl.zeros([TOP_K_PAD], dtype=tl.int64)
+            for i in tl.static_range(TOP_K):
+                best = tl.max(tl.max(key, axis=1), axis=0)
+                out_id = tl.where(slot == i, 0x7FFFFFFF - (best & 0x7FFFFFFF), out_id)
+                key = tl.where(key == best, gone, key)
+
+        # Weights are the unbiased scores of the picks (the same sigmoid of the same logits either way).
+        if TAIL == 0:  # TAIL_ROUNDS: recompute them from the k logits
+            if L2_ONLY:
+                z_top = tl.load(row_ptr + out_id, mask=in_k, other=0.0, cache_modifier=".cg").to(tl.float32)
+            else:
+                z_top = tl.load(row_ptr + out_id, mask=in_k, other=0.0).to(tl.float32)
+            out_w = tl.where(in_k, tl.sigmoid(z_top), 0.0)
+        else:  # gather them from the tile: expert id -> (group, column) -> flat tile position
+            pos = (out_id // GROUP_SIZE) * GROUP_SIZE_PAD + out_id % GROUP_SIZE
+            flat = tl.reshape(scores, [GROUPS_PAD * GROUP_SIZE_PAD])
+            out_w = tl.where(in_k, tl.gather(flat, tl.where(in_k, pos, 0).to(tl.int32), 0), 0.0)
         if RENORMALIZE:
             out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
         out_w = out_w * scaling
@@ -252,7 +264,7 @@ if triton is not None:
         token = tl.program_id(0).to(tl.int64)
         _route_row(logits_ptr + token * logits_row_stride, bias_ptr, weights_ptr + token * TOP_K,
                    ids_ptr + token * TOP_K, scaling, GROUP_SIZE, NUM_GROUPS, TOPK_GROUP, TOP_K, RENORMALIZE,
-                   GROUPS_PAD, GROUP_SIZE_PAD, TOP_K_PAD, False)
+                   GROUPS_PAD, GROUP_SIZE_PAD, TOP_K_PAD, False, 0)
 
     @triton.jit
     def _linear_route_kernel(
@@ -281,30 +293,51 @@ if triton is not None:
             acc += wv * xv[None, :]
         _store_logits_and_route(tl.sum(acc, axis=1), e, e_ok, token, logits_ptr, arrivals_ptr, bias_ptr,
                                 weights_ptr, ids_ptr, scaling, NUM_EXPERTS, EXPERT_BLOCKS, GROUP_SIZE, NUM_GROUPS,
-                                TOPK_GROUP, TOP_K, RENORMALIZE, GROUPS_PAD, GROUP_SIZE_PAD, TOP_K_PAD)
+                                TOPK_GROUP, TOP_K, RENORMALIZE, GROUPS_PAD, GROUP_SIZE_PAD, TOP_K_PAD, 0)
 
     @triton.jit
     def _store_logits_and_route(logits, e, e_ok, token, logits_ptr, arrivals_ptr, bias_ptr, weights_ptr, ids_ptr,
                                 scaling, NUM_EXPERTS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr,
                                 GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
                                 TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, GROUPS_PAD: tl.constexpr,
-                                GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr):
+                                GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr, TAIL: tl.constexpr):
         # A program's block of a token's fp32 logits goes to the workspace row; the token's last program to
         # arrive (acq_rel counter, zeroed again by it: CUDA-graph replays start from zero) routes the row.
+        # TAIL_ROUNDS zeroes the counter with an acq_rel exchange, which waits for its round trip before the
+        # row is read; the other tails zero it relaxed (fire and forget): nothing else touches the counter in
+        # this launch, and the next launch sees the zero because this grid has completed before it arrives.
         row = logits_ptr + token * NUM_EXPERTS
         tl.store(row + e, logits, mask=e_ok)
         tl.debug_barrier()  # every thread's logits are stored before this program arrives
         if EXPERT_BLOCKS == 1:
             _route_row(row, bias_ptr, weights_ptr + token * TOP_K, ids_ptr + token * TOP_K, scaling,
                        GROUP_SIZE, NUM_GROUPS, TOPK_GROUP, TOP_K, RENORMALIZE, GROUPS_PAD, GROUP_SIZE_PAD,
-                       TOP_K_PAD, True)
+                       TOP_K_PAD, True, TAIL)
         else:
             arrived = tl.atomic_add(arrivals_ptr + token, 1, sem="acq_rel")
             if arrived == EXPERT_BLOCKS - 1:
-                tl.atomic_xchg(arrivals_ptr + token, 0)  # zero again for the next launch
+                if TAIL == 0:
+                    tl.atomic_xchg(arrivals_ptr + token, 0)  # zero again for the next launch
+                else:
+                    tl.atomic_xchg(arrivals_ptr + token, 0, sem="relaxed")
                 _route_row(row, bias_ptr, weights_ptr + token * TOP_K, ids_ptr + token * TOP_K, scaling,
                            GROUP_SIZE, NUM_GROUPS, TOPK_GROUP, TOP_K, RENORMALIZE, GROUPS_PAD, GROUP_SIZE_PAD,
-                           TOP_K_PAD, True)
+                           TOP_K_PAD, True, TAIL)
+
+
+# The last-arriving program's routing tail (_route_row's TAIL), by name (P7's norm_route `tail` option): "rounds" is
+# what fused_route's kernels always run.
+TAIL_ROUNDS, TAIL_LEAN, TAIL_BITONIC = 0, 1, 2
+ROUTE_TAILS = {"rounds": TAIL_ROUNDS,  # k argmax rounds; the picks' logits read again; acq_rel counter reset
+               "lean": TAIL_LEAN,  # k argmax rounds; weights gathered from registers; relaxed counter reset
+               "bitonic": TAIL_BITONIC}  # as lean, with a bitonic top-k network (tl.topk) instead of the rounds
+
+
+def tail_code(tail: str) -> int:
+    """_route_row's TAIL constexpr for a tail's name; ValueError naming the known ones."""
+    if tail not in ROUTE_TAILS:
+        raise ValueError(f"routing tail {tail!r}: expected one of {', '.join(ROUTE_TAILS)}")
+    return ROUTE_TAILS[tail]
 
 
 def kernel_supports(num_experts: int, top_k: int) -> bool:

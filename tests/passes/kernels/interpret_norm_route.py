@@ -7,7 +7,12 @@ case and per launch (two launches: the second finds the arrival counters zeroed 
     cases get 3e-2 as in interpret_attn_res_norm.py);
   * the routing equals P4's absorbed reference on the kernel's h: ids equal (or swapped only between experts
     whose choice scores agree to 1e-6: the kernel sums the dot products in another order than torch.mm),
-    weights to 1e-5.
+    weights to 1e-5;
+  * every other routing tail (routing.ROUTE_TAILS, P7's `tail` option) gives bit-equal h, p, weights and ids to
+    the default tail ("rounds") on the same inputs.
+Exact-logit cases (router rows with one nonzero: every logit is one product, the same in any summation order, and
+values repeat, so many choice scores tie exactly) check every tail's ids bit-equal to the reference (ties to the
+lower expert index, groups too) and its weights to the reference within 1e-6.
 Prints one line per failing case and exits 1 if any failed.
 """
 import os
@@ -53,6 +58,53 @@ def cases():
         0.1 * randn(16), randn(16, 64, dtype=bf), 2, True, 1.0, 1, 1, None
 
 
+TAILS = list(routing.ROUTE_TAILS)  # "rounds" (the default) first
+
+
+def exact_cases():
+    """(name, x, router_weight, bias, top_k, renorm, scaling, groups, topk_group, block_e): bf16, no bank, exact
+    logits with exact ties."""
+    gen = torch.Generator().manual_seed(2)
+    for name, e, d, k, groups, topk_group, block_e in (("E=64 k=8, 4 experts/program", 64, 32, 8, 1, 1, 4),
+                                                       ("E=24 k=5 (padded tile), default blocks", 24, 16, 5, 1, 1, None),
+                                                       ("groups 4 keep 2 k=6", 64, 32, 6, 4, 2, 8),
+                                                       ("k=1", 16, 16, 1, 1, 1, 2)):
+        col = torch.randint(0, 4, (e,), generator=gen)  # 4 source columns, 3 weight values: many equal logits
+        w = torch.zeros(e, d)
+        w[torch.arange(e), col] = torch.tensor([0.5, 1.0, -1.0])[torch.randint(0, 3, (e,), generator=gen)]
+        bias = torch.tensor([0.0, 0.25])[torch.randint(0, 2, (e,), generator=gen)]  # exact sums with the scores
+        x = torch.randn(2, d, generator=gen).bfloat16()
+        yield name, x, w.bfloat16(), bias, k, True, 2.446, groups, topk_group, block_e
+
+
+def check_exact(name, x, w, bias, k, renorm, scale, groups, topk_group, block_e, failures):
+    route = (k, renorm, scale, groups, topk_group)
+    nw = torch.ones(x.shape[1], dtype=x.dtype)
+    for tail in TAILS:
+        h, _, weights, ids = norm_route.norm_route_triton([], x, None, None, nw, 1e-5, 1e-6, bias, w, *route,
+                                                          block_e=block_e, tail=tail)
+        ref_w, ref_ids = routing.linear_route_reference(h.float(), w, bias, *route)
+        tag = f"exact {name} tail {tail}"
+        if not torch.equal(ids, ref_ids):
+            failures.append(f"{tag}: ids differ\n kernel {ids.tolist()}\n ref    {ref_ids.tolist()}")
+        elif not torch.allclose(weights, ref_w, rtol=0, atol=1e-6):
+            failures.append(f"{tag}: weights differ: {weights.tolist()} vs {ref_w.tolist()}")
+    return len(TAILS)
+
+
+def check_tails(name, args, kwargs, base, failures):
+    """Every non-default tail against the default one's outputs `base`, bit for bit (two launches each)."""
+    for tail in TAILS[1:]:
+        for launch in range(2):
+            out = norm_route.norm_route_triton(*args, **kwargs, tail=tail)
+            if not all(torch.equal(a, b) for a, b in zip(out, base)):
+                failures.append(f"{name} tail {tail} launch {launch}: outputs differ from tail rounds")
+            counters = arrivals.current(args[1].device, norm_route.ARRIVALS_OWNER)
+            if counters is not None and counters.any():
+                failures.append(f"{name} tail {tail} launch {launch}: arrival counters not zeroed again")
+    return 2 * (len(TAILS) - 1)
+
+
 def check(name, bank, x, delta, query, nw, bias, w, k, renorm, scale, groups, topk_group, block_e, failures):
     route = (k, renorm, scale, groups, topk_group)
     h0, p0, _, _ = norm_route.norm_route_reference(bank, x, delta, query, nw, 1e-5, 1e-6, bias, w, *route)
@@ -85,7 +137,8 @@ def check(name, bank, x, delta, query, nw, bias, w, k, renorm, scale, groups, to
                 torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
             except AssertionError as err:
                 failures.append(f"{tag}: weights differ: {err}")
-    return 2
+    args = (bank, x, delta, query, nw, 1e-5, 1e-6, bias, w, *route)
+    return 2 + check_tails(name, args, dict(block_e=block_e), (h, p, weights, ids), failures)
 
 
 def main() -> int:
@@ -93,6 +146,8 @@ def main() -> int:
     failures, n = [], 0
     for case in cases():
         n += check(*case, failures)
+    for case in exact_cases():
+        n += check_exact(*case, failures)
     return report(failures, n)
 
 
