@@ -8,11 +8,18 @@ Matched (after P4 and P7, in decode and verify graphs: token steps of a few rows
                 P7's node (or a get_attr, moved there)
 
 and replaced by `h, p, w, ids = k3.norm_route(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl,
-bias, W', top_k, renormalize, scaling, G, topk_group, max_tokens)`. W' is W in the activations' dtype (bf16:
-the checkpoint's) when that conversion is exact, so the kernel reads half the bytes and P3's fp32 copy leaves
+bias, W', top_k, renormalize, scaling, G, topk_group, max_tokens[, tail[, target_programs]])` (the launch options
+only up to the last one set: a node of an engine built before them has the same arguments as then). W' is W in
+the activations' dtype (bf16: the checkpoint's) when that conversion is exact, so the kernel reads half the bytes and P3's fp32 copy leaves
 the engine's weights; otherwise W as it is. At T <= max_tokens the op is one launch (kernels/norm_route.py);
 above it, today's pair. A node whose delta (or x at a block boundary) is a `k3.all_reduce` is left to P9
 (the collective fusion), as is anything that deviates from the form above. Prefill graphs: 0 matches.
+
+Options (NormRouteConfig; off by default until measured on the device, tools/gpu_route11.sh): `tail`, the
+token's last program's routing (kernels.routing.ROUTE_TAILS: "rounds" today; "lean" gathers the picks' weights
+from registers and zeroes the arrival counter without waiting; "bitonic" is lean with a tl.topk network instead of
+k argmax rounds), and `target_programs`, the fused kernel's grid target (norm_route.default_blocks; 0: its
+TARGET_PROGRAMS). Neither changes the results.
 
 Counts: one per MoE layer of a bf16 / fp16 decode graph with P4's absorbed router (P7 makes one
 attn_res_norm_f32 per MoE layer there); 0 in fp32 graphs (the router GEMM is P1's merged one, not absorbed).
@@ -20,6 +27,7 @@ attn_res_norm_f32 per MoE layer there); 0 in fp32 graphs (the router GEMM is P1'
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
@@ -27,8 +35,9 @@ from torch.fx import GraphModule, Node
 from .graph_utils import (add_constant, attr_tensor, drop_unused_constants, fake_mode_of, getitem_outputs, is_call,
                           set_meta_val, val_of)
 from .kernels import norm_route as _kernel  # noqa: F401  (registers torch.ops.k3.norm_route)
+from .kernels.routing import ROUTE_TAILS
 from .p06_fused_moe_decode import TOKEN_STEP_MODES
-from .registry import PassConfig, register_pass
+from .registry import PassConfig, PassConfigError, register_pass
 
 NORM_F32 = torch.ops.k3.attn_res_norm_f32.default
 ROUTE = torch.ops.k3.fused_route.default
@@ -75,8 +84,32 @@ def _router_weight(gm: GraphModule, weight: Node, dtype: torch.dtype, anchor: No
     return add_constant(gm, f"{weight.target.removesuffix('_fp32')}_{short}", narrow.contiguous(), anchor, fake_mode)
 
 
-@register_pass("p07_norm_route", PassConfig)
-def norm_route(gm: GraphModule, config: PassConfig) -> int:
+@dataclass
+class NormRouteConfig(PassConfig):
+    # the token's last-arriving program's routing tail, a key of kernels.routing.ROUTE_TAILS ("rounds": today's)
+    tail: str = "rounds"
+    # the fused kernel's grid target (programs per launch, norm_route.default_blocks); 0: TARGET_PROGRAMS (128)
+    target_programs: int = 0
+
+    def validate(self) -> None:
+        if self.tail not in ROUTE_TAILS:
+            raise PassConfigError(f"p07_norm_route: tail must be one of {', '.join(ROUTE_TAILS)}, got {self.tail!r}")
+        if self.target_programs < 0:
+            raise PassConfigError(f"p07_norm_route: target_programs must be >= 0 (0: the kernel's default), "
+                                  f"got {self.target_programs}")
+
+
+def _launch_options(config: NormRouteConfig) -> tuple:
+    """The op's trailing launch options (tail, target_programs), cut after the last one that differs from the op's
+    default: unset, a node keeps the arguments it had before the options existed."""
+    options = [config.tail, int(config.target_programs)]
+    while options and options[-1] in ("rounds", 0):
+        options.pop()
+    return tuple(options)
+
+
+@register_pass("p07_norm_route", NormRouteConfig)
+def norm_route(gm: GraphModule, config: NormRouteConfig) -> int:
     """k3.attn_res_norm_f32 + the absorbed k3.fused_route reading its fp32 copy -> one k3.norm_route (decode)."""
     if gm.meta.get("k3", {}).get("mode") not in TOKEN_STEP_MODES:
         return 0
@@ -96,7 +129,8 @@ def norm_route(gm: GraphModule, config: PassConfig) -> int:
         w = _router_weight(gm, weight, val_of(x).dtype, norm, fake_mode)
         with g.inserting_before(norm):
             fused = g.call_function(FUSED, (bank, x, delta, query, norm_w, res_eps, norm_eps, pdl, bias, w, top_k,
-                                             renormalize, scaling, groups, topk_group, max_tokens))
+                                             renormalize, scaling, groups, topk_group, max_tokens,
+                                             *_launch_options(config)))
             items = [g.call_function(operator.getitem, (fused, i)) for i in range(4)]
         for n in [fused, *items]:
             set_meta_val(n, fake_mode)

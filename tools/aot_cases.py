@@ -247,3 +247,20 @@ if hasattr(moe_decode, "LATENT_CANDIDATES"):  # every launch tools/bench_moe10mi
         CASES += [(f"moe mini batch {_b}, B' {tuple(c)}", moe_mini(_b, split=c))
                   for c in moe_decode.LATENT_SPLIT_CANDIDATES]
         CASES += [(f"moe mini batch {_b}, C {tuple(c)}", moe_mini(_b, latent=c)) for c in moe_decode.LATENT_CANDIDATES]
+
+
+def route_launch(batch, shape="48b", tail="rounds", target_programs=norm_route.TARGET_PROGRAMS):
+    """P7's norm_route kernel with a routing tail and grid target (its options): 48B (D=2304, no bank, E=256 top-8)
+    or k3-mini-6b (D=2048, a 4-row AttnRes bank, E=96 top-8)."""
+    dim, rows, experts = (2304, 0, 256) if shape == "48b" else (2048, 4, 96)
+    bank, x, delta = [_randn(batch, dim) for _ in range(rows)], _randn(batch, dim), _randn(batch, dim)
+    query, w = (_randn(dim, dtype=torch.float32) if rows else None), torch.ones(dim, dtype=BF)
+    router, bias = _randn(experts, dim), torch.zeros(experts)
+    return lambda: norm_route.norm_route_triton(bank, x, delta, query, w, 1e-6, 1e-6, bias, router, 8, True, 2.446,
+                                                pdl=True, tail=tail, target_programs=target_programs)
+
+
+if "tail" in norm_route.norm_route_triton.__code__.co_varnames:  # route11: every launch tools/bench_route11.py times
+    from bench_route11 import ARMS as _ROUTE11_ARMS
+    CASES += [(f"norm_route {_s} batch {_b}, {_name}", route_launch(_b, _s, **_arm))
+              for _s in ("48b", "mini") for _b in (1, 8) for _name, _arm in _ROUTE11_ARMS.items()]

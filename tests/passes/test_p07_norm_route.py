@@ -12,6 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from k3compile.passes.kernels import arrivals
 from k3compile.passes.kernels import norm_route as nr
 from k3compile.passes.manager import snapshot
+from k3compile.passes.registry import PassConfigError, get_pass
 
 from .helpers import BF16_TOL, MODELS, assert_same_step, eager_step, graph, inputs_for, layer_counts, model, \
     op_counts, run_graph, run_pass
@@ -67,6 +68,26 @@ def test_one_fused_node_per_moe_layer_in_bf16_decode(name):
     assert sum(weights[k].numel() for k in new) == sum(weights0[k].numel() for k in gone)
     code = gm.code
     assert run_pass(gm, P) == 0 and gm.code == code
+
+
+@pytest.mark.parametrize("options, trailing", [({}, ()), ({"tail": "bitonic"}, ("bitonic",)),
+                                              ({"target_programs": 64}, ("rounds", 64)),
+                                              ({"tail": "lean", "target_programs": 32}, ("lean", 32))])
+def test_launch_options_ride_on_the_node_only_when_set(options, trailing):
+    name = MODELS[0]
+    moe = layer_counts(model(name).config)["moe"]
+    gm = _after_p7(name, "decode")
+    assert run_pass(gm, P, **options) == moe
+    nodes = [n for n in gm.graph.nodes if n.target == FUSED]
+    assert len(nodes) == moe
+    assert all(tuple(n.args[16:]) == trailing for n in nodes)  # default: the 16 arguments of engines before them
+
+
+@pytest.mark.parametrize("options, message", [({"tail": "sorted"}, "tail must be one of rounds, lean, bitonic"),
+                                              ({"target_programs": -1}, "target_programs must be >= 0")])
+def test_bad_launch_options_are_refused(options, message):
+    with pytest.raises(PassConfigError, match=message):
+        get_pass(P).config_cls(**options).validate()
 
 
 @pytest.mark.parametrize("name,mode,dtype", [(n, "prefill", torch.bfloat16) for n in MODELS]
@@ -172,12 +193,50 @@ def test_cuda_kernel_at_real_shapes(tokens, shape):
     _check_cuda(FUSED(*args[:-1], 0), bank, x, delta, query, norm_w, bias, router_w, route)
 
 
+def _one_hot_router(experts, dim, gen):
+    """Router rows with one nonzero from a few values: every logit is one exact product and many tie exactly."""
+    w = torch.zeros(experts, dim)
+    w[torch.arange(experts), torch.randint(0, 8, (experts,), generator=gen)] = \
+        torch.tensor([0.5, 1.0, -1.0])[torch.randint(0, 3, (experts,), generator=gen)]
+    return w.to(torch.bfloat16).cuda()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_replays_the_fused_kernel():
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("shape", ["kimi-linear-48b", "k3-mini-6b"])
+@pytest.mark.parametrize("ties", [False, True])
+def test_cuda_tails_and_grids_give_the_default_results(tokens, shape, ties):
+    """P7's launch options (tail, target_programs) at the real shapes: 48B D=2304, no bank, E=256 top-8; k3-mini-6b
+    D=2048, a 4-row bank, E=96 top-8. h, p and ids bit-equal to the default launch (the same logits, an exact
+    top-k); weights to fp32 rounding (the k-sum may run in another order); and the CPU reference as _check_cuda."""
+    dim, bank_rows, experts = (2304, 0, 256) if shape == "kimi-linear-48b" else (2048, 4, 96)
+    gen = torch.Generator().manual_seed(11 + tokens)
+    bank, x, delta, query, norm_w, bias, router_w, route = _shape_args(tokens, dim, experts, bank_rows, gen)
+    if ties:
+        router_w = _one_hot_router(experts, dim, gen)
+        bias = torch.tensor([0.0, 0.25])[torch.randint(0, 2, (experts,), generator=gen)].cuda()
+    args = (bank, x, delta, query, norm_w, 1e-5, 1e-6, True, bias, router_w, *route, 16)
+    base = FUSED(*args)
+    for options in (("lean",), ("bitonic",), ("rounds", 32), ("bitonic", 32)):
+        for _ in range(2):  # the second launch finds the counters zeroed again (the relaxed reset)
+            got = FUSED(*args, *options)
+            for a, b in zip(got[:2], base[:2]):
+                assert torch.equal(a, b), options
+            assert torch.equal(got[3], base[3]), options
+            torch.testing.assert_close(got[2], base[2], rtol=1e-6, atol=0)
+            _check_cuda(got, bank, x, delta, query, norm_w, bias, router_w, route)
+        torch.cuda.synchronize()
+        assert not arrivals.current(x.device, nr.ARRIVALS_OWNER).any(), options
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tail", ["rounds", "bitonic"])
+def test_cuda_graph_replays_the_fused_kernel(tail):
     gen = torch.Generator().manual_seed(5)
     bank, x, delta, query, norm_w, bias, router_w, route = _shape_args(8, 2304, 256, 0, gen)
-    args = (bank, x, delta, query, norm_w, 1e-5, 1e-6, True, bias, router_w, *route, 16)
+    args = (bank, x, delta, query, norm_w, 1e-5, 1e-6, True, bias, router_w, *route, 16, tail)
     eager = FUSED(*args)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -66,7 +66,7 @@ def exact_cases():
     logits with exact ties."""
     gen = torch.Generator().manual_seed(2)
     for name, e, d, k, groups, topk_group, block_e in (("E=64 k=8, 4 experts/program", 64, 32, 8, 1, 1, 4),
-                                                       ("E=24 k=5 (padded tile), default blocks", 24, 16, 5, 1, 1, None),
+                                                       ("E=24 k=5, padded tile", 24, 16, 5, 1, 1, None),
                                                        ("groups 4 keep 2 k=6", 64, 32, 6, 4, 2, 8),
                                                        ("k=1", 16, 16, 1, 1, 1, 2)):
         col = torch.randint(0, 4, (e,), generator=gen)  # 4 source columns, 3 weight values: many equal logits
