@@ -7,13 +7,13 @@ Matched (after P4 and P7, in decode and verify graphs: token steps of a few rows
                 h32 read by nothing else; W a weight (get_attr, fp32: the copy P3 folded); bias defined before
                 P7's node (or a get_attr, moved there)
 
-and replaced by `h, p, w, ids = k3.norm_route(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl,
-bias, W', top_k, renormalize, scaling, G, topk_group, max_tokens[, tail[, target_programs]])` (the launch options
-only up to the last one set: a node of an engine built before them has the same arguments as then). W' is W in
-the activations' dtype (bf16: the checkpoint's) when that conversion is exact, so the kernel reads half the bytes and P3's fp32 copy leaves
-the engine's weights; otherwise W as it is. At T <= max_tokens the op is one launch (kernels/norm_route.py);
-above it, today's pair. A node whose delta (or x at a block boundary) is a `k3.all_reduce` is left to P9
-(the collective fusion), as is anything that deviates from the form above. Prefill graphs: 0 matches.
+and replaced by `h, p, w, ids = k3.norm_route(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, W',
+top_k, renormalize, scaling, G, topk_group, max_tokens[, tail[, target_programs]])` (the launch options only up to
+the last one set: a node of an engine built before them has the same arguments as then). W' is W in the activations'
+dtype (bf16: the checkpoint's) when that conversion is exact, so the kernel reads half the bytes and P3's fp32 copy
+leaves the engine's weights; otherwise W as it is. At T <= max_tokens the op is one launch (kernels/norm_route.py);
+above it, today's pair. A node whose delta (or x at a block boundary) is a `k3.all_reduce` is left to P9 (the
+collective fusion), as is anything that deviates from the form above. Prefill graphs: 0 matches.
 
 Options (NormRouteConfig; off by default until measured on the device, tools/gpu_route11.sh): `tail`, the
 token's last program's routing (kernels.routing.ROUTE_TAILS: "rounds" today; "lean" gathers the picks' weights

@@ -94,9 +94,11 @@ def main(out: str) -> None:
         json.dump(dict(meta, rows=rows), f, indent=1)
     names = list(ARMS)
     lines = [f"# norm_route launch options (P7 tail / target_programs), {meta['device']}", "",
-             "µs per call: a chain of norm_route calls (PDL on) replayed from one CUDA graph, W copies overflowing L2; "
-             f"median of {ROUNDS} interleaved rounds (each the median of 5 replays). ratio = rounds / arm (> 1: faster).",
-             "", "| shape | batch | " + " | ".join(f"{n} µs (ratio, BLOCK_E)" for n in names) + " | ids equal % (min) |",
+             "µs per call: a chain of norm_route calls (PDL on) replayed from one CUDA graph, W copies overflowing "
+             f"L2; median of {ROUNDS} interleaved rounds (each the median of 5 replays). ratio = rounds / arm "
+             "(> 1: faster).",
+             "", "| shape | batch | " + " | ".join(f"{n} µs (ratio, BLOCK_E)" for n in names)
+             + " | ids equal % (min) |",
              "|---|---:|" + "---:|" * (len(names) + 1)]
     for r in rows:
         base = r["us"]["rounds"]
