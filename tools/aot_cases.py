@@ -247,3 +247,22 @@ if hasattr(moe_decode, "LATENT_CANDIDATES"):  # every launch tools/bench_moe10mi
         CASES += [(f"moe mini batch {_b}, B' {tuple(c)}", moe_mini(_b, split=c))
                   for c in moe_decode.LATENT_SPLIT_CANDIDATES]
         CASES += [(f"moe mini batch {_b}, C {tuple(c)}", moe_mini(_b, latent=c)) for c in moe_decode.LATENT_CANDIDATES]
+if "flag_deps" in moe_decode.fused_moe_triton.__code__.co_varnames:  # tools/bench_moe11.py's arms (48B, PDL on)
+    _p6 = dict(shared_l2_prefetch=True, down_l2_prefetch=True)  # as P6 emits the op
+    for _b in (1, 8):
+        CASES += [(f"moe 48B batch {_b}, A {c}", moe(_b, True, up_launch=c, **_p6)) for c in moe_decode.FULL_ROWS_CANDIDATES]
+        CASES += [(f"moe 48B batch {_b}, flag_deps", moe(_b, True, flag_deps=True, **_p6))]
+        CASES += [(f"moe 48B batch {_b}, flag_deps B' {tuple(c)}", moe(_b, True, c, flag_deps=True, **_p6))
+                  for c in moe_decode.FLAG_SPLIT_CANDIDATES]
+    CASES += [("moe 48B MXFP4 batch 1, flag_deps (tiles A, B' 2 chunks)",
+               lambda: _moe_mxfp4_flags(1, moe_decode.SplitConfig(4, 512, 4, 2)))]
+
+
+def _moe_mxfp4_flags(batch, split):
+    """flag_deps with kernel A's "tiles" design (MXFP4 routed experts) and its shared slot."""
+    e, k, i, d = 256, 8, 1024, 2304
+    w13, w2, s13, s2 = _experts(True)
+    x, sw13, sw2 = _randn(batch, d), _randn(2 * i, d), _randn(d, i)
+    ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
+    moe_decode.fused_moe_triton(x, ids, wts, w13, w2, s13, s2, shared_w2=sw2, shared_w13=sw13, use_pdl=True,
+                                split=split, flag_deps=True)

@@ -286,7 +286,7 @@ if triton is not None:
         """The shared expert's down-projection for a block of output columns: W[cols] · act(in, up)
         (GLU) or W[cols] · in (already activated), the whole K (_gemv_chunk below)."""
         return _gemv_chunk(in_row, up_row, w_ptr, cols, cmask, IS, 0, IS, beta, linear_beta, ACT, GLU, BLOCK_N,
-                           BLOCK_K, False, False, w_ptr, 0, 1, False, False)
+                           BLOCK_K, False, False, w_ptr, 1, False, False)
 
     # flag_deps (fine-grained A -> B' dependencies): one int32 counter per (h row, K chunk of B'), h rows being the
     # (token, slot) pairs and then, with A's shared slot, the tokens' hs rows. Its low 16 bits count the columns kernel
@@ -828,6 +828,21 @@ ROWS_TUNED: dict[tuple[str, int, int, int], tuple[int, int, int]] = {
 ROWS_CANDIDATES: tuple[tuple[int, int, int], ...] = (
     (4, 256, 4), (4, 512, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (8, 256, 2), (32, 128, 4),
     (64, 256, 8),
+)
+
+# What tools/bench_moe11.py tries for kernel A (rows, shared slot in A as P6 emits it) at the Kimi-Linear-48B shape (E=256,
+# top-8, I=1024, D=2304, one shared expert): today's rule gives (16, 256, 4) at batch 1, 9 slots x 64 column blocks = 576
+# programs of 147 KB on 132 SMs (4.4 a SM), and (64, 128, 4) at batch 8 (1152 programs). Fewer, larger programs (32 or 64
+# rows: 288 / 144, ~2.2 / ~1.1 a SM), more and smaller (8 rows: 1152), other K tiles (D = 9 x 256) and warps.
+FULL_ROWS_CANDIDATES: tuple[tuple[int, int, int], ...] = (
+    (8, 256, 4), (16, 128, 4), (16, 256, 2), (16, 256, 8), (16, 512, 8), (32, 128, 4), (32, 256, 4), (32, 256, 8),
+    (64, 128, 4), (64, 128, 8), (64, 256, 8), (128, 128, 8),
+)
+# B' launches tools/bench_moe11.py tries with flag_deps on (48B): K cut in chunks, so a B' program waits for a part of
+# its h row only (with one chunk it waits for the whole row, i.e. for all of A's column blocks of that expert)
+FLAG_SPLIT_CANDIDATES: tuple[SplitConfig, ...] = (
+    SplitConfig(64, 128, 4, 2), SplitConfig(64, 128, 4, 2, True), SplitConfig(64, 128, 4, 4, True),
+    SplitConfig(32, 128, 4, 2, True),
 )
 
 
