@@ -250,7 +250,8 @@ if hasattr(moe_decode, "LATENT_CANDIDATES"):  # every launch tools/bench_moe10mi
 if "flag_deps" in moe_decode.fused_moe_triton.__code__.co_varnames:  # tools/bench_moe11.py's arms (48B, PDL on)
     _p6 = dict(shared_l2_prefetch=True, down_l2_prefetch=True)  # as P6 emits the op
     for _b in (1, 8):
-        CASES += [(f"moe 48B batch {_b}, A {c}", moe(_b, True, up_launch=c, **_p6)) for c in moe_decode.FULL_ROWS_CANDIDATES]
+        CASES += [(f"moe 48B batch {_b}, A {c}", moe(_b, True, up_launch=c, **_p6))
+                  for c in moe_decode.FULL_ROWS_CANDIDATES]
         CASES += [(f"moe 48B batch {_b}, flag_deps", moe(_b, True, flag_deps=True, **_p6))]
         CASES += [(f"moe 48B batch {_b}, flag_deps B' {tuple(c)}", moe(_b, True, c, flag_deps=True, **_p6))
                   for c in moe_decode.FLAG_SPLIT_CANDIDATES]

@@ -65,7 +65,7 @@ class MiniLatent(Shape):
                          w2=randn(e, lat, i, scale=i ** -0.5))
 
     def problem(self, n, gen):
-        """ROUTINGS argument sets (kwargs of fused_moe_triton), their fp32 references, mean bytes per kernel per call."""
+        """ROUTINGS argument sets (kwargs of fused_moe_triton), their fp32 references, mean bytes per kernel a call."""
         spec = self.spec
         sets, refs, nbytes = [], [], {name: 0.0 for name in self.kernels.values()}
         for r in range(ROUTINGS):

@@ -168,7 +168,8 @@ def table(shape: Shape, bandwidth: float, rows: list[dict], best: list[dict]) ->
                      + " | ".join(f"{r[c]['us']} ({r[c]['pct']})" for c in cols)
                      + f" | {'/'.join(str(r[c]['mbytes']) for c in cols)} | {r['rel_err']} |")
     lines += ["", f"Fastest arm per batch (op µs, rel err < {TOL:g}) vs today:", "",
-              "| batch | today op µs | best arm | best launches | best op µs | speed-up |", "|---|---|---|---|---|---|"]
+              "| batch | today op µs | best arm | best launches | best op µs | speed-up |",
+              "|---|---|---|---|---|---|"]
     for b in best:
         t, w = b["today"], b["best"]
         lines.append(f"| {b['batch']} | {t['op_us']} | {w['arm']} | {_launch(w)} | {w['op_us']} | "

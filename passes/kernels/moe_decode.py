@@ -313,7 +313,8 @@ if triton is not None:
         """Kernel B' is about to read `need` columns of one h row chunk: wait until kernel A has published them all
         (SPIN; the interpreter runs A to its end first: no wait, and a wrong count leaves the counter non-zero, which
         the tests check), then acquire (every thread's later loads of the chunk see A's
-        stores: the RMW reads the end of A's release sequence, and a barrier orders the other threads after it). The chunk's last reader of `readers` zeroes the counter for the next launch."""
+        stores: the RMW reads the end of A's release sequence, and a barrier orders the other threads after it). The
+        chunk's last reader of `readers` zeroes the counter for the next launch."""
         if need > 0:
             if SPIN:
                 seen = tl.load(counter, volatile=True) & 0xFFFF
@@ -563,7 +564,8 @@ if triton is not None:
     # the output row block. KSPLIT and PREFETCH come from SPLIT_TUNED (split_config below).
     @triton.jit
     def _expert_down_split_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr,
-                                  part_ptr, arrivals_ptr, flags_ptr, PAIRS, I, DO, IS, sin_row_stride, sup_row_stride, out_row_stride,
+                                  part_ptr, arrivals_ptr, flags_ptr, PAIRS, I, DO, IS, sin_row_stride, sup_row_stride,
+                                  out_row_stride,
                                   beta, linear_beta, TOP_K: tl.constexpr, SLOTS: tl.constexpr, ACT: tl.constexpr,
                                   MXFP4: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
@@ -830,10 +832,11 @@ ROWS_CANDIDATES: tuple[tuple[int, int, int], ...] = (
     (64, 256, 8),
 )
 
-# What tools/bench_moe11.py tries for kernel A (rows, shared slot in A as P6 emits it) at the Kimi-Linear-48B shape (E=256,
-# top-8, I=1024, D=2304, one shared expert): today's rule gives (16, 256, 4) at batch 1, 9 slots x 64 column blocks = 576
-# programs of 147 KB on 132 SMs (4.4 a SM), and (64, 128, 4) at batch 8 (1152 programs). Fewer, larger programs (32 or 64
-# rows: 288 / 144, ~2.2 / ~1.1 a SM), more and smaller (8 rows: 1152), other K tiles (D = 9 x 256) and warps.
+# What tools/bench_moe11.py tries for kernel A (rows, shared slot in A as P6 emits it) at the Kimi-Linear-48B shape
+# (E=256, top-8, I=1024, D=2304, one shared expert): today's rule gives (16, 256, 4) at batch 1, 9 slots x 64 column
+# blocks = 576 programs of 147 KB on 132 SMs (4.4 a SM), and (64, 128, 4) at batch 8 (1152 programs). Fewer, larger
+# programs (32 or 64 rows: 288 / 144, ~2.2 / ~1.1 a SM), more and smaller (8 rows: 1152), other K tiles (D = 9 x 256)
+# and warps.
 FULL_ROWS_CANDIDATES: tuple[tuple[int, int, int], ...] = (
     (8, 256, 4), (16, 128, 4), (16, 256, 2), (16, 256, 8), (16, 512, 8), (32, 128, 4), (32, 256, 4), (32, 256, 8),
     (64, 128, 4), (64, 128, 8), (64, 256, 8), (128, 128, 8),
@@ -1101,7 +1104,7 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     shared = shared_w2 is not None
     shared_width = shared_w2.shape[-1] if shared else 0
     latent = latent_up_w is not None
-    shared_in_b = shared and not latent  # kernel B adds the shared expert (latent: kernel C does, after the up-projection)
+    shared_in_b = shared and not latent  # B adds the shared expert (latent: kernel C does, after the up-projection)
     routed_width = w2.shape[1]
     slot_a = shared_w13 is not None
     shared_width_a = shared_w13.shape[0] // 2 if slot_a else 0

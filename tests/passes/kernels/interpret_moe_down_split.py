@@ -145,7 +145,8 @@ def flag_cases():
     n, e, k, d, i, do, s = 2, 6, 3, 64, 96, 40, 24
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
     kw = dict(x=torch.randn(n, d, generator=gen), topk_ids=ids, topk_weights=torch.rand(n, k, generator=gen),
-              w13=torch.randn(e, 2 * i, d, generator=gen) * d ** -0.5, w2=torch.randn(e, do, i, generator=gen) * i ** -0.5,
+              w13=torch.randn(e, 2 * i, d, generator=gen) * d ** -0.5,
+              w2=torch.randn(e, do, i, generator=gen) * i ** -0.5,
               shared_w2=torch.randn(do, s, generator=gen) * s ** -0.5,
               shared_w13=torch.randn(2 * s, d, generator=gen) * d ** -0.5, act="silu", designs=("rows", "split"))
     for split, up in ((SplitConfig(16, 32, 4, 1, False), (8, 32, 4)), (SplitConfig(16, 32, 4, 3, True), (64, 32, 2)),

@@ -181,9 +181,9 @@ def test_cuda_every_k3_mini_launch_candidate_matches_reference(n):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n", [1, 8])
 def test_cuda_every_48b_kernel_a_launch_candidate_matches_reference(n):
-    """Each kernel A launch tools/bench_moe11.py may make the default at the Kimi-Linear-48B shape (FULL_ROWS_CANDIDATES,
-    through the op's up_launch argument, as P6's up_launch option passes it), with the shared slot in A as P6 emits the
-    op (L2 options on, PDL on), bf16: matches the fp32 reference."""
+    """Each kernel A launch tools/bench_moe11.py may make the default at the Kimi-Linear-48B shape
+    (FULL_ROWS_CANDIDATES, through the op's up_launch argument, as P6's up_launch option passes it), with the shared
+    slot in A as P6 emits the op (L2 options on, PDL on), bf16: matches the fp32 reference."""
     cfg = get_preset("kimi-linear-48b")
     e, k, i, d = cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size, cfg.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(900 + n)
