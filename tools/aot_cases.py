@@ -197,17 +197,16 @@ if "shared_l2_prefetch" in moe_decode.fused_moe_triton.__code__.co_varnames:  # 
               ("moe 48B batch 2, B' (64, 128, 4, 2, False) + L2 prefetch in A and B'",
                moe(2, True, moe_decode.SplitConfig(64, 128, 4, 2, False), **_pf)),
               ("moe 48B batch 1, tiles A: shared slot first + L2 prefetch",
-               lambda: _moe_tiles_prefetch(1))]
+               lambda: _moe_tiles_shared(1, shared_l2_prefetch=True, down_l2_prefetch=True))]
 
 
-def _moe_tiles_prefetch(batch):
-    """Kernel A's "tiles" design with the shared slot first and its L2 prefetch (MXFP4 routed experts)."""
+def _moe_tiles_shared(batch, **options):
+    """Kernel A's "tiles" design (MXFP4 routed experts) with its shared slot, PDL on, and the op's `options`."""
     e, k, i, d = 256, 8, 1024, 2304
     w13, w2, s13, s2 = _experts(True)
     x, sw13, sw2 = _randn(batch, d), _randn(2 * i, d), _randn(d, i)
     ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
-    moe_decode.fused_moe_triton(x, ids, wts, w13, w2, s13, s2, shared_w2=sw2, shared_w13=sw13, use_pdl=True,
-                                shared_l2_prefetch=True, down_l2_prefetch=True)
+    moe_decode.fused_moe_triton(x, ids, wts, w13, w2, s13, s2, shared_w2=sw2, shared_w13=sw13, use_pdl=True, **options)
 
 
 @functools.lru_cache(maxsize=None)
@@ -256,14 +255,5 @@ if "flag_deps" in moe_decode.fused_moe_triton.__code__.co_varnames:  # tools/ben
         CASES += [(f"moe 48B batch {_b}, flag_deps B' {tuple(c)}", moe(_b, True, c, flag_deps=True, **_p6))
                   for c in moe_decode.FLAG_SPLIT_CANDIDATES]
     CASES += [("moe 48B MXFP4 batch 1, flag_deps (tiles A, B' 2 chunks)",
-               lambda: _moe_mxfp4_flags(1, moe_decode.SplitConfig(4, 512, 4, 2)))]
+               lambda: _moe_tiles_shared(1, split=moe_decode.SplitConfig(4, 512, 4, 2), flag_deps=True))]
 
-
-def _moe_mxfp4_flags(batch, split):
-    """flag_deps with kernel A's "tiles" design (MXFP4 routed experts) and its shared slot."""
-    e, k, i, d = 256, 8, 1024, 2304
-    w13, w2, s13, s2 = _experts(True)
-    x, sw13, sw2 = _randn(batch, d), _randn(2 * i, d), _randn(d, i)
-    ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
-    moe_decode.fused_moe_triton(x, ids, wts, w13, w2, s13, s2, shared_w2=sw2, shared_w13=sw13, use_pdl=True,
-                                split=split, flag_deps=True)

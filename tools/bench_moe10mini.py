@@ -33,7 +33,6 @@ from k3compile.model_def.config import get_preset
 from k3compile.passes.kernels import moe_decode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe_kernels import kernel_bytes  # noqa: E402
 from bench_moe_sweep import ROUTINGS, Shape, sweep  # noqa: E402
 
 SHAPE = "k3-mini-6b"
@@ -64,25 +63,13 @@ class MiniLatent(Shape):
                          act=cfg.hidden_act, w13=randn(e, 2 * i, lat, scale=lat ** -0.5),
                          w2=randn(e, lat, i, scale=i ** -0.5))
 
-    def problem(self, n, gen):
-        """ROUTINGS argument sets (kwargs of fused_moe_triton), their fp32 references, mean bytes per kernel a call."""
-        spec = self.spec
-        sets, refs, nbytes = [], [], {name: 0.0 for name in self.kernels.values()}
-        for r in range(ROUTINGS):
-            ids, wts = moe_decode.random_routing(n, spec["e"], spec["k"], DEVICE, seed=1000 * n + r)
-            x = torch.randn(n, spec["d_in"], generator=gen, device=DEVICE).bfloat16()
-            g, u = (torch.randn(n, spec["s"], generator=gen, device=DEVICE).bfloat16() for _ in range(2))
-            tail = spec["tails"][r]
-            kw = dict(x=x, topk_ids=ids, topk_weights=wts, w13=spec["w13"], w2=spec["w2"], shared_in=g, shared_up=u,
-                      shared_w2=tail["shared_w2"], act=spec["act"], beta=4.0, linear_beta=25.0,
-                      latent_up_w=tail["up_w"], latent_norm_w=tail["norm_w"], latent_eps=1e-5)
-            sets.append(kw)
-            refs.append(moe_decode.fused_moe_reference(**{key: v.float() if isinstance(v, torch.Tensor)
-                                                          and v.dtype == torch.bfloat16 else v
-                                                          for key, v in kw.items()}).float())
-            for name, b in kernel_bytes(spec, n, int(ids.unique().numel()), False).items():
-                nbytes[name] += b / ROUTINGS
-        return sets, refs, nbytes
+    def args(self, n, r, ids, wts, gen):
+        spec, tail = self.spec, self.spec["tails"][r]
+        x = torch.randn(n, spec["d_in"], generator=gen, device=DEVICE).bfloat16()
+        g, u = (torch.randn(n, spec["s"], generator=gen, device=DEVICE).bfloat16() for _ in range(2))
+        return dict(x=x, topk_ids=ids, topk_weights=wts, w13=spec["w13"], w2=spec["w2"], shared_in=g, shared_up=u,
+                    shared_w2=tail["shared_w2"], act=spec["act"], beta=4.0, linear_beta=25.0,
+                    latent_up_w=tail["up_w"], latent_norm_w=tail["norm_w"], latent_eps=1e-5)
 
     def keys(self, n) -> dict:
         """The table keys of this shape at batch n: A's ROWS_TUNED, B''s SPLIT_TUNED, C's LATENT_TUNED."""
@@ -126,11 +113,7 @@ class MiniLatent(Shape):
 
     def entries(self, n, launches) -> list[str]:
         """The python table entries (moe_decode.py) that make `launches` the default at batch n."""
-        kk, base, lines = self.keys(n), self.today(n), []
-        if tuple(launches["A"]) != tuple(base["A"]):
-            lines.append(f"ROWS_TUNED: {kk['A']!r}: {tuple(launches['A'])!r},")
-        if tuple(launches["B"]) != tuple(base["B"]):
-            lines.append(f"SPLIT_TUNED: {kk['B']!r}: {moe_decode.SplitConfig(*launches['B'])!r},")
+        kk, base, lines = self.keys(n), self.today(n), super().entries(n, launches)
         if tuple(launches["C"]) != tuple(base["C"]):
             lines.append(f"LATENT_TUNED: {kk['C']!r}: {moe_decode.LatentConfig(*launches['C'])!r},")
         return lines

@@ -28,7 +28,6 @@ from k3compile.model_def.config import get_preset
 from k3compile.passes.kernels import moe_decode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe_kernels import kernel_bytes  # noqa: E402
 from bench_moe_sweep import ROUTINGS, Shape, sweep  # noqa: E402
 
 MODEL = "kimi-linear-48b"
@@ -55,23 +54,15 @@ class FullWidth(Shape):
         self.spec = dict(name=MODEL, e=e, k=k, i=i, s=s, d_in=d, d_out=d, shared=shared, act=cfg.hidden_act,
                          w13=randn(e, 2 * i, d, scale=d ** -0.5), w2=randn(e, d, i, scale=i ** -0.5))
 
-    def problem(self, n, gen):
-        spec = self.spec
-        sets, refs, nbytes = [], [], {name: 0.0 for name in self.kernels.values()}
-        for r in range(ROUTINGS):
-            ids, wts = moe_decode.random_routing(n, spec["e"], spec["k"], DEVICE, seed=1000 * n + r)
-            x = torch.randn(n, spec["d_in"], generator=gen, device=DEVICE).bfloat16()
-            kw = dict(x=x, topk_ids=ids, topk_weights=wts, w13=spec["w13"], w2=spec["w2"],
-                      shared_w2=spec["shared"][r]["w2"], shared_w13=spec["shared"][r]["w13"], act=spec["act"])
-            sets.append(kw)
-            refs.append(moe_decode.fused_moe_reference(**{key: v.float() if isinstance(v, torch.Tensor)
-                                                          and v.dtype == torch.bfloat16 else v
-                                                          for key, v in kw.items()}).float())
-            for name, b in kernel_bytes(spec, n, int(ids.unique().numel()), False).items():
-                nbytes[name] += b / ROUTINGS
-        # kernel A also reads the shared expert's gate/up rows and stores its activated input (fp32)
-        nbytes["_expert_up_kernel"] += 2 * spec["s"] * spec["d_in"] * 2 + n * spec["s"] * 4
-        return sets, refs, nbytes
+    def args(self, n, r, ids, wts, gen):
+        spec, shared = self.spec, self.spec["shared"][r]
+        x = torch.randn(n, spec["d_in"], generator=gen, device=DEVICE).bfloat16()
+        return dict(x=x, topk_ids=ids, topk_weights=wts, w13=spec["w13"], w2=spec["w2"], shared_w2=shared["w2"],
+                    shared_w13=shared["w13"], act=spec["act"])
+
+    def extra_bytes(self, n):
+        """Kernel A also reads the shared expert's gate/up rows and stores its activated input (fp32)."""
+        return {"_expert_up_kernel": 2 * self.spec["s"] * self.spec["d_in"] * 2 + n * self.spec["s"] * 4}
 
     def keys(self, n) -> dict:
         """A's ROWS_TUNED key and B''s SPLIT_TUNED key at batch n (B': the k routed slots + the shared one)."""
@@ -102,11 +93,7 @@ class FullWidth(Shape):
                                            flag_deps=bool(launches["F"]))
 
     def entries(self, n, launches) -> list[str]:
-        kk, base, lines = self.keys(n), self.today(n), []
-        if tuple(launches["A"]) != tuple(base["A"]):
-            lines.append(f"ROWS_TUNED: {kk['A']!r}: {tuple(launches['A'])!r},")
-        if tuple(launches["B"]) != tuple(base["B"]):
-            lines.append(f"SPLIT_TUNED: {kk['B']!r}: {moe_decode.SplitConfig(*launches['B'])!r},")
+        lines = super().entries(n, launches)
         if launches["F"]:
             lines.append(f"{P6}.flag_deps=true (default off until the whole-engine A/B)")
         return lines

@@ -24,10 +24,11 @@ import time
 
 import torch
 
+from k3compile.passes.kernels import moe_decode
 from k3compile.passes.kernels.graph_timing import replay_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe_kernels import bench_setup, kernel_times, rel_err, save_report  # noqa: E402
+from bench_moe_kernels import bench_setup, kernel_bytes, kernel_times, rel_err, save_report  # noqa: E402
 
 ROUTINGS = 4
 TOL = 1e-2  # the GPU tests' bound
@@ -41,8 +42,32 @@ class Shape:
     kernels: dict[str, str] = {}  # column letter -> kernel name in bench_moe_kernels.kernel_times
     header = ""  # the report's first paragraph
 
-    def problem(self, n: int, gen) -> tuple[list[dict], list[torch.Tensor], dict[str, float]]:
+    spec: dict = {}  # the layer (bench_moe_kernels.kernel_bytes' keys, plus the weights the shape's `args` use)
+
+    def args(self, n: int, r: int, ids, wts, gen) -> dict:
+        """fused_moe_triton's kwargs for argument set r at batch n (routing ids, wts given)."""
         raise NotImplementedError
+
+    def extra_bytes(self, n: int) -> dict[str, float]:
+        """Bytes a kernel moves beyond bench_moe_kernels.kernel_bytes' count (per call)."""
+        return {}
+
+    def problem(self, n: int, gen) -> tuple[list[dict], list[torch.Tensor], dict[str, float]]:
+        """ROUTINGS argument sets (`args`), their fp32 references, mean bytes per kernel a call."""
+        spec = self.spec
+        sets, refs, nbytes = [], [], {name: 0.0 for name in self.kernels.values()}
+        for r in range(ROUTINGS):
+            ids, wts = moe_decode.random_routing(n, spec["e"], spec["k"], "cuda", seed=1000 * n + r)
+            kw = self.args(n, r, ids, wts, gen)
+            sets.append(kw)
+            refs.append(moe_decode.fused_moe_reference(**{key: v.float() if isinstance(v, torch.Tensor)
+                                                          and v.dtype == torch.bfloat16 else v
+                                                          for key, v in kw.items()}).float())
+            for name, b in kernel_bytes(spec, n, int(ids.unique().numel()), False).items():
+                nbytes[name] += b / ROUTINGS
+        for name, b in self.extra_bytes(n).items():
+            nbytes[name] += b
+        return sets, refs, nbytes
 
     def today(self, n: int) -> dict:
         raise NotImplementedError
@@ -54,9 +79,19 @@ class Shape:
     def run(self, n: int, kw: dict, launches: dict) -> torch.Tensor:
         raise NotImplementedError
 
-    def entries(self, n: int, launches: dict) -> list[str]:
-        """The lines (table entries, P6 options) that make `launches` what the engine runs at batch n."""
+    def keys(self, n: int) -> dict:
+        """The launch tables' keys at batch n: "A" ROWS_TUNED's, "B" SPLIT_TUNED's (and the shape's own)."""
         raise NotImplementedError
+
+    def entries(self, n: int, launches: dict) -> list[str]:
+        """The lines (table entries, P6 options) that make `launches` what the engine runs at batch n: here kernel
+        A's and B''s table entries; a shape adds its other keys'."""
+        kk, base, lines = self.keys(n), self.today(n), []
+        if tuple(launches["A"]) != tuple(base["A"]):
+            lines.append(f"ROWS_TUNED: {kk['A']!r}: {tuple(launches['A'])!r},")
+        if tuple(launches["B"]) != tuple(base["B"]):
+            lines.append(f"SPLIT_TUNED: {kk['B']!r}: {moe_decode.SplitConfig(*launches['B'])!r},")
+        return lines
 
 
 class Arm:
