@@ -19,7 +19,7 @@ into the layer's input GEMM):
 
 and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
 act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps, use_pdl, shared_w13[, down_split[,
-shared_l2_prefetch[, down_l2_prefetch]]])`: the trailing options only up to the last one set (a node of an engine
+shared_l2_prefetch[, down_l2_prefetch[, up_launch[, flag_deps]]]]])`: the trailing options only up to the last one set (a node of an engine
 built before them has the same arguments as then).
 
 Shared gate/up into kernel A (`fuse_shared_up`): when the GLU's g and up are column blocks of constant-weight
@@ -77,6 +77,12 @@ class FusedMoEDecodeConfig(PassConfig):
     shared_l2_prefetch: bool = True
     # the same for kernel B''s shared slot (its W2 rows, before it waits for kernel A)
     down_l2_prefetch: bool = True
+    # kernel A's launch at every GEMV batch, "BLOCK_N x BLOCK_K x num_warps" (e.g. "32x256x4"), either design, instead
+    # of kernels.moe_decode.ROWS_TUNED / the rules (A/B arms for tools/bench_moe11.py's winners); None: the tables
+    up_launch: str | None = None
+    # fine-grained A -> B' dependencies (moe_decode.fused_moe_triton's flag_deps): B' starts right after A's wait and
+    # each program waits for its own K chunk of h (counters) instead of all of A; off until measured whole-engine
+    flag_deps: bool = False
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
 
@@ -85,6 +91,7 @@ class FusedMoEDecodeConfig(PassConfig):
             raise PassConfigError(f"p06_fused_moe_decode: crossover_batch must be >= 1 or none, "
                                   f"got {self.crossover_batch}")
         self.down_split_values()
+        self.up_launch_values()
 
     def down_split_values(self) -> list[int] | None:
         """down_split as the op's int list (None: not set); PassConfigError naming what is wrong."""
@@ -97,6 +104,16 @@ class FusedMoEDecodeConfig(PassConfig):
             raise PassConfigError(f"p06_fused_moe_decode: down_split {self.down_split!r} is not "
                                   f"BLOCK_NxBLOCK_Kxnum_warps[xK_chunks[xprefetch 0/1]] ({exc})") from None
         return values
+
+    def up_launch_values(self) -> list[int] | None:
+        """up_launch as the op's int list (None: not set); PassConfigError naming what is wrong."""
+        if self.up_launch is None:
+            return None
+        try:
+            return list(moe_decode.check_up_launch(str(self.up_launch).lower().split("x")))
+        except ValueError as exc:
+            raise PassConfigError(f"p06_fused_moe_decode: up_launch {self.up_launch!r} is not "
+                                  f"BLOCK_NxBLOCK_Kxnum_warps ({exc})") from None
 
 
 def _single_user(node: Node | None) -> Node | None:
@@ -279,9 +296,11 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
 
 
 def _launch_options(config: FusedMoEDecodeConfig) -> tuple:
-    """The op's trailing launch options (down_split, shared_l2_prefetch, down_l2_prefetch), cut after the last one
-    that differs from the op's default: unset, a node keeps the arguments it had before the options existed."""
-    options = [config.down_split_values(), bool(config.shared_l2_prefetch), bool(config.down_l2_prefetch)]
+    """The op's trailing launch options (down_split, shared_l2_prefetch, down_l2_prefetch, up_launch, flag_deps), cut
+    after the last one that differs from the op's default: unset, a node keeps the arguments it had before the options
+    existed."""
+    options = [config.down_split_values(), bool(config.shared_l2_prefetch), bool(config.down_l2_prefetch),
+               config.up_launch_values(), bool(config.flag_deps)]
     while options and options[-1] in (None, False):
         options.pop()
     return tuple(options)

@@ -197,17 +197,16 @@ if "shared_l2_prefetch" in moe_decode.fused_moe_triton.__code__.co_varnames:  # 
               ("moe 48B batch 2, B' (64, 128, 4, 2, False) + L2 prefetch in A and B'",
                moe(2, True, moe_decode.SplitConfig(64, 128, 4, 2, False), **_pf)),
               ("moe 48B batch 1, tiles A: shared slot first + L2 prefetch",
-               lambda: _moe_tiles_prefetch(1))]
+               lambda: _moe_tiles_shared(1, shared_l2_prefetch=True, down_l2_prefetch=True))]
 
 
-def _moe_tiles_prefetch(batch):
-    """Kernel A's "tiles" design with the shared slot first and its L2 prefetch (MXFP4 routed experts)."""
+def _moe_tiles_shared(batch, **options):
+    """Kernel A's "tiles" design (MXFP4 routed experts) with its shared slot, PDL on, and the op's `options`."""
     e, k, i, d = 256, 8, 1024, 2304
     w13, w2, s13, s2 = _experts(True)
     x, sw13, sw2 = _randn(batch, d), _randn(2 * i, d), _randn(d, i)
     ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
-    moe_decode.fused_moe_triton(x, ids, wts, w13, w2, s13, s2, shared_w2=sw2, shared_w13=sw13, use_pdl=True,
-                                shared_l2_prefetch=True, down_l2_prefetch=True)
+    moe_decode.fused_moe_triton(x, ids, wts, w13, w2, s13, s2, shared_w2=sw2, shared_w13=sw13, use_pdl=True, **options)
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,6 +246,17 @@ if hasattr(moe_decode, "LATENT_CANDIDATES"):  # every launch tools/bench_moe10mi
         CASES += [(f"moe mini batch {_b}, B' {tuple(c)}", moe_mini(_b, split=c))
                   for c in moe_decode.LATENT_SPLIT_CANDIDATES]
         CASES += [(f"moe mini batch {_b}, C {tuple(c)}", moe_mini(_b, latent=c)) for c in moe_decode.LATENT_CANDIDATES]
+
+if "flag_deps" in moe_decode.fused_moe_triton.__code__.co_varnames:  # tools/bench_moe11.py's arms (48B, PDL on)
+    _p6 = dict(shared_l2_prefetch=True, down_l2_prefetch=True)  # as P6 emits the op
+    for _b in (1, 8):
+        CASES += [(f"moe 48B batch {_b}, A {c}", moe(_b, True, up_launch=c, **_p6))
+                  for c in moe_decode.FULL_ROWS_CANDIDATES]
+        CASES += [(f"moe 48B batch {_b}, flag_deps", moe(_b, True, flag_deps=True, **_p6))]
+        CASES += [(f"moe 48B batch {_b}, flag_deps B' {tuple(c)}", moe(_b, True, c, flag_deps=True, **_p6))
+                  for c in moe_decode.FLAG_SPLIT_CANDIDATES]
+    CASES += [("moe 48B MXFP4 batch 1, flag_deps (tiles A, B' 2 chunks)",
+               lambda: _moe_tiles_shared(1, split=moe_decode.SplitConfig(4, 512, 4, 2), flag_deps=True))]
 
 
 def route_launch(batch, shape="48b", tail="rounds", target_programs=norm_route.TARGET_PROGRAMS):

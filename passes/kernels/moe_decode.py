@@ -49,7 +49,11 @@ Triton kernels:
     slot's K cut into k_split chunks (launch per shape: SPLIT_TUNED / split_config, or the op's down_split);
     each stores its fp32 partial, and the group's last program to arrive (an atomic counter that it zeroes
     again, from kernels.arrivals: the one atomic in these kernels) sums them in (slot, chunk) order and stores
-    the block.
+    the block. Option flag_deps (P6's, off until measured): instead of B''s grid-wide wait for kernel A (PDL's
+    gdc_wait), A releases B' right after its own wait and counts the h columns it stores per B' K chunk in counters
+    (release); each B' program waits (acquire spin) only for its own chunk, so B' overlaps A's tail. Deadlock-free:
+    PDL launches B' only once every A program has called gdc_launch_dependents, i.e. all of A is resident, and A never
+    waits for B'. The chunk's last reader zeroes its counter (no memset in a CUDA graph). Same output bits.
   C `_latent_out_kernel` (latent MoE only; B then stores u in fp32 and adds no shared expert): one
     program per (token, column block of D): the RMSNorm statistics of u's row, the up-projection's
     GEMV on the normalized row, the shared expert's GEMV; one store.
@@ -67,6 +71,7 @@ kernels run on CPU tensors (`fused_moe_triton`), which is how they are tested wi
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -91,6 +96,11 @@ CPU_CROSSOVER = 16  # fixed on CPU (the reference runs there whatever it says); 
 CROSSOVER_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # what the build-time measurement tries
 NO_CROSSOVER = 1 << 30  # "the GEMV path always wins"
 ARRIVALS_OWNER = "moe_decode"  # the split down-projection's counters in kernels.arrivals (one per column group)
+FLAGS_OWNER = "moe_decode_flags"  # flag_deps: kernel A -> B' chunk counters (kernels.arrivals), one per h row x K chunk
+FLAG_STRIDE = 32  # int32s between two flag_deps counters: one 128-byte line each, so their polls hit different lines
+# flag_deps: B' polls its counters on the GPU; the interpreter runs A to its end before B', so there it does not (a
+# wrong count then leaves a counter non-zero, which the tests check, instead of hanging them)
+_SPIN = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -280,19 +290,66 @@ if triton is not None:
         """The shared expert's down-projection for a block of output columns: W[cols] · act(in, up)
         (GLU) or W[cols] · in (already activated), the whole K (_gemv_chunk below)."""
         return _gemv_chunk(in_row, up_row, w_ptr, cols, cmask, IS, 0, IS, beta, linear_beta, ACT, GLU, BLOCK_N,
-                           BLOCK_K, False, False)
+                           BLOCK_K, False, False, w_ptr, 1, False, False)
+
+    # flag_deps (fine-grained A -> B' dependencies): one int32 counter per (h row, K chunk of B'), h rows being the
+    # (token, slot) pairs and then, with A's shared slot, the tokens' hs rows. Its low 16 bits count the columns kernel
+    # A has stored in the chunk (release), its high bits the B' programs that have read it (acquire); the last reader
+    # sets it back to 0, so the counters are zero between launches (a CUDA graph replays them with no memset).
+    @triton.jit
+    def _publish_h(flags_ptr, row, c0, c1, CHUNK, KSPLIT: tl.constexpr, STRIDE: tl.constexpr):
+        """Kernel A stored columns [c0, c1) of h row `row`: add to each of the row's K chunks (CHUNK columns each) the
+        count of those columns in it. The barrier orders every thread's store before the release."""
+        if c1 > c0:
+            tl.debug_barrier()
+            for ch in range(c0 // CHUNK, (c1 - 1) // CHUNK + 1):
+                cols = tl.minimum(c1, ch * CHUNK + CHUNK) - tl.maximum(c0, ch * CHUNK)
+                tl.atomic_add(flags_ptr + (row * KSPLIT + ch) * STRIDE, cols, sem="release", scope="gpu")
+
+    @triton.jit
+    def _nap(x):
+        """x, after a ~0.1 us pause (PTX nanosleep): a spinning program leaves its counter's L2 line to A's atomics."""
+        return tl.inline_asm_elementwise("nanosleep.u32 100;\n mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def _await_h(counter, need, readers, SPIN: tl.constexpr):
+        """Kernel B' is about to read `need` columns of one h row chunk: wait until kernel A has published them all
+        (SPIN; the interpreter runs A to its end first: no wait, and a wrong count leaves the counter non-zero, which
+        the tests check), then acquire (every thread's later loads of the chunk see A's
+        stores: the RMW reads the end of A's release sequence, and a barrier orders the other threads after it). The
+        chunk's last reader of `readers` zeroes the counter for the next launch."""
+        if need > 0:
+            if SPIN:
+                seen = tl.load(counter, volatile=True) & 0xFFFF
+                while seen < need:
+                    seen = _nap(tl.load(counter, volatile=True)) & 0xFFFF
+            old = tl.atomic_add(counter, 1 << 16, sem="acq_rel", scope="gpu")
+            tl.debug_barrier()  # every thread's loads of the chunk after the acquire
+            if old == need + (readers - 1) * (1 << 16):
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _wait_input(counter, need, readers, WAIT: tl.constexpr, FLAG: tl.constexpr, SPIN: tl.constexpr):
+        """Before B' reads its input chunk: the chunk's counter (FLAG, flag_deps), else gdc_wait under PDL (WAIT)."""
+        if FLAG:
+            _await_h(counter, need, readers, SPIN)
+        elif WAIT:
+            tl.extra.cuda.gdc_wait()
 
     @triton.jit
     def _shared_up_slot(x_row, sw13_ptr, hs_row, col_block, D, IS, beta, linear_beta, ACT: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-                        L2_PREFETCH: tl.constexpr = False, PIECES: tl.constexpr = 128):
+                        L2_PREFETCH: tl.constexpr, PIECES: tl.constexpr, flags_ptr, flag_row, CHUNK,
+                        FLAGS: tl.constexpr, KSPLIT: tl.constexpr, STRIDE: tl.constexpr):
         """Kernel A's shared slot: hs[cols] = act(Wg[cols] . x, Wu[cols] . x) for one column block of the shared
         expert's [2 Is, D] gate/up weight (dense), with the routed rows' own loop (`_rows_dot`, reduced every K
         step): a slot that kept [BLOCK_N, BLOCK_K] fp32 products for the whole loop set the kernel's register
         budget for every program, and A ran 21.7 -> 31.6 us at the 48B shape, batch 1 (H200, bench_moe8).
         L2_PREFETCH (with PDL only): the block's gate rows and up rows (two contiguous ranges of the static weight)
         are asked of L2 before the wait, so they stream while the router kernel before A runs; the loads after
-        the wait are the same, so are the sums."""
+        the wait are the same, so are the sums. FLAGS (flag_deps): B' is released right after the wait and told per
+        K chunk when hs is stored (_publish_h, h row flag_row)."""
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < IS
         if L2_PREFETCH:
@@ -303,11 +360,16 @@ if triton is not None:
                                          IS * D * elem, PIECES)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # x comes from an earlier kernel
+            if FLAGS:
+                tl.extra.cuda.gdc_launch_dependents()
         g = _rows_dot(sw13_ptr, cols, cmask, x_row, D, BLOCK_N, BLOCK_K)
         u = _rows_dot(sw13_ptr, cols + IS, cmask, x_row, D, BLOCK_N, BLOCK_K)
-        if USE_PDL:
+        if USE_PDL and not FLAGS:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(hs_row + cols, _glu(g, u, beta, linear_beta, ACT), mask=cmask)
+        if FLAGS:
+            _publish_h(flags_ptr, flag_row, col_block * BLOCK_N, tl.minimum(col_block * BLOCK_N + BLOCK_N, IS), CHUNK,
+                       KSPLIT, STRIDE)
 
     @triton.jit
     def _up_program(PAIRS, TOP_K: tl.constexpr, SHARED_FIRST: tl.constexpr):
@@ -323,23 +385,30 @@ if triton is not None:
         return tl.program_id(0).to(tl.int64), tl.program_id(1)
 
     @triton.jit
-    def _expert_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, sw13_ptr, hs_ptr, x_row_stride, D, I, IS,
-                          PAIRS, beta, linear_beta, TOP_K: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
-                          SHARED_SLOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _expert_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, sw13_ptr, hs_ptr, flags_ptr, x_row_stride, D, I,
+                          IS, PAIRS, CHUNK, CHUNK_S, beta, linear_beta, TOP_K: tl.constexpr, ACT: tl.constexpr,
+                          MXFP4: tl.constexpr, SHARED_SLOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           USE_PDL: tl.constexpr, SHARED_FIRST: tl.constexpr = False,
-                          SHARED_L2_PREFETCH: tl.constexpr = False, PIECES: tl.constexpr = 128):
-        # pair: token * TOP_K + slot; from PAIRS on (SHARED_SLOT) the shared slot
+                          SHARED_L2_PREFETCH: tl.constexpr = False, PIECES: tl.constexpr = 128,
+                          FLAGS: tl.constexpr = False, KSPLIT: tl.constexpr = 1,
+                          FLAG_STRIDE: tl.constexpr = 32):
+        # pair: token * TOP_K + slot; from PAIRS on (SHARED_SLOT) the shared slot. FLAGS (flag_deps): kernel B' is
+        # released right after the wait (it reads ids and weights of the router, which every program of ours has then
+        # waited for) and learns per K chunk of h when its columns are stored (_publish_h)
         pair, col_block = _up_program(PAIRS, TOP_K, SHARED_FIRST)
         if SHARED_SLOT:
             if pair >= PAIRS:
                 token = pair - PAIRS
                 _shared_up_slot(x_ptr + token * x_row_stride, sw13_ptr, hs_ptr + token * IS, col_block, D,
-                                IS, beta, linear_beta, ACT, BLOCK_N, BLOCK_K, USE_PDL, SHARED_L2_PREFETCH, PIECES)
+                                IS, beta, linear_beta, ACT, BLOCK_N, BLOCK_K, USE_PDL, SHARED_L2_PREFETCH, PIECES,
+                                flags_ptr, pair, CHUNK_S, FLAGS, KSPLIT, FLAG_STRIDE)
                 return
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < I
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # the ids (routing) and x come from earlier kernels
+            if FLAGS:
+                tl.extra.cuda.gdc_launch_dependents()
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         token = pair // TOP_K
         x_row = x_ptr + token * x_row_stride
@@ -373,13 +442,16 @@ if triton is not None:
             both = tl.sum(acc, axis=2)
             g = tl.sum(tl.where(half[:, None] == 0, both, 0.0), axis=0)
             u = tl.sum(tl.where(half[:, None] == 1, both, 0.0), axis=0)
-        if USE_PDL:
+        if USE_PDL and not FLAGS:
             tl.extra.cuda.gdc_launch_dependents()
         h_cols = cols
         if MXFP4:  # kernel B's MXFP4 tiles read each group of 32 as its even inputs, then its odd ones
             within = cols % 32
             h_cols = cols - within + (within % 2) * 16 + within // 2
         tl.store(h_ptr + pair * I + h_cols, _glu(g, u, beta, linear_beta, ACT), mask=cmask)
+        if FLAGS:  # (MXFP4's reorder stays inside a group of 32, and chunks are whole groups: same counts)
+            _publish_h(flags_ptr, pair, col_block * BLOCK_N, tl.minimum(col_block * BLOCK_N + BLOCK_N, I), CHUNK,
+                       KSPLIT, FLAG_STRIDE)
 
     @triton.jit
     def _expert_down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr,
@@ -439,19 +511,19 @@ if triton is not None:
     @triton.jit
     def _gemv_chunk(in_row, up_row, w_ptr, cols, cmask, K, k_lo, k_hi, beta, linear_beta, ACT: tl.constexpr,
                     GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr,
-                    PREFETCH: tl.constexpr):
+                    PREFETCH: tl.constexpr, counter, readers, FLAG: tl.constexpr, SPIN: tl.constexpr):
         """Σ_{k_lo <= k < k_hi} W[cols, k] act(in, up)[k] (GLU) or W[cols, k] in[k], dense W [*, K], fp32 [BLOCK_N]:
         B''s GEMV over one K chunk of one slot. The first weight tile loads before the gdc_wait (WAIT: launched
         with PDL, its input written by the previous kernel, the weights static), so it streams while that kernel
         ends. PREFETCH: each iteration issues the next tile's loads before it multiplies the current one (a
         register double buffer: two tiles in flight per program instead of one; nothing in these loops is
         software-pipelined by Triton, their loads feed no dot). Products summed in a [BLOCK_N, BLOCK_K] tile,
-        reduced once; the same sums in the same order with or without PREFETCH."""
+        reduced once; the same sums in the same order with or without PREFETCH. FLAG (flag_deps): instead of the
+        grid-wide wait, the chunk's own counter (_await_h: `counter`, read by `readers` programs)."""
         kk = tl.arange(0, BLOCK_K)
         k = k_lo + kk
         w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=cmask[:, None] & (k < k_hi)[None, :], other=0.0)
-        if WAIT:
-            tl.extra.cuda.gdc_wait()
+        _wait_input(counter, k_hi - k_lo, readers, WAIT, FLAG, SPIN)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PREFETCH:
             for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -496,12 +568,18 @@ if triton is not None:
     # the output row block. KSPLIT and PREFETCH come from SPLIT_TUNED (split_config below).
     @triton.jit
     def _expert_down_split_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr,
-                                  part_ptr, arrivals_ptr, I, DO, IS, sin_row_stride, sup_row_stride, out_row_stride,
+                                  part_ptr, arrivals_ptr, flags_ptr, PAIRS, I, DO, IS, sin_row_stride, sup_row_stride,
+                                  out_row_stride,
                                   beta, linear_beta, TOP_K: tl.constexpr, SLOTS: tl.constexpr, ACT: tl.constexpr,
                                   MXFP4: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
                                   USE_PDL: tl.constexpr, KSPLIT: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
-                                  SHARED_L2_PREFETCH: tl.constexpr = False, PIECES: tl.constexpr = 128):
+                                  SHARED_L2_PREFETCH: tl.constexpr = False, PIECES: tl.constexpr = 128,
+                                  FLAGS: tl.constexpr = False,
+                                  FLAG_SHARED: tl.constexpr = False, SPIN: tl.constexpr = True,
+                                  FLAG_STRIDE: tl.constexpr = 32):
+        # FLAGS (flag_deps): the routed slots (and, FLAG_SHARED, the shared slot: hs from kernel A) wait for their
+        # own K chunk of h (_await_h) instead of all of kernel A (gdc_wait)
         PARTS: tl.constexpr = SLOTS * KSPLIT
         group = tl.program_id(0).to(tl.int64)  # token * column blocks + column block
         part_id = tl.program_id(1)  # slot * KSPLIT + K chunk
@@ -525,15 +603,16 @@ if triton is not None:
                                              tl.maximum(k_hi - k_lo, 0) * elem, IS * elem, PIECES)
             part = _gemv_chunk(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
                                cmask, IS, k_lo, k_hi, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS, USE_PDL,
-                               PREFETCH)
+                               PREFETCH, flags_ptr + ((PAIRS + token) * KSPLIT + ks) * FLAG_STRIDE, blocks,
+                               FLAG_SHARED, SPIN)
         else:
             pair = token * TOP_K + slot
             expert = tl.load(ids_ptr + pair).to(tl.int64)
             weight = tl.load(wts_ptr + pair).to(tl.float32)
             k_lo, k_hi = _chunk(ks, I, KSPLIT, BLOCK_K)
+            counter = flags_ptr + (pair * KSPLIT + ks) * FLAG_STRIDE
             if MXFP4:  # h in kernel A's MXFP4 order (each group of 32: even inputs, then odd)
-                if USE_PDL:
-                    tl.extra.cuda.gdc_wait()
+                _wait_input(counter, k_hi - k_lo, blocks, USE_PDL, FLAGS, SPIN)
                 acc2 = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
                 for k0 in range(k_lo, k_hi, BLOCK_K):
                     acc2 += _mxfp4_tile(w2_ptr + expert * DO * (I // 2), s2_ptr + expert * DO * (I // 32), cols,
@@ -541,7 +620,8 @@ if triton is not None:
                 part = tl.sum(acc2, axis=1) * weight
             else:
                 part = _gemv_chunk(h_ptr + pair * I, h_ptr + pair * I, w2_ptr + expert * DO * I, cols, cmask, I, k_lo,
-                                   k_hi, beta, linear_beta, ACT, False, BLOCK_N, BLOCK_K, USE_PDL, PREFETCH) * weight
+                                   k_hi, beta, linear_beta, ACT, False, BLOCK_N, BLOCK_K, USE_PDL, PREFETCH, counter,
+                                   blocks, FLAGS, SPIN) * weight
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(part_ptr + (group * PARTS + part_id) * BLOCK_N + lanes, part)
@@ -573,31 +653,38 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _expert_up_rows_kernel(x_ptr, ids_ptr, w13_ptr, h_ptr, sw13_ptr, hs_ptr, x_row_stride, D, I, IS, PAIRS,
-                               beta, linear_beta, TOP_K: tl.constexpr, ACT: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-                               SHARED_FIRST: tl.constexpr = False, SHARED_L2_PREFETCH: tl.constexpr = False,
-                               PIECES: tl.constexpr = 128):
-        # pair: token * TOP_K + slot; from PAIRS on (SHARED_SLOT) the shared slot
+    def _expert_up_rows_kernel(x_ptr, ids_ptr, w13_ptr, h_ptr, sw13_ptr, hs_ptr, flags_ptr, x_row_stride, D, I, IS,
+                               PAIRS, CHUNK, CHUNK_S, beta, linear_beta, TOP_K: tl.constexpr, ACT: tl.constexpr,
+                               SHARED_SLOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               USE_PDL: tl.constexpr, SHARED_FIRST: tl.constexpr = False,
+                               SHARED_L2_PREFETCH: tl.constexpr = False, PIECES: tl.constexpr = 128,
+                               FLAGS: tl.constexpr = False, KSPLIT: tl.constexpr = 1, FLAG_STRIDE: tl.constexpr = 32):
+        # pair: token * TOP_K + slot; from PAIRS on (SHARED_SLOT) the shared slot; FLAGS: as in _expert_up_kernel
         pair, col_block = _up_program(PAIRS, TOP_K, SHARED_FIRST)
         if SHARED_SLOT:
             if pair >= PAIRS:
                 token = pair - PAIRS
                 _shared_up_slot(x_ptr + token * x_row_stride, sw13_ptr, hs_ptr + token * IS, col_block, D,
-                                IS, beta, linear_beta, ACT, BLOCK_N, BLOCK_K, USE_PDL, SHARED_L2_PREFETCH, PIECES)
+                                IS, beta, linear_beta, ACT, BLOCK_N, BLOCK_K, USE_PDL, SHARED_L2_PREFETCH, PIECES,
+                                flags_ptr, pair, CHUNK_S, FLAGS, KSPLIT, FLAG_STRIDE)
                 return
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < I
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # the ids (routing) and x come from earlier kernels
+            if FLAGS:
+                tl.extra.cuda.gdc_launch_dependents()
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         x_row = x_ptr + (pair // TOP_K) * x_row_stride
         w_base = w13_ptr + expert * (2 * I) * D
         g = _rows_dot(w_base, cols, cmask, x_row, D, BLOCK_N, BLOCK_K)
         u = _rows_dot(w_base, cols + I, cmask, x_row, D, BLOCK_N, BLOCK_K)
-        if USE_PDL:
+        if USE_PDL and not FLAGS:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(h_ptr + pair * I + cols, _glu(g, u, beta, linear_beta, ACT), mask=cmask)
+        if FLAGS:
+            _publish_h(flags_ptr, pair, col_block * BLOCK_N, tl.minimum(col_block * BLOCK_N + BLOCK_N, I), CHUNK,
+                       KSPLIT, FLAG_STRIDE)
 
     @triton.jit
     def _expert_down_rows_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr,
@@ -749,6 +836,22 @@ ROWS_CANDIDATES: tuple[tuple[int, int, int], ...] = (
     (64, 256, 8),
 )
 
+# What tools/bench_moe11.py tries for kernel A (rows, shared slot in A as P6 emits it) at the Kimi-Linear-48B shape
+# (E=256, top-8, I=1024, D=2304, one shared expert): today's rule gives (16, 256, 4) at batch 1, 9 slots x 64 column
+# blocks = 576 programs of 147 KB on 132 SMs (4.4 a SM), and (64, 128, 4) at batch 8 (1152 programs). Fewer, larger
+# programs (32 or 64 rows: 288 / 144, ~2.2 / ~1.1 a SM), more and smaller (8 rows: 1152), other K tiles (D = 9 x 256)
+# and warps.
+FULL_ROWS_CANDIDATES: tuple[tuple[int, int, int], ...] = (
+    (8, 256, 4), (16, 128, 4), (16, 256, 2), (16, 256, 8), (16, 512, 8), (32, 128, 4), (32, 256, 4), (32, 256, 8),
+    (64, 128, 4), (64, 128, 8), (64, 256, 8), (128, 128, 8),
+)
+# B' launches tools/bench_moe11.py tries with flag_deps on (48B): K cut in chunks, so a B' program waits for a part of
+# its h row only (with one chunk it waits for the whole row, i.e. for all of A's column blocks of that expert)
+FLAG_SPLIT_CANDIDATES: tuple[SplitConfig, ...] = (
+    SplitConfig(64, 128, 4, 2), SplitConfig(64, 128, 4, 2, True), SplitConfig(64, 128, 4, 4, True),
+    SplitConfig(32, 128, 4, 2, True),
+)
+
 
 class LatentConfig(NamedTuple):
     """Launch of kernel C (`_latent_out_kernel`): output columns per program, the up-projection's K tile, the shared
@@ -889,6 +992,33 @@ def split_from_list(values) -> SplitConfig:
     return check_split_config(SplitConfig(*values[:4], *[bool(v) for v in values[4:]]))
 
 
+def check_up_launch(values) -> tuple[int, int, int]:
+    """Kernel A's launch (BLOCK_N, BLOCK_K, num_warps) as ints (the op's up_launch argument), each a power of two in
+    range, else ValueError naming it."""
+    values = tuple(int(v) for v in values)
+    if len(values) != 3:
+        raise ValueError(f"fused_moe_decode: up_launch must be [block_n, block_k, num_warps], got {list(values)}")
+    for name, value, least in zip(("up block_n", "up block_k", "up num_warps"), values, (1, 32, 1)):
+        _pow2(name, value, least)
+    return values
+
+
+def flag_chunks(inter: int, shared_width_a: int, out_width: int, launch_b: SplitConfig,
+                block_ks: int) -> tuple[int, int]:
+    """flag_deps: (routed chunk, shared chunk): B''s K chunk widths over h (I) and over A's shared slot's hs (Is; 1
+    without it), as its `_chunk` cuts them. ValueError if a counter's fields cannot hold a chunk's columns (16 bits)
+    or its readers (15 bits: B''s column groups per token)."""
+    def size(width, tile):
+        return triton.cdiv(triton.cdiv(width, launch_b.k_split), tile) * tile
+    chunk = size(inter, launch_b.block_k)
+    chunk_s = size(shared_width_a, block_ks) if shared_width_a else 1
+    readers = triton.cdiv(out_width, launch_b.block_n)
+    if max(chunk, chunk_s) >= 1 << 16 or readers >= 1 << 15:
+        raise ValueError(f"fused_moe_decode: flag_deps counts up to 65535 columns per K chunk and 32767 readers, got "
+                         f"chunks {chunk} / {chunk_s} and {readers} readers")
+    return chunk, chunk_s
+
+
 def shared_block_k(block_n: int, width: int) -> int:
     """K tile of the shared expert's GEMV (and kernel C's) for a program of block_n rows: TILE_ELEMS a tile."""
     return max(32, min(TILE_ELEMS // block_n, triton.next_power_of_2(width)))
@@ -917,7 +1047,8 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
                      block_n: int | None = None, num_warps: int | None = None,
                      use_pdl: bool = False, designs: tuple[str, str] | None = None,
                      split: SplitConfig | None = None, shared_l2_prefetch: bool = False,
-                     down_l2_prefetch: bool = False) -> torch.Tensor:
+                     down_l2_prefetch: bool = False, up_launch: tuple[int, int, int] | None = None,
+                     flag_deps: bool = False) -> torch.Tensor:
     """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n / block_k
     / num_warps override the tile rule's choice for every kernel (tests, tile sweeps). use_pdl: launch with
     programmatic dependent launch where available (sm90+, Triton >= 3.4; ignored elsewhere). designs: (up,
@@ -926,7 +1057,11 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     block_k / num_warps still override its fields. shared_l2_prefetch (with shared_w13): kernel A's grid puts the
     shared slot's programs first in launch order, and with PDL they ask L2 for their static gate/up rows before
     gdc_wait (`shared_l2_launch`); down_l2_prefetch: with PDL, B' (split)'s shared slot asks L2 for its W2 rows before
-    the wait. Neither changes a loaded value or the order of a sum: the same output bits either way."""
+    the wait. Neither changes a loaded value or the order of a sum: the same output bits either way.
+    up_launch: kernel A's (BLOCK_N, BLOCK_K, num_warps), either design, instead of ROWS_TUNED / the rules' (P6's
+    up_launch; block_n / block_k / num_warps still override it). flag_deps (B' design only, else ignored): kernel A
+    releases B' right after its wait and counts the h columns it stores per B' K chunk; each B' program waits for its
+    own chunk's count instead of all of A (see "flag_deps" above `_publish_h`). Same loads, same sums: same bits."""
     if triton is None:
         raise RuntimeError("fused_moe_decode: triton is not installed")
     num_experts, inter, width, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
@@ -940,6 +1075,8 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
         _pow2("block_n", block_n, 1)
     if split is not None:
         split = check_split_config(split)
+    if up_launch is not None:
+        up_launch = check_up_launch(up_launch)
     up_design, down_design = designs or kernel_designs(n, quantized)
     for design, known in ((up_design, DESIGNS), (down_design, DOWN_DESIGNS)):
         if design not in known:
@@ -953,7 +1090,9 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     launch = {"launch_pdl": True} if pdl else {}
 
     def config(kernel, programs, rows, kk, design="tiles"):
-        if design == "rows":
+        if kernel == "up" and up_launch is not None:
+            bn, bk, warps = up_launch
+        elif design == "rows":
             bn, bk, warps = rows_config(programs, rows, n * k, kernel, kk)
         else:
             bn, bk, warps = gemv_config(kernel, programs, rows, kk, quantized, k)
@@ -966,11 +1105,28 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     s2 = w2_scale.contiguous() if quantized else w2
     h = torch.empty(n * k, inter, dtype=torch.float32, device=x.device)
     act_id = ACTS[act]
+    shared = shared_w2 is not None
+    shared_width = shared_w2.shape[-1] if shared else 0
+    latent = latent_up_w is not None
+    shared_in_b = shared and not latent  # B adds the shared expert (latent: kernel C does, after the up-projection)
+    routed_width = w2.shape[1]
+    slot_a = shared_w13 is not None
+    shared_width_a = shared_w13.shape[0] // 2 if slot_a else 0
+    if down_design == "split":  # B''s launch first: with flag_deps kernel A counts h's columns per B' K chunk
+        slots = k + int(shared_in_b)
+        launch_b = split or split_config(n * slots, routed_width, inter, quantized)
+        launch_b = SplitConfig(block_n or launch_b.block_n, block_k or launch_b.block_k,
+                               num_warps or launch_b.num_warps, launch_b.k_split, launch_b.prefetch and not quantized)
+        block_ks = block_k or shared_block_k(launch_b.block_n, max(shared_width, 1))
+    flags = flag_deps and down_design == "split"
+    flag_buf, chunk, chunk_s, a_flags = h, 1, 1, {}  # unused pointer and sizes without flag_deps
+    if flags:
+        chunk, chunk_s = flag_chunks(inter, shared_width_a, routed_width, launch_b, block_ks)
+        flag_buf = arrival_counters(x.device, n * (k + int(slot_a)) * launch_b.k_split * FLAG_STRIDE, FLAGS_OWNER)
+        a_flags = dict(FLAGS=True, KSPLIT=launch_b.k_split, FLAG_STRIDE=FLAG_STRIDE)
     # the routed slots' tile (the rule counts them only); the shared slot (shared_w13) adds n programs per column
     # block, over max(I, Is) columns, each slot masking what lies past its own width
     bn, bk, warps = config("up", n * k, inter, width, up_design)
-    slot_a = shared_w13 is not None
-    shared_width_a = shared_w13.shape[0] // 2 if slot_a else 0
     hs = torch.empty(n, shared_width_a, dtype=torch.float32, device=x.device) if slot_a else h
     sw13 = shared_w13.contiguous() if slot_a else h  # unused pointer without the shared slot
     grid_a = (n * (k + int(slot_a)), triton.cdiv(max(inter, shared_width_a), bn))
@@ -984,45 +1140,39 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     a_opts = dict(SHARED_FIRST=first, SHARED_L2_PREFETCH=prefetch_a, PIECES=32 * warps) if first else {}
     if up_design == "rows":
         _expert_up_rows_kernel[grid_a](
-            x, ids, w13, h, sw13, hs, x.stride(0), width, inter, shared_width_a, n * k, float(beta),
-            float(linear_beta), TOP_K=k, ACT=act_id, SHARED_SLOT=slot_a, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
-            num_warps=warps, **a_opts, **launch)
+            x, ids, w13, h, sw13, hs, flag_buf, x.stride(0), width, inter, shared_width_a, n * k, chunk, chunk_s,
+            float(beta), float(linear_beta), TOP_K=k, ACT=act_id, SHARED_SLOT=slot_a, BLOCK_N=bn, BLOCK_K=bk,
+            USE_PDL=pdl, num_warps=warps, **a_opts, **a_flags, **launch)
     else:
         _expert_up_kernel[grid_a](
-            x, ids, w13, s13, h, sw13, hs, x.stride(0), width, inter, shared_width_a, n * k, float(beta),
-            float(linear_beta), TOP_K=k, ACT=act_id, MXFP4=quantized, SHARED_SLOT=slot_a, BLOCK_N=bn, BLOCK_K=bk,
-            USE_PDL=pdl, num_warps=warps, **a_opts, **launch)
+            x, ids, w13, s13, h, sw13, hs, flag_buf, x.stride(0), width, inter, shared_width_a, n * k, chunk, chunk_s,
+            float(beta), float(linear_beta), TOP_K=k, ACT=act_id, MXFP4=quantized, SHARED_SLOT=slot_a, BLOCK_N=bn,
+            BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, **a_opts, **a_flags, **launch)
     if slot_a:  # B (any design) reads the shared expert's input already activated, from kernel A
         shared_in, shared_up = hs, None
-    shared = shared_w2 is not None
     sin = shared_in if shared else h
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     sup = shared_up if shared_up is not None else sin
     sup = sup if sup.stride(-1) == 1 else sup.contiguous()
     sw2 = shared_w2.contiguous() if shared else h
-    shared_width = sw2.shape[-1] if shared else 0
-    latent = latent_up_w is not None
-    shared_in_b = shared and not latent  # kernel B adds the shared expert (latent: kernel C does, after the up-projection)
-    routed_width = w2.shape[1]
     # latent: B leaves u in fp32 for C; the shared expert joins in C, on the output side of the up-projection
     u = torch.empty(n, routed_width, dtype=torch.float32, device=x.device) if latent else out
     if down_design == "split":
-        slots = k + int(shared_in_b)
-        launch_b = split or split_config(n * slots, routed_width, inter, quantized)
-        bn, bk, warps = block_n or launch_b.block_n, block_k or launch_b.block_k, num_warps or launch_b.num_warps
+        bn, warps = launch_b.block_n, launch_b.num_warps
         groups = n * triton.cdiv(routed_width, bn)
         parts = slots * launch_b.k_split
         partials = torch.empty(groups * parts * bn, dtype=torch.float32, device=x.device)
         prefetch_b = (down_l2_prefetch and shared_in_b and pdl
                       and l2_prefetch.region_ok(sw2, shared_width * sw2.element_size()))
         b_opts = dict(SHARED_L2_PREFETCH=True, PIECES=32 * warps) if prefetch_b else {}
+        if flags:
+            b_opts.update(FLAGS=True, FLAG_SHARED=slot_a, SPIN=_SPIN, FLAG_STRIDE=FLAG_STRIDE)
         _expert_down_split_kernel[(groups, parts)](
             h, ids, wts, w2, s2, sin, sup, sw2, u, partials, arrival_counters(x.device, groups, ARRIVALS_OWNER),
-            inter, routed_width, shared_width, sin.stride(0), sup.stride(0), u.stride(0), float(beta),
-            float(linear_beta), TOP_K=k, SLOTS=slots, ACT=act_id, MXFP4=quantized, SHARED=shared_in_b,
-            SHARED_GLU=shared_up is not None, BLOCK_N=bn, BLOCK_K=bk,
-            BLOCK_KS=block_k or shared_block_k(bn, max(shared_width, 1)), USE_PDL=pdl, KSPLIT=launch_b.k_split,
-            PREFETCH=launch_b.prefetch and not quantized, num_warps=warps, **b_opts, **launch)
+            flag_buf, n * k, inter, routed_width, shared_width, sin.stride(0), sup.stride(0), u.stride(0),
+            float(beta), float(linear_beta), TOP_K=k, SLOTS=slots, ACT=act_id, MXFP4=quantized, SHARED=shared_in_b,
+            SHARED_GLU=shared_up is not None, BLOCK_N=bn, BLOCK_K=launch_b.block_k, BLOCK_KS=block_ks, USE_PDL=pdl,
+            KSPLIT=launch_b.k_split, PREFETCH=launch_b.prefetch, num_warps=warps, **b_opts, **launch)
     elif down_design == "rows":
         bn, bk, warps = config("down", n, routed_width, inter, down_design)
         _expert_down_rows_kernel[(n, triton.cdiv(routed_width, bn))](
@@ -1063,11 +1213,13 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      latent_norm_w: torch.Tensor | None = None, latent_eps: float = 1e-5,
                      use_pdl: bool = False, shared_w13: torch.Tensor | None = None,
                      down_split: list[int] | None = None, shared_l2_prefetch: bool = False,
-                     down_l2_prefetch: bool = False) -> torch.Tensor:
+                     down_l2_prefetch: bool = False, up_launch: list[int] | None = None,
+                     flag_deps: bool = False) -> torch.Tensor:
     """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc.
     down_split: kernel B''s launch (SplitConfig's fields, prefetch as 0/1) at every batch below the crossover,
     instead of split_config()'s per-shape choice (P6's down_split option; the CPU reference ignores it).
-    shared_l2_prefetch / down_l2_prefetch: fused_moe_triton's options of the same names (P6's; same values)."""
+    shared_l2_prefetch / down_l2_prefetch / up_launch / flag_deps: fused_moe_triton's options of the same names (P6's;
+    same values)."""
     return fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
 
@@ -1076,7 +1228,7 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
-                           shared_l2_prefetch=False, down_l2_prefetch=False):
+                           shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False):
     args = (x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
             linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
     if triton is None or x.shape[0] >= crossover:
@@ -1084,14 +1236,14 @@ def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
     split = None if down_split is None else split_from_list(down_split)
     with torch.cuda.device(x.device):  # Triton launches on the current device
         return fused_moe_triton(*args, use_pdl=use_pdl, split=split, shared_l2_prefetch=shared_l2_prefetch,
-                                down_l2_prefetch=down_l2_prefetch)
+                                down_l2_prefetch=down_l2_prefetch, up_launch=up_launch, flag_deps=flag_deps)
 
 
 @fused_moe_decode.register_fake
 def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
-                           shared_l2_prefetch=False, down_l2_prefetch=False):
+                           shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False):
     _, _, _, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                     shared_w2, act, latent_up_w, latent_norm_w, shared_w13)
     return x.new_empty(x.shape[0], out_width)

@@ -3,7 +3,11 @@
 Started in a subprocess by test_moe_decode.py. Per case: the op with designs (up, "split") against the
 reference (relative error), launched twice on the same inputs: both outputs bit-identical (the partials
 are summed in slot order, never in arrival order) and the arrival counters zero after each launch (a
-CUDA graph replays the kernel with no memset). Tiny shapes: the interpreter runs every program in Python.
+CUDA graph replays the kernel with no memset). Then with flag_deps (kernel A counts the h columns it stores per
+B' K chunk, B' waits per chunk): bit-identical to it off, its counters zero again after the launch (every chunk
+fully counted by A and read by all its readers), also with kernel A's shared slot (shared_w13: hs counted too) and
+with A's launch from up_launch (column blocks wider than a K chunk, and narrower). Tiny shapes: the interpreter runs
+every program in Python.
 Prints one line per failing case and exits 1 if any failed.
 """
 import os
@@ -109,7 +113,48 @@ def main() -> int:
             failures.append(f"{name} tile={tile}: rel err {err:.3g} > {TOL[dtype]:g}")
         if not torch.equal(runs[0], runs[1]):
             failures.append(f"{name}: two launches on the same inputs differ")
+        if "latent_up_w" in kw:
+            continue  # (flag_deps cases below: every form of B' once, the latent tail adds nothing to them)
+        flagged = moe_decode.fused_moe_triton(**kw, block_n=block_n, block_k=block_k, designs=(up, "split"),
+                                              split=split, flag_deps=True)
+        failures += _flag_failures(name, flagged, runs[0])
+    for name, kw, split, up_launch in flag_cases():
+        n += 1
+        off = moe_decode.fused_moe_triton(**kw, split=split, up_launch=up_launch)
+        failures += _flag_failures(name, moe_decode.fused_moe_triton(**kw, split=split, up_launch=up_launch,
+                                                                     flag_deps=True), off)
+        ref = moe_decode.fused_moe_reference(**{key: v for key, v in kw.items() if key != "designs"})
+        if not rel_err(off, ref) <= TOL[torch.float32]:
+            failures.append(f"{name}: rel err {rel_err(off, ref):.3g} > {TOL[torch.float32]:g}")
     return report(failures, n)
+
+
+def _flag_failures(name, flagged, off) -> list[str]:
+    counters = arrivals.current("cpu", moe_decode.FLAGS_OWNER)
+    out = [] if torch.equal(flagged, off) else [f"{name}: flag_deps changes the output"]
+    if counters is None or counters.any():
+        out.append(f"{name}: flag_deps counters not zero after a launch ({int((counters != 0).sum())} set)")
+    return out
+
+
+def flag_cases():
+    """(name, op kwargs, B' launch, A launch) with kernel A's shared slot (shared_w13, Is = 24 != I = 96), SiLU, fp32:
+    B''s K in 1 or 3 chunks of 32 (the shared Is: 1 chunk, or 1 of 32 and two empty ones), A's column blocks of 8
+    (several per chunk), 64 (one spanning two chunks) and 16 (the rule); the MXFP4 tiles design of A with 2 chunks."""
+    gen = torch.Generator().manual_seed(9)
+    n, e, k, d, i, do, s = 2, 6, 3, 64, 96, 40, 24
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    kw = dict(x=torch.randn(n, d, generator=gen), topk_ids=ids, topk_weights=torch.rand(n, k, generator=gen),
+              w13=torch.randn(e, 2 * i, d, generator=gen) * d ** -0.5,
+              w2=torch.randn(e, do, i, generator=gen) * i ** -0.5,
+              shared_w2=torch.randn(do, s, generator=gen) * s ** -0.5,
+              shared_w13=torch.randn(2 * s, d, generator=gen) * d ** -0.5, act="silu", designs=("rows", "split"))
+    for split, up in ((SplitConfig(16, 32, 4, 1, False), (8, 32, 4)), (SplitConfig(16, 32, 4, 3, True), (64, 32, 2)),
+                      (SplitConfig(8, 32, 4, 3, False), None)):
+        yield f"flag_deps shared slot in A, B' {tuple(split)}, A {up}", kw, split, up
+    (w13p, w13s), (w2p, w2s) = mxfp4.quantize(kw["w13"]), mxfp4.quantize(kw["w2"])
+    q = dict(kw, w13=w13p, w2=w2p, w13_scale=w13s, w2_scale=w2s, designs=("tiles", "split"))
+    yield "flag_deps MXFP4, tiles A (8, 32, 4), B' (16, 32, 4, 2)", q, SplitConfig(16, 32, 4, 2, False), (8, 32, 4)
 
 
 if __name__ == "__main__":

@@ -541,3 +541,50 @@ def test_cuda_l2_prefetch_options_give_the_same_bits_at_the_48b_shape(n):
     torch.cuda.synchronize()
     assert torch.equal(graphs[0][1], graphs[1][1])
     assert _rel(graphs[1][1], ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1, 8])
+def test_cuda_flag_deps_at_the_48b_shape(n):
+    """flag_deps (kernel A releases B' right after its wait; each B' program spins on its own K chunk's counter) at the
+    48B shape as P6 emits the op (shared slot in A, L2 options on, PDL on): bit-identical to flag_deps off at today's
+    launches and with K chunks / other A launches, within the reference's tolerance, counters zero after every launch;
+    then 26 layers' worth of ops in one CUDA graph (counters shared, never memset), replayed on new routings and inputs:
+    the same bits as the same graph without flag_deps, and the reference."""
+    from k3compile.passes.kernels import arrivals
+    shape = _shape_48b()
+    p, sw13 = _with_shared_w13(_cuda_problem(n, 700 + n, **shape), 700 + n)
+    args = _op_args(p, "silu", 0)[:13]
+    opts = dict(shared_w13=sw13, use_pdl=True, shared_l2_prefetch=True, down_l2_prefetch=True)
+    f32 = {key: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v) for key, v in p.items()}
+    ref = fused_moe_reference(*_op_args(f32, "silu", 0)[:13], shared_w13=sw13.float())
+    for split, up in [(None, None), (None, (64, 128, 4))] + [(s, None) for s in moe_decode.FLAG_SPLIT_CANDIDATES]:
+        off = moe_decode.fused_moe_triton(*args, **opts, split=split, up_launch=up)
+        for _ in range(3):
+            on = moe_decode.fused_moe_triton(*args, **opts, split=split, up_launch=up, flag_deps=True)
+            torch.cuda.synchronize()
+            assert torch.equal(on, off), (split, up)
+            assert not arrivals.current(on.device, moe_decode.FLAGS_OWNER).any(), (split, up)
+        assert _rel(on, ref) < 1e-2, (split, up, _rel(on, ref))
+
+    def layers(flags):  # one layer's op 26 times in a row, each reading the previous output (as the step chains them)
+        y = p["x"]
+        for _ in range(26):
+            y = moe_decode.fused_moe_triton(y, *args[1:], **opts, flag_deps=flags) * 0.5 + p["x"]
+        return y
+    graphs = [_graphed(lambda flags=flags: layers(flags)) for flags in (False, True)]
+    for seed in (1, 2):
+        ids, wts = random_routing(n, shape["e"], shape["k"], "cuda", seed)
+        p["topk_ids"].copy_(ids)
+        p["topk_weights"].copy_(wts)
+        p["x"].copy_(torch.randn_like(p["x"], dtype=torch.float32).bfloat16())
+        for graph, _ in graphs:
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graphs[0][1], graphs[1][1]), seed
+        assert not arrivals.current(p["x"].device, moe_decode.FLAGS_OWNER).any(), seed
+        f32 = {key: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
+               for key, v in p.items()}
+        one = fused_moe_reference(*_op_args(f32, "silu", 0)[:13], shared_w13=sw13.float())
+        assert _rel(moe_decode.fused_moe_triton(*args, **opts, flag_deps=True), one) < 1e-2, seed

@@ -103,6 +103,40 @@ def test_k3_mini_launches_from_the_tables_and_bad_entries_raise(monkeypatch):
 
 
 @needs_triton
+def test_up_launch_and_flag_deps_reach_the_launches(monkeypatch):
+    """up_launch is kernel A's launch (either design; the explicit block_n / num_warps still win); flag_deps adds the
+    flag constexprs to A and B' (shared slot counted when A has it) only when B' is the down-projection; the chunk
+    widths follow B''s K cut (_chunk); bad launches and counters too narrow are refused."""
+    p = _latent_problem(2, lat=64, i=32, d=64, s=48)
+    full = {key: v for key, v in p.items() if not key.startswith(("latent", "shared_in", "shared_up"))}
+    full["shared_w13"] = torch.randn(2 * 48, 64)
+    kernels = {name: _Recorder() for name in ("_expert_up_rows_kernel", "_expert_up_kernel",
+                                              "_expert_down_split_kernel", "_expert_down_kernel")}
+    for name, rec in kernels.items():
+        monkeypatch.setattr(moe_decode, name, rec)
+    moe_decode.fused_moe_triton(**full, designs=("rows", "split"), up_launch=(4, 64, 8))
+    grid, a = kernels["_expert_up_rows_kernel"].calls[-1]
+    assert (grid, a["BLOCK_N"], a["BLOCK_K"], a["num_warps"]) == ((2 * 4, 48 // 4), 4, 64, 8) and "FLAGS" not in a
+    moe_decode.fused_moe_triton(**full, designs=("tiles", "split"), up_launch=(4, 64, 8), block_n=8)
+    assert kernels["_expert_up_kernel"].calls[-1][1]["BLOCK_N"] == 8
+    split = SplitConfig(16, 32, 4, 3)
+    moe_decode.fused_moe_triton(**full, designs=("rows", "split"), split=split, flag_deps=True)
+    (_, a), (_, b) = kernels["_expert_up_rows_kernel"].calls[-1], kernels["_expert_down_split_kernel"].calls[-1]
+    assert a["FLAGS"] and a["KSPLIT"] == 3 and a["FLAG_STRIDE"] == moe_decode.FLAG_STRIDE
+    assert b["FLAGS"] and b["FLAG_SHARED"] and b["SPIN"] and b["KSPLIT"] == 3
+    moe_decode.fused_moe_triton(**full, designs=("rows", "tiles"), flag_deps=True)  # no B': nothing to wait per chunk
+    assert "FLAGS" not in kernels["_expert_up_rows_kernel"].calls[-1][1]
+    # B''s chunks: I = 32 in 3 chunks of one 32-wide tile (two empty), the shared Is = 48 in 3 chunks of 32 (BLOCK_KS)
+    assert moe_decode.flag_chunks(32, 48, 64, split, 32) == (32, 32)
+    assert moe_decode.flag_chunks(1024, 1024, 2304, SplitConfig(64, 128, 4, 2), 128) == (512, 512)
+    assert moe_decode.flag_chunks(1024, 0, 2304, SplitConfig(64, 128, 4), 128) == (1024, 1)
+    with pytest.raises(ValueError, match="flag_deps counts up to"):
+        moe_decode.flag_chunks(1 << 16, 0, 64, SplitConfig(64, 128, 4), 128)
+    with pytest.raises(ValueError, match="up block_k must be a power of two"):
+        moe_decode.fused_moe_triton(**full, up_launch=(4, 48, 4))
+
+
+@needs_triton
 def test_launch_tables_under_interpreter_match_reference():
     run_interpreted("interpret_moe_launch_tables.py", timeout=600)
 
@@ -141,3 +175,28 @@ def test_cuda_every_k3_mini_launch_candidate_matches_reference(n):
             if table is not None:
                 table.pop(key)
         assert got.shape == (n, d) and _rel(got, ref) < 1e-2, (kernel, launch, _rel(got, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1, 8])
+def test_cuda_every_48b_kernel_a_launch_candidate_matches_reference(n):
+    """Each kernel A launch tools/bench_moe11.py may make the default at the Kimi-Linear-48B shape
+    (FULL_ROWS_CANDIDATES, through the op's up_launch argument, as P6's up_launch option passes it), with the shared
+    slot in A as P6 emits the op (L2 options on, PDL on), bf16: matches the fp32 reference."""
+    cfg = get_preset("kimi-linear-48b")
+    e, k, i, d = cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size, cfg.hidden_size
+    gen = torch.Generator(device="cuda").manual_seed(900 + n)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).bfloat16()
+    ids, wts = random_routing(n, e, k, "cuda", n)
+    p = dict(x=randn(n, d), topk_ids=ids, topk_weights=wts, w13=randn(e, 2 * i, d, scale=d ** -0.5),
+             w2=randn(e, d, i, scale=i ** -0.5), shared_w2=randn(d, i, scale=i ** -0.5),
+             shared_w13=randn(2 * i, d, scale=d ** -0.5), act="silu")
+    ref = fused_moe_reference(**{key: v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v
+                                 for key, v in p.items()})
+    for launch in moe_decode.FULL_ROWS_CANDIDATES:
+        got = moe_decode.fused_moe_triton(**p, use_pdl=True, shared_l2_prefetch=True, down_l2_prefetch=True,
+                                          up_launch=launch)
+        assert got.shape == (n, d) and _rel(got, ref) < 1e-2, (launch, _rel(got, ref))
