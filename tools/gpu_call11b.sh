@@ -33,9 +33,11 @@ mv $OUT/l48/ladder_* $OUT/ 2>/dev/null; rm -rf $OUT/l48
 grep -E "^\| (arm|r04|r15|v-)|^- (batch|routing|tolerance)" $OUT/ladder_kimi*.md | cut -c1-200
 timeout 60 python3 tools/bench_mla_prefill11.py > $OUT/mla_prefill.txt 2>&1; say "mla prefill: exit $?"
 grep -v -i warn $OUT/mla_prefill.txt | tail -6
-if [ "${MINI:-0}" = 1 ]; then
-  timeout $(( ${T6:-120} + 30 )) k3compile bench ladder --model k3-mini-6b --dtype bf16 --batch 1 --context 512 \
-    --device cuda --quick --compile --compile-budget ${C6:-60} --time-budget ${T6:-120} --out $OUT/l6 \
+LEFT=$(( ${CALL_LIMIT:-575} - (SECONDS - T0) - 35 )); T6=${T6:-170}; [ $LEFT -lt $T6 ] && T6=$LEFT
+if [ "${MINI:-0}" = 1 ] && [ $T6 -gt 90 ]; then
+  say "k3-mini ladder with --time-budget $T6"
+  timeout $(( $T6 + 30 )) k3compile bench ladder --model k3-mini-6b --dtype bf16 --batch 1 --context 512 \
+    --device cuda --quick --compile --compile-budget ${C6:-60} --time-budget $T6 --out $OUT/l6 \
     > $OUT/ladder6.log 2>&1; say "ladder k3-mini: exit $?"
   mv $OUT/l6/ladder_* $OUT/ 2>/dev/null; rm -rf $OUT/l6
   grep -E "^\| (arm|eager|compile|r04|r15)|^- (batch|routing)|torch.compile" $OUT/ladder_k3-mini*.md | cut -c1-200
