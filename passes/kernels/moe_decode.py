@@ -820,11 +820,14 @@ LATENT_SPLIT_CANDIDATES: tuple[SplitConfig, ...] = (
 
 # Kernel A's "rows" launch (and kernel B's, design "rows") per shape: (BLOCK_N, BLOCK_K, num_warps), keyed like
 # rows_config's call: (kernel "up" / "down", programs per row block (A: tokens x top_k), rows (A: I; B: Do), K (A: D;
-# B: I)); a key not listed takes the rule. Nothing measured yet, so empty (the 48B layer keeps its rule).
+# B: I)); a key not listed takes the rule.
 # k3-mini-6b (session 10, tools/bench_moe10mini.py, traces/h200_s10/call4/mini10.md, MoE op us with PDL, today ->
 # with the batch's entries here, in SPLIT_TUNED and in LATENT_TUNED): batch 2 29.25 -> 26.36, 4 47.15 -> 41.45,
 # 8 64.1 -> 60.91; batch 1's best (19.84 -> 19.57) is within noise: not adopted
+# Kimi-Linear-48B batch 1 (session 11, tools/bench_moe11.py, traces/h200_s11/call2/moe11.md, op us with PDL): the
+# rule's (16, 256, 4) -> 8 warps, 41.76 -> 36.75 us (kernel A alone; flag_deps added nothing on top: 36.91)
 ROWS_TUNED: dict[tuple[str, int, int, int], tuple[int, int, int]] = {
+    ("up", 8, 1024, 2304): (16, 256, 8),
     ("up", 16, 512, 1024): (16, 512, 8),
     ("up", 32, 512, 1024): (64, 256, 8),
     ("up", 64, 512, 1024): (32, 128, 4),
