@@ -15,10 +15,11 @@ leaves the engine's weights; otherwise W as it is. At T <= max_tokens the op is 
 above it, today's pair. A node whose delta (or x at a block boundary) is a `k3.all_reduce` is left to P9 (the
 collective fusion), as is anything that deviates from the form above. Prefill graphs: 0 matches.
 
-Options (NormRouteConfig; off by default until measured on the device, tools/gpu_route11.sh): `tail`, the
-token's last program's routing (kernels.routing.ROUTE_TAILS: "rounds" today; "lean" gathers the picks' weights
+Options (NormRouteConfig): `tail`, the token's last program's routing (kernels.routing.ROUTE_TAILS: "rounds",
+the op's default; "lean" gathers the picks' weights
 from registers and zeroes the arrival counter without waiting; "bitonic" is lean with a tl.topk network instead of
-k argmax rounds), and `target_programs`, the fused kernel's grid target (norm_route.default_blocks; 0: its
+k argmax rounds, the pass's default: the whole 48B step 1.9% faster at batch 1, 0.6% at batch 8,
+traces/h200_s11/call3), and `target_programs`, the fused kernel's grid target (norm_route.default_blocks; 0: its
 TARGET_PROGRAMS). Neither changes the results.
 
 Counts: one per MoE layer of a bf16 / fp16 decode graph with P4's absorbed router (P7 makes one
@@ -86,8 +87,10 @@ def _router_weight(gm: GraphModule, weight: Node, dtype: torch.dtype, anchor: No
 
 @dataclass
 class NormRouteConfig(PassConfig):
-    # the token's last-arriving program's routing tail, a key of kernels.routing.ROUTE_TAILS ("rounds": today's)
-    tail: str = "rounds"
+    # the token's last-arriving program's routing tail, a key of kernels.routing.ROUTE_TAILS ("rounds": the op's own
+    # default). "bitonic" since session 11: 48B step 2.206 -> 2.163 ms at batch 1, 7.133 -> 7.093 at batch 8
+    # (traces/h200_s11/call3, same run, whole engine)
+    tail: str = "bitonic"
     # the fused kernel's grid target (programs per launch, norm_route.default_blocks); 0: TARGET_PROGRAMS (128)
     target_programs: int = 0
 

@@ -825,9 +825,13 @@ LATENT_SPLIT_CANDIDATES: tuple[SplitConfig, ...] = (
 # with the batch's entries here, in SPLIT_TUNED and in LATENT_TUNED): batch 2 29.25 -> 26.36, 4 47.15 -> 41.45,
 # 8 64.1 -> 60.91; batch 1's best (19.84 -> 19.57) is within noise: not adopted
 # Kimi-Linear-48B batch 1 (session 11, tools/bench_moe11.py, traces/h200_s11/call2/moe11.md, op us with PDL): the
-# rule's (16, 256, 4) -> 8 warps, 41.76 -> 36.75 us (kernel A alone; flag_deps added nothing on top: 36.91)
+# rule's (16, 256, 4) -> 8 warps, 41.76 -> 36.75 us (kernel A alone; flag_deps added nothing on top: 36.91); whole
+# 48B step 2.236 -> 2.206 ms (traces/h200_s11/call3, same run)
 ROWS_TUNED: dict[tuple[str, int, int, int], tuple[int, int, int]] = {
     ("up", 8, 1024, 2304): (16, 256, 8),
+    # batch 8: (16, 256, 4) instead of the rule's (64, 128, 4): whole 48B step 7.133 -> 7.002 ms (traces/h200_s11/call3,
+    # variant v-old, same run)
+    ("up", 64, 1024, 2304): (16, 256, 4),
     ("up", 16, 512, 1024): (16, 512, 8),
     ("up", 32, 512, 1024): (64, 256, 8),
     ("up", 64, 512, 1024): (32, 128, 4),

@@ -70,8 +70,8 @@ def test_one_fused_node_per_moe_layer_in_bf16_decode(name):
     assert run_pass(gm, P) == 0 and gm.code == code
 
 
-@pytest.mark.parametrize("options, trailing", [({}, ()), ({"tail": "bitonic"}, ("bitonic",)),
-                                              ({"target_programs": 64}, ("rounds", 64)),
+@pytest.mark.parametrize("options, trailing", [({"tail": "rounds"}, ()), ({}, ("bitonic",)),
+                                              ({"target_programs": 64}, ("bitonic", 64)),
                                               ({"tail": "lean", "target_programs": 32}, ("lean", 32))])
 def test_launch_options_ride_on_the_node_only_when_set(options, trailing):
     name = MODELS[0]
@@ -80,7 +80,7 @@ def test_launch_options_ride_on_the_node_only_when_set(options, trailing):
     assert run_pass(gm, P, **options) == moe
     nodes = [n for n in gm.graph.nodes if n.target == FUSED]
     assert len(nodes) == moe
-    assert all(tuple(n.args[16:]) == trailing for n in nodes)  # default: the 16 arguments of engines before them
+    assert all(tuple(n.args[16:]) == trailing for n in nodes)  # rounds: the 16 arguments of engines before them
 
 
 @pytest.mark.parametrize("options, message", [({"tail": "sorted"}, "tail must be one of rounds, lean, bitonic"),

@@ -83,8 +83,7 @@ def test_table_entries_are_the_launches_the_op_makes(monkeypatch):
 
 def test_k3_mini_launches_from_the_tables_and_bad_entries_raise(monkeypatch):
     """k3-mini-6b batch 1 keeps the rules' launches (its sweep winner was within noise), batch 8 takes the session-10
-    table entries; the 48B layer's kernel A takes session 11's entry at batch 1 only (8 warps) and the rule at batch
-    8. A bad entry is refused with a message naming the field."""
+    table entries; the 48B layer's kernel A takes session 11's entries at batch 1 (8 warps) and 8 (16 x 256 tiles). A bad entry is refused with a message naming the field."""
     if moe_decode.triton is None:
         pytest.skip("needs triton")
     assert moe_decode.rows_config(8, 512, 8, "up", 1024) == (8, 256, 4)
@@ -93,7 +92,9 @@ def test_k3_mini_launches_from_the_tables_and_bad_entries_raise(monkeypatch):
     assert moe_decode.latent_config(1, 2048, 1024, 1024) == LatentConfig(4, 1024, 1024, 4)
     assert moe_decode.latent_config(8, 2048, 1024, 1024) == LatentConfig(32, 256, 256, 4)
     assert moe_decode.rows_config(8, 1024, 8, "up", 2304) == (16, 256, 8)
-    assert [key for key in moe_decode.ROWS_TUNED if key[3] == 2304] == [("up", 8, 1024, 2304)]
+    assert moe_decode.rows_config(64, 1024, 64, "up", 2304) == (16, 256, 4)
+    assert sorted(key for key in moe_decode.ROWS_TUNED if key[3] == 2304) == [("up", 8, 1024, 2304),
+                                                                              ("up", 64, 1024, 2304)]
     assert moe_decode.latent_config(1, 2048, 1024, 1024, block_n=16) == LatentConfig(16, 512, 512, 4)
     monkeypatch.setitem(moe_decode.LATENT_TUNED, (1, 2048, 1024, 1024), LatentConfig(8, 100, 64, 4))
     with pytest.raises(ValueError, match="latent block_k must be a power of two"):
