@@ -19,8 +19,8 @@ into the layer's input GEMM):
 
 and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
 act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps, use_pdl, shared_w13[, down_split[,
-shared_l2_prefetch[, down_l2_prefetch[, up_launch[, flag_deps]]]]])`: the trailing options only up to the last one set (a node of an engine
-built before them has the same arguments as then).
+shared_l2_prefetch[, down_l2_prefetch[, up_launch]]]])`: the trailing options only up to the last one set (a node of an
+engine built before them has the same arguments as then; the op's further flag_deps is never set by the pass).
 
 Shared gate/up into kernel A (`fuse_shared_up`): when the GLU's g and up are column blocks of constant-weight
 GEMMs on z itself (P1's merged mm(z, t(W)) + split, or two plain mms), read by nothing but the GLU, and the
@@ -80,9 +80,9 @@ class FusedMoEDecodeConfig(PassConfig):
     # kernel A's launch at every GEMV batch, "BLOCK_N x BLOCK_K x num_warps" (e.g. "32x256x4"), either design, instead
     # of kernels.moe_decode.ROWS_TUNED / the rules (A/B arms for tools/bench_moe11.py's winners); None: the tables
     up_launch: str | None = None
-    # fine-grained A -> B' dependencies (moe_decode.fused_moe_triton's flag_deps): B' starts right after A's wait and
-    # each program waits for its own K chunk of h (counters) instead of all of A; off until measured whole-engine
-    flag_deps: bool = False
+    # (the op's flag_deps, fine-grained A -> B' counters, is not a pass option: at one MoE layer it gained nothing
+    # (36.91 vs 36.75 us) and a whole 48B engine with it and the 8-warp kernel A never came back from its set-up,
+    # traces/h200_s11/call2; the op keeps it for tools/bench_moe11.py only)
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
 
@@ -296,11 +296,11 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
 
 
 def _launch_options(config: FusedMoEDecodeConfig) -> tuple:
-    """The op's trailing launch options (down_split, shared_l2_prefetch, down_l2_prefetch, up_launch, flag_deps), cut
+    """The op's trailing launch options (down_split, shared_l2_prefetch, down_l2_prefetch, up_launch), cut
     after the last one that differs from the op's default: unset, a node keeps the arguments it had before the options
     existed."""
     options = [config.down_split_values(), bool(config.shared_l2_prefetch), bool(config.down_l2_prefetch),
-               config.up_launch_values(), bool(config.flag_deps)]
+               config.up_launch_values()]
     while options and options[-1] in (None, False):
         options.pop()
     return tuple(options)
