@@ -7,17 +7,22 @@ The model (every relaxation below gives the policy more freedom, so the bounds s
 * A hit of depth L (page-aligned, KDA state + KV) for prompt i needs the KDA state at exactly
   depth L of i's prompt and the KV of every page above it. Nothing can recreate the state or a KV
   page except a request whose sequence passes through that prefix. Let `use_i` be the engine step
-  from which prompt i could be looked up (its submission) and, for a prefix x, `created_i(x)` the
-  latest step <= use_i at which some request submitted before i can have computed x: a request j
-  computes its whole prompt + output (but the last token) between its submission and its finish
-  step f_j, so created_i(x) = min(max f_j over those j whose sequence starts with x, use_i). A state
-  or page dropped after that step cannot be had again before use_i, so it is held over
+  from which prompt i could be looked up (its submission; admission is first-come first-served, so
+  no request submitted after i computes anything before i's lookup) and, for a prefix x, `created_i(x)`
+  the latest step <= use_i at which a request submitted before i can have made x:
+  - KV: a request j keeps the KV of its whole sequence in its pages until its finish step f_j, so
+    created_i(x) = min(max f_j over the j whose sequence starts with x, use_i);
+  - state: a KDA state is overwritten every token, so it exists only in the step that computes it:
+    a prompt position by the step of j's first token, the state after output token k - 1 in the step
+    that sampled token k, and, after a hole in j's token steps (a retraction re-prefills), anything
+    before the next token by that token's step (`compute_steps`; the latest such step, capped at use_i).
+  A state or page dropped after that step cannot be had again before use_i, so it is held over
   [created_i(x), use_i) at least (on the oracle's clock: stored in step s, used in step h -> h - s
-  samples of the mean). Running requests computing x "for free" at use_i, any state depth on the
-  page grid, a prefill finishing the moment it starts: all optimistic.
+  samples of the mean). Running requests making x at use_i "for free", any state depth on the
+  page grid: optimistic.
 * Two hits at the same prefix x by prompts i1 before i2 never share a holding interval: i1 itself
-  passes through x, so created_i2(x) >= use_i1. So the intervals of different (prompt, prefix) pairs
-  are charged independently, and a deeper prefix is never cheaper (fewer requests pass through it).
+  passes through x (by its first token step >= use_i1), so created_i2(x) >= use_i1. So the intervals
+  of different (prompt, prefix) pairs are charged independently.
 
 (a) `min_state_curve`: the least mean checkpoint bytes for a target of hit tokens is the
 multiple-choice knapsack "pick one depth per prompt, gain = depth, cost = state-holding steps" with
@@ -51,20 +56,37 @@ INF = float("inf")
 
 @dataclass
 class PromptOptions:
-    """One prompt's possible hits: depth k pages (k = 1..len(created)) needs its state and the KV of
-    pages 1..k held from created[k-1] (and page d from created[d-1]) to `use`."""
+    """One prompt's possible hits: depth k pages (k = 1..len(created)) needs its state held from
+    created_state[k-1] and the KV of page d (d = 1..k) from created[d-1], to `use`."""
     use: int
     tokens: int
-    created: list[int]  # non-increasing in k
+    created: list[int]  # KV: non-increasing in k
+    created_state: list[int]  # state: not monotone (a request computes deeper positions later)
+
+
+def compute_steps(prompt_len: int, steps: list[int]):
+    """For one request with output tokens produced in `steps`: the latest step at which the state
+    after its first d tokens can have been computed, as a function of d. Prompt positions are
+    computed by the step of its first token; the state after d > prompt_len tokens in the step that
+    sampled output d - prompt_len. A gap in the steps may be a retraction, after which everything
+    before is recomputed by the next token's step: so never earlier than the last token after a gap."""
+    last_gap = max((k for k in range(1, len(steps)) if steps[k] - steps[k - 1] > 1), default=0)
+    return lambda d: steps[min(len(steps) - 1, max(d - prompt_len, last_gap, 0))]
 
 
 def _leader(rid: str) -> str:
     return rid.split("#")[0]  # cache_replay.fork_ids: sample i of `tid` is `tid#i`
 
 
-def hit_options(events: list[tuple], event_steps: list[int], page_size: int) -> tuple[list[PromptOptions], int]:
-    """Per submitted prompt (cache_replay.replay's events, in order, with their steps): the depths it
-    could hit and from when each prefix must have been held. Returns (options, prompt tokens)."""
+def hit_options(events: list[tuple], event_steps: list[int], page_size: int,
+                token_steps: dict[str, list[int]]) -> tuple[list[PromptOptions], int]:
+    """Per submitted prompt (cache_replay.replay's events, in order, with their steps, and the steps
+    that gave each request a token): the depths it could hit and from when each prefix's KV and state
+    must have been held. Returns (options, prompt tokens).
+
+    KV of a prefix stays in a running request's pages until it finishes, so a request makes it
+    available up to its finish step; a KDA state exists only at the step that computes it
+    (`compute_steps`), so a request makes the state after d tokens available at that step only."""
     if len(events) != len(event_steps):
         raise ValueError("one step per event")
     finish: dict[str, tuple[list[int], int]] = {}
@@ -75,27 +97,32 @@ def hit_options(events: list[tuple], event_steps: list[int], page_size: int) -> 
     for rid in finish:
         samples.setdefault(_leader(rid), []).append(rid)
     p = page_size
-    root: list = [-1, {}]  # node: [latest finish step of a request through it, children by page]
+    # node: [latest finish of a request through it (KV), latest step computing its state, children by page]
+    root: list = [-1, -1, {}]
     out, total = [], 0
     for (kind, tid, prompt), use in zip(events, event_steps):
         if kind != "submit":
             continue
         q = prompt[:-1]  # the engine matches prompt[:-1]: one token is always computed
-        node, created = root, []
+        node, created, created_state = root, [], []
         for i in range(0, len(q) - len(q) % p, p):
-            node = node[1].get(tuple(q[i:i + p]))
+            node = node[2].get(tuple(q[i:i + p]))
             if node is None:
                 break
             created.append(min(node[0], use))
-        out.append(PromptOptions(use=use, tokens=len(prompt), created=created))
+            created_state.append(min(node[1], use))
+        out.append(PromptOptions(use=use, tokens=len(prompt), created=created, created_state=created_state))
         total += len(prompt)
         for rid in samples.get(tid, [tid]):  # each sample's whole sequence, computed until it finished
             seq, f = finish.get(rid, (prompt + [0], INF))
+            ts = token_steps.get(rid)
+            at = compute_steps(len(prompt), ts) if ts else (lambda d: f)
             s = seq[:-1]  # the last sampled token is never fed back
             node = root
             for i in range(0, len(s) - len(s) % p, p):
-                node = node[1].setdefault(tuple(s[i:i + p]), [-1, {}])
+                node = node[2].setdefault(tuple(s[i:i + p]), [-1, -1, {}])
                 node[0] = max(node[0], f)
+                node[1] = max(node[1], at(i + p))
     return out, total
 
 
@@ -166,11 +193,8 @@ def min_state_curve(options: list[PromptOptions], page_size: int) -> StateCurve:
     """(a): the LP relaxation's least total state-holding steps per target of hit tokens (module doc)."""
     segments = []  # (cost per token, gain, cost)
     for o in options:
-        pts = [(0.0, 0.0)] + [((k + 1) * page_size, float(o.use - c)) for k, c in enumerate(o.created)]
-        best: dict[float, float] = {}
-        for g, c in pts:  # per cost level only the deepest option matters; monotone anyway
-            best[g] = min(c, best.get(g, INF))
-        hull = _lower_hull(sorted(best.items()))
+        pts = [(0.0, 0.0)] + [((k + 1) * page_size, float(o.use - c)) for k, c in enumerate(o.created_state)]
+        hull = _lower_hull(pts)
         for (g0, c0), (g1, c1) in zip(hull, hull[1:]):
             segments.append(((c1 - c0) / (g1 - g0), g1 - g0, c1 - c0))
     segments.sort(key=lambda s: s[0])
@@ -216,6 +240,8 @@ class _Pairs:
         self.use = np.repeat(np.array([o.use for o in keep], dtype=np.int64), lens)
         # held during steps created+1 .. use-1 for sure (made in step `created`, restored at the start of `use`)
         self.created = np.minimum(np.array([c for o in keep for c in o.created], dtype=np.int64) + shrink, self.use)
+        self.created_state = np.minimum(np.array([c for o in keep for c in o.created_state], dtype=np.int64) + shrink,
+                                        self.use)
         self.gain = (np.concatenate([np.arange(1, k + 1) for k in lens]) * page_size).astype(np.float64) \
             if self.n else np.zeros(0)
 
@@ -232,9 +258,9 @@ def _lagrangian(pairs: _Pairs, resources: list[Resource], prices: list[np.ndarra
     dual = 0.0
     for r, lam, cap in zip(resources, prices, caps):
         pref = np.concatenate([[0.0], np.cumsum(lam)])
-        span = pref[pairs.use] - pref[pairs.created]  # price of holding one unit over [created, use)
-        kv += r.kv_weight * span
-        st += r.state_weight * span
+        # price of holding one unit over [created, use)
+        kv += r.kv_weight * (pref[pairs.use] - pref[pairs.created])
+        st += r.state_weight * (pref[pairs.use] - pref[pairs.created_state])
         dual += float(lam @ cap)
     val = pairs.gain - pairs.seg_cumsum(kv) - st
     if pairs.n == 0:
@@ -257,9 +283,10 @@ def _usage(pairs: _Pairs, depth: np.ndarray, steps: int, resource: Resource) -> 
                                                                                 len(pairs.created)))) + 1
     d = depth[pairs.prompt]
     diff = np.zeros(steps + 1)
-    for sel, w in ((k_in <= d, resource.kv_weight), (k_in == d, resource.state_weight)):
+    for sel, w, made in ((k_in <= d, resource.kv_weight, pairs.created),
+                         (k_in == d, resource.state_weight, pairs.created_state)):
         if w:
-            np.add.at(diff, np.minimum(pairs.created[sel], steps), w)
+            np.add.at(diff, np.minimum(made[sel], steps), w)
             np.add.at(diff, np.minimum(pairs.use[sel], steps), -w)
     return np.cumsum(diff)[:steps]
 

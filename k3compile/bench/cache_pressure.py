@@ -31,8 +31,13 @@ stored x slot bytes), the oracle's bytes (the least an all-knowing policy holds 
 hits: cache_replay.oracle_held, same clock as the mean held), mean / p90 TTFT, how many exact repeats and shared-stem roots hit,
 retractions, whether greedy outputs equal the no-cache run's, and the hit rate of a KV-only
 radix cache with LRU at the engine's page count (cache_replay.kv_only_lru: the equal-memory
-reference the unlimited bound is not). Results: OUT/cache_pressure.json and .md; issue 15's goals
-are evaluated for every budget of the agent and both tree-of-thought traces (`goals`).
+reference the unlimited bound is not). Feasibility bounds on the row's own replay (bench/cache_bounds.py;
+its request order and step clock): the least mean checkpoint bytes ANY policy with foresight needs for
+90% of the KV-only bound (`least 90% vs ec`; LP lower bound) and the most hit tokens any policy gets
+within the budget's pages and slots next to the replay's running requests (`hit UB at budget`;
+Lagrangian upper bound). Results: OUT/cache_pressure.json and .md; issue 15's goals
+are evaluated for every budget of the agent and both tree-of-thought traces (`goals`), each bytes and
+hit goal as met / open / infeasible (ruled out for every policy by its bound).
 """
 from __future__ import annotations
 

@@ -284,7 +284,7 @@ def feasibility_bounds(engine, r: dict, page_size: int, hit_tokens: int, bound_h
 
     m, spec = engine.metrics(), engine.memory.spec
     steps = max(1, len(r["checkpoint_bytes"]))
-    options, _ = hit_options(r["events"], r["event_steps"], page_size)
+    options, _ = hit_options(r["events"], r["event_steps"], page_size, r["token_steps"])
     curve = min_state_curve(options, page_size)
     resources = (unified_resources(engine.args.memory_bytes, spec.page_bytes(page_size), spec.slot_bytes)
                  if m["unified_memory"] else split_resources(m["pages_total"], m["slots_total"]))
