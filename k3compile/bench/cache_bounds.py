@@ -355,7 +355,10 @@ def hit_upper_bound(options: list[PromptOptions], page_size: int, steps: int, re
         ub, _ = _lagrangian(pairs, resources, trial, caps)
         if ub < best_ub:
             best_ub, prices = ub, trial
-    step0 = max(float(np.max(np.concatenate(prices))), 1e-6)
+    # step scale: the price at which holding a typical page for its typical span costs what it gains
+    spans = (pairs.use - pairs.created)[pairs.use > pairs.created]
+    natural = page_size / float(np.median(spans)) if len(spans) else 1.0
+    step0 = max(float(np.max(np.concatenate(prices))), natural)
     for it in range(iterations):
         ub, depth = _lagrangian(pairs, resources, prices, caps)
         best_ub = min(best_ub, ub)

@@ -217,7 +217,6 @@ def merge_rerun(previous: list[str], rerun: list[str], out: str, old_tag: "str |
     old_docs, new_docs = load(previous), load(rerun)
     key = lambda r: (r["trace"], r["seed"], r["budget_bytes"], r["policy"])  # noqa: E731
     fresh = {key(r): dict(r, source=p) for p, d in new_docs for r in d["rows"]}
-    rerun_policies = {k[3] for k in fresh}
     groups = {k[:3] for k in fresh}
     rows, taken = [], set()
     for p, d in old_docs:
@@ -225,7 +224,7 @@ def merge_rerun(previous: list[str], rerun: list[str], out: str, old_tag: "str |
             if key(r)[:3] not in groups or key(r) in taken:  # the first earlier report holding a row wins
                 continue
             taken.add(key(r))
-            if r["policy"] in rerun_policies:
+            if key(r) in fresh:  # re-run in this (trace, seed, budget): the earlier row stays, renamed
                 tag = old_tag[p] if isinstance(old_tag, dict) else old_tag
                 rows.append(dict(r, policy=f"{r['policy']}@{tag}", source=p))
             else:
@@ -305,8 +304,9 @@ def goals(rows: list[dict], policy: str = "valued") -> list[dict]:
 def _feasibility(new: dict, end: dict | None, dense: dict | None) -> dict:
     """Issue 15's bound and bytes goals against what ANY policy can do on `new`'s replay (bench/cache_bounds.py):
     the goal's hit target is the larger of 90% of the KV-only bound and `end` + 10 points of it.
-    `least_bytes_vs_every_chunk`: the least mean checkpoint bytes for that target (LP lower bound, on
-    `new`'s request order and step clock) over every_chunk's mean held; `hit_ub_of_bound`: the most
+    `least_bytes_vs_every_chunk`: the least mean checkpoint bytes for that target (for 90% of the bound
+    where the target is past what any policy can hit; LP lower bound, on `new`'s request order and step
+    clock) over every_chunk's mean held; `hit_ub_of_bound`: the most
     hit tokens any policy gets within the budget (Lagrangian upper bound), over the KV-only bound's.
     A goal is `infeasible` when its bound rules it out for every policy, `met` when `valued` meets it."""
     from .cache_bounds import tangent_bound
@@ -317,7 +317,9 @@ def _feasibility(new: dict, end: dict | None, dense: dict | None) -> dict:
     target = GOAL_OF_BOUND * bound_tokens
     if end is not None:
         target = max(target, (end["hit_rate"] + GOAL_ABOVE_END * new["kv_only_bound"]) * new["prompt_tokens"])
-    least = tangent_bound(new["min_bytes_curve"], target) * new["slot_bytes"] / max(1, new["engine_steps"])
+    # the bytes goal on its own: for the hit target, or for 90% of the bound where the target is past any policy
+    bytes_target = target if target <= new["hit_ceiling_tokens"] else GOAL_OF_BOUND * bound_tokens
+    least = tangent_bound(new["min_bytes_curve"], bytes_target) * new["slot_bytes"] / max(1, new["engine_steps"])
     dense_mean = dense.get("checkpoint_bytes_mean") if dense else None
     least_vs = least / dense_mean if dense_mean else None
     ub_of_bound = new["hit_ub_tokens"] / bound_tokens if bound_tokens else None
