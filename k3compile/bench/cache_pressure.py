@@ -344,6 +344,11 @@ def _kib(x) -> str:
     return "-" if x is None else f"{x / 1024:.0f} KiB"
 
 
+def _ub_of_bound(r: dict):
+    bound_tokens = r["kv_only_bound"] * r["prompt_tokens"]
+    return r["hit_ub_tokens"] / bound_tokens if r.get("hit_ub_tokens") is not None and bound_tokens else None
+
+
 def render_markdown(doc: dict) -> str:
     a = doc["args"]
     lines = ["# bench cache-pressure", "",
@@ -382,7 +387,7 @@ def render_markdown(doc: dict) -> str:
             f"{r['repeats_hit']}/{r['repeats']} | {r['stems_hit']}/{r['stems']} | {r['retractions']} | "
             f"{'yes' if r['outputs_match'] else ('-' if r['outputs_match'] is None else '**NO**')} | "
             f"{_pct(r.get('least_90_vs_every_chunk'))} | "
-            f"{_pct(r['hit_ub_tokens'] / (r['kv_only_bound'] * r['prompt_tokens'])) if r.get('hit_ub_tokens') is not None and r['kv_only_bound'] else '-'} |")
+            f"{_pct(_ub_of_bound(r))} |")
     lines += ["", f"Goals per budget (`valued` >= {GOAL_OF_BOUND:.0%} of the bound, >= "
                   f"{GOAL_ABOVE_END * 100:.0f} points of the bound above `end`, <= {GOAL_BYTES_VS_DENSE:.0%} of "
                   f"every_chunk's mean checkpoint bytes held, every repeat and shared stem hits; written bytes, "
