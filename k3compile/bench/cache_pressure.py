@@ -345,8 +345,9 @@ def _kib(x) -> str:
 
 
 def _ub_of_bound(r: dict):
-    bound_tokens = r["kv_only_bound"] * r["prompt_tokens"]
-    return r["hit_ub_tokens"] / bound_tokens if r.get("hit_ub_tokens") is not None and bound_tokens else None
+    if r.get("hit_ub_tokens") is None or not r["kv_only_bound"]:
+        return None
+    return r["hit_ub_tokens"] / (r["kv_only_bound"] * r["prompt_tokens"])
 
 
 def render_markdown(doc: dict) -> str:
