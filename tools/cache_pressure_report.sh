@@ -14,7 +14,8 @@
 #   re-run on seeds 1-3, merged with the unchanged policies' rows), s10 / s10_psl_off (session 10's `valued`
 #   likewise, all three traces; without protect_shared_leaves), s10_unified / s10_unified_16 (the three traces on the
 #   unified arena at their tight budget / 16 MiB), s10_unified_psl_off (`valued` without protect_shared_leaves
-#   there), e.g. PHASES="k3 unified"
+#   there), s11 (session 11: the feasibility-bound columns, seeds 1-3, merged over s10_report), s11_short (`valued`
+#   with short-lived checkpoints, a variant, not the default), e.g. PHASES="k3 unified"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-traces/cache_pressure}
@@ -135,6 +136,45 @@ if [[ " $PHASES " == *" s10_unified_psl_off "* ]]; then
   for phase in s10_unified s10_unified_16; do
     $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/${phase}_agent', '$OUT/${phase}_tot', '$OUT/${phase}_tot_fork'], ['$OUT/${phase}_psl_off_agent', '$OUT/${phase}_psl_off_tot', '$OUT/${phase}_psl_off_tot_fork'], '$OUT/${phase}_psl_off', 'psl'))"
   done
+fi
+if [[ " $PHASES " == *" s11 "* ]]; then
+  # session 11: the feasibility bounds (bench/cache_bounds.py: least bytes any policy needs for the goal's hits,
+  # most hits any policy gets at the budget; columns of every row) on seeds 1-3, split pools. `valued` is re-run
+  # everywhere (its bounds are the goal cells'); on agent and tot_fork `end` and `every_chunk` too (cheap: the
+  # budget bound on three policies' schedules); tot's end / every_chunk rows come from s10_report/ (unchanged
+  # code). One process per trace (tot: per budget), merged over s10_report/ (re-run policies' old rows: @s10).
+  pids=()
+  for trace in agent tot_fork; do
+    $BENCH --traces $trace --seeds 1,2,3 --budgets-kib 65536,16384,8192 --policies "end;every_chunk;valued" \
+        --out "$OUT/s11_report_$trace" > "$OUT/s11_report_$trace.log" 2>&1 &
+    pids+=($!)
+  done
+  for kib in 4096 16384 65536; do
+    $BENCH --traces tot --seeds 1,2,3 --budgets-kib $kib --policies "valued" --out "$OUT/s11_report_tot_$kib" \
+        > "$OUT/s11_report_tot_$kib.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/s10_report'], ['$OUT/s11_report_agent', '$OUT/s11_report_tot_65536', '$OUT/s11_report_tot_16384', '$OUT/s11_report_tot_4096', '$OUT/s11_report_tot_fork'], '$OUT/s11_report', 's10'))"
+fi
+if [[ " $PHASES " == *" s11_short "* ]]; then
+  # session 11: `valued` with short-lived checkpoints (stale 15, ttl 8, max_age 8; chosen on seed 0's tot at 64 MiB only,
+  # s11_tune_seed0*/), agent and tot_fork with seed 0 as the tuning check, tot on seeds 1-3; one process per trace
+  # (tot: per budget), merged over s11_report/ (its end / every_chunk / valued rows for the ratios and goals)
+  SPEC="valued:stale=15,ttl=8,max_age=8"
+  pids=()
+  for trace in agent tot_fork; do
+    $BENCH --traces $trace --seeds 0,1,2,3 --budgets-kib 65536,16384,8192 --policies "$SPEC" \
+        --out "$OUT/s11_short_$trace" > "$OUT/s11_short_$trace.log" 2>&1 &
+    pids+=($!)
+  done
+  for kib in 65536 16384 4096; do
+    $BENCH --traces tot --seeds 1,2,3 --budgets-kib $kib --policies "$SPEC" --out "$OUT/s11_short_tot_$kib" \
+        > "$OUT/s11_short_tot_$kib.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/s11_report'], ['$OUT/s11_short_agent', '$OUT/s11_short_tot_65536', '$OUT/s11_short_tot_16384', '$OUT/s11_short_tot_4096', '$OUT/s11_short_tot_fork'], '$OUT/s11_short', 'x'))"
 fi
 if [[ " $PHASES " == *" k3 "* ]]; then
   $BENCH --byte-ratio k3 --seeds 1 --budgets-kib 65536,16384 --out "$OUT/byte_ratio_k3"

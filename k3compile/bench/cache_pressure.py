@@ -31,8 +31,13 @@ stored x slot bytes), the oracle's bytes (the least an all-knowing policy holds 
 hits: cache_replay.oracle_held, same clock as the mean held), mean / p90 TTFT, how many exact repeats and shared-stem roots hit,
 retractions, whether greedy outputs equal the no-cache run's, and the hit rate of a KV-only
 radix cache with LRU at the engine's page count (cache_replay.kv_only_lru: the equal-memory
-reference the unlimited bound is not). Results: OUT/cache_pressure.json and .md; issue 15's goals
-are evaluated for every budget of the agent and both tree-of-thought traces (`goals`).
+reference the unlimited bound is not). Feasibility bounds on the row's own replay (bench/cache_bounds.py;
+its request order and step clock): the least mean checkpoint bytes ANY policy with foresight needs for
+90% of the KV-only bound (`least 90% vs ec`; LP lower bound) and the most hit tokens any policy gets
+within the budget's pages and slots next to the replay's running requests (`hit UB at budget`;
+Lagrangian upper bound). Results: OUT/cache_pressure.json and .md; issue 15's goals
+are evaluated for every budget of the agent and both tree-of-thought traces (`goals`), each bytes and
+hit goal as met / open / infeasible (ruled out for every policy by its bound).
 """
 from __future__ import annotations
 
@@ -212,7 +217,6 @@ def merge_rerun(previous: list[str], rerun: list[str], out: str, old_tag: "str |
     old_docs, new_docs = load(previous), load(rerun)
     key = lambda r: (r["trace"], r["seed"], r["budget_bytes"], r["policy"])  # noqa: E731
     fresh = {key(r): dict(r, source=p) for p, d in new_docs for r in d["rows"]}
-    rerun_policies = {k[3] for k in fresh}
     groups = {k[:3] for k in fresh}
     rows, taken = [], set()
     for p, d in old_docs:
@@ -220,7 +224,7 @@ def merge_rerun(previous: list[str], rerun: list[str], out: str, old_tag: "str |
             if key(r)[:3] not in groups or key(r) in taken:  # the first earlier report holding a row wins
                 continue
             taken.add(key(r))
-            if r["policy"] in rerun_policies:
+            if key(r) in fresh:  # re-run in this (trace, seed, budget): the earlier row stays, renamed
                 tag = old_tag[p] if isinstance(old_tag, dict) else old_tag
                 rows.append(dict(r, policy=f"{r['policy']}@{tag}", source=p))
             else:
@@ -244,6 +248,10 @@ def _set_ratios(row: dict, r: dict, none: dict | None, dense: dict | None) -> No
     for key, col in (("bytes_vs_every_chunk", "checkpoint_bytes_mean"), ("peak_vs_every_chunk", "checkpoint_bytes_peak"),
                      ("written_vs_every_chunk", "checkpoint_bytes_written")):
         row[key] = r[col] / dense[col] if dense and dense.get(col) else None
+    # the least any policy holds for 90% of the KV-only bound (cache_bounds), against every_chunk's mean held
+    row["least_90_vs_every_chunk"] = (r["min_bytes_90"] / dense["checkpoint_bytes_mean"]
+                                      if r.get("min_bytes_90") is not None and dense
+                                      and dense.get("checkpoint_bytes_mean") else None)
     # the least this row's hits could have held (cache_replay.oracle_held), against every_chunk's mean held
     row["oracle_vs_every_chunk"] = (r["oracle_bytes_mean"] / dense["checkpoint_bytes_mean"]
                                     if r.get("oracle_bytes_mean") is not None and dense
@@ -284,6 +292,7 @@ def goals(rows: list[dict], policy: str = "valued") -> list[dict]:
                  "of_kv_lru_equal_pages": (new["hit_rate"] / new["kv_only_lru_equal_pages"]
                                            if new.get("kv_only_lru_equal_pages") else None),
                  "repeats_hit": f"{new['repeats_hit']}/{new['repeats']}", "stems_hit": f"{new['stems_hit']}/{new['stems']}"}
+            g.update(_feasibility(new, end, at.get("every_chunk")))
             g["met"] = bool(g["fraction_of_bound"] >= GOAL_OF_BOUND and g["points_above_end"] is not None
                             and g["points_above_end"] >= GOAL_ABOVE_END and g["bytes_vs_every_chunk"] is not None
                             and g["bytes_vs_every_chunk"] <= GOAL_BYTES_VS_DENSE
@@ -292,12 +301,53 @@ def goals(rows: list[dict], policy: str = "valued") -> list[dict]:
     return out
 
 
+def _feasibility(new: dict, end: dict | None, dense: dict | None) -> dict:
+    """Issue 15's bound and bytes goals against what ANY policy can do on `new`'s replay (bench/cache_bounds.py):
+    the goal's hit target is the larger of 90% of the KV-only bound and `end` + 10 points of it.
+    `least_bytes_vs_every_chunk`: the least mean checkpoint bytes for that target (for 90% of the bound
+    where the target is past what any policy can hit; LP lower bound, on `new`'s request order and step
+    clock) over every_chunk's mean held; `hit_ub_of_bound`: the most
+    hit tokens any policy gets within the budget (Lagrangian upper bound), over the KV-only bound's.
+    A goal is `infeasible` when its bound rules it out for every policy, `met` when `valued` meets it."""
+    from .cache_bounds import tangent_bound
+
+    if new.get("min_bytes_curve") is None:
+        return {"least_bytes_vs_every_chunk": None, "hit_ub_of_bound": None, "bytes_goal": "-", "bound_goal": "-"}
+    bound_tokens = new["kv_only_bound"] * new["prompt_tokens"]
+    target = GOAL_OF_BOUND * bound_tokens
+    if end is not None:
+        target = max(target, (end["hit_rate"] + GOAL_ABOVE_END * new["kv_only_bound"]) * new["prompt_tokens"])
+    # the bytes goal on its own: for the hit target, or for 90% of the bound where the target is past any policy
+    bytes_target = target if target <= new["hit_ceiling_tokens"] else GOAL_OF_BOUND * bound_tokens
+    least = tangent_bound(new["min_bytes_curve"], bytes_target) * new["slot_bytes"] / max(1, new["engine_steps"])
+    dense_mean = dense.get("checkpoint_bytes_mean") if dense else None
+    least_vs = least / dense_mean if dense_mean else None
+    ub_of_bound = new["hit_ub_tokens"] / bound_tokens if bound_tokens else None
+
+    def verdict(met: bool, infeasible: bool | None) -> str:
+        return "met" if met else ("infeasible" if infeasible else ("open" if infeasible is not None else "-"))
+
+    hit_target_met = new["hit_tokens"] >= target - 1e-9
+    return {"least_bytes_vs_every_chunk": least_vs, "hit_ub_of_bound": ub_of_bound, "hit_target_of_bound":
+            target / bound_tokens if bound_tokens else None,
+            "bytes_goal": verdict(new.get("bytes_vs_every_chunk") is not None
+                                  and new["bytes_vs_every_chunk"] <= GOAL_BYTES_VS_DENSE,
+                                  None if least_vs is None else least_vs > GOAL_BYTES_VS_DENSE),
+            "bound_goal": verdict(hit_target_met, new["hit_ub_tokens"] < target - 1e-9)}
+
+
 def _pct(x) -> str:
-    return "-" if x is None else format(x, ".1%")
+    return "-" if x is None else ("unreachable" if x == float("inf") else format(x, ".1%"))
 
 
 def _kib(x) -> str:
     return "-" if x is None else f"{x / 1024:.0f} KiB"
+
+
+def _ub_of_bound(r: dict):
+    if r.get("hit_ub_tokens") is None or not r["kv_only_bound"]:
+        return None
+    return r["hit_ub_tokens"] / (r["kv_only_bound"] * r["prompt_tokens"])
 
 
 def render_markdown(doc: dict) -> str:
@@ -319,8 +369,9 @@ def render_markdown(doc: dict) -> str:
              "cache_replay.oracle_held); the ratios are against every_chunk's mean held at the same budget.", "",
              "| trace | seed | budget | requests | policy | hit rate | bound | of bound | LRU-KV | prefill saved | "
              "ckpt mean | peak | written | oracle | mean vs every_chunk | peak vs ec | written vs ec | oracle vs ec | TTFT mean s | "
-             "TTFT p90 s | TTFT steps | repeats hit | stems hit | retractions | outputs match |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "TTFT p90 s | TTFT steps | repeats hit | stems hit | retractions | outputs match | least bytes for 90% vs ec | "
+             "hit UB at budget, of bound |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         lru = r.get("kv_only_lru_equal_pages")
         lines.append(
@@ -335,21 +386,26 @@ def render_markdown(doc: dict) -> str:
             f"{_pct(r.get('oracle_vs_every_chunk'))} | "
             f"{r['ttft_mean_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['ttft_mean_steps']:.1f} | "
             f"{r['repeats_hit']}/{r['repeats']} | {r['stems_hit']}/{r['stems']} | {r['retractions']} | "
-            f"{'yes' if r['outputs_match'] else ('-' if r['outputs_match'] is None else '**NO**')} |")
+            f"{'yes' if r['outputs_match'] else ('-' if r['outputs_match'] is None else '**NO**')} | "
+            f"{_pct(r.get('least_90_vs_every_chunk'))} | "
+            f"{_pct(_ub_of_bound(r))} |")
     lines += ["", f"Goals per budget (`valued` >= {GOAL_OF_BOUND:.0%} of the bound, >= "
                   f"{GOAL_ABOVE_END * 100:.0f} points of the bound above `end`, <= {GOAL_BYTES_VS_DENSE:.0%} of "
                   f"every_chunk's mean checkpoint bytes held, every repeat and shared stem hits; written bytes, "
                   f"the oracle's bytes for `valued`'s hits and the hit rate as a share of LRU-KV at equal pages for "
                   f"reference):", "",
               "| trace | seed | budget | of bound | points above end | mean bytes vs every_chunk | written vs ec | "
-              "oracle vs ec | of LRU-KV | repeats hit | stems hit | met |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "oracle vs ec | of LRU-KV | repeats hit | stems hit | met | hit target, of bound | hit UB at budget, of bound | "
+              "bound goal | least bytes for target vs ec | bytes goal |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in doc["goals"]:
         lines.append(f"| {g['trace']} | {g['seed']} | {g['budget_bytes'] >> 10} KiB | {g['fraction_of_bound']:.1%} | "
                      f"{'-' if g['points_above_end'] is None else format(g['points_above_end'] * 100, '.1f')} | "
                      f"{_pct(g['bytes_vs_every_chunk'])} | {_pct(g.get('written_vs_every_chunk'))} | "
                      f"{_pct(g.get('oracle_vs_every_chunk'))} | {_pct(g.get('of_kv_lru_equal_pages'))} | "
-                     f"{g['repeats_hit']} | {g['stems_hit']} | {'**yes**' if g['met'] else 'no'} |")
+                     f"{g['repeats_hit']} | {g['stems_hit']} | {'**yes**' if g['met'] else 'no'} | "
+                     f"{_pct(g.get('hit_target_of_bound'))} | {_pct(g.get('hit_ub_of_bound'))} | {g.get('bound_goal', '-')} | "
+                     f"{_pct(g.get('least_bytes_vs_every_chunk'))} | {g.get('bytes_goal', '-')} |")
     lines += ["", "CPU run: token counts and bytes are exact; times are simulated by the step cost model above. "
                   "Forward `cost`: the model's forward is replaced by the stand-in (bench/cache_replay.py); "
                   "everything the cache decides runs as in serving.", ""]

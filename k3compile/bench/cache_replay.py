@@ -155,6 +155,8 @@ def replay(engine, roots, step_ms: float, token_ms: float) -> dict:
         heapq.heappush(pending, (r.arrival, order, r.req, []))
         order += 1
     live, events, outputs, cached, tags, prompts = {}, [], {}, {}, {}, {}
+    event_steps = []  # per event: the engine step a submit was eligible for / a finish came out of
+    token_steps: dict[str, list[int]] = {}  # per request: the engine steps that gave it a token (it ran)
     leader_of, samples_left = {}, {}
     arrival, arrival_step, first_time, first_step = {}, {}, {}, {}
     ckpt_bytes, now, step = [], 0.0, 0
@@ -183,6 +185,7 @@ def replay(engine, roots, step_ms: float, token_ms: float) -> dict:
             samples_left[req.tid], prompts[req.tid] = 1 + len(forks), len(prompt)
             arrival[req.tid], arrival_step[req.tid], tags[req.tid] = t, step, req.tags
             events.append(("submit", req.tid, prompt))
+            event_steps.append(step)
         outs = engine.step()
         m = engine.metrics()
         work = m["prefill_tokens"] + m["generated_tokens"]
@@ -195,10 +198,13 @@ def replay(engine, roots, step_ms: float, token_ms: float) -> dict:
             if o.new_token_ids and o.rid in arrival and o.rid not in first_time:
                 first_time[o.rid], first_step[o.rid] = now, step - arrival_step[o.rid]  # steps it waited
             out.extend(o.new_token_ids)
+            if o.new_token_ids:
+                token_steps.setdefault(o.rid, []).append(step - 1)
             if o.finished:
                 del live[o.rid]
                 outputs[o.rid], cached[o.rid] = out, o.cached_tokens
                 events.append(("finish", o.rid, prompt + out))
+                event_steps.append(step - 1)
                 lead = leader_of.pop(o.rid)
                 samples_left[lead] -= 1
                 if samples_left[lead] == 0:  # the call returns: its children may go
@@ -209,7 +215,8 @@ def replay(engine, roots, step_ms: float, token_ms: float) -> dict:
     ttft = sorted(first_time[r] - arrival[r] for r in first_time)
     return {"events": events, "outputs": outputs, "cached": cached, "tags": tags, "prompts": prompts, "ttft": ttft,
             "ttft_steps": list(first_step.values()), "checkpoint_bytes": ckpt_bytes, "steps": step, "sim_seconds": now,
-            "checkpoint_lives": lives}
+            "checkpoint_lives": lives, "event_steps": event_steps,
+            "token_steps": token_steps}
 
 
 def oracle_held(lives: dict[int, list], steps: int) -> float:
@@ -252,6 +259,7 @@ def summarize_replay(engine, r: dict, page_size: int) -> dict:
         "checkpoints_hit": sum(1 for life in r["checkpoint_lives"].values() if len(life) > 1),
         "oracle_bytes_mean": oracle_held(r["checkpoint_lives"], len(r["checkpoint_bytes"])) * engine.memory.spec.slot_bytes,
         "pages_evicted": st.pages_evicted,
+        **feasibility_bounds(engine, r, page_size, hit_tokens, bound["hit_tokens"]),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else 0.0,
         "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))] if ttft else 0.0,
         "ttft_mean_steps": statistics.fmean(r["ttft_steps"]) if r["ttft_steps"] else 0.0,
@@ -260,6 +268,34 @@ def summarize_replay(engine, r: dict, page_size: int) -> dict:
         "engine_steps": r["steps"], "sim_seconds": r["sim_seconds"],
         "_outputs": r["outputs"], "_cached": r["cached"],
     }
+
+
+def feasibility_bounds(engine, r: dict, page_size: int, hit_tokens: int, bound_hit_tokens: float) -> dict:
+    """bench/cache_bounds.py on this replay's request order and step clock: the least mean
+    checkpoint bytes ANY policy needs for 90% of the KV-only bound (`min_bytes_90`; the curve's
+    points in `min_bytes_curve` give other targets, in state-holding steps), and an upper bound on
+    the hit tokens any policy reaches with this budget's pages and slots (split pools) or arena
+    bytes (unified; the whole budget, optimistic) next to this replay's running requests (the
+    prompt pages and working state of every request that got a token in a step). `bounds_consistent`: this row's own hits are
+    within both (its hit tokens under the budget bound; the least bytes for them under its oracle)."""
+    from .cache_bounds import (hit_options, hit_upper_bound, min_state_curve, running_usage, split_resources,
+                               unified_resources)
+    from .cache_pressure import GOAL_OF_BOUND
+
+    m, spec = engine.metrics(), engine.memory.spec
+    steps = max(1, len(r["checkpoint_bytes"]))
+    options, _ = hit_options(r["events"], r["event_steps"], page_size, r["token_steps"])
+    curve = min_state_curve(options, page_size)
+    resources = (unified_resources(engine.args.memory_bytes, spec.page_bytes(page_size), spec.slot_bytes)
+                 if m["unified_memory"] else split_resources(m["pages_total"], m["slots_total"]))
+    running = running_usage(r["events"], r["token_steps"], page_size, steps)
+    ub = hit_upper_bound(options, page_size, steps, resources, running=running)
+    oracle_steps = oracle_held(r["checkpoint_lives"], steps) * steps
+    return {"min_bytes_90": curve.at(GOAL_OF_BOUND * bound_hit_tokens) * spec.slot_bytes / steps,
+            "min_bytes_curve": curve.tangents(), "hit_ub_tokens": ub["hit_tokens"],
+            "hit_ceiling_tokens": ub["ceiling"],
+            "bounds_consistent": bool(hit_tokens <= ub["hit_tokens"] + 1e-6 and not ub["running_over_capacity"]
+                                      and curve.at(hit_tokens) <= oracle_steps + 1e-6)}
 
 
 class PageTrie:

@@ -412,3 +412,28 @@ def test_merge_rerun_keeps_unchanged_policies_and_relates_to_them(tmp_path):
     merge_rerun([str(tmp_path / "old")], [str(tmp_path / "new")], str(tmp_path / "out2"), {str(tmp_path / "old"): "s8"})
     doc = json.loads((tmp_path / "out2" / "cache_pressure.json").read_text())
     assert "valued@s8" in {r["policy"] for r in doc["rows"]}
+
+
+def test_merge_rerun_renames_only_where_a_policy_was_re_run(tmp_path):
+    """`end` re-run on one budget only: its earlier row there becomes `end@old`, elsewhere it stays `end`
+    (session 11 re-ran end / every_chunk on agent and tot_fork, not on tot)."""
+    import json
+
+    from k3compile.bench.cache_pressure import merge_rerun
+
+    base = dict(trace="tot", seed=1, kv_only_bound=0.8, repeats=0, repeats_hit=0, stems=0, stems_hit=0, requests=3,
+                fraction_of_bound=0.5, checkpoint_bytes_peak=10, checkpoint_bytes_written=10, ttft_mean_s=0.1,
+                ttft_p90_s=0.2, ttft_mean_steps=1.0, retractions=0, outputs_match=True, prefill_tokens_computed=1,
+                checkpoint_bytes_mean=1, hit_rate=0.5)
+    args = vars(pressure_args()) | {"func": None}
+    args.pop("func")
+    old = [dict(base, policy=p, budget_bytes=b) for p in ("end", "valued") for b in (1 << 20, 2 << 20)]
+    new = [dict(base, policy=p, budget_bytes=b) for p, b in (("valued", 1 << 20), ("valued", 2 << 20), ("end", 1 << 20))]
+    for name, rows in (("old", old), ("new", new)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cache_pressure.json").write_text(json.dumps({"rows": rows, "args": args, "goals": []}))
+    merge_rerun([str(tmp_path / "old")], [str(tmp_path / "new")], str(tmp_path / "out"), "old")
+    doc = json.loads((tmp_path / "out" / "cache_pressure.json").read_text())
+    at = lambda b: sorted(r["policy"] for r in doc["rows"] if r["budget_bytes"] == b)  # noqa: E731
+    assert at(1 << 20) == ["end", "end@old", "valued", "valued@old"]
+    assert at(2 << 20) == ["end", "valued", "valued@old"]
