@@ -191,6 +191,14 @@ def _small_model(kind: str):
     return m
 
 
+def _small_model_on_cuda(kind: str = "situ"):
+    """_small_model's weights in a bf16 CUDA copy (the GPU tests' model)."""
+    m = _small_model(kind)
+    gpu = build_model(m.config)
+    gpu.load_state_dict(m.state_dict())
+    return gpu.to("cuda", torch.bfloat16)
+
+
 @pytest.mark.parametrize("kind", ["mxfp4", "situ"])
 def test_mxfp4_experts_and_situ_shared_glu(kind):
     m = _small_model(kind)
@@ -372,10 +380,7 @@ def test_k3_mini_like_on_cuda_measures_and_fuses():
 def test_kimi_like_on_cuda_runs_the_shared_gate_up_in_kernel_a_with_pdl():
     """Full-width MoE (Kimi-Linear-like, SiTU) in bf16 on CUDA: the shared gate/up GEMM leaves the graph, the op
     runs it in kernel A (Triton path: crossover above the batch), PDL on; the step matches the unpassed graph."""
-    m = _small_model("situ")
-    gpu = build_model(m.config)
-    gpu.load_state_dict(m.state_dict())
-    gpu = gpu.to("cuda", torch.bfloat16)
+    gpu = _small_model_on_cuda()
     gm, before = _after_p1_p4(capture_step(gpu, "decode")), _after_p1_p4(capture_step(gpu, "decode"))
     mms = op_counts(gm)[aten.mm.default]
     assert run_pass(gm, P6, use_pdl=True, crossover_batch=1 << 20) == 2
@@ -389,10 +394,7 @@ def test_kimi_like_on_cuda_runs_the_shared_gate_up_in_kernel_a_with_pdl():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kimi_like_on_cuda_with_the_down_split_launch_from_the_config():
     """P6's down_split reaches kernel B' on CUDA (K chunks + prefetch, PDL on): the step matches the unpassed graph."""
-    m = _small_model("situ")
-    gpu = build_model(m.config)
-    gpu.load_state_dict(m.state_dict())
-    gpu = gpu.to("cuda", torch.bfloat16)
+    gpu = _small_model_on_cuda()
     gm, before = _after_p1_p4(capture_step(gpu, "decode")), _after_p1_p4(capture_step(gpu, "decode"))
     assert run_pass(gm, P6, use_pdl=True, crossover_batch=1 << 20, down_split="16x32x4x2x1") == 2
     x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 6)]
@@ -404,10 +406,7 @@ def test_kimi_like_on_cuda_with_the_down_split_launch_from_the_config():
 def test_kimi_like_on_cuda_with_up_launch():
     """P6's up_launch reaches kernel A on CUDA (PDL on, the L2 options at their defaults): with either launch the step
     matches the unpassed graph."""
-    m = _small_model("situ")
-    gpu = build_model(m.config)
-    gpu.load_state_dict(m.state_dict())
-    gpu = gpu.to("cuda", torch.bfloat16)
+    gpu = _small_model_on_cuda()
     before = _after_p1_p4(capture_step(gpu, "decode"))
     x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 8)]
     want = run_graph(before, x)
@@ -424,10 +423,7 @@ def test_kimi_like_on_cuda_with_up_launch():
 def test_kimi_like_on_cuda_with_the_l2_prefetch_options():
     """P6's shared_l2_prefetch and down_l2_prefetch reach kernels A and B' on CUDA (PDL on): the step computes the
     same bits as with them off, and matches the unpassed graph."""
-    m = _small_model("situ")
-    gpu = build_model(m.config)
-    gpu.load_state_dict(m.state_dict())
-    gpu = gpu.to("cuda", torch.bfloat16)
+    gpu = _small_model_on_cuda()
     before = _after_p1_p4(capture_step(gpu, "decode"))
     x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 7)]
     outs = []
