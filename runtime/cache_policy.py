@@ -105,6 +105,11 @@ class CachePolicy:
     unused_root_new_only: bool = False  # unused checkpoints under the root age by new-family lookups only (radix.py)
     protect_shared_leaves: bool = False  # "value": KV pressure deletes leaves restored from twice or more last
     tail_min_new: float | None = None  # split_prompt_tail only when this share of the prompt is past its KV match
+    # shorter unused_ttl / unused_max_age / stale_age for checkpoints that do not extend a reused line (radix.py
+    # "Reused lines"); None: the long one for every checkpoint
+    short_unused_ttl: int | None = None
+    short_unused_max_age: int | None = None
+    short_stale_age: int | None = None
 
     def with_caps(self, per_path: int | None, total: int | None) -> "CachePolicy":
         return replace(self, max_checkpoints_per_path=per_path, max_checkpoints=total)
