@@ -93,6 +93,17 @@ Stale checkpoints (`stale_age`: decay of what did show reuse)
   lookups that matched nothing (as for `unused_ttl`): a one-off's tail waits for its repeat however
   much traffic other families send.
 
+Reused lines (`short_unused_ttl`, `short_unused_max_age`, `short_stale_age`: two clocks)
+* With the short ages set, a checkpoint keeps the long ages above only if it continues a reused
+  line -- the nearest checkpoint above it was restored from, or itself continues such a line, and is
+  no branch point (judged at the store: an agent's next tool step, a session's next turn) -- or is
+  anchored at the root (a one-off's tail, a new family's first state); every other one (a tree
+  search's prompt tails and branch points under a shared fork) uses the short ages. Issue 15,
+  session 12: short ages for all (stale 15, ttl 8, max_age 8) held a quarter of the state bytes on
+  prompted tree-of-thought, whose reuse is a re-made state within a few steps, but cost the agent
+  trace 2-5 points of hit rate at 64 and 16 MiB: its next step restores from the state the last one
+  left, after a tool call's worth of other sessions' lookups.
+
 * `protect_reused` ("value" only): state pressure and the global cap take checkpoints that have
   shown no reuse first (never restored from, not a branch point), and those that have (a shared
   stem hit by every new problem, a repeated prompt's tail) only when nothing else is left; among
@@ -718,8 +729,9 @@ class HybridRadixCache:
 
     def _ages(self, nd: TreeNode) -> tuple[int | None, int | None, int | None]:
         """(unused_ttl, unused_max_age, stale_age) for `nd`'s checkpoint: the short ones (where set)
-        unless it extends a reused line."""
-        if nd.on_line:
+        unless it extends a reused line or is anchored at the root (a one-off's tail waiting for its
+        repeat: on seed 0's tot_fork the short ages lost one of three repeats at 64 and 16 MiB)."""
+        if nd.on_line or self._anchor(nd) is self.root:
             return self.unused_ttl, self.unused_max_age, self.stale_age
         return (self.short_unused_ttl or self.unused_ttl, self.short_unused_max_age or self.unused_max_age,
                 self.short_stale_age or self.stale_age)

@@ -1,7 +1,7 @@
 """Reused lines (`short_unused_ttl` / `short_unused_max_age` / `short_stale_age`): a checkpoint that
 continues a line some request already restored from (the nearest checkpoint above it was hit, or
-itself continues such a line, and is no branch point) keeps the long ages; every other checkpoint
-decays on the short ones (issue 15, session 12: short-lived checkpoints cut prompted tree-of-thought's
+itself continues such a line, and is no branch point) or is anchored at the root keeps the long ages;
+every other checkpoint decays on the short ones (issue 15, session 12: short-lived checkpoints cut prompted tree-of-thought's
 bytes but cost an agent's tool loop the states its next step restores from). Random trees with
 hypothesis: no droppable checkpoint outlives its own limit, none on a line goes before the long one,
 and short ages equal to the long ones change nothing."""
@@ -30,19 +30,35 @@ def node_at(cache, tokens):
 
 def test_a_state_continuing_a_restored_line_keeps_the_long_stale_age():
     mem, cache = make(stale_age=10, short_stale_age=2)
-    store_prefix(cache, mem, [1, 1])  # a first step's state: off any line (nothing above it)
-    assert cache.match([1, 1, 2]).cached_len == 2  # the next step restores from it ...
-    store_prefix(cache, mem, [1, 1, 2, 2])  # ... and stores its own: a line's continuation
-    store_prefix(cache, mem, [1, 1, 2, 2, 3, 3])  # below that one, unhit: still on the line
-    assert not node_at(cache, [1, 1]).on_line
-    assert node_at(cache, [1, 1, 2, 2]).on_line and node_at(cache, [1, 1, 2, 2, 3, 3]).on_line
-    for i in range(4):  # 4 lookups elsewhere: past the short age, within the long one
-        cache.match([9, 9, i, i])
-    assert has_state_at(cache, [1, 1, 2, 2, 3, 3]) and has_state_at(cache, [1, 1, 2, 2])
-    assert not has_state_at(cache, [1, 1])  # the line's unhit-by-lineage head went on the short age
+    store_prefix(cache, mem, [1, 1, 8, 8])
+    store_prefix(cache, mem, [1, 1, 2, 2])  # a first step's state, under the fork at (1, 1): off any line
+    assert cache.match([1, 1, 2, 2, 3]).cached_len == 4  # the next step restores from it ...
+    store_prefix(cache, mem, [1, 1, 2, 2, 3, 3])  # ... and stores its own: a line's continuation
+    store_prefix(cache, mem, [1, 1, 2, 2, 3, 3, 4, 4])  # below that one, unhit: still on the line
+    assert not node_at(cache, [1, 1, 2, 2]).on_line and not node_at(cache, [1, 1, 8, 8]).on_line
+    assert node_at(cache, [1, 1, 2, 2, 3, 3]).on_line and node_at(cache, [1, 1, 2, 2, 3, 3, 4, 4]).on_line
+    for i in range(4):  # 4 lookups into the sibling (the fork stays one): past the short age, within the long one
+        cache.match([1, 1, 8, 8, 5, i])
+    assert has_state_at(cache, [1, 1, 2, 2, 3, 3, 4, 4]) and has_state_at(cache, [1, 1, 2, 2, 3, 3])
+    assert not has_state_at(cache, [1, 1, 2, 2])  # the line's head, off it, went on the short age
     for i in range(8):
+        cache.match([1, 1, 8, 8, 5, i])
+    assert not has_state_at(cache, [1, 1, 2, 2, 3, 3]) and not has_state_at(cache, [1, 1, 2, 2, 3, 3, 4, 4])  # long age
+    assert has_state_at(cache, [1, 1, 8, 8])  # covered all along
+    check_cache(cache)
+
+
+def test_a_checkpoint_anchored_at_the_root_keeps_the_long_ages():
+    """A one-off's tail waits for its repeat (seed 0's tot_fork lost one to the short ages)."""
+    mem, cache = make(stale_age=10, short_stale_age=2, unused_ttl=10, short_unused_ttl=1)
+    store_prefix(cache, mem, [1, 1, 2, 2])
+    assert not node_at(cache, [1, 1, 2, 2]).on_line
+    for i in range(6):
         cache.match([9, 9, i, i])
-    assert cache.num_checkpoints() == 0  # and the line on the long one
+    assert has_state_at(cache, [1, 1, 2, 2])
+    for i in range(6):
+        cache.match([9, 9, i, i])
+    assert not has_state_at(cache, [1, 1, 2, 2])
     check_cache(cache)
 
 
@@ -54,9 +70,9 @@ def test_siblings_under_a_fork_are_off_the_line_even_when_the_fork_was_hit():
     assert cache.match([1, 1, 4]).cached_len == 2  # ... hit, as a template's stem is
     store_prefix(cache, mem, [1, 1, 4, 4])  # a new sibling: a tree search's prompt tail, not a line
     assert not node_at(cache, [1, 1, 4, 4]).on_line
-    for i in range(4):  # the sweep before the 4th sees 3 lookups since its store: past the short age
-        cache.match([9, 9, i, i])
-    assert not has_state_at(cache, [1, 1, 4, 4])
+    for i in range(4):  # into another sibling (the fork stays one); the 4th's sweep sees 3 lookups past its store
+        cache.match([1, 1, 2, 2, 5, i])
+    assert not has_state_at(cache, [1, 1, 4, 4]) and has_state_at(cache, [1, 1, 2, 2])
     check_cache(cache)
 
 
@@ -97,8 +113,11 @@ OPS = st.lists(st.tuples(st.sampled_from(["store", "match", "lock", "unlock", "e
 def test_every_checkpoint_keeps_to_its_own_stale_age(ops, stale, short):
     mem, cache = make(slots=64, pages=512, stale_age=stale, short_stale_age=short, value_weight=0.25)
 
+    def limit_of(nd):  # the long age on a reused line or at the root (the anchor as the sweep sees it)
+        return stale if nd.on_line or cache._anchor(nd) is cache.root else short
+
     def on_match(seq):
-        before = {nd.id: (stale if nd.on_line else short, max(nd.ckpt_born, nd.last_pass))
+        before = {nd.id: (limit_of(nd), max(nd.ckpt_born, nd.last_pass))
                   for nd in cache.nodes() if nd.checkpoint is not None}
         now = cache.stats().lookups
         cache.match(seq)
@@ -108,7 +127,7 @@ def test_every_checkpoint_keeps_to_its_own_stale_age(ops, stale, short):
         for nd in cache.nodes():  # and nothing droppable stayed past its own age
             if nd.checkpoint is None or len(nd.children) >= 2 or not cache._checkpoint_evictable(nd):
                 continue
-            assert cache.stats().lookups - 1 - max(nd.ckpt_born, nd.last_pass) <= (stale if nd.on_line else short)
+            assert cache.stats().lookups - 1 - max(nd.ckpt_born, nd.last_pass) <= limit_of(nd)
 
     run_random_ops(cache, mem, ops, on_match)
 
