@@ -11,7 +11,8 @@ Policies are names from runtime/cache_policy.py, optionally with overrides, e.g.
 `sparse:per_path=2,handover=0` (keys: chunks, decode, handover, finish, branch, tail, per_path,
 total, weight (the `valued` eviction's value_weight, a float), ttl (unused_ttl: lookups near a never-hit
 checkpoint before it is dropped), max_age (unused_max_age: lookups its neighbourhood was quiet), protect (protect_reused), stale (stale_age: lookups
-no lookup covered a checkpoint, hit or not, before it is dropped); 0 turns a flag off / removes a cap;
+no lookup covered a checkpoint, hit or not, before it is dropped), short_stale / short_ttl / short_max_age (the
+shorter ages for checkpoints off a reused line: radix.py "Reused lines"); 0 turns a flag off / removes a cap;
 `total=0.25`, a float, caps checkpoints at that share of the state slots). Every policy must
 produce the same greedy tokens (checked: `outputs_match`).
 """

@@ -426,8 +426,8 @@ def goals_side_by_side(report: str, policies: dict[str, str]) -> str:
     cells = sorted(set.intersection(*(set(p) for p in per.values())),
                    key=lambda c: (GOAL_TRACES.index(c[0]), c[1], -c[2]))
     lines = ["Policies: " + "; ".join(f"{label} = `{policy}`" for label, policy in policies.items()), "",
-             "| trace | seed | budget | policy | of bound | points above end | mean bytes vs ec | written vs ec | repeats | "
-             "stems | bound goal | bytes goal | met |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| trace | seed | budget | policy | of bound | points above end | mean bytes vs ec | written vs ec | "
+             "repeats | stems | bound goal | bytes goal | met |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell in cells:
         for label in policies:
             g = per[label][cell]

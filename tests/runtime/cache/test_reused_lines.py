@@ -1,9 +1,9 @@
 """Reused lines (`short_unused_ttl` / `short_unused_max_age` / `short_stale_age`): a checkpoint that
 continues a line some request already restored from (the nearest checkpoint above it was hit, or
-itself continues such a line, and is no branch point) or is anchored at the root keeps the long ages;
-every other checkpoint decays on the short ones (issue 15, session 12: short-lived checkpoints cut prompted tree-of-thought's
-bytes but cost an agent's tool loop the states its next step restores from). Random trees with
-hypothesis: no droppable checkpoint outlives its own limit, none on a line goes before the long one,
+itself continues such a line, and is no branch point) or is anchored at the root keeps the long
+ages; every other checkpoint decays on the short ones (issue 15, session 12: short-lived checkpoints
+cut prompted tree-of-thought's bytes but cost an agent's tool loop the states its next step restores
+from). Random trees with hypothesis: no droppable checkpoint outlives its own limit, none on a line goes before the long one,
 and short ages equal to the long ones change nothing."""
 from __future__ import annotations
 
