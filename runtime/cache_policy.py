@@ -30,6 +30,9 @@ decode. A policy says which of those snapshots are donated to the tree:
   nothing (`unused_root_new_only`: a one-off's tail or a new template's first state otherwise aged
   with all traffic); and KV pressure deletes leaves restored from twice or more last
   (`protect_shared_leaves`: a template's state went with its KV once its problems were done).
+  Session 12: those ages hold only for checkpoints that continue a reused line or sit under the
+  root; the rest (a tree search's prompt tails and branch points) leave on short ages
+  (`short_stale_age` 15, `short_unused_ttl` 8, `short_unused_max_age` 8; radix.py "Reused lines").
 
 Tuning (issue 15, tools/cache_pressure_report.sh's tune phase: `bench cache-pressure --seeds 0`,
 production-shaped traces of 138-145 requests, engine default chunk 256, budgets 16384 and 8192
@@ -70,6 +73,18 @@ A stricter prompt-tail admission
 (1.25) MB on tot at 64 MiB but cost 5.3 (2.4) points of hit rate there and 1.5-1.6 on agent at 16 MiB:
 not adopted.
 
+Session 12 (chosen on seed 0 only; traces/cache_pressure/README.md "Session 12"): two clocks. A checkpoint
+that continues a reused line (the nearest checkpoint above it was restored from, or itself continues such
+a line, and is no branch point: an agent's next tool step) or is anchored at the root (a one-off's tail)
+keeps the ages above; every other one (a tree search's prompt tails and branch points under a shared
+fork) leaves after `short_stale_age` 15, `short_unused_ttl` 8, `short_unused_max_age` 8 lookups (session
+11's short-lived variant, `s11_tune_seed0/`). Seed 0: tot at 64 MiB 91.5% of the bound at 24.0% of
+every_chunk's bytes (as the short variant; the old ages 96.5% at 90.1%), agent 98.0 / 92.8 / 60.0% of the
+bound at 64 / 16 / 8 MiB (old 98.1 / 92.9 / 60.0%; the short variant lost 5 points at 64 MiB), tot_fork 3/3
+repeats at 64 MiB (the short ages for root-anchored tails too: 2/3). Seeds 1-3: agent within 0.1 points
+of the old ages on every cell, tot 18-36% of every_chunk's bytes at 64 and 16 MiB (old 69-119%) for 4.5-6.5
+points of the bound (89.7-92.5%).
+
 Checkpoint bytes. With production-length prompts (multi-thousand-token shared prefixes, tool
 outputs of hundreds of tokens) `every_chunk` at the default chunk of 256 stores a state every 256
 prefilled tokens: on the agent trace 2-5.5x as many states as `sparse` (on tree-of-thought, where
@@ -105,6 +120,11 @@ class CachePolicy:
     unused_root_new_only: bool = False  # unused checkpoints under the root age by new-family lookups only (radix.py)
     protect_shared_leaves: bool = False  # "value": KV pressure deletes leaves restored from twice or more last
     tail_min_new: float | None = None  # split_prompt_tail only when this share of the prompt is past its KV match
+    # shorter unused_ttl / unused_max_age / stale_age for checkpoints that do not extend a reused line (radix.py
+    # "Reused lines"); None: the long one for every checkpoint
+    short_unused_ttl: int | None = None
+    short_unused_max_age: int | None = None
+    short_stale_age: int | None = None
 
     def with_caps(self, per_path: int | None, total: int | None) -> "CachePolicy":
         return replace(self, max_checkpoints_per_path=per_path, max_checkpoints=total)
@@ -120,7 +140,8 @@ POLICIES = {
     "valued": CachePolicy("valued", donate_finish=True, branch_points=True, split_prompt_tail=True,
                           max_checkpoints_per_path=2, eviction="value", value_weight=0.25,
                           unused_ttl=48, unused_max_age=40, protect_reused=True, stale_age=300,
-                          unused_root_new_only=True, protect_shared_leaves=True),
+                          unused_root_new_only=True, protect_shared_leaves=True,
+                          short_unused_ttl=8, short_unused_max_age=8, short_stale_age=15),
 }
 
 

@@ -268,7 +268,10 @@ class LLMEngine:
                                       unused_ttl=self.policy.unused_ttl, unused_max_age=self.policy.unused_max_age,
                                       protect_reused=self.policy.protect_reused, stale_age=self.policy.stale_age,
                                       root_clock_new_only=self.policy.unused_root_new_only,
-                                      protect_shared_leaves=self.policy.protect_shared_leaves)
+                                      protect_shared_leaves=self.policy.protect_shared_leaves,
+                                      short_unused_ttl=self.policy.short_unused_ttl,
+                                      short_unused_max_age=self.policy.short_unused_max_age,
+                                      short_stale_age=self.policy.short_stale_age)
         self.table = RequestTable(self.cache)
 
         slots_per_request = MAX_TRANSIENT_SLOTS if self.policy.enabled else 1

@@ -15,7 +15,8 @@
 #   likewise, all three traces; without protect_shared_leaves), s10_unified / s10_unified_16 (the three traces on the
 #   unified arena at their tight budget / 16 MiB), s10_unified_psl_off (`valued` without protect_shared_leaves
 #   there), s11 (session 11: the feasibility-bound columns, seeds 1-3, merged over s10_report), s11_short (`valued`
-#   with short-lived checkpoints, a variant, not the default), e.g. PHASES="k3 unified"
+#   with short-lived checkpoints, a variant, not the default), s12 (session 12: short ages only off reused lines, merged over
+#   s11_short), e.g. PHASES="k3 unified"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-traces/cache_pressure}
@@ -175,6 +176,26 @@ if [[ " $PHASES " == *" s11_short "* ]]; then
   done
   for pid in "${pids[@]}"; do wait "$pid"; done
   $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/s11_report'], ['$OUT/s11_short_agent', '$OUT/s11_short_tot_65536', '$OUT/s11_short_tot_16384', '$OUT/s11_short_tot_4096', '$OUT/s11_short_tot_fork'], '$OUT/s11_short', 'x'))"
+fi
+if [[ " $PHASES " == *" s12 "* ]]; then
+  # session 12: `valued` with short ages only for checkpoints off a reused line (radix.py "Reused lines": short_stale 15,
+  # short_ttl 8, short_max_age 8, the long ages 300 / 48 / 40 for a state continuing a line a request already restored
+  # from; chosen on seed 0 only), agent and tot_fork with seed 0 as the tuning check, tot on seeds 1-3. Two processes
+  # (agent then tot_fork; tot's budgets one after another), merged over s11_short/ (valued, the short variant, end,
+  # every_chunk rows of the same seeds and budgets).
+  SPEC="valued:short_stale=15,short_ttl=8,short_max_age=8"
+  ( for trace in agent tot_fork; do
+      $BENCH --traces $trace --seeds 0,1,2,3 --budgets-kib 65536,16384,8192 --policies "$SPEC" \
+          --out "$OUT/s12_$trace" > "$OUT/s12_$trace.log" 2>&1
+    done ) &
+  pid_a=$!
+  ( for kib in 65536 16384 4096; do
+      $BENCH --traces tot --seeds 1,2,3 --budgets-kib $kib --policies "$SPEC" --out "$OUT/s12_tot_$kib" \
+          > "$OUT/s12_tot_$kib.log" 2>&1
+    done ) &
+  pid_b=$!
+  wait $pid_a; wait $pid_b
+  $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/s11_short'], ['$OUT/s12_agent', '$OUT/s12_tot_65536', '$OUT/s12_tot_16384', '$OUT/s12_tot_4096', '$OUT/s12_tot_fork'], '$OUT/s12', 'x'))" > /dev/null
 fi
 if [[ " $PHASES " == *" k3 "* ]]; then
   $BENCH --byte-ratio k3 --seeds 1 --budgets-kib 65536,16384 --out "$OUT/byte_ratio_k3"

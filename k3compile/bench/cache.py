@@ -11,7 +11,8 @@ Policies are names from runtime/cache_policy.py, optionally with overrides, e.g.
 `sparse:per_path=2,handover=0` (keys: chunks, decode, handover, finish, branch, tail, per_path,
 total, weight (the `valued` eviction's value_weight, a float), ttl (unused_ttl: lookups near a never-hit
 checkpoint before it is dropped), max_age (unused_max_age: lookups its neighbourhood was quiet), protect (protect_reused), stale (stale_age: lookups
-no lookup covered a checkpoint, hit or not, before it is dropped); 0 turns a flag off / removes a cap;
+no lookup covered a checkpoint, hit or not, before it is dropped), short_stale / short_ttl / short_max_age (the
+shorter ages for checkpoints off a reused line: radix.py "Reused lines"); 0 turns a flag off / removes a cap;
 `total=0.25`, a float, caps checkpoints at that share of the state slots). Every policy must
 produce the same greedy tokens (checked: `outputs_match`).
 """
@@ -24,7 +25,8 @@ _KEYS = {"chunks": "donate_chunks", "decode": "donate_decode", "handover": "dona
          "per_path": "max_checkpoints_per_path", "total": "max_checkpoints", "weight": "value_weight",
          "ttl": "unused_ttl", "max_age": "unused_max_age",
          "protect": "protect_reused", "stale": "stale_age", "tail_new": "tail_min_new",
-         "root_new": "unused_root_new_only", "protect_shared": "protect_shared_leaves"}
+         "root_new": "unused_root_new_only", "protect_shared": "protect_shared_leaves",
+         "short_ttl": "short_unused_ttl", "short_max_age": "short_unused_max_age", "short_stale": "short_stale_age"}
 
 
 def register(sub):
@@ -55,7 +57,7 @@ def parse_policy(text: str):
         if isinstance(v, float):  # the eviction weight, a tail's new share, or total=0.25: a share of the state slots
             changes[field] = v if v or field != "tail_min_new" else None
             continue
-        changes[field] = (v or None) if field.startswith(("max_", "unused_", "stale_")) else bool(v)
+        changes[field] = (v or None) if field.startswith(("max_", "unused_", "stale_", "short_")) else bool(v)
     return replace(policy, name=text.strip(), **changes)
 
 

@@ -410,3 +410,33 @@ def render_markdown(doc: dict) -> str:
                   "Forward `cost`: the model's forward is replaced by the stand-in (bench/cache_replay.py); "
                   "everything the cache decides runs as in serving.", ""]
     return "\n".join(lines)
+
+
+def goals_side_by_side(report: str, policies: dict[str, str]) -> str:
+    """Issue 15's goal cells of several policies of one merged report (`report`/cache_pressure.json), next to each
+    other cell by cell: `policies` maps a short label to a policy name as the rows spell it. A cell is listed where
+    every policy has a row (a policy's goals need `end` and `every_chunk` there too, for the points and the bytes).
+    Writes `report`/goals_<labels>.md and returns its markdown."""
+    import json
+
+    with open(os.path.join(report, "cache_pressure.json")) as f:
+        rows = json.load(f)["rows"]
+    per = {label: {(g["trace"], g["seed"], g["budget_bytes"]): g for g in goals(rows, policy)}
+           for label, policy in policies.items()}
+    cells = sorted(set.intersection(*(set(p) for p in per.values())),
+                   key=lambda c: (GOAL_TRACES.index(c[0]), c[1], -c[2]))
+    lines = ["Policies: " + "; ".join(f"{label} = `{policy}`" for label, policy in policies.items()), "",
+             "| trace | seed | budget | policy | of bound | points above end | mean bytes vs ec | written vs ec | "
+             "repeats | stems | bound goal | bytes goal | met |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for cell in cells:
+        for label in policies:
+            g = per[label][cell]
+            lines.append(f"| {cell[0]} | {cell[1]} | {cell[2] >> 10} KiB | {label} | {g['fraction_of_bound']:.1%} | "
+                         f"{'-' if g['points_above_end'] is None else format(g['points_above_end'] * 100, '.1f')} | "
+                         f"{_pct(g['bytes_vs_every_chunk'])} | {_pct(g.get('written_vs_every_chunk'))} | "
+                         f"{g['repeats_hit']} | {g['stems_hit']} | {g.get('bound_goal', '-')} | "
+                         f"{g.get('bytes_goal', '-')} | {'**yes**' if g['met'] else 'no'} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(report, f"goals_{'_vs_'.join(policies)}.md"), "w") as f:
+        f.write(text)
+    return text

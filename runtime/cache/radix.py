@@ -93,6 +93,17 @@ Stale checkpoints (`stale_age`: decay of what did show reuse)
   lookups that matched nothing (as for `unused_ttl`): a one-off's tail waits for its repeat however
   much traffic other families send.
 
+Reused lines (`short_unused_ttl`, `short_unused_max_age`, `short_stale_age`: two clocks)
+* With the short ages set, a checkpoint keeps the long ages above only if it continues a reused
+  line -- the nearest checkpoint above it was restored from, or itself continues such a line, and is
+  no branch point (judged at the store: an agent's next tool step, a session's next turn) -- or is
+  anchored at the root (a one-off's tail, a new family's first state); every other one (a tree
+  search's prompt tails and branch points under a shared fork) uses the short ages. Issue 15,
+  session 12: short ages for all (stale 15, ttl 8, max_age 8) held a quarter of the state bytes on
+  prompted tree-of-thought, whose reuse is a re-made state within a few steps, but cost the agent
+  trace 2-5 points of hit rate at 64 and 16 MiB: its next step restores from the state the last one
+  left, after a tool call's worth of other sessions' lookups.
+
 * `protect_reused` ("value" only): state pressure and the global cap take checkpoints that have
   shown no reuse first (never restored from, not a branch point), and those that have (a shared
   stem hit by every new problem, a repeated prompt's tail) only when nothing else is left; among
@@ -129,7 +140,7 @@ class TreeNode:
     __slots__ = ("id", "key", "pages", "parent", "children", "depth", "checkpoint", "kv_lock", "ckpt_lock",
                  "last_access", "ckpt_access", "alive", "planted", "passes", "ckpt_hits", "unused_age",
                  "anchor", "anchor_seen", "passes_seen", "ckpt_born", "last_pass", "ckpt_serial", "born_new",
-                 "last_pass_new")
+                 "last_pass_new", "on_line")
 
     def __init__(self, nid: int, key: tuple[int, ...], pages: list[int], parent: "TreeNode | None", depth: int):
         self.id = nid
@@ -155,6 +166,7 @@ class TreeNode:
         self.last_pass = 0  # lookups (all of them) when one last covered this edge
         self.ckpt_serial = 0  # which stored checkpoint this node holds (1, 2, ...: checkpoint listeners' key)
         self.born_new = self.last_pass_new = 0  # ckpt_born and last_pass on the root's new-family clock
+        self.on_line = False  # the checkpoint extends a reused line (`short_*` ages: it keeps the long ones)
 
     @property
     def is_leaf(self) -> bool:
@@ -226,7 +238,8 @@ class HybridRadixCache:
                  max_checkpoints: int | float | None = None, eviction: str = "lru", recompute_cost: RecomputeCost | None = None,
                  value_weight: float = 1.0, unused_ttl: int | None = None, unused_max_age: int | None = None,
                  protect_reused: bool = False, stale_age: int | None = None, root_clock_new_only: bool = False,
-                 protect_shared_leaves: bool = False):
+                 protect_shared_leaves: bool = False, short_unused_ttl: int | None = None,
+                 short_unused_max_age: int | None = None, short_stale_age: int | None = None):
         p = memory.page_size
         if not isinstance(checkpoint_interval, int) or checkpoint_interval < 1 or checkpoint_interval % p:
             raise ValueError(f"checkpoint_interval must be a positive multiple of the page size {p}, "
@@ -247,6 +260,15 @@ class HybridRadixCache:
         _check_cap("stale_age", stale_age)
         self.stale_age = stale_age
         self.root_clock_new_only = root_clock_new_only
+        for name, short, long in (("short_unused_ttl", short_unused_ttl, unused_ttl),
+                                  ("short_unused_max_age", short_unused_max_age, unused_max_age),
+                                  ("short_stale_age", short_stale_age, stale_age)):
+            _check_cap(name, short)
+            if short is not None and (long is None or short > long):
+                raise ValueError(f"{name} shortens {name[6:]} for checkpoints off a reused line: it needs "
+                                 f"{name[6:]} set and at least as long, got {short!r} against {long!r}")
+        self.short_unused_ttl, self.short_unused_max_age = short_unused_ttl, short_unused_max_age
+        self.short_stale_age = short_stale_age
         self._root_misses = 0  # lookups whose KV matched nothing: a new prefix family (the root's own clock)
         if protect_reused and eviction != "value":
             raise ValueError("protect_reused orders the 'value' eviction's candidates; eviction is " + repr(eviction))
@@ -417,12 +439,15 @@ class HybridRadixCache:
         if admitted and n > m:
             node = self._new_leaf(end, tokens[m:], pages[m // p:])
             self._stats.inserted_tokens += n - m
+        # judged before the cap's victims go: the checkpoint this one continues from may be one of them
+        on_line = admitted and self._extends_reused_line(node)
         for v in victims:  # all strictly above `node`, so they stay as internal tombstones
             self._drop_checkpoint(v)
             self._stats.checkpoints_evicted += 1
         if admitted:
             node.ckpt_hits = node.unused_age = 0
             node.ckpt_born, node.born_new = self._stats.lookups, self._root_misses
+            node.on_line = on_line
             self._rebase(node)
             if self.unused_ttl is not None:
                 self._probation[node.id] = node
@@ -692,6 +717,25 @@ class HybridRadixCache:
             a = a.parent
         return a
 
+    def _extends_reused_line(self, nd: TreeNode) -> bool:
+        """Reused lines (the `short_*` ages): the nearest checkpoint above `nd` was restored from, or
+        itself extends such a line, and is no branch point -- `nd` continues a line some request
+        already continued from (an agent's next tool step, a session's next turn), not a sibling
+        under a shared fork (a tree search's prompt tail). Judged once, at the store."""
+        a = nd.parent
+        while a is not None and a is not self.root and a.checkpoint is None:
+            a = a.parent
+        return a is not None and a is not self.root and not self._is_branch(a) and (a.ckpt_hits > 0 or a.on_line)
+
+    def _ages(self, nd: TreeNode) -> tuple[int | None, int | None, int | None]:
+        """(unused_ttl, unused_max_age, stale_age) for `nd`'s checkpoint: the short ones (where set)
+        unless it extends a reused line or is anchored at the root (a one-off's tail waiting for its
+        repeat: on seed 0's tot_fork the short ages lost one of three repeats at 64 and 16 MiB)."""
+        if nd.on_line or self._anchor(nd) is self.root:
+            return self.unused_ttl, self.unused_max_age, self.stale_age
+        return (self.short_unused_ttl or self.unused_ttl, self.short_unused_max_age or self.unused_max_age,
+                self.short_stale_age or self.stale_age)
+
     def _anchor_clock(self, a: TreeNode) -> int:
         """Lookups that age the checkpoints anchored at `a`: those passing it, or for the root with
         `root_clock_new_only`, those that matched nothing (a new prefix family). Every lookup passes
@@ -724,7 +768,8 @@ class HybridRadixCache:
                 nd.unused_age += max(0, (self._anchor_clock(a) - nd.anchor_seen) - reached)
             self._rebase(nd)
             quiet = now - max(nd.ckpt_born, now if a is self.root else a.last_pass)
-            if nd.unused_age > self.unused_ttl or (self.unused_max_age is not None and quiet > self.unused_max_age):
+            ttl, max_age, _ = self._ages(nd)
+            if nd.unused_age > ttl or (max_age is not None and quiet > max_age):
                 due.append(nd)
         for nd in due:
             if nd.alive and nd.checkpoint is not None and self._checkpoint_evictable(nd):
@@ -739,15 +784,16 @@ class HybridRadixCache:
         old turn ends), whatever reuse it showed before. The deepest go first, so a fork loses its
         paths before its own state, and a fork that still has two paths stays (no branch point goes
         while live paths below it share it). A pinned one, or a locked leaf's, stays until it can go."""
-        now, new, limit = self._stats.lookups, self._root_misses, self.stale_age
+        now, new = self._stats.lookups, self._root_misses
 
-        def young_on_root_clock(nd):  # anchored at the root with root_clock_new_only: new-family lookups only
+        def young_on_root_clock(nd, limit):  # anchored at the root with root_clock_new_only: new-family lookups only
             return self.root_clock_new_only and self._anchor(nd) is self.root and \
                 new - max(nd.born_new, nd.last_pass_new) <= limit
 
         # (the new-family clock never runs ahead of the global one: check it only for the globally stale)
         due = [nd for nd in self._slot_owner.values()
-               if now - max(nd.ckpt_born, nd.last_pass) > limit and not young_on_root_clock(nd)]
+               if now - max(nd.ckpt_born, nd.last_pass) > (limit := self._ages(nd)[2])
+               and not young_on_root_clock(nd, limit)]
         for nd in sorted(due, key=lambda nd: (-nd.depth, nd.id)):
             # a fork whose paths are not all gone stays (one stored after it can be younger)
             if nd.alive and nd.checkpoint is not None and self._checkpoint_evictable(nd) and not self._is_fork(nd):

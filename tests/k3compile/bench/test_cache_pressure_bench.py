@@ -437,3 +437,27 @@ def test_merge_rerun_renames_only_where_a_policy_was_re_run(tmp_path):
     at = lambda b: sorted(r["policy"] for r in doc["rows"] if r["budget_bytes"] == b)  # noqa: E731
     assert at(1 << 20) == ["end", "end@old", "valued", "valued@old"]
     assert at(2 << 20) == ["end", "valued", "valued@old"]
+
+
+def test_goals_side_by_side_lists_each_policys_cell_where_all_have_one(tmp_path):
+    """Session 12's comparison table: one line per (cell, policy), only cells every policy has a row in, each
+    policy's goals against the same `end` and `every_chunk`."""
+    import json
+
+    from k3compile.bench.cache_pressure import goals_side_by_side
+
+    base = dict(trace="tot", seed=1, budget_bytes=1 << 20, kv_only_bound=0.8, repeats=1, repeats_hit=1, stems=0,
+                stems_hit=0)
+    rows = [dict(base, policy="end", hit_rate=0.5, bytes_vs_every_chunk=0.5),
+            dict(base, policy="valued", hit_rate=0.76, fraction_of_bound=0.95, bytes_vs_every_chunk=0.8),
+            dict(base, policy="valued:x", hit_rate=0.74, fraction_of_bound=0.925, bytes_vs_every_chunk=0.2),
+            dict(base, policy="valued", hit_rate=0.7, fraction_of_bound=0.875, bytes_vs_every_chunk=0.3,
+                 budget_bytes=2 << 20)]  # valued:x has no row at 2 MiB: that cell is left out
+    (tmp_path / "cache_pressure.json").write_text(json.dumps({"rows": rows}))
+    md = goals_side_by_side(str(tmp_path), {"old": "valued", "new": "valued:x"})
+    lines = [ln for ln in md.splitlines() if ln.startswith("| tot")]
+    assert len(lines) == 2 and "2048 KiB" not in md
+    old, new = ([c.strip() for c in ln.split("|")] for ln in lines)
+    assert old[4:7] == ["old", "95.0%", "32.5"] and old[-2] == "no"  # 80% of every_chunk's bytes
+    assert new[4:8] == ["new", "92.5%", "30.0", "20.0%"] and new[-2] == "**yes**"
+    assert (tmp_path / "goals_old_vs_new.md").read_text() == md
