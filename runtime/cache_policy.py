@@ -30,7 +30,7 @@ decode. A policy says which of those snapshots are donated to the tree:
   nothing (`unused_root_new_only`: a one-off's tail or a new template's first state otherwise aged
   with all traffic); and KV pressure deletes leaves restored from twice or more last
   (`protect_shared_leaves`: a template's state went with its KV once its problems were done).
-  Session 12: those ages hold only for checkpoints that continue a reused line or sit under the
+  Session 11 (part 2): those ages hold only for checkpoints that continue a reused line or sit under the
   root; the rest (a tree search's prompt tails and branch points) leave on short ages
   (`short_stale_age` 15, `short_unused_ttl` 8, `short_unused_max_age` 8; radix.py "Reused lines").
 
@@ -73,7 +73,7 @@ A stricter prompt-tail admission
 (1.25) MB on tot at 64 MiB but cost 5.3 (2.4) points of hit rate there and 1.5-1.6 on agent at 16 MiB:
 not adopted.
 
-Session 12 (chosen on seed 0 only; traces/cache_pressure/README.md "Session 12"): two clocks. A checkpoint
+Session 11, part 2 (chosen on seed 0 only; traces/cache_pressure/README.md "Session 11, part 2"): two clocks. A checkpoint
 that continues a reused line (the nearest checkpoint above it was restored from, or itself continues such
 a line, and is no branch point: an agent's next tool step) or is anchored at the root (a one-off's tail)
 keeps the ages above; every other one (a tree search's prompt tails and branch points under a shared
