@@ -73,8 +73,8 @@ A stricter prompt-tail admission
 (1.25) MB on tot at 64 MiB but cost 5.3 (2.4) points of hit rate there and 1.5-1.6 on agent at 16 MiB:
 not adopted.
 
-Session 11, part 2 (chosen on seed 0 only; traces/cache_pressure/README.md "Session 11, part 2"): two clocks. A checkpoint
-that continues a reused line (the nearest checkpoint above it was restored from, or itself continues such
+Session 11, part 2 (chosen on seed 0 only; traces/cache_pressure/README.md "Session 11, part 2"): two clocks.
+A checkpoint that continues a reused line (the nearest checkpoint above it was restored from, or itself continues such
 a line, and is no branch point: an agent's next tool step) or is anchored at the root (a one-off's tail)
 keeps the ages above; every other one (a tree search's prompt tails and branch points under a shared
 fork) leaves after `short_stale_age` 15, `short_unused_ttl` 8, `short_unused_max_age` 8 lookups (session
