@@ -15,8 +15,8 @@
 #   likewise, all three traces; without protect_shared_leaves), s10_unified / s10_unified_16 (the three traces on the
 #   unified arena at their tight budget / 16 MiB), s10_unified_psl_off (`valued` without protect_shared_leaves
 #   there), s11 (session 11: the feasibility-bound columns, seeds 1-3, merged over s10_report), s11_short (`valued`
-#   with short-lived checkpoints, a variant, not the default), s12 (session 12: short ages only off reused lines, merged over
-#   s11_short), e.g. PHASES="k3 unified"
+#   with short-lived checkpoints, a variant, not the default), s12 (session 11, part 2: short ages only off reused lines, merged
+#   over s11_short), e.g. PHASES="k3 unified"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-traces/cache_pressure}
@@ -138,64 +138,46 @@ if [[ " $PHASES " == *" s10_unified_psl_off "* ]]; then
     $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/${phase}_agent', '$OUT/${phase}_tot', '$OUT/${phase}_tot_fork'], ['$OUT/${phase}_psl_off_agent', '$OUT/${phase}_psl_off_tot', '$OUT/${phase}_psl_off_tot_fork'], '$OUT/${phase}_psl_off', 'psl'))"
   done
 fi
+# Session 11's phases re-run some policies on the three traces and merge them over an earlier report: agent and
+# tot_fork at 64 / 16 / 8 MiB (one process each), tot on seeds 1-3 at 64 / 16 / 4 MiB (one process per budget).
+# Args: folder prefix, the report merged over, its re-run rows' label, agent / tot_fork policies and seeds, tot policies.
+rerun_over() {
+  local name=$1 base=$2 tag=$3 policies=$4 seeds=$5 tot_policies=$6 pids=() parts=()
+  for trace in agent tot_fork; do
+    $BENCH --traces $trace --seeds $seeds --budgets-kib 65536,16384,8192 --policies "$policies" \
+        --out "$OUT/${name}_$trace" > "$OUT/${name}_$trace.log" 2>&1 &
+    pids+=($!)
+  done
+  for kib in 65536 16384 4096; do
+    $BENCH --traces tot --seeds 1,2,3 --budgets-kib $kib --policies "$tot_policies" --out "$OUT/${name}_tot_$kib" \
+        > "$OUT/${name}_tot_$kib.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  for part in agent tot_65536 tot_16384 tot_4096 tot_fork; do parts+=("'$OUT/${name}_$part'"); done
+  $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/$base'], [$(IFS=,; echo "${parts[*]}")], '$OUT/$name', '$tag'))"
+}
 if [[ " $PHASES " == *" s11 "* ]]; then
   # session 11: the feasibility bounds (bench/cache_bounds.py: least bytes any policy needs for the goal's hits,
   # most hits any policy gets at the budget; columns of every row) on seeds 1-3, split pools. `valued` is re-run
   # everywhere (its bounds are the goal cells'); on agent and tot_fork `end` and `every_chunk` too (cheap: the
   # budget bound on three policies' schedules); tot's end / every_chunk rows come from s10_report/ (unchanged
-  # code). One process per trace (tot: per budget), merged over s10_report/ (re-run policies' old rows: @s10).
-  pids=()
-  for trace in agent tot_fork; do
-    $BENCH --traces $trace --seeds 1,2,3 --budgets-kib 65536,16384,8192 --policies "end;every_chunk;valued" \
-        --out "$OUT/s11_report_$trace" > "$OUT/s11_report_$trace.log" 2>&1 &
-    pids+=($!)
-  done
-  for kib in 4096 16384 65536; do
-    $BENCH --traces tot --seeds 1,2,3 --budgets-kib $kib --policies "valued" --out "$OUT/s11_report_tot_$kib" \
-        > "$OUT/s11_report_tot_$kib.log" 2>&1 &
-    pids+=($!)
-  done
-  for pid in "${pids[@]}"; do wait "$pid"; done
-  $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/s10_report'], ['$OUT/s11_report_agent', '$OUT/s11_report_tot_65536', '$OUT/s11_report_tot_16384', '$OUT/s11_report_tot_4096', '$OUT/s11_report_tot_fork'], '$OUT/s11_report', 's10'))"
+  # code). Merged over s10_report/ (re-run policies' old rows: @s10).
+  rerun_over s11_report s10_report s10 "end;every_chunk;valued" 1,2,3 "valued"
 fi
 if [[ " $PHASES " == *" s11_short "* ]]; then
   # session 11: `valued` with short-lived checkpoints (stale 15, ttl 8, max_age 8; chosen on seed 0's tot at 64 MiB only,
-  # s11_tune_seed0*/), agent and tot_fork with seed 0 as the tuning check, tot on seeds 1-3; one process per trace
-  # (tot: per budget), merged over s11_report/ (its end / every_chunk / valued rows for the ratios and goals)
-  SPEC="valued:stale=15,ttl=8,max_age=8"
-  pids=()
-  for trace in agent tot_fork; do
-    $BENCH --traces $trace --seeds 0,1,2,3 --budgets-kib 65536,16384,8192 --policies "$SPEC" \
-        --out "$OUT/s11_short_$trace" > "$OUT/s11_short_$trace.log" 2>&1 &
-    pids+=($!)
-  done
-  for kib in 65536 16384 4096; do
-    $BENCH --traces tot --seeds 1,2,3 --budgets-kib $kib --policies "$SPEC" --out "$OUT/s11_short_tot_$kib" \
-        > "$OUT/s11_short_tot_$kib.log" 2>&1 &
-    pids+=($!)
-  done
-  for pid in "${pids[@]}"; do wait "$pid"; done
-  $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/s11_report'], ['$OUT/s11_short_agent', '$OUT/s11_short_tot_65536', '$OUT/s11_short_tot_16384', '$OUT/s11_short_tot_4096', '$OUT/s11_short_tot_fork'], '$OUT/s11_short', 'x'))"
+  # s11_tune_seed0*/), agent and tot_fork with seed 0 as the tuning check, tot on seeds 1-3; merged over s11_report/
+  # (its end / every_chunk / valued rows for the ratios and goals)
+  rerun_over s11_short s11_report x "valued:stale=15,ttl=8,max_age=8" 0,1,2,3 "valued:stale=15,ttl=8,max_age=8"
 fi
 if [[ " $PHASES " == *" s12 "* ]]; then
-  # session 12: `valued` with short ages only for checkpoints off a reused line (radix.py "Reused lines": short_stale 15,
-  # short_ttl 8, short_max_age 8, the long ages 300 / 48 / 40 for a state continuing a line a request already restored
-  # from; chosen on seed 0 only), agent and tot_fork with seed 0 as the tuning check, tot on seeds 1-3. Two processes
-  # (agent then tot_fork; tot's budgets one after another), merged over s11_short/ (valued, the short variant, end,
-  # every_chunk rows of the same seeds and budgets).
+  # session 11, part 2: `valued` with short ages only for checkpoints off a reused line (radix.py "Reused lines":
+  # short_stale 15, short_ttl 8, short_max_age 8, the long ages 300 / 48 / 40 for a state continuing a line a request
+  # already restored from; chosen on seed 0 only), agent and tot_fork with seed 0 as the tuning check, tot on seeds
+  # 1-3; merged over s11_short/ (valued, the short variant, end, every_chunk rows of the same seeds and budgets).
   SPEC="valued:short_stale=15,short_ttl=8,short_max_age=8"
-  ( for trace in agent tot_fork; do
-      $BENCH --traces $trace --seeds 0,1,2,3 --budgets-kib 65536,16384,8192 --policies "$SPEC" \
-          --out "$OUT/s12_$trace" > "$OUT/s12_$trace.log" 2>&1
-    done ) &
-  pid_a=$!
-  ( for kib in 65536 16384 4096; do
-      $BENCH --traces tot --seeds 1,2,3 --budgets-kib $kib --policies "$SPEC" --out "$OUT/s12_tot_$kib" \
-          > "$OUT/s12_tot_$kib.log" 2>&1
-    done ) &
-  pid_b=$!
-  wait $pid_a; wait $pid_b
-  $PY -c "from k3compile.bench.cache_pressure import merge_rerun; print(merge_rerun(['$OUT/s11_short'], ['$OUT/s12_agent', '$OUT/s12_tot_65536', '$OUT/s12_tot_16384', '$OUT/s12_tot_4096', '$OUT/s12_tot_fork'], '$OUT/s12', 'x'))" > /dev/null
+  rerun_over s12 s11_short x "$SPEC" 0,1,2,3 "$SPEC" > /dev/null
 fi
 if [[ " $PHASES " == *" k3 "* ]]; then
   $BENCH --byte-ratio k3 --seeds 1 --budgets-kib 65536,16384 --out "$OUT/byte_ratio_k3"
