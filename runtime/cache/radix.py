@@ -727,11 +727,12 @@ class HybridRadixCache:
             a = a.parent
         return a is not None and a is not self.root and not self._is_branch(a) and (a.ckpt_hits > 0 or a.on_line)
 
-    def _ages(self, nd: TreeNode) -> tuple[int | None, int | None, int | None]:
+    def _ages(self, nd: TreeNode, anchor: TreeNode | None = None) -> tuple[int | None, int | None, int | None]:
         """(unused_ttl, unused_max_age, stale_age) for `nd`'s checkpoint: the short ones (where set)
         unless it extends a reused line or is anchored at the root (a one-off's tail waiting for its
-        repeat: on seed 0's tot_fork the short ages lost one of three repeats at 64 and 16 MiB)."""
-        if nd.on_line or self._anchor(nd) is self.root:
+        repeat: on seed 0's tot_fork the short ages lost one of three repeats at 64 and 16 MiB).
+        anchor: `nd`'s anchor when the caller has it already."""
+        if nd.on_line or (anchor or self._anchor(nd)) is self.root:
             return self.unused_ttl, self.unused_max_age, self.stale_age
         return (self.short_unused_ttl or self.unused_ttl, self.short_unused_max_age or self.unused_max_age,
                 self.short_stale_age or self.stale_age)
@@ -768,7 +769,7 @@ class HybridRadixCache:
                 nd.unused_age += max(0, (self._anchor_clock(a) - nd.anchor_seen) - reached)
             self._rebase(nd)
             quiet = now - max(nd.ckpt_born, now if a is self.root else a.last_pass)
-            ttl, max_age, _ = self._ages(nd)
+            ttl, max_age, _ = self._ages(nd, a)
             if nd.unused_age > ttl or (max_age is not None and quiet > max_age):
                 due.append(nd)
         for nd in due:
@@ -790,10 +791,12 @@ class HybridRadixCache:
             return self.root_clock_new_only and self._anchor(nd) is self.root and \
                 new - max(nd.born_new, nd.last_pass_new) <= limit
 
-        # (the new-family clock never runs ahead of the global one: check it only for the globally stale)
+        # (the new-family clock never runs ahead of the global one: check it only for the globally stale; the
+        # shortest limit first, so a checkpoint's anchor is looked up only once it is that old)
+        shortest = self.short_stale_age or self.stale_age
         due = [nd for nd in self._slot_owner.values()
-               if now - max(nd.ckpt_born, nd.last_pass) > (limit := self._ages(nd)[2])
-               and not young_on_root_clock(nd, limit)]
+               if (age := now - max(nd.ckpt_born, nd.last_pass)) > shortest
+               and age > (limit := self._ages(nd)[2]) and not young_on_root_clock(nd, limit)]
         for nd in sorted(due, key=lambda nd: (-nd.depth, nd.id)):
             # a fork whose paths are not all gone stays (one stored after it can be younger)
             if nd.alive and nd.checkpoint is not None and self._checkpoint_evictable(nd) and not self._is_fork(nd):
