@@ -16,10 +16,9 @@ above it, today's pair. A node whose delta (or x at a block boundary) is a `k3.a
 collective fusion), as is anything that deviates from the form above. Prefill graphs: 0 matches.
 
 Options (NormRouteConfig): `tail`, the token's last program's routing (kernels.routing.ROUTE_TAILS: "rounds",
-the op's default; "lean" gathers the picks' weights
-from registers and zeroes the arrival counter without waiting; "bitonic" is lean with a tl.topk network instead of
-k argmax rounds, the pass's default: the whole 48B step 1.9% faster at batch 1, 0.6% at batch 8,
-traces/h200_s11/call3), and `target_programs`, the fused kernel's grid target (norm_route.default_blocks; 0: its
+the op's default; "lean" gathers the picks' weights from registers and zeroes the arrival counter without waiting;
+"bitonic" is lean with a tl.topk network instead of k argmax rounds, the pass's default: the whole 48B step 1.9%
+faster at batch 1, 0.6% at batch 8, traces/h200_s11/call3), and `target_programs`, the fused kernel's grid target (norm_route.default_blocks; 0: its
 TARGET_PROGRAMS). Neither changes the results.
 
 Counts: one per MoE layer of a bf16 / fp16 decode graph with P4's absorbed router (P7 makes one

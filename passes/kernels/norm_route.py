@@ -23,8 +23,8 @@ register tile (P7's one-pass form), so the fused kernel covers banks that fit it
 k3-mini and Kimi-Linear shape) and no bank at all; other shapes, and T > max_tokens, run today's pair
 (P7's kernel with its fp32 copy, then the router GEMM on cuBLAS and the routing kernel).
 
-Launch options (P7's, default off until measured: tools/bench_route11.py): `tail` picks the last program's routing
-(routing.ROUTE_TAILS: "rounds", today's; "lean", no second read of the row and no wait on the counter reset;
+Launch options (P7's; its default tail is "bitonic", measured whole-engine in traces/h200_s11/call3): `tail`
+picks the last program's routing (routing.ROUTE_TAILS: "rounds", today's; "lean", no second read of the row and no wait on the counter reset;
 "bitonic", lean with a tl.topk network instead of k argmax rounds), `target_programs` the grid's size
 (default_blocks). Every choice gives the same h, p and ids, and the same weights up to the order of the k-sum.
 
