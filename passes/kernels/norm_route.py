@@ -24,9 +24,9 @@ k3-mini and Kimi-Linear shape) and no bank at all; other shapes, and T > max_tok
 (P7's kernel with its fp32 copy, then the router GEMM on cuBLAS and the routing kernel).
 
 Launch options (P7's; its default tail is "bitonic", measured whole-engine in traces/h200_s11/call3): `tail`
-picks the last program's routing (routing.ROUTE_TAILS: "rounds", today's; "lean", no second read of the row and no wait on the counter reset;
-"bitonic", lean with a tl.topk network instead of k argmax rounds), `target_programs` the grid's size
-(default_blocks). Every choice gives the same h, p and ids, and the same weights up to the order of the k-sum.
+picks the last program's routing (routing.ROUTE_TAILS: "rounds", the op's default; "lean", no second read of the
+row and no wait on the counter reset; "bitonic", lean with a tl.topk network instead of k argmax rounds),
+`target_programs` the grid's size (default_blocks). Every choice gives the same h, p and ids, and the same weights up to the order of the k-sum.
 
 Testing without a GPU: TRITON_INTERPRET=1 in the environment before this module is imported makes
 `norm_route_triton` run on CPU tensors (tests/passes/kernels/interpret_norm_route.py).
