@@ -49,11 +49,13 @@ Triton kernels:
     slot's K cut into k_split chunks (launch per shape: SPLIT_TUNED / split_config, or the op's down_split);
     each stores its fp32 partial, and the group's last program to arrive (an atomic counter that it zeroes
     again, from kernels.arrivals: the one atomic in these kernels) sums them in (slot, chunk) order and stores
-    the block. Option flag_deps (P6's, off until measured): instead of B''s grid-wide wait for kernel A (PDL's
-    gdc_wait), A releases B' right after its own wait and counts the h columns it stores per B' K chunk in counters
-    (release); each B' program waits (acquire spin) only for its own chunk, so B' overlaps A's tail. Deadlock-free:
-    PDL launches B' only once every A program has called gdc_launch_dependents, i.e. all of A is resident, and A never
-    waits for B'. The chunk's last reader zeroes its counter (no memset in a CUDA graph). Same output bits.
+    the block. Option flag_deps (the op's only, for tools/bench_moe11.py; no pass sets it): instead of B''s grid-wide
+    wait for kernel A (PDL's gdc_wait), A releases B' right after its own wait and counts the h columns it stores per
+    B' K chunk in counters (release); each B' program waits (acquire spin) only for its own chunk, so B' overlaps A's
+    tail. The argument for deadlock freedom: PDL launches B' only once every A program has called
+    gdc_launch_dependents, i.e. all of A is resident, and A never waits for B'. Yet a whole 48B engine with it (and
+    the 8-warp kernel A) never came back from its set-up on the H200 (traces/h200_s11/call2), while one layer replayed
+    fine: unexplained. The chunk's last reader zeroes its counter (no memset in a CUDA graph). Same output bits.
   C `_latent_out_kernel` (latent MoE only; B then stores u in fp32 and adds no shared expert): one
     program per (token, column block of D): the RMSNorm statistics of u's row, the up-projection's
     GEMV on the normalized row, the shared expert's GEMV; one store.
