@@ -13,7 +13,7 @@ Matched (the ATen form of `KDAMixer.forward` in decode mode), anchored on `k3.kd
 
 where any operand may sit behind a cast to fp32 (bf16 graphs; the fused op upcasts itself), and is
 replaced by `out = k3.fused_kda_decode(x_q, x_k, x_v, w_q, w_k, w_v, f, dt_bias, A_log, b, gate,
-w_norm, conv, ssm, layer, slots, lower_bound | None, eps, f_b, g_b, use_pdl, prefetch, launch)`. With
+w_norm, conv, ssm, layer, slots, lower_bound | None, eps, f_b, g_b, use_pdl, prefetch, launch[, early_release])`. With
 `absorb_low_rank` (default), an `f` that is `mm(f_a, t(W_fb))` (f_b_proj) and a `gate` that is
 `view(mm(g_a, t(W_gb)), [B, H, V])` (Kimi Linear's g_b_proj) enter the op as their low-rank inputs
 and weights, so the kernel does those GEMVs too at small batch. Only decode graphs have
@@ -54,6 +54,9 @@ class FusedKDADecodeConfig(PassConfig):
     # model_def/ops/kda_launch.py.LAYOUTS, recorded in each op. P16's `launch` must name the same layout
     # (its verify inputs, and the fold, reproduce this kernel's reductions bit for bit)
     launch: str = DEFAULT_LAYOUT
+    # with PDL, release the next kernel (the out-projection) right after the wait, not after the state loop, so it
+    # loads its weights while the recurrence runs; recorded as the op's last argument only when set
+    early_release: bool = False
 
     def validate(self) -> None:
         if self.launch not in LAYOUTS:
@@ -250,7 +253,8 @@ def fused_kda_decode(gm: GraphModule, config: FusedKDADecodeConfig) -> int:
         # node reads this layer's pool slices, so moving the in-place writes here keeps the semantics
         with g.inserting_before(end):
             fused = g.call_function(torch.ops.k3.fused_kda_decode.default,
-                                    (*args, bool(config.use_pdl), bool(config.prefetch), config.launch))
+                                    (*args, bool(config.use_pdl), bool(config.prefetch), config.launch)
+                                    + ((True,) if config.early_release else ()))
         set_meta_val(fused, fake_mode)
         replace_uses(end, fused, fake_mode)
         erase_subgraph(gm, nodes)

@@ -4,7 +4,7 @@
 Matched (decode graphs only; the weight a constant of a 16-bit dtype the kernel takes):
 
     mm(x, t(W))              ->  k3.gemv(x, W, None, max_m, block_n, block_k, split_k, design, use_pdl, num_warps
-                                          [, l2_prefetch_kb: with the l2_prefetch_mb option])
+                                          [, l2_prefetch_kb[, early_release]]: with those options])
 
 (P11 later folds an add that reads the result into k3.gemv's c. An addmm is left alone: it rounds
 once, k3.gemv's c is added after the product is rounded.)
@@ -72,6 +72,9 @@ class SmallMGemmConfig(PassConfig):
     # after a latency-bound kernel (KDA, MLA attention, a norm) streams while that kernel runs (kernels/gemv.py,
     # kernels/l2_prefetch.py); 0: none. Not timed by the measurement above (its chain is GEMVs back to back).
     l2_prefetch_mb: int = 0
+    # with PDL, each emitted kernel releases the next one right after its wait, not after its K loop (kernels/gemv.py),
+    # so the fused KDA kernel after an in-projection loads its state and weights while the GEMV streams
+    early_release: bool = False
 
     def validate(self) -> None:
         if self.choice not in CHOICES:
@@ -269,9 +272,12 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
         if not max_m:
             continue
         args = (x, w, None, max_m, *cfg[:4], bool(config.use_pdl), cfg[4])
-        if config.use_pdl and config.l2_prefetch_mb:  # (without it the node is as before the option existed)
+        if config.use_pdl and (config.l2_prefetch_mb or config.early_release):  # (else: as before the options)
             args += (int(config.l2_prefetch_mb) << 10,)
             rec["l2_prefetch_kb"] = args[-1]
+        if config.use_pdl and config.early_release:
+            args += (True,)
+            rec["early_release"] = True
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(torch.ops.k3.gemv.default, args)
         set_meta_val(new, fake_mode)

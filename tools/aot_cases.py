@@ -49,10 +49,10 @@ def replay_ssm(batch, layout):
     return run
 
 
-def gemv_case(m, n, k, block_n, block_k, split_k, design, num_warps=4, l2_prefetch_kb=0):
+def gemv_case(m, n, k, block_n, block_k, split_k, design, num_warps=4, l2_prefetch_kb=0, early_release=False):
     x, w = _randn(m, k), _randn(n, k)
     return lambda: gemv.gemv_triton(x, w, None, block_n, block_k, split_k, num_warps=num_warps, design=design,
-                                    use_pdl=True, l2_prefetch_kb=l2_prefetch_kb)
+                                    use_pdl=True, l2_prefetch_kb=l2_prefetch_kb, early_release=early_release)
 
 
 def norm_gemv_case(m, n, k, block_n, block_k, split_k, design, num_warps=4, delta=True):
@@ -135,6 +135,8 @@ def moe_mxfp4(batch, split=None):
 CASES = [
     ("kda 48B batch 1 (split 4, prefetch)", kda(1)),
     ("kda 48B batch 1, wait first", kda(1, prefetch=False)),
+    ("kda 48B batch 1, early release", kda(1, early_release=True)),
+    ("kda 48B batch 8, early release", kda(8, early_release=True)),
     ("kda 48B batch 8 (split 1)", kda(8)),
     ("kda 48B batch 8, 128-column blocks, 8 warps (bench_kda9's sweep)", kda(8, block_v=128, num_warps=8)),
     ("verify inputs + fold 48B batch 1, layout s8", replay_ssm(1, "s8")),
@@ -151,6 +153,10 @@ CASES = [
     ("gemv rows in_proj M=1 l2pf", gemv_case(1, 12576, 2304, 16, 256, 1, gemv.DESIGNS["rows"], 4, 32 << 10)),
     ("gemv rows o_proj M=1 w2 split 4 l2pf", gemv_case(1, 2304, 4096, 16, 256, 4, gemv.DESIGNS["rows"], 2, 16 << 10)),
     ("gemv dot o_proj M=8 l2pf", gemv_case(8, 2304, 4096, 64, 128, 8, gemv.DESIGNS["dot"], 4, 32 << 10)),
+    ("gemv rows in_proj M=1 early release", gemv_case(1, 12576, 2304, 16, 256, 1, gemv.DESIGNS["rows"], 4, 0, True)),
+    ("gemv rows o_proj M=1 w8 l2pf early release", gemv_case(1, 2304, 4096, 4, 1024, 1, gemv.DESIGNS["rows"], 8,
+                                                              32 << 10, True)),
+    ("gemv dot o_proj M=8 early release", gemv_case(8, 2304, 4096, 64, 128, 8, gemv.DESIGNS["dot"], 4, 0, True)),
     # P7's norm in the GEMV's prologue (p08_small_m_norm_gemv), at the 48B in_proj / MLP gate-up shapes
     ("norm_gemv rows in_proj M=1", norm_gemv_case(1, 12576, 2304, 16, 256, 1, gemv.DESIGNS["rows"])),
     ("norm_gemv rows in_proj M=1 w2 split 2", norm_gemv_case(1, 12576, 2304, 4, 1024, 2, gemv.DESIGNS["rows"], 2)),
@@ -198,6 +204,10 @@ if "shared_l2_prefetch" in moe_decode.fused_moe_triton.__code__.co_varnames:  # 
                moe(2, True, moe_decode.SplitConfig(64, 128, 4, 2, False), **_pf)),
               ("moe 48B batch 1, tiles A: shared slot first + L2 prefetch",
                lambda: _moe_tiles_shared(1, shared_l2_prefetch=True, down_l2_prefetch=True))]
+CASES += [("moe 48B batch 1, early release (rows A + shared slot first)",
+           moe(1, True, shared_l2_prefetch=True, down_l2_prefetch=True, early_release=True)),
+          ("moe 48B batch 8, early release", moe(8, True, early_release=True)),
+          ("moe 48B batch 1, tiles A: early release", lambda: _moe_tiles_shared(1, early_release=True))]
 
 
 def _moe_tiles_shared(batch, **options):

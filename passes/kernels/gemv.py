@@ -4,7 +4,7 @@ The op pass P8 puts in place of `mm(x, t(w))` where the kernel measured faster t
 build time (and into which P11 folds the add that follows):
 
     torch.ops.k3.gemv(x [M, K], w [N, K], c [N] | [M, N] | None, max_m, block_n, block_k, split_k, design=0,
-                      use_pdl=False, num_warps=4) -> [M, N]
+                      use_pdl=False, num_warps=4, l2_prefetch_kb=0, early_release=False) -> [M, N]
 
 * Semantics: exactly `torch.mm(x, w.t())`, and with c, `torch.mm(x, w.t()) + c`: the product is
   rounded to x's dtype before c is added, as in the unfused graph (a 16-bit addmm, which rounds
@@ -33,10 +33,14 @@ build time (and into which P11 folds the add that follows):
   first programs, as many as the budget covers, asks L2 for its whole weight slice (kernels/l2_prefetch.py).
   The previous kernel in a decode step is often latency-bound (the KDA recurrence, MLA attention, a norm) and
   leaves HBM idle; the GEMV's loads after the wait then hit L2. Same loads, same order: the same bits.
+* Early release (`early_release`, P8's option; with PDL only): `gdc_launch_dependents()` right after the wait
+  instead of after the K loop, so the next kernel (the fused KDA kernel after an in-projection) is resident and loads
+  its weights and state while this GEMV streams. Safe for the same reason as the late call: every kernel of the
+  chain waits before it releases, and the next one waits for this whole grid before it reads y.
 * max_m / block_n / block_k / split_k / design / num_warps are plain ints in the schema: the pass records the
   tuned configuration per node, and the serialized engine carries it. num_warps and then l2_prefetch_kb are last
   with defaults (4 warps, no prefetch: what every launch did before they were in the schema), so an engine
-  written without them loads and runs as before.
+  written without them loads and runs as before; early_release (a bool) comes after them, for the same reason.
 """
 from __future__ import annotations
 
@@ -180,7 +184,7 @@ if triton is not None:
                      sxm, sxk, swn, swk, scm, scn, sym, syn,
                      HAS_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, PEEL: tl.constexpr, pf_programs=0,
-                     L2_PF: tl.constexpr = False, PIECES: tl.constexpr = 128):
+                     L2_PF: tl.constexpr = False, PIECES: tl.constexpr = 128, EARLY: tl.constexpr = False):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -196,12 +200,14 @@ if triton is not None:
             w, rk, k_ok = _w_tile(w_ptr, rn, n_ok, k_start, 0, k_per_split, K, swn, swk, BLOCK_K)
             if USE_PDL:
                 tl.extra.cuda.gdc_wait()
+                if EARLY:  # release the next kernel now: its programs load their weights while we stream ours
+                    tl.extra.cuda.gdc_launch_dependents()
             acc = _dot_step(acc, w, x_ptr, rm, m_ok, rk, k_ok, sxm, sxk)
             k_first = BLOCK_K
         for k0 in range(k_first, k_per_split, BLOCK_K):
             w, rk, k_ok = _w_tile(w_ptr, rn, n_ok, k_start, k0, k_per_split, K, swn, swk, BLOCK_K)
             acc = _dot_step(acc, w, x_ptr, rm, m_ok, rk, k_ok, sxm, sxk)
-        if USE_PDL:  # x is read: the next kernel may launch (it waits for this one before reading y)
+        if USE_PDL and not EARLY:  # x is read: the next kernel may launch (it waits for this one before reading y)
             tl.extra.cuda.gdc_launch_dependents()
         _finish(acc, rm, rn, m_ok, n_ok, pid_n, pid_k, c_ptr, y_ptr, ws_ptr, cnt_ptr, N, scm, scn, sym, syn,
                 HAS_C, BLOCK_M, BLOCK_N, SPLIT_K)
@@ -211,7 +217,7 @@ if triton is not None:
                           sxm, sxk, swn, swk, scm, scn, sym, syn,
                           HAS_C: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, PEEL: tl.constexpr, pf_programs=0,
-                          L2_PF: tl.constexpr = False, PIECES: tl.constexpr = 128):
+                          L2_PF: tl.constexpr = False, PIECES: tl.constexpr = 128, EARLY: tl.constexpr = False):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, M_PAD)
@@ -227,12 +233,14 @@ if triton is not None:
             w, rk, k_ok = _w_tile(w_ptr, rn, n_ok, k_start, 0, k_per_split, K, swn, swk, BLOCK_K)
             if USE_PDL:
                 tl.extra.cuda.gdc_wait()
+                if EARLY:  # release the next kernel now: its programs load their weights while we stream ours
+                    tl.extra.cuda.gdc_launch_dependents()
             acc3 = _rows_step(acc3, w, x_ptr, rm, rn, m_ok, n_ok, rk, k_ok, sxm, sxk)
             k_first = BLOCK_K
         for k0 in range(k_first, k_per_split, BLOCK_K):
             w, rk, k_ok = _w_tile(w_ptr, rn, n_ok, k_start, k0, k_per_split, K, swn, swk, BLOCK_K)
             acc3 = _rows_step(acc3, w, x_ptr, rm, rn, m_ok, n_ok, rk, k_ok, sxm, sxk)
-        if USE_PDL:  # x is read: the next kernel may launch (it waits for this one before reading y)
+        if USE_PDL and not EARLY:  # x is read: the next kernel may launch (it waits for this one before reading y)
             tl.extra.cuda.gdc_launch_dependents()
         acc = tl.sum(acc3, axis=2)  # [M_PAD, BLOCK_N]
         _finish(acc, rm, rn, m_ok, n_ok, pid_n, pid_k, c_ptr, y_ptr, ws_ptr, cnt_ptr, N, scm, scn, sym, syn,
@@ -247,11 +255,12 @@ def kernel_supports(x: torch.Tensor, w: torch.Tensor, max_m: int, design: int = 
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None, block_n: int = 64,
                 block_k: int = 128, split_k: int = 1, num_warps: int = 4, design: int = 0,
-                use_pdl: bool = False, l2_prefetch_kb: int = 0) -> torch.Tensor:
+                use_pdl: bool = False, l2_prefetch_kb: int = 0, early_release: bool = False) -> torch.Tensor:
     """Launch the kernel of `design` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). use_pdl: launch
     with programmatic dependent launch where kernels/pdl.py says it exists; the first K step is peeled (its weights
     load before the wait) whenever it is asked for, so the interpreter runs that code too. l2_prefetch_kb: with
-    PDL, the launch asks L2 for up to this many KiB of its weight before the wait (`prefetch_plan`)."""
+    PDL, the launch asks L2 for up to this many KiB of its weight before the wait (`prefetch_plan`). early_release: with
+    PDL, release the next kernel right after the wait instead of after the K loop (same sums)."""
     rows = design == DESIGNS["rows"]
     most = ROWS_MAX_M if rows else MAX_M
     check_gemv_args(x, w, c, most, block_n, block_k, split_k, design, num_warps)
@@ -280,6 +289,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
     pf_programs = prefetch_plan(w, block_n, split_k, k_per_split, l2_prefetch_kb) if pdl else 0
     if pf_programs:
         extra.update(pf_programs=pf_programs, L2_PF=True, PIECES=32 * num_warps)
+    if pdl and early_release:
+        extra["EARLY"] = True
     if rows:
         _gemv_rows_kernel[(tiles, split_k)](*args, HAS_C=c is not None, M_PAD=triton.next_power_of_2(m),
                                             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=pdl, PEEL=bool(use_pdl),
@@ -351,23 +362,25 @@ def rows_configs(n: int, k: int) -> list[tuple[int, int, int, int]]:
 @torch.library.custom_op("k3::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, max_m: int, block_n: int, block_k: int,
          split_k: int, design: int = 0, use_pdl: bool = False, num_warps: int = 4,
-         l2_prefetch_kb: int = 0) -> torch.Tensor:
+         l2_prefetch_kb: int = 0, early_release: bool = False) -> torch.Tensor:
     """y = x @ w.T (then + c): the aten calls (CPU, or rows > max_m); see the module doc."""
     check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design, num_warps)
     return gemv_reference(x, w, c)
 
 
 @gemv.register_kernel("cuda")
-def _gemv_cuda(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False, num_warps=4, l2_prefetch_kb=0):
+def _gemv_cuda(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False, num_warps=4, l2_prefetch_kb=0,
+               early_release=False):
     check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design, num_warps)
     if kernel_supports(x, w, max_m, design):
         with torch.cuda.device(x.device):  # Triton launches on the current device
             return gemv_triton(x, w, c, block_n, block_k, split_k, num_warps=num_warps, design=design,
-                               use_pdl=use_pdl, l2_prefetch_kb=l2_prefetch_kb)
+                               use_pdl=use_pdl, l2_prefetch_kb=l2_prefetch_kb, early_release=early_release)
     return gemv_reference(x, w, c)
 
 
 @gemv.register_fake
-def _gemv_fake(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False, num_warps=4, l2_prefetch_kb=0):
+def _gemv_fake(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False, num_warps=4, l2_prefetch_kb=0,
+               early_release=False):
     check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design, num_warps)
     return x.new_empty(x.shape[0], w.shape[0])

@@ -41,8 +41,9 @@ launches the kernel with `launch_pdl=True` where Triton and the GPU support it (
 (P5's option too) the kernel then loads everything the previous kernel does not write before
 `gdc_wait()` -- slot index, conv windows, its first fp32 state block, all weights including the
 low-rank up-projections' -- overlapping the previous kernel's tail (why reading the state early is
-safe: the comment in the kernel), and calls `gdc_launch_dependents()` once its inputs are read. The
-CPU reference ignores both.
+safe: the comment in the kernel), and calls `gdc_launch_dependents()` once its inputs are read (with
+`early_release`, P5's option, right after its wait, so the next kernel -- the out-projection's GEMV -- is resident
+and loads its weights while the recurrence runs). The CPU reference ignores all three.
 
 Testing without a GPU: with TRITON_INTERPRET=1 in the environment *before this module is imported*,
 `fused_kda_decode_triton` runs on CPU tensors (see tests/passes/kernels/interpret_kda_decode.py).
@@ -312,7 +313,7 @@ if triton is not None:
         SPLIT_PAD: tl.constexpr,
         N_BLOCKS: tl.constexpr, SOFTPLUS_GATE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
         F_RANK: tl.constexpr, F_TILE: tl.constexpr, G_RANK: tl.constexpr, G_TILE: tl.constexpr, BR: tl.constexpr,
-        L2EPS: tl.constexpr,
+        L2EPS: tl.constexpr, EARLY: tl.constexpr = False,
     ):
         # Program (request, head, part): the head's q/k conv channels, V_PER = V / V_SPLIT of its V
         # columns (their conv channels, the [K, V_PER] slice of the state, walked in N_BLOCKS [K, BV] blocks,
@@ -364,6 +365,8 @@ if triton is not None:
                                                              head, ok, mk, ov, mv, V, WIDTH, WPAD, G_RANK, G_TILE)
         if USE_PDL and PREFETCH:
             tl.extra.cuda.gdc_wait()
+        if USE_PDL and EARLY:  # release the next kernel now (after our wait, as every kernel of the chain)
+            tl.extra.cuda.gdc_launch_dependents()
 
         # ---- q, k: short conv + SiLU, L2 norm (epsilon inside the sqrt, as fla)
         q, q_x = _conv_apply(xq_ptr + req * xq_row, ch, mk, q_hist, q_w, q_w_last)
@@ -421,7 +424,7 @@ if triton is not None:
                 gain = _gain(gate_ptr + req * gate_row, gate_head, wgb_ptr, head, ov, mv, nw_cur, gw_cur, V, G_RANK,
                              G_TILE, BV, BR)
                 tl.store(part_ptr + bh * V + ov, of * gain, mask=mv)
-        if USE_PDL:
+        if USE_PDL and not EARLY:
             tl.extra.cuda.gdc_launch_dependents()
 
         if V_SPLIT == 1:
@@ -479,13 +482,15 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
                             beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound,
                             norm_eps, f_b_weight=None, g_b_weight=None, use_pdl: bool = False,
                             num_warps: int | None = None, v_split: int | None = None, prefetch: bool = True,
-                            block_v: int | None = None, layout: str = DEFAULT_LAYOUT) -> torch.Tensor:
+                            block_v: int | None = None, layout: str = DEFAULT_LAYOUT,
+                            early_release: bool = False) -> torch.Tensor:
     """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). v_split: parts
     per head along V, block_v (columns per state block, a power of 2) and num_warps default to what the
     launch `layout` (model_def/ops/kda_launch.py) picks for this batch; v_split 1 = one program per (request,
     head). prefetch: with PDL, load what the previous kernel does not write before gdc_wait (False: wait
     first). The fold (runtime/spec/fold_kernel.py) and the verify-inputs kernel use the same layout's blocks:
-    overriding block_v / num_warps changes the reduction order they reproduce bit for bit."""
+    overriding block_v / num_warps changes the reduction order they reproduce bit for bit. early_release: with PDL,
+    release the next kernel right after the wait instead of after the state loop (same arithmetic)."""
     if triton is None:
         raise RuntimeError("fused_kda_decode: triton is not installed")
     b, h, kd, vd, width = check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias,
@@ -532,6 +537,8 @@ def fused_kda_decode_triton(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_co
     if num_warps is None:
         num_warps = warps_for(layout, kd, bv)
     extra = {"launch_pdl": True} if use_pdl else {}
+    if use_pdl and early_release:
+        extra["EARLY"] = True
     _fused_kda_decode_kernel[(b * h, split)](
         q_in, k_in, v_in, q_in.stride(0), k_in.stride(0), v_in.stride(0),
         wq, wk, wv,
@@ -563,7 +570,8 @@ def fused_kda_decode(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
                      norm_weight: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, layer: int,
                      slots: torch.Tensor, lower_bound: float | None, norm_eps: float,
                      f_b_weight: torch.Tensor | None = None, g_b_weight: torch.Tensor | None = None,
-                     use_pdl: bool = False, prefetch: bool = True, launch: str = DEFAULT_LAYOUT) -> torch.Tensor:
+                     use_pdl: bool = False, prefetch: bool = True, launch: str = DEFAULT_LAYOUT,
+                     early_release: bool = False) -> torch.Tensor:
     """A KDA layer's decode step after its input GEMM: [B, H, V] gated-norm output. See module doc.
     launch: the kernel's launch layout, a name in model_def/ops/kda_launch.py."""
     check_layout(launch)
@@ -575,7 +583,8 @@ def fused_kda_decode(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
 @fused_kda_decode.register_kernel("cuda")
 def _fused_kda_decode_cuda(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                            beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps,
-                           f_b_weight=None, g_b_weight=None, use_pdl=False, prefetch=True, launch=DEFAULT_LAYOUT):
+                           f_b_weight=None, g_b_weight=None, use_pdl=False, prefetch=True, launch=DEFAULT_LAYOUT,
+                           early_release=False):
     h = a_log.shape[0]
     if q_in.shape[0] > LOW_RANK_IN_KERNEL_MAX_BATCH:  # cuBLAS reads each weight once for the whole batch
         f, gate = expand_low_rank(f, gate, f_b_weight, g_b_weight, h)
@@ -585,14 +594,16 @@ def _fused_kda_decode_cuda(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_con
     vd = gate.shape[-1] if g_b_weight is None else g_b_weight.shape[0] // h
     if kernel_supports(q_in.shape[-1] // h, vd):
         with torch.cuda.device(q_in.device):  # Triton launches on the current device
-            return fused_kda_decode_triton(*args, use_pdl=use_pdl, prefetch=prefetch, layout=launch)
+            return fused_kda_decode_triton(*args, use_pdl=use_pdl, prefetch=prefetch, layout=launch,
+                                           early_release=early_release)
     return fused_kda_decode_reference(*args)
 
 
 @fused_kda_decode.register_fake
 def _fused_kda_decode_fake(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                            beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, lower_bound, norm_eps,
-                           f_b_weight=None, g_b_weight=None, use_pdl=False, prefetch=True, launch=DEFAULT_LAYOUT):
+                           f_b_weight=None, g_b_weight=None, use_pdl=False, prefetch=True, launch=DEFAULT_LAYOUT,
+                           early_release=False):
     check_layout(launch)
     b, h, _, vd, _ = check_args(q_in, k_in, v_in, q_conv_weight, k_conv_weight, v_conv_weight, f, dt_bias, a_log,
                                 beta_logits, gate, norm_weight, conv_pool, ssm_pool, layer, slots, f_b_weight,

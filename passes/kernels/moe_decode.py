@@ -343,7 +343,7 @@ if triton is not None:
     def _shared_up_slot(x_row, sw13_ptr, hs_row, col_block, D, IS, beta, linear_beta, ACT: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
                         L2_PREFETCH: tl.constexpr, PIECES: tl.constexpr, flags_ptr, flag_row, CHUNK,
-                        FLAGS: tl.constexpr, KSPLIT: tl.constexpr, STRIDE: tl.constexpr):
+                        FLAGS: tl.constexpr, KSPLIT: tl.constexpr, STRIDE: tl.constexpr, EARLY: tl.constexpr = False):
         """Kernel A's shared slot: hs[cols] = act(Wg[cols] . x, Wu[cols] . x) for one column block of the shared
         expert's [2 Is, D] gate/up weight (dense), with the routed rows' own loop (`_rows_dot`, reduced every K
         step): a slot that kept [BLOCK_N, BLOCK_K] fp32 products for the whole loop set the kernel's register
@@ -362,11 +362,11 @@ if triton is not None:
                                          IS * D * elem, PIECES)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # x comes from an earlier kernel
-            if FLAGS:
+            if FLAGS or EARLY:  # released right after the wait (flag_deps, early_release)
                 tl.extra.cuda.gdc_launch_dependents()
         g = _rows_dot(sw13_ptr, cols, cmask, x_row, D, BLOCK_N, BLOCK_K)
         u = _rows_dot(sw13_ptr, cols + IS, cmask, x_row, D, BLOCK_N, BLOCK_K)
-        if USE_PDL and not FLAGS:
+        if USE_PDL and not (FLAGS or EARLY):
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(hs_row + cols, _glu(g, u, beta, linear_beta, ACT), mask=cmask)
         if FLAGS:
@@ -393,7 +393,7 @@ if triton is not None:
                           USE_PDL: tl.constexpr, SHARED_FIRST: tl.constexpr = False,
                           SHARED_L2_PREFETCH: tl.constexpr = False, PIECES: tl.constexpr = 128,
                           FLAGS: tl.constexpr = False, KSPLIT: tl.constexpr = 1,
-                          FLAG_STRIDE: tl.constexpr = 32):
+                          FLAG_STRIDE: tl.constexpr = 32, EARLY: tl.constexpr = False):
         # pair: token * TOP_K + slot; from PAIRS on (SHARED_SLOT) the shared slot. FLAGS (flag_deps): kernel B' is
         # released right after the wait (it reads ids and weights of the router, which every program of ours has then
         # waited for) and learns per K chunk of h when its columns are stored (_publish_h)
@@ -403,13 +403,13 @@ if triton is not None:
                 token = pair - PAIRS
                 _shared_up_slot(x_ptr + token * x_row_stride, sw13_ptr, hs_ptr + token * IS, col_block, D,
                                 IS, beta, linear_beta, ACT, BLOCK_N, BLOCK_K, USE_PDL, SHARED_L2_PREFETCH, PIECES,
-                                flags_ptr, pair, CHUNK_S, FLAGS, KSPLIT, FLAG_STRIDE)
+                                flags_ptr, pair, CHUNK_S, FLAGS, KSPLIT, FLAG_STRIDE, EARLY)
                 return
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < I
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # the ids (routing) and x come from earlier kernels
-            if FLAGS:
+            if FLAGS or EARLY:  # released right after the wait (flag_deps, early_release)
                 tl.extra.cuda.gdc_launch_dependents()
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         token = pair // TOP_K
@@ -444,7 +444,7 @@ if triton is not None:
             both = tl.sum(acc, axis=2)
             g = tl.sum(tl.where(half[:, None] == 0, both, 0.0), axis=0)
             u = tl.sum(tl.where(half[:, None] == 1, both, 0.0), axis=0)
-        if USE_PDL and not FLAGS:
+        if USE_PDL and not (FLAGS or EARLY):
             tl.extra.cuda.gdc_launch_dependents()
         h_cols = cols
         if MXFP4:  # kernel B's MXFP4 tiles read each group of 32 as its even inputs, then its odd ones
@@ -660,7 +660,8 @@ if triton is not None:
                                SHARED_SLOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                USE_PDL: tl.constexpr, SHARED_FIRST: tl.constexpr = False,
                                SHARED_L2_PREFETCH: tl.constexpr = False, PIECES: tl.constexpr = 128,
-                               FLAGS: tl.constexpr = False, KSPLIT: tl.constexpr = 1, FLAG_STRIDE: tl.constexpr = 32):
+                               FLAGS: tl.constexpr = False, KSPLIT: tl.constexpr = 1, FLAG_STRIDE: tl.constexpr = 32,
+                               EARLY: tl.constexpr = False):
         # pair: token * TOP_K + slot; from PAIRS on (SHARED_SLOT) the shared slot; FLAGS: as in _expert_up_kernel
         pair, col_block = _up_program(PAIRS, TOP_K, SHARED_FIRST)
         if SHARED_SLOT:
@@ -668,20 +669,20 @@ if triton is not None:
                 token = pair - PAIRS
                 _shared_up_slot(x_ptr + token * x_row_stride, sw13_ptr, hs_ptr + token * IS, col_block, D,
                                 IS, beta, linear_beta, ACT, BLOCK_N, BLOCK_K, USE_PDL, SHARED_L2_PREFETCH, PIECES,
-                                flags_ptr, pair, CHUNK_S, FLAGS, KSPLIT, FLAG_STRIDE)
+                                flags_ptr, pair, CHUNK_S, FLAGS, KSPLIT, FLAG_STRIDE, EARLY)
                 return
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < I
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # the ids (routing) and x come from earlier kernels
-            if FLAGS:
+            if FLAGS or EARLY:  # released right after the wait (flag_deps, early_release)
                 tl.extra.cuda.gdc_launch_dependents()
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         x_row = x_ptr + (pair // TOP_K) * x_row_stride
         w_base = w13_ptr + expert * (2 * I) * D
         g = _rows_dot(w_base, cols, cmask, x_row, D, BLOCK_N, BLOCK_K)
         u = _rows_dot(w_base, cols + I, cmask, x_row, D, BLOCK_N, BLOCK_K)
-        if USE_PDL and not FLAGS:
+        if USE_PDL and not (FLAGS or EARLY):
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(h_ptr + pair * I + cols, _glu(g, u, beta, linear_beta, ACT), mask=cmask)
         if FLAGS:
@@ -1057,7 +1058,7 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
                      use_pdl: bool = False, designs: tuple[str, str] | None = None,
                      split: SplitConfig | None = None, shared_l2_prefetch: bool = False,
                      down_l2_prefetch: bool = False, up_launch: tuple[int, int, int] | None = None,
-                     flag_deps: bool = False) -> torch.Tensor:
+                     flag_deps: bool = False, early_release: bool = False) -> torch.Tensor:
     """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n / block_k
     / num_warps override the tile rule's choice for every kernel (tests, tile sweeps). use_pdl: launch with
     programmatic dependent launch where available (sm90+, Triton >= 3.4; ignored elsewhere). designs: (up,
@@ -1070,7 +1071,9 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     up_launch: kernel A's (BLOCK_N, BLOCK_K, num_warps), either design, instead of ROWS_TUNED / the rules' (P6's
     up_launch; block_n / block_k / num_warps still override it). flag_deps (B' design only, else ignored): kernel A
     releases B' right after its wait and counts the h columns it stores per B' K chunk; each B' program waits for its
-    own chunk's count instead of all of A (see "flag_deps" above `_publish_h`). Same loads, same sums: same bits."""
+    own chunk's count instead of all of A (see "flag_deps" above `_publish_h`). Same loads, same sums: same bits.
+    early_release: with PDL, kernel A releases the next kernel (B) right after its wait instead of after its K loop,
+    so B's programs are resident and load their first weight tiles while A streams (B still waits for all of A)."""
     if triton is None:
         raise RuntimeError("fused_moe_decode: triton is not installed")
     num_experts, inter, width, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
@@ -1147,6 +1150,8 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     if first:
         grid_a = grid_a[::-1]  # (column blocks, tokens + pairs): the shared slot's programs launch first
     a_opts = dict(SHARED_FIRST=first, SHARED_L2_PREFETCH=prefetch_a, PIECES=32 * warps) if first else {}
+    if pdl and early_release:
+        a_opts["EARLY"] = True
     if up_design == "rows":
         _expert_up_rows_kernel[grid_a](
             x, ids, w13, h, sw13, hs, flag_buf, x.stride(0), width, inter, shared_width_a, n * k, chunk, chunk_s,
@@ -1223,12 +1228,12 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      use_pdl: bool = False, shared_w13: torch.Tensor | None = None,
                      down_split: list[int] | None = None, shared_l2_prefetch: bool = False,
                      down_l2_prefetch: bool = False, up_launch: list[int] | None = None,
-                     flag_deps: bool = False) -> torch.Tensor:
+                     flag_deps: bool = False, early_release: bool = False) -> torch.Tensor:
     """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc.
     down_split: kernel B''s launch (SplitConfig's fields, prefetch as 0/1) at every batch below the crossover,
     instead of split_config()'s per-shape choice (P6's down_split option; the CPU reference ignores it).
-    shared_l2_prefetch / down_l2_prefetch / up_launch / flag_deps: fused_moe_triton's options of the same names (P6's;
-    same values)."""
+    shared_l2_prefetch / down_l2_prefetch / up_launch / flag_deps / early_release: fused_moe_triton's options of the
+    same names (P6's; same values)."""
     return fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
 
@@ -1237,7 +1242,8 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
-                           shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False):
+                           shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
+                           early_release=False):
     args = (x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
             linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
     if triton is None or x.shape[0] >= crossover:
@@ -1245,14 +1251,16 @@ def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
     split = None if down_split is None else split_from_list(down_split)
     with torch.cuda.device(x.device):  # Triton launches on the current device
         return fused_moe_triton(*args, use_pdl=use_pdl, split=split, shared_l2_prefetch=shared_l2_prefetch,
-                                down_l2_prefetch=down_l2_prefetch, up_launch=up_launch, flag_deps=flag_deps)
+                                down_l2_prefetch=down_l2_prefetch, up_launch=up_launch, flag_deps=flag_deps,
+                                early_release=early_release)
 
 
 @fused_moe_decode.register_fake
 def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
-                           shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False):
+                           shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
+                           early_release=False):
     _, _, _, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                     shared_w2, act, latent_up_w, latent_norm_w, shared_w13)
     return x.new_empty(x.shape[0], out_width)

@@ -119,6 +119,9 @@ def test_options_use_pdl_and_no_low_rank_absorption():
     with pytest.raises(PassConfigError, match="p05_fused_kda_decode: launch must be one of s8, got 'wide'"):
         cfg.validate()
     assert op_counts(gm)[torch.ops.aten.mm.default] == mm0  # f_b_proj and g_b_proj stay GEMMs
+    early = _upstream("kimi-linear-tiny", "decode")  # early_release: one more argument, only when set
+    assert run_pass(early, P5, early_release=True) == n_kda
+    assert all(n.args[20:] == (True, True, "s8", True) for n in _fused_nodes(early))
     absorbed = _upstream("kimi-linear-tiny", "decode")
     run_pass(absorbed, P5)
     assert op_counts(absorbed)[torch.ops.aten.mm.default] == mm0 - 2 * n_kda
@@ -126,6 +129,7 @@ def test_options_use_pdl_and_no_low_rank_absorption():
     want = run_graph(_upstream("kimi-linear-tiny", "decode"), x)
     assert_same_step(run_graph(gm, x), want, FP32_TOL, "no PDL, no absorption, on CPU")
     assert_same_step(run_graph(absorbed, x), want, FP32_TOL, "absorbed low-rank GEMMs, on CPU")
+    assert_same_step(run_graph(early, x), want, FP32_TOL, "early release, on CPU")
 
 
 def test_graph_json_round_trip_keeps_the_fused_op():

@@ -276,7 +276,8 @@ def test_up_launch_goes_into_the_op_after_the_l2_options():
     x = inputs_for("kimi-linear-tiny", "decode", torch.float32)
     want = run_graph(_after_p1_p4(graph("kimi-linear-tiny", "decode")), x)
     for options, tail in (({}, (None, True, True)), ({"up_launch": "32x256x4"}, (None, True, True, [32, 256, 4])),
-                          ({"up_launch": "16X512x8", "shared_l2_prefetch": False}, (None, False, True, [16, 512, 8]))):
+                          ({"up_launch": "16X512x8", "shared_l2_prefetch": False}, (None, False, True, [16, 512, 8])),
+                          ({"early_release": True}, (None, True, True, None, False, True))):
         gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
         assert run_pass(gm, P6, **options) == 5
         assert all(tuple(n.args[19:]) == tail for n in _fused_nodes(gm)), options
@@ -404,16 +405,17 @@ def test_kimi_like_on_cuda_with_the_down_split_launch_from_the_config():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kimi_like_on_cuda_with_up_launch():
-    """P6's up_launch reaches kernel A on CUDA (PDL on, the L2 options at their defaults): with either launch the step
-    matches the unpassed graph."""
+    """P6's up_launch (and early_release) reach kernel A on CUDA (PDL on, the L2 options at their defaults): with
+    either launch, and with kernel A releasing B right after its wait, the step matches the unpassed graph."""
     gpu = _small_model_on_cuda()
     before = _after_p1_p4(capture_step(gpu, "decode"))
     x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 8)]
     want = run_graph(before, x)
-    for options in ({"up_launch": "16x64x4"}, {"up_launch": "32x64x8"}):
+    for options in ({"up_launch": "16x64x4"}, {"up_launch": "32x64x8"}, {"up_launch": "16x64x4", "early_release": True}):
         gm = _after_p1_p4(capture_step(gpu, "decode"))
         assert run_pass(gm, P6, use_pdl=True, crossover_batch=1 << 20, **options) == 2
         assert all(tuple(n.args[22]) == tuple(int(v) for v in options["up_launch"].split("x"))
+                   and tuple(n.args[23:]) == ((False, True) if "early_release" in options else ())
                    for n in _fused_nodes(gm))
         assert_same_step(run_graph(gm, x), want, BF16_TOL, f"{options} on CUDA vs unpassed graph")
 

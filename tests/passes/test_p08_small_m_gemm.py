@@ -149,6 +149,29 @@ def test_l2_prefetch_option_reaches_the_nodes_the_report_and_the_engine_format()
     torch.library.opcheck(GEMV, (x, w, None, 4, 4, 128, 2, gemv_kernels.DESIGNS["rows"], True, 8, 1024))
 
 
+def test_early_release_option_reaches_the_nodes_the_report_and_the_engine_format():
+    """early_release: each k3.gemv gets a 12th argument (True, after l2_prefetch_kb 0), recorded per node and kept
+    by the engine format; without PDL (or without the option) the nodes keep 10 arguments."""
+    gm = engine_before("kimi-linear-tiny")
+    assert run_pass(gm, P8, choice="gemv", early_release=True) == 33
+    gemvs = [n for n in gm.graph.nodes if n.target == GEMV]
+    assert len(gemvs) == 33 and all(len(n.args) == 12 and n.args[10:] == (0, True) for n in gemvs)
+    assert all(r["early_release"] for r in gm.meta["k3"]["pass_details"][P8]["nodes"])
+    keys = {n.target: n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    weights = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    back = graph_from_dict(graph_to_dict(gm, "decode", keys), weights, STEP_INPUTS)
+    assert [n.args[10:] for n in back.graph.nodes if n.target == GEMV] == [(0, True)] * 33
+    plain = engine_before("kimi-linear-tiny")
+    run_pass(plain, P8, choice="gemv")
+    inputs = inputs_for("kimi-linear-tiny", "decode", torch.bfloat16)
+    assert torch.equal(run_graph(back, inputs)[0][0], run_graph(plain, inputs)[0][0])
+    no_pdl = engine_before("kimi-linear-tiny")
+    run_pass(no_pdl, P8, choice="gemv", early_release=True, use_pdl=False)  # a release point needs PDL
+    assert all(len(n.args) == 10 for n in no_pdl.graph.nodes if n.target == GEMV)
+    x, w = torch.randn(2, 16).bfloat16(), torch.randn(8, 16).bfloat16()
+    torch.library.opcheck(GEMV, (x, w, None, 4, 4, 128, 2, gemv_kernels.DESIGNS["rows"], True, 8, 0, True))
+
+
 def test_prefetch_plan_counts_the_leading_programs_the_budget_covers_and_refuses_unaligned_rows():
     w = torch.zeros(64, 256, dtype=torch.bfloat16)  # 512-byte rows
     assert gemv_kernels.prefetch_plan(w, 4, 1, 256, 0) == 0
@@ -322,9 +345,10 @@ def test_warps_candidates_with_pdl_in_a_graph_on_gpu(n, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,k", ((2304, 4096), (12576, 2304)))  # 48B KDA o_proj, merged in-proj
-def test_l2_prefetch_gives_the_same_bits_in_a_pdl_graph_on_gpu(n, k):
-    """With an L2 prefetch before gdc_wait (whole weight, and a budget that covers part of each row) every launch
-    P8 may emit computes exactly what it computes without one, replayed in a CUDA graph with PDL."""
+def test_l2_prefetch_and_early_release_give_the_same_bits_in_a_pdl_graph_on_gpu(n, k):
+    """With an L2 prefetch before gdc_wait (whole weight, and a budget that covers part of each row), and with the
+    release of the next launch right after the wait, every launch P8 may emit computes exactly what it computes
+    without them, replayed in a CUDA graph with PDL."""
     from k3compile.passes.p08_small_m_gemm import _candidates
     gen = torch.Generator(device="cuda").manual_seed(0)
     ws = [(0.02 * torch.randn(n, k, device="cuda", generator=gen)).bfloat16() for _ in range(2)]
@@ -336,19 +360,21 @@ def test_l2_prefetch_gives_the_same_bits_in_a_pdl_graph_on_gpu(n, k):
             if design == gemv_kernels.DESIGNS["rows"] and m > gemv_kernels.ROWS_MAX_M:
                 continue
             outs = {}
-            for kb in (0, 1 << 20, 4 << 10):
-                def chain(kb=kb):
+            for kb, early in ((0, False), (1 << 20, False), (4 << 10, False), (0, True), (4 << 10, True)):
+                def chain(kb=kb, early=early):
                     return [gemv_kernels.gemv_triton(x, w, None, bn, bk, split, num_warps=warps, design=design,
-                                                     use_pdl=True, l2_prefetch_kb=kb) for w in ws]
+                                                     use_pdl=True, l2_prefetch_kb=kb, early_release=early)
+                            for w in ws]
                 chain()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     got = chain()
                 graph.replay()
                 graph.replay()
-                outs[kb] = got[0].clone()
-            assert torch.equal(outs[0], outs[1 << 20]) and torch.equal(outs[0], outs[4 << 10]), (bn, bk, split, design)
-            assert rel_err(outs[1 << 20].float(), want) < 1e-2
+                outs[kb, early] = got[0].clone()
+            for key in outs:  # the prefetch and the release point change when loads happen, not what is summed
+                assert torch.equal(outs[0, False], outs[key]), (bn, bk, split, design, key)
+            assert rel_err(outs[1 << 20, False].float(), want) < 1e-2
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from k3compile.model_def.config import get_preset
 from k3compile.model_def.ops import kda_math
+from k3compile.model_def.ops.kda_launch import DEFAULT_LAYOUT
 from k3compile.passes.kernels.kda_decode import fused_kda_decode_reference, fused_kda_decode_triton
 
 from .interpreted import run_interpreted
@@ -89,6 +90,7 @@ def test_op_passes_opcheck_on_cpu():
 def test_op_takes_a_launch_layout_by_name():
     case = make_case(batch=2, heads=2, head_dim=16, lower_bound=None, slots=[1, 0])
     torch.library.opcheck(FUSED, case.args() + (False, True, "s8"))
+    torch.library.opcheck(FUSED, case.args() + (True, True, "s8", True))  # early_release: the same op on CPU
     with pytest.raises(ValueError, match="unknown KDA decode launch layout 'wide'"):  # dropped in session 9
         FUSED(*case.args(), False, True, "wide")
     with pytest.raises(ValueError, match="unknown KDA decode launch layout 'fast'"):
@@ -244,13 +246,14 @@ def test_cuda_graph_replays_of_the_split_kernel_match_eager_steps():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("batch", [1, 8])
-def test_pdl_chain_in_a_cuda_graph_matches_the_reference(batch):
+@pytest.mark.parametrize("batch,early", [(1, False), (8, False), (1, True), (8, True)])
+def test_pdl_chain_in_a_cuda_graph_matches_the_reference(batch, early):
     """48B shape, bf16: x -> P8's GEMV (in_proj, PDL) -> P5's kernel (PDL, prefetch before gdc_wait: pools and
     weights early, the GEMV's output only after the wait) -> P8's GEMV (o_proj, PDL), captured once and replayed
     for three steps with new x; each step's output and pools vs the reference ops (cuBLAS mm + the unfused
     KDA ops) on their own pool copies. A read of the GEMV's output before the wait, or of a pool row the step
-    writes, would show as a mismatch."""
+    writes, would show as a mismatch. early: every kernel of the chain releases the next one right after its wait
+    (P8's and P5's early_release), so each next kernel is resident for all of its predecessor's run."""
     from k3compile.passes.kernels.gemv import default_config, gemv_triton
 
     heads, head_dim, lower_bound = _real_shape("kimi-linear-48b")
@@ -275,9 +278,9 @@ def test_pdl_chain_in_a_cuda_graph_matches_the_reference(batch):
                 case.layer, case.slots, case.lower_bound, case.norm_eps, case.f_b_weight, case.g_b_weight)
 
     def step():
-        y = gemv_triton(x, w_in, None, *cfg_in, use_pdl=True)
-        o = FUSED(*kda_args(y, graph_pools), True, True)  # use_pdl, prefetch
-        return gemv_triton(o.flatten(1), w_out, None, *cfg_out, use_pdl=True)
+        y = gemv_triton(x, w_in, None, *cfg_in, use_pdl=True, early_release=early)
+        o = FUSED(*kda_args(y, graph_pools), True, True, DEFAULT_LAYOUT, early)  # use_pdl, prefetch, launch, early
+        return gemv_triton(o.flatten(1), w_out, None, *cfg_out, use_pdl=True, early_release=early)
 
     x.copy_(torch.randn(batch, d, device="cuda", generator=gen).bfloat16())
     side = torch.cuda.Stream()
