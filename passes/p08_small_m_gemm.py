@@ -36,6 +36,7 @@ one rounding (bf16 tolerance).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -43,11 +44,14 @@ from torch.fx import GraphModule, Node
 
 from .graph_utils import attr_tensor, erase_if_dead, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
 from .kernels import gemv as gemv_kernels
+from .kernels import kda_decode  # noqa: F401  (registers k3::fused_kda_decode, which _feeds_fused_kda looks for)
 from .registry import PassConfig, PassConfigError, register_pass
 
 aten = torch.ops.aten
 CHOICES = ("auto", "gemv", "cublas")
 TIMINGS = ("pdl_chain", "alone")
+EARLY_RELEASE = ("none", "all", "except_kda_inputs")
+_FUSED_KDA = torch.ops.k3.fused_kda_decode.default
 DOT_WARPS = 4
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _DESIGN_NAMES = {v: name for name, v in gemv_kernels.DESIGNS.items()}
@@ -72,9 +76,11 @@ class SmallMGemmConfig(PassConfig):
     # after a latency-bound kernel (KDA, MLA attention, a norm) streams while that kernel runs (kernels/gemv.py,
     # kernels/l2_prefetch.py); 0: none. Not timed by the measurement above (its chain is GEMVs back to back).
     l2_prefetch_mb: int = 0
-    # with PDL, each emitted kernel releases the next one right after its wait, not after its K loop (kernels/gemv.py),
-    # so the fused KDA kernel after an in-projection loads its state and weights while the GEMV streams
-    early_release: bool = False
+    # with PDL, an emitted kernel releases the next one right after its wait, not after its K loop (kernels/gemv.py),
+    # so the next kernel loads its weights while the GEMV streams: "none", "all", or "except_kda_inputs" (not the
+    # GEMVs that feed a fused KDA kernel, whose programs would then hold SMs the GEMV's own programs need; 48B batch 1,
+    # traces/h200_s12/call1: "all" made the step 1% slower)
+    early_release: str = "none"
 
     def validate(self) -> None:
         if self.choice not in CHOICES:
@@ -91,6 +97,9 @@ class SmallMGemmConfig(PassConfig):
             raise PassConfigError(f"p08_small_m_gemm.min_gain must be in [0, 1), got {self.min_gain}")
         if self.timing not in TIMINGS:
             raise PassConfigError(f"p08_small_m_gemm.timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
+        if self.early_release not in EARLY_RELEASE:
+            raise PassConfigError(f"p08_small_m_gemm.early_release must be one of {', '.join(EARLY_RELEASE)}, "
+                                  f"got {self.early_release!r}")
         if not 0 <= self.l2_prefetch_mb <= 1024:
             raise PassConfigError(f"p08_small_m_gemm.l2_prefetch_mb must be in 0..1024, got {self.l2_prefetch_mb}")
         warps = _ints("rows_warps", self.rows_warps)
@@ -116,6 +125,28 @@ def _weight_of(node: Node, gm: GraphModule, dtypes) -> Node | None:
             if t.dim() == 2 and t.dtype in dtypes:
                 return w
     return None
+
+
+def _feeds_fused_kda(node: Node, depth: int = 4) -> bool:
+    """Whether node's output reaches a fused KDA kernel (P5) through at most `depth` view / split / getitem nodes
+    (an in-projection's column blocks)."""
+    frontier = list(node.users)
+    for _ in range(depth):
+        nxt = []
+        for user in frontier:
+            if user.target == _FUSED_KDA:
+                return True
+            if user.op == "call_function" and (user.target is operator.getitem or _is_view_like(user)):
+                nxt.extend(user.users)
+        frontier = nxt
+    return False
+
+
+def _is_view_like(node: Node) -> bool:
+    """A node that launches no kernel of its own: views and splits of a tensor."""
+    return getattr(node.target, "_schema", None) is not None and any(
+        a.alias_info is not None for a in node.target._schema.returns) or node.target in (
+        aten.split.Tensor, aten.split_with_sizes.default)
 
 
 def _match(node: Node, gm: GraphModule, dtypes):
@@ -272,10 +303,12 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
         if not max_m:
             continue
         args = (x, w, None, max_m, *cfg[:4], bool(config.use_pdl), cfg[4])
-        if config.use_pdl and (config.l2_prefetch_mb or config.early_release):  # (else: as before the options)
+        early = bool(config.use_pdl) and (config.early_release == "all" or config.early_release == "except_kda_inputs"
+                                          and not _feeds_fused_kda(node))
+        if config.use_pdl and (config.l2_prefetch_mb or early):  # (without either: as before the options existed)
             args += (int(config.l2_prefetch_mb) << 10,)
             rec["l2_prefetch_kb"] = args[-1]
-        if config.use_pdl and config.early_release:
+        if early:
             args += (True,)
             rec["early_release"] = True
         with gm.graph.inserting_before(node):

@@ -77,7 +77,7 @@ def test_one_fused_op_per_kda_layer_in_decode_only(name, mode, dtype):
     # layer index, gate variant and eps as the config says; weights are the layer's own
     assert [n.args[14] for n in fused] == list(range(n_kda))
     assert all(n.args[16] == cfg.gate_lower_bound and n.args[17] == cfg.rms_norm_eps
-               and n.args[20:] == (True, True, "s8") for n in fused)  # use_pdl, prefetch, launch layout
+               and n.args[20:] == (True, True, "s8", True) for n in fused)  # use_pdl, prefetch, launch, early
     for i, node in enumerate(fused):
         layer = cfg.kda_layers[i]
         a_log, norm_weight = node.args[8], node.args[11]
@@ -119,9 +119,9 @@ def test_options_use_pdl_and_no_low_rank_absorption():
     with pytest.raises(PassConfigError, match="p05_fused_kda_decode: launch must be one of s8, got 'wide'"):
         cfg.validate()
     assert op_counts(gm)[torch.ops.aten.mm.default] == mm0  # f_b_proj and g_b_proj stay GEMMs
-    early = _upstream("kimi-linear-tiny", "decode")  # early_release: one more argument, only when set
-    assert run_pass(early, P5, early_release=True) == n_kda
-    assert all(n.args[20:] == (True, True, "s8", True) for n in _fused_nodes(early))
+    early = _upstream("kimi-linear-tiny", "decode")  # early_release: one more argument, only when set (and PDL on)
+    assert run_pass(early, P5, early_release=False) == n_kda
+    assert all(n.args[20:] == (True, True, "s8") for n in _fused_nodes(early))
     absorbed = _upstream("kimi-linear-tiny", "decode")
     run_pass(absorbed, P5)
     assert op_counts(absorbed)[torch.ops.aten.mm.default] == mm0 - 2 * n_kda
@@ -129,7 +129,7 @@ def test_options_use_pdl_and_no_low_rank_absorption():
     want = run_graph(_upstream("kimi-linear-tiny", "decode"), x)
     assert_same_step(run_graph(gm, x), want, FP32_TOL, "no PDL, no absorption, on CPU")
     assert_same_step(run_graph(absorbed, x), want, FP32_TOL, "absorbed low-rank GEMMs, on CPU")
-    assert_same_step(run_graph(early, x), want, FP32_TOL, "early release, on CPU")
+    assert_same_step(run_graph(early, x), want, FP32_TOL, "no early release, on CPU")
 
 
 def test_graph_json_round_trip_keeps_the_fused_op():

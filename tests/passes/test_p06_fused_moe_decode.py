@@ -41,7 +41,8 @@ def test_one_fused_op_per_moe_layer_in_decode(name):
     n = layer_counts(cfg)["moe"]
     gm = _after_p1_p4(graph(name, "decode"))
     before = op_counts(gm)
-    assert run_pass(gm, P6, shared_l2_prefetch=False, down_l2_prefetch=False) == n  # (the 19 arguments)
+    assert run_pass(gm, P6, shared_l2_prefetch=False, down_l2_prefetch=False,
+                    early_release=False) == n  # (the 19 arguments)
     after = op_counts(gm)
     assert after[FUSED] == n and after[torch.ops.k3.moe_experts.default] == 0
     latent = cfg.latent_size is not None
@@ -235,7 +236,8 @@ def test_down_split_option_goes_into_the_op_and_bad_values_are_refused():
     its 19 arguments and the table decides. On CPU the op computes the reference whatever it says."""
     gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
     before = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
-    assert run_pass(gm, P6, down_split="64x128x4x2x1", shared_l2_prefetch=False, down_l2_prefetch=False) == 5
+    assert run_pass(gm, P6, down_split="64x128x4x2x1", shared_l2_prefetch=False, down_l2_prefetch=False,
+                    early_release=False) == 5
     assert all(len(n.args) == 20 and n.args[19] == [64, 128, 4, 2, 1] for n in _fused_nodes(gm))
     x = inputs_for("kimi-linear-tiny", "decode", torch.float32)
     assert_same_step(run_graph(gm, x), run_graph(before, x), FP32_TOL, "down_split on CPU vs unpassed graph")
@@ -260,7 +262,7 @@ def test_l2_prefetch_options_go_into_the_op_after_down_split_and_default_on():
                           ({"shared_l2_prefetch": True, "down_l2_prefetch": True, "down_split": "64x128x4"},
                            ([64, 128, 4], True, True))):
         gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
-        assert run_pass(gm, P6, **options) == 5
+        assert run_pass(gm, P6, early_release=False, **options) == 5  # (early_release: the next test)
         assert all(tuple(n.args[19:]) == tail for n in _fused_nodes(gm)), options
         assert_same_step(run_graph(gm, x), want, FP32_TOL, f"{options} on CPU vs unpassed graph")
     pipeline = pipeline_from_flags(P6, pass_opts=[f"{P6}.shared_l2_prefetch=true", f"{P6}.down_l2_prefetch=on"])
@@ -272,12 +274,16 @@ def test_l2_prefetch_options_go_into_the_op_after_down_split_and_default_on():
 def test_up_launch_goes_into_the_op_after_the_l2_options():
     """up_launch (kernel A's launch, for an A/B of tools/bench_moe11.py's winners) becomes the op's argument 22; unset,
     a node keeps the arguments it had before it. On CPU the op computes the reference whatever it says. Bad launches
-    are refused by name; the op's flag_deps is no pass option (it hung a whole engine: traces/h200_s11/call2)."""
+    are refused by name; the op's flag_deps is no pass option (it hung a whole engine: traces/h200_s11/call2).
+    early_release (on by default, with PDL) adds flag_deps (False) and itself after up_launch."""
     x = inputs_for("kimi-linear-tiny", "decode", torch.float32)
     want = run_graph(_after_p1_p4(graph("kimi-linear-tiny", "decode")), x)
-    for options, tail in (({}, (None, True, True)), ({"up_launch": "32x256x4"}, (None, True, True, [32, 256, 4])),
-                          ({"up_launch": "16X512x8", "shared_l2_prefetch": False}, (None, False, True, [16, 512, 8])),
-                          ({"early_release": True}, (None, True, True, None, False, True))):
+    for options, tail in (({"early_release": False}, (None, True, True)),
+                          ({"up_launch": "32x256x4", "early_release": False}, (None, True, True, [32, 256, 4])),
+                          ({"up_launch": "16X512x8", "shared_l2_prefetch": False, "early_release": False},
+                           (None, False, True, [16, 512, 8])),
+                          ({}, (None, True, True, None, False, True)),  # early_release on: the default
+                          ({"use_pdl": False}, (None, True, True))):  # a release point needs PDL
         gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
         assert run_pass(gm, P6, **options) == 5
         assert all(tuple(n.args[19:]) == tail for n in _fused_nodes(gm)), options
@@ -411,11 +417,12 @@ def test_kimi_like_on_cuda_with_up_launch():
     before = _after_p1_p4(capture_step(gpu, "decode"))
     x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 8)]
     want = run_graph(before, x)
-    for options in ({"up_launch": "16x64x4"}, {"up_launch": "32x64x8"}, {"up_launch": "16x64x4", "early_release": True}):
+    for options in ({"up_launch": "16x64x4", "early_release": False}, {"up_launch": "32x64x8", "early_release": False},
+                    {"up_launch": "16x64x4", "early_release": True}):
         gm = _after_p1_p4(capture_step(gpu, "decode"))
         assert run_pass(gm, P6, use_pdl=True, crossover_batch=1 << 20, **options) == 2
         assert all(tuple(n.args[22]) == tuple(int(v) for v in options["up_launch"].split("x"))
-                   and tuple(n.args[23:]) == ((False, True) if "early_release" in options else ())
+                   and tuple(n.args[23:]) == ((False, True) if options["early_release"] else ())
                    for n in _fused_nodes(gm))
         assert_same_step(run_graph(gm, x), want, BF16_TOL, f"{options} on CUDA vs unpassed graph")
 

@@ -153,7 +153,7 @@ def test_early_release_option_reaches_the_nodes_the_report_and_the_engine_format
     """early_release: each k3.gemv gets a 12th argument (True, after l2_prefetch_kb 0), recorded per node and kept
     by the engine format; without PDL (or without the option) the nodes keep 10 arguments."""
     gm = engine_before("kimi-linear-tiny")
-    assert run_pass(gm, P8, choice="gemv", early_release=True) == 33
+    assert run_pass(gm, P8, choice="gemv", early_release="all") == 33
     gemvs = [n for n in gm.graph.nodes if n.target == GEMV]
     assert len(gemvs) == 33 and all(len(n.args) == 12 and n.args[10:] == (0, True) for n in gemvs)
     assert all(r["early_release"] for r in gm.meta["k3"]["pass_details"][P8]["nodes"])
@@ -166,10 +166,25 @@ def test_early_release_option_reaches_the_nodes_the_report_and_the_engine_format
     inputs = inputs_for("kimi-linear-tiny", "decode", torch.bfloat16)
     assert torch.equal(run_graph(back, inputs)[0][0], run_graph(plain, inputs)[0][0])
     no_pdl = engine_before("kimi-linear-tiny")
-    run_pass(no_pdl, P8, choice="gemv", early_release=True, use_pdl=False)  # a release point needs PDL
+    run_pass(no_pdl, P8, choice="gemv", early_release="all", use_pdl=False)  # a release point needs PDL
     assert all(len(n.args) == 10 for n in no_pdl.graph.nodes if n.target == GEMV)
     x, w = torch.randn(2, 16).bfloat16(), torch.randn(8, 16).bfloat16()
     torch.library.opcheck(GEMV, (x, w, None, 4, 4, 128, 2, gemv_kernels.DESIGNS["rows"], True, 8, 0, True))
+
+
+def test_early_release_except_kda_inputs_skips_the_in_projections():
+    """early_release="except_kda_inputs": every GEMV but the KDA layers' in-projections (whose column blocks feed the
+    fused KDA kernel) gets the release argument; an unknown value is refused by name."""
+    gm = engine_before("kimi-linear-tiny")
+    run_pass(gm, "p05_fused_kda_decode")
+    n_kda = sum(n.target == torch.ops.k3.fused_kda_decode.default for n in gm.graph.nodes)
+    assert n_kda == 4
+    assert run_pass(gm, P8, choice="gemv", early_release="except_kda_inputs") > n_kda
+    gemvs = [n for n in gm.graph.nodes if n.target == GEMV]
+    late = [n for n in gemvs if len(n.args) < 12]
+    assert len(late) == n_kda and all(len(n.args) == 12 and n.args[11] is True for n in gemvs if n not in late)
+    with pytest.raises(PassConfigError, match="early_release must be one of none, all, except_kda_inputs"):
+        pipeline_from_flags(P8, pass_opts=[f"{P8}.early_release=yes"]).validate()
 
 
 def test_prefetch_plan_counts_the_leading_programs_the_budget_covers_and_refuses_unaligned_rows():
@@ -360,7 +375,8 @@ def test_l2_prefetch_and_early_release_give_the_same_bits_in_a_pdl_graph_on_gpu(
             if design == gemv_kernels.DESIGNS["rows"] and m > gemv_kernels.ROWS_MAX_M:
                 continue
             outs = {}
-            for kb, early in ((0, False), (1 << 20, False), (4 << 10, False), (0, True), (4 << 10, True)):
+            # the release point at batch 1 only (each option value is one more Triton compile per candidate)
+            for kb, early in ((0, False), (1 << 20, False), (4 << 10, False)) + (((0, True),) if m == 1 else ()):
                 def chain(kb=kb, early=early):
                     return [gemv_kernels.gemv_triton(x, w, None, bn, bk, split, num_warps=warps, design=design,
                                                      use_pdl=True, l2_prefetch_kb=kb, early_release=early)
