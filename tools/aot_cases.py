@@ -61,13 +61,15 @@ def norm_gemv_case(m, n, k, block_n, block_k, split_k, design, num_warps=4, delt
                                               design=design, use_pdl=True)
 
 
-def mla(batch, with_out, **launch):
-    page, r, rope, heads = 16, 512, 64, 32
+def mla(batch, with_out, heads=32, gated=False, **launch):
+    page, r, rope = 16, 512, 64
     kv = _randn(batch * 32 + 1, 1, page, r + rope)
     table = torch.arange(1, batch * 32 + 1, dtype=torch.int32).view(batch, 32)
     seq = torch.full((batch,), 500, dtype=torch.int32)
     q_nope, q_rope = _randn(batch, heads, r), _randn(batch, heads, rope)
     w_uv = mla_decode.w_uv_of(_randn(heads * 256, r), heads, 128) if with_out else None
+    if gated:  # P15's gate_out: a column block of the merged input GEMM's output
+        launch["gate"] = _randn(batch, 768 + 576 + heads * 128)[:, 768 + 576:]
     return lambda: mla_decode.decode_triton(q_nope, q_rope, kv, 0, table, seq, 0.07, True, w_uv=w_uv, **launch)
 
 
@@ -171,6 +173,9 @@ CASES = [
     ("mla 48B batch 1 + W_UV, whole-row merge", mla(1, True, merge_cols=0)),
     ("mla 48B batch 1 + W_UV, L2 prefetch of W_UV (prefetch_w_uv)", mla(1, True, prefetch_w=True)),
     ("mla 48B batch 4 + W_UV, L2 prefetch of W_UV (prefetch_w_uv)", mla(4, True, prefetch_w=True)),
+    ("mla k3-mini-6b batch 1 + W_UV + output gate (gate_out)", mla(1, True, heads=16, gated=True)),
+    ("mla k3-mini-6b batch 4 + W_UV + output gate (gate_out)", mla(4, True, heads=16, gated=True)),
+    ("mla k3-mini-6b batch 1 + W_UV + output gate, whole-row merge", mla(1, True, heads=16, gated=True, merge_cols=0)),
     ("mla absorb_q 48B batch 1", mla_absorb_case(1)),
     ("mla absorb_q 48B batch 8", mla_absorb_case(8)),
     ("mla absorb_q 48B batch 1, 128 columns, 8 warps", mla_absorb_case(1, block_r=128, num_warps=8)),

@@ -177,3 +177,42 @@ def test_absorb_q_fold_joins_the_prologue_without_q_lora(name, dtype, merged):
         got = run_graph(gm, x)
         assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")  # KV pool included
         assert_same_step(got, eager_step(model(name, dtype), "decode", x), tol, "vs eager model")
+
+
+@pytest.mark.parametrize("name,dtype,merged", [("k3-tiny", torch.float32, True), ("k3-tiny", torch.bfloat16, False),
+                                               ("kimi-linear-tiny", torch.bfloat16, True)])
+def test_gate_out_folds_the_output_gate_into_the_merge(name, dtype, merged):
+    """gate_out=True: K3's o * sigmoid(g) after each fused attention becomes the op's gate argument (one more match
+    per gated MLA layer, its sigmoid and product gone); Kimi Linear has no output gate (0 more); off by default;
+    numerics vs the unpassed graph and the eager model (the gate's rounding as the unfused ops')."""
+    from k3compile.passes.registry import get_pass
+    assert get_pass(P15).config_cls().gate_out is False
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    cfg = model(name).config
+    n = layer_counts(cfg)["mla"]
+    gated = n if cfg.mla_output_gate else 0
+    before, gm, plain = (graph(name, "decode", dtype) for _ in range(3))
+    if merged:
+        run_pass(gm, "p01_gemm_merge")
+        run_pass(plain, "p01_gemm_merge")
+    assert run_pass(plain, P15) == 4 * n
+    assert run_pass(gm, P15, gate_out=True) == 4 * n + gated
+    counts, plain_counts = op_counts(gm), op_counts(plain)
+    assert counts[FUSED_OUT] == n
+    assert counts[aten.sigmoid.default] == plain_counts[aten.sigmoid.default] - gated
+    assert counts[aten.mul.Tensor] == plain_counts[aten.mul.Tensor] - gated
+    gates = [node.args[12] for node in gm.graph.nodes if node.target == FUSED_OUT and len(node.args) > 12]
+    assert len(gates) == gated
+    for g in gates:
+        assert tuple(g.meta["val"].shape[1:]) == (cfg.num_attention_heads * cfg.v_head_dim,)
+    for node in gm.graph.nodes:
+        if node.target == FUSED_OUT:  # ungated: the arguments engines had before; gated: prefetch_w spelled out
+            assert len(node.args) == 11 if not gated else node.args[11] is False
+    code = gm.code
+    assert run_pass(gm, P15, gate_out=True) == 0 and gm.code == code
+    for x in (inputs_for(name, "decode", dtype), other_batch(model(name, dtype), "decode")):
+        got = run_graph(gm, x)
+        assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")  # KV pool included
+        assert_same_step(got, eager_step(model(name, dtype), "decode", x), tol, "vs eager model")
+        # on CPU the op runs the reference, the very ops it replaced: the same bits
+        assert_same_step(got, run_graph(plain, x), 0.0, "vs P15 without gate_out")
