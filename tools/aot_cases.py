@@ -8,6 +8,7 @@ import torch
 
 from k3compile.passes.kernels import gemv, kda_decode, mla_absorb, mla_decode, moe_decode, norm_gemv, norm_route, pdl
 from k3compile.passes.kernels import attn_res_norm as arn
+from k3compile.passes.kernels import glu_act
 
 for _mod in (gemv, kda_decode, mla_absorb, mla_decode, moe_decode, norm_gemv, norm_route, arn):
     _mod.pdl_for = lambda requested, tensor: bool(requested)  # compile the PDL variants too
@@ -176,6 +177,10 @@ CASES = [
     ("mla k3-mini-6b batch 1 + W_UV + output gate (gate_out)", mla(1, True, heads=16, gated=True)),
     ("mla k3-mini-6b batch 4 + W_UV + output gate (gate_out)", mla(4, True, heads=16, gated=True)),
     ("mla k3-mini-6b batch 1 + W_UV + output gate, whole-row merge", mla(1, True, heads=16, gated=True, merge_cols=0)),
+    ("glu_act situ k3-mini-6b dense MLP batch 1", lambda: glu_act.glu_act_triton(
+        *_randn(1, 16384).split(8192, 1), "situ", 4.0, 25.0)),
+    ("glu_act silu 48B dense MLP batch 8", lambda: glu_act.glu_act_triton(*_randn(8, 18432).split(9216, 1), "silu",
+                                                                          4.0, 25.0)),
     ("mla absorb_q 48B batch 1", mla_absorb_case(1)),
     ("mla absorb_q 48B batch 8", mla_absorb_case(8)),
     ("mla absorb_q 48B batch 1, 128 columns, 8 warps", mla_absorb_case(1, block_r=128, num_warps=8)),
