@@ -36,6 +36,15 @@ W_UV after (`absorb_out`), anchored on the fused attention:
    ([B, H * dv]: the merge kernel applies W_UV per (token, head) up to kernels.mla_decode.OUT_MAX_TOKENS
    tokens, so the batched GEMM, the layout copy after it and one launch leave the decode step).
 
+K3's q-LoRA norm into the query GEMM (`q_norm_gemv`, off by default: not yet measured), after the prologue:
+
+    q' = k3.mla_decode_prologue(X, ..., Q, q_norm_w, q_eps);  y = k3.gemv(q', W_qb, c, <P8's configuration>)
+-> `k3.mla_decode_prologue(X, ..., None, None, 0.0)`;  `y, _ = k3.norm_gemv(Q, None, q_norm_w, q_eps, W_qb, c,
+   <the same configuration>, max_tokens)` (kernels/norm_gemv.py: the norm recomputed in the GEMV's prologue), when
+   q' feeds only that k3.gemv (P8 made it: choice gemv / measured faster than cuBLAS). The prologue is then the K3
+   form of Kimi Linear's, so absorb_q="fold" makes it and W_UK's absorption one kernel: one launch less per MLA
+   layer. (norm_gemv reads Q contiguous: at batch 1 the column block is; above, its launcher copies it.)
+
 K3's output gate after it (`gate_out`, off by default: not yet measured on the device), anchored on that op:
 
     mul(mla_decode_fused_out(...), sigmoid(G))      G [B, H * dv]: the gate GEMM's output (a column block of P1's
@@ -49,7 +58,7 @@ flatten), so any other spelling of the same einsum is matched and nothing else i
 Decode graphs only: a kv_write is fused only when an `mla_decode` of the same (pool, layer) follows,
 so prefill graphs are left unchanged (0 matches). Count per decode graph: 3 per MLA layer (one
 prologue, one attention, one W_UV absorbed), 4 with absorb_q="triton" (W_UK absorbed), one more with gate_out
-where the layer has an output gate. A chain whose intermediates are read elsewhere is left alone.
+where the layer has an output gate, one more with q_norm_gemv where its q-LoRA norm joins the query GEMV. A chain whose intermediates are read elsewhere is left alone.
 """
 from __future__ import annotations
 
@@ -62,6 +71,7 @@ from torch.fx import GraphModule, Node
 from .graph_utils import attr_tensor, erase_if_dead, erase_subgraph, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
 from .kernels import mla_absorb as _absorb  # noqa: F401  (registers k3.mla_absorb_q)
 from .kernels import mla_decode as _kernels  # noqa: F401  (registers the k3.mla_decode_* ops)
+from .kernels import norm_gemv as _norm_gemv  # noqa: F401  (registers k3.norm_gemv)
 from .patterns import NoMatch, match_rms_norm, need
 from .registry import PassConfig, PassConfigError, register_pass
 
@@ -73,6 +83,8 @@ FUSED = torch.ops.k3.mla_decode_fused.default
 FUSED_OUT = torch.ops.k3.mla_decode_fused_out.default
 ABSORB_Q = torch.ops.k3.mla_absorb_q.default
 PROLOGUE_ABSORB = torch.ops.k3.mla_decode_prologue_absorb.default
+GEMV = torch.ops.k3.gemv.default
+NORM_GEMV = torch.ops.k3.norm_gemv.default
 ABSORB_Q_CHOICES = ("cublas", "triton", "fold")
 VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
             aten.unsqueeze.default, aten.squeeze.dim, aten.transpose.int, aten.t.default, aten.clone.default,
@@ -100,6 +112,9 @@ class MLADecodeConfig(PassConfig):
     # K3's output gate o * sigmoid(g) applied by the W_UV merge kernel (k3.mla_decode_fused_out's gate): 2 launches
     # less per gated MLA layer. Off until measured on the device (tools/gpu_mini12.sh)
     gate_out: bool = False
+    # K3's q_a norm moved from the prologue into the q_b GEMV's prologue (k3.norm_gemv), so that with absorb_q="fold"
+    # the prologue and W_UK's absorption are one kernel: 1 launch less per q-LoRA MLA layer. Off until measured
+    q_norm_gemv: bool = False
 
     def validate(self) -> None:
         if self.absorb_q not in ABSORB_Q_CHOICES:
@@ -401,6 +416,34 @@ def _gate_out(gm: GraphModule, out: Node, fake_mode) -> bool:
     return True
 
 
+def _q_norm_into_gemv(gm: GraphModule, prologue: Node, fake_mode) -> bool:
+    """The prologue's q_a norm -> the k3.norm_gemv that replaces the one k3.gemv reading its output (see the module
+    doc); the prologue keeps the KV half. False (graph unchanged) where the form differs."""
+    q_a, q_w, q_eps = prologue.args[6:9]
+    if q_a is None or len(prologue.users) != 1:
+        return False
+    gemv = next(iter(prologue.users))
+    if not is_call(gemv, GEMV) or gemv.kwargs or gemv.args[0] is not prologue or prologue in gemv.args[1:]:
+        return False
+    _, w, c, *cfg = gemv.args  # max_m, block_n, block_k, split_k, design, use_pdl, num_warps[, l2_prefetch_kb]
+    if len(cfg) < 7 or not cfg[0] > 0 or not isinstance(w, Node):
+        return False
+    qv, wv = val_of(q_a), val_of(w)
+    if qv is None or wv is None or not qv.dtype == val_of(prologue).dtype == wv.dtype:
+        return False
+    g = gm.graph
+    with g.inserting_before(gemv):
+        fused = g.call_function(NORM_GEMV, (q_a, None, q_w, q_eps, w, c, *cfg[:7], _norm_gemv.gv.MAX_M))
+        y = g.call_function(operator.getitem, (fused, 0))
+    for n in (fused, y):
+        set_meta_val(n, fake_mode)
+    gemv.replace_all_uses_with(y)
+    g.erase_node(gemv)
+    prologue.args = (*prologue.args[:6], None, None, 0.0, *prologue.args[9:])
+    set_meta_val(prologue, fake_mode)
+    return True
+
+
 def _fold_into_prologue(gm: GraphModule, absorbed: Node, kv, layer, fake_mode) -> Node | None:
     """k3.mla_absorb_q + the same (pool, layer)'s prologue without q-LoRA -> one k3.mla_decode_prologue_absorb at the
     later one's place (not when the query comes out of the prologue); the new node, or None."""
@@ -449,6 +492,9 @@ def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
             if _fuse_prologue(gm, m, fake_mode, config.pdl):
                 matches += 1
                 norms = _norms_by_input(gm)
+        if config.q_norm_gemv:
+            for prologue in [n for n in g.nodes if is_call(n, PROLOGUE)]:
+                matches += _q_norm_into_gemv(gm, prologue, fake_mode)
     if config.attention:
         launch_table = _kernels.flat_launch_table(_kernels.parse_launch_table(config.launch_table))
         for node in decodes:

@@ -4,7 +4,7 @@ the unpassed graph and the eager model, pools included."""
 import pytest
 import torch
 
-from k3compile.passes.kernels import mla_absorb, mla_decode  # noqa: F401  (register torch.ops.k3.mla_*)
+from k3compile.passes.kernels import mla_absorb, mla_decode, norm_gemv  # noqa: F401  (register torch.ops.k3.*)
 
 from .helpers import (BF16_TOL, FP32_TOL, MODELS, assert_same_step, eager_step, graph, inputs_for, layer_counts, model,
                       op_counts, other_batch, run_graph, run_pass)
@@ -216,3 +216,39 @@ def test_gate_out_folds_the_output_gate_into_the_merge(name, dtype, merged):
         assert_same_step(got, eager_step(model(name, dtype), "decode", x), tol, "vs eager model")
         # on CPU the op runs the reference, the very ops it replaced: the same bits
         assert_same_step(got, run_graph(plain, x), 0.0, "vs P15 without gate_out")
+
+
+NORM_GEMV = torch.ops.k3.norm_gemv.default
+
+
+@pytest.mark.parametrize("name,dtype", [("k3-tiny", torch.float32), ("k3-tiny", torch.bfloat16),
+                                        ("kimi-linear-tiny", torch.bfloat16)])
+def test_q_norm_gemv_moves_the_q_lora_norm_into_the_query_gemv(name, dtype):  # fp32: P8 leaves cuBLAS, 0 moved
+    """q_norm_gemv=True after P1 and P8 (choice gemv): K3's q_a norm leaves the prologue for a k3.norm_gemv in place of
+    the q_b k3.gemv (one more match per MLA layer), so absorb_q="fold" joins the prologue and W_UK's absorption as in
+    Kimi Linear (no q-LoRA: nothing to move, 0 more); off by default; numerics vs the unpassed graph and eager."""
+    from k3compile.passes.registry import get_pass
+    assert get_pass(P15).config_cls().q_norm_gemv is False
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    cfg = model(name).config
+    n = layer_counts(cfg)["mla"]
+    moved = n if cfg.q_lora_rank is not None and dtype != torch.float32 else 0
+    before, gm = graph(name, "decode", dtype), graph(name, "decode", dtype)
+    run_pass(gm, "p01_gemm_merge")
+    run_pass(gm, "p08_small_m_gemm", choice="gemv")
+    gemvs = op_counts(gm)[torch.ops.k3.gemv.default]
+    assert run_pass(gm, P15, q_norm_gemv=True, gate_out=True) == 4 * n + moved + (n if cfg.mla_output_gate else 0)
+    after = op_counts(gm)
+    assert after[NORM_GEMV] == moved and after[torch.ops.k3.gemv.default] == gemvs - moved
+    folded = n if moved or cfg.q_lora_rank is None else 0
+    assert after[PROLOGUE_ABSORB] == folded and after[PROLOGUE] == after[ABSORB_Q] == n - folded
+    for node in gm.graph.nodes:
+        if node.target == NORM_GEMV:  # the q_a column block, no delta, the q_a norm's weight, P8's configuration
+            assert node.args[1] is None and node.args[2].target.endswith("q_a_layernorm_weight")
+            assert node.args[4].target.endswith("q_b_proj_weight")
+    code = gm.code
+    assert run_pass(gm, P15, q_norm_gemv=True, gate_out=True) == 0 and gm.code == code
+    for x in (inputs_for(name, "decode", dtype), other_batch(model(name, dtype), "decode")):
+        got = run_graph(gm, x)
+        assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")  # KV pool included
+        assert_same_step(got, eager_step(model(name, dtype), "decode", x), tol, "vs eager model")
