@@ -167,6 +167,9 @@ CASES = [
                                                               delta=False)),
     ("norm_gemv dot in_proj M=8", norm_gemv_case(8, 12576, 2304, 64, 128, 1, gemv.DESIGNS["dot"])),
     ("norm_gemv dot gate_up M=16 split 2", norm_gemv_case(16, 18432, 2304, 64, 128, 2, gemv.DESIGNS["dot"])),
+    # P15's q_norm_gemv: K3's q_a norm in the q_b GEMV (k3-mini-6b: 768 -> 16 x 192), no delta
+    ("norm_gemv K3 q_b dot M=1", norm_gemv_case(1, 3072, 768, 64, 128, 1, gemv.DESIGNS["dot"], delta=False)),
+    ("norm_gemv K3 q_b rows M=1", norm_gemv_case(1, 3072, 768, 16, 256, 1, gemv.DESIGNS["rows"], delta=False)),
     ("mla 48B batch 1 + W_UV (merge cols from the table)", mla(1, True)),
     ("mla 48B batch 4 + W_UV, merge cols 32, 8 splits", mla(4, True, merge_cols=32, num_splits=8)),
     ("mla 48B batch 1 + W_UV, merge cols 128, block_h 32, 8 warps", mla(1, True, merge_cols=128, block_h=32,

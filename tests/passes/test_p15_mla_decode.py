@@ -252,3 +252,31 @@ def test_q_norm_gemv_moves_the_q_lora_norm_into_the_query_gemv(name, dtype):  # 
         got = run_graph(gm, x)
         assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")  # KV pool included
         assert_same_step(got, eager_step(model(name, dtype), "decode", x), tol, "vs eager model")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("launch", [(16, 64, 128, 1, 0, True, 4), (4, 16, 256, 1, 1, True, 4),
+                                    (16, 64, 128, 2, 0, True, 4)])  # dot, rows, dot split-K 2
+def test_cuda_q_norm_gemv_matches_prologue_then_gemv_at_k3_mini_shape(tokens, launch):
+    """q_norm_gemv's pair at k3-mini-6b's MLA shape (q_lora 768 -> 16 heads x 192, kv 512 + 64) with PDL: the KV half
+    of the prologue writes the same cache rows, and norm_gemv on the q_a column block equals the prologue's q_a norm
+    then k3.gemv within bf16 rounding."""
+    gen = torch.Generator().manual_seed(tokens)
+    merged = torch.randn(tokens, 768 + 576 + 16 * 128, generator=gen).bfloat16().cuda()  # [q_a | ckv | gate]
+    q_a, ckv = merged[:, :768], merged[:, 768: 768 + 576]
+    w_kv, w_q = (1 + 0.1 * torch.randn(512, generator=gen)).bfloat16().cuda(), \
+        (1 + 0.1 * torch.randn(768, generator=gen)).bfloat16().cuda()
+    w_qb = (torch.randn(16 * 192, 768, generator=gen) * 768 ** -0.5).bfloat16().cuda()
+    kv = torch.zeros(tokens * 2 + 1, 2, 16, 576, dtype=torch.bfloat16, device="cuda")
+    kv_ref = kv.clone()
+    loc = (torch.randperm(tokens * 16, generator=gen)[:tokens] + 16).cuda()
+    q_normed = PROLOGUE(ckv, w_kv, 1e-6, kv_ref, 1, loc, q_a, w_q, 1e-6, True)
+    want = torch.ops.k3.gemv(q_normed, w_qb, None, *launch)
+    empty = PROLOGUE(ckv, w_kv, 1e-6, kv, 1, loc, None, None, 0.0, True)
+    got, _ = NORM_GEMV(q_a, None, w_q, 1e-6, w_qb, None, *launch, 16)
+    torch.cuda.synchronize()
+    assert empty.numel() == 0 and torch.equal(kv, kv_ref)
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert got.shape == (tokens, 16 * 192) and err <= 1e-2
