@@ -30,7 +30,7 @@ from k3compile.passes.pipeline import PipelineConfig
 
 # k3 ops whose CUDA implementation launches more than one kernel (H200 trace, k3-mini-6b decode)
 MULTI_KERNEL_OPS = {
-    "k3.fused_moe_decode.default": 3,  # expert up, expert down, latent out
+    "k3.fused_moe_decode.default": 3,  # expert up, expert down, latent out (a full-width MoE: 2, `_kernels`)
     "k3.mla_decode_fused.default": 2,  # split, merge
     "k3.mla_decode_fused_out.default": 2,  # split, merge (+ W_UV): with it the count matches the trace's 323 (s9)
 }
@@ -50,6 +50,13 @@ def tiny_dims(cfg):
     return tiny.replace(**over)
 
 
+def _kernels(node, op: str, launches: int) -> int:
+    if op == "k3.fused_moe_decode.default":  # kernel C (latent norm + up-projection) only in a latent MoE
+        latent_up_w = node.args[14] if len(node.args) > 14 else node.kwargs.get("latent_up_w")
+        return 3 if latent_up_w is not None else 2
+    return MULTI_KERNEL_OPS.get(op, launches)
+
+
 def kernels_by_layer(gm) -> dict[str, collections.Counter]:
     """{layer label: Counter(op label -> kernels)} over the graph's call nodes."""
     prov = node_provenance(gm)
@@ -59,7 +66,7 @@ def kernels_by_layer(gm) -> dict[str, collections.Counter]:
         if not n:
             continue
         p = prov[node.name]
-        out[p["layer"]][p["op"]] += MULTI_KERNEL_OPS.get(p["op"], n)
+        out[p["layer"]][p["op"]] += _kernels(node, p["op"], n)
     return dict(out)
 
 
