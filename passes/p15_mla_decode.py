@@ -58,7 +58,8 @@ flatten), so any other spelling of the same einsum is matched and nothing else i
 Decode graphs only: a kv_write is fused only when an `mla_decode` of the same (pool, layer) follows,
 so prefill graphs are left unchanged (0 matches). Count per decode graph: 3 per MLA layer (one
 prologue, one attention, one W_UV absorbed), 4 with absorb_q="triton" (W_UK absorbed), one more with gate_out
-where the layer has an output gate, one more with q_norm_gemv where its q-LoRA norm joins the query GEMV. A chain whose intermediates are read elsewhere is left alone.
+where the layer has an output gate, one more with q_norm_gemv where its q-LoRA norm joins the query GEMV. A chain
+whose intermediates are read elsewhere is left alone.
 """
 from __future__ import annotations
 

@@ -70,7 +70,8 @@ def test_off_by_default_and_one_per_dense_layer_after_the_pipeline():
     assert counts[True][aten.tanh.default] == 0 < counts[False][aten.tanh.default]
 
 
-@pytest.mark.parametrize("name,dtype,mode", [("k3-tiny", torch.float32, "decode"), ("k3-tiny", torch.bfloat16, "decode"),
+@pytest.mark.parametrize("name,dtype,mode", [("k3-tiny", torch.float32, "decode"),
+                                             ("k3-tiny", torch.bfloat16, "decode"),
                                              ("kimi-linear-tiny", torch.bfloat16, "decode"),
                                              ("k3-tiny", torch.bfloat16, "prefill")])
 def test_numerics_vs_unpassed_graph_and_eager(name, dtype, mode):

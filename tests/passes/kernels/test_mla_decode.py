@@ -305,8 +305,8 @@ def test_cuda_output_gate_matches_the_unfused_ops_at_k3_mini_shape(batch):
 def test_output_gate_of_another_shape_or_dtype_is_refused():
     kv = _pool(8, 2, 4, 24)
     table, seq = torch.ones(2, 3, dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32)
-    args = (torch.randn(2, 2, 16), torch.randn(2, 2, 8), kv, 1, table, seq, 0.2, torch.randn(2 * 12, 16), 4, False, None,
-            False)
+    args = (torch.randn(2, 2, 16), torch.randn(2, 2, 8), kv, 1, table, seq, 0.2, torch.randn(2 * 12, 16), 4, False,
+            None, False)
     for bad in (torch.randn(2, 15), torch.randn(2, 16, dtype=torch.float64)):
         with pytest.raises(ValueError, match="output gate must be"):
             FUSED_OUT(*args, bad)
