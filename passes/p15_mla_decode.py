@@ -36,13 +36,30 @@ W_UV after (`absorb_out`), anchored on the fused attention:
    ([B, H * dv]: the merge kernel applies W_UV per (token, head) up to kernels.mla_decode.OUT_MAX_TOKENS
    tokens, so the batched GEMM, the layout copy after it and one launch leave the decode step).
 
+K3's q-LoRA norm into the query GEMM (`q_norm_gemv`, off by default: not yet measured), after the prologue:
+
+    q' = k3.mla_decode_prologue(X, ..., Q, q_norm_w, q_eps);  y = k3.gemv(q', W_qb, c, <P8's configuration>)
+-> `k3.mla_decode_prologue(X, ..., None, None, 0.0)`;  `y, _ = k3.norm_gemv(Q, None, q_norm_w, q_eps, W_qb, c,
+   <the same configuration>, max_tokens)` (kernels/norm_gemv.py: the norm recomputed in the GEMV's prologue), when
+   q' feeds only that k3.gemv (P8 made it: choice gemv / measured faster than cuBLAS). The prologue is then the K3
+   form of Kimi Linear's, so absorb_q="fold" makes it and W_UK's absorption one kernel: one launch less per MLA
+   layer. (norm_gemv reads Q contiguous: at batch 1 the column block is; above, its launcher copies it.)
+
+K3's output gate after it (`gate_out`, off by default: not yet measured on the device), anchored on that op:
+
+    mul(mla_decode_fused_out(...), sigmoid(G))      G [B, H * dv]: the gate GEMM's output (a column block of P1's
+-> `k3.mla_decode_fused_out(..., prefetch_w, G)`    merged input GEMM); the merge kernel gates where it stores
+   (two elementwise launches per MLA layer leave the step; the sigmoid and the product rounded as before).
+
 The view chains are checked by evaluating them on concrete tensors (the left one must be the
 [B, H, r] -> [H, B, r] transpose, the weight one W_UV^T, the right one the [H, B, dv] -> [B, H * dv]
 flatten), so any other spelling of the same einsum is matched and nothing else is.
 
 Decode graphs only: a kv_write is fused only when an `mla_decode` of the same (pool, layer) follows,
 so prefill graphs are left unchanged (0 matches). Count per decode graph: 3 per MLA layer (one
-prologue, one attention, one W_UV absorbed), 4 with absorb_q="triton" (W_UK absorbed). A chain whose intermediates are read elsewhere is left alone.
+prologue, one attention, one W_UV absorbed), 4 with absorb_q="triton" (W_UK absorbed), one more with gate_out
+where the layer has an output gate, one more with q_norm_gemv where its q-LoRA norm joins the query GEMV. A chain
+whose intermediates are read elsewhere is left alone.
 """
 from __future__ import annotations
 
@@ -55,6 +72,7 @@ from torch.fx import GraphModule, Node
 from .graph_utils import attr_tensor, erase_if_dead, erase_subgraph, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
 from .kernels import mla_absorb as _absorb  # noqa: F401  (registers k3.mla_absorb_q)
 from .kernels import mla_decode as _kernels  # noqa: F401  (registers the k3.mla_decode_* ops)
+from .kernels import norm_gemv as _norm_gemv  # noqa: F401  (registers k3.norm_gemv)
 from .patterns import NoMatch, match_rms_norm, need
 from .registry import PassConfig, PassConfigError, register_pass
 
@@ -66,6 +84,8 @@ FUSED = torch.ops.k3.mla_decode_fused.default
 FUSED_OUT = torch.ops.k3.mla_decode_fused_out.default
 ABSORB_Q = torch.ops.k3.mla_absorb_q.default
 PROLOGUE_ABSORB = torch.ops.k3.mla_decode_prologue_absorb.default
+GEMV = torch.ops.k3.gemv.default
+NORM_GEMV = torch.ops.k3.norm_gemv.default
 ABSORB_Q_CHOICES = ("cublas", "triton", "fold")
 VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
             aten.unsqueeze.default, aten.squeeze.dim, aten.transpose.int, aten.t.default, aten.clone.default,
@@ -90,6 +110,12 @@ class MLADecodeConfig(PassConfig):
     # the W_UV merge kernel L2-prefetches its weight block before gdc_wait (only with PDL and aligned blocks); off:
     # with fold, 2.238 vs 2.237 ms at 48B batch 1 (traces/h200_s10/call3)
     prefetch_w_uv: bool = False
+    # K3's output gate o * sigmoid(g) applied by the W_UV merge kernel (k3.mla_decode_fused_out's gate): 2 launches
+    # less per gated MLA layer. Off until measured on the device (tools/gpu_mini12.sh)
+    gate_out: bool = False
+    # K3's q_a norm moved from the prologue into the q_b GEMV's prologue (k3.norm_gemv), so that with absorb_q="fold"
+    # the prologue and W_UK's absorption are one kernel: 1 launch less per q-LoRA MLA layer. Off until measured
+    q_norm_gemv: bool = False
 
     def validate(self) -> None:
         if self.absorb_q not in ABSORB_Q_CHOICES:
@@ -333,15 +359,16 @@ def _absorb_q(gm: GraphModule, q_nope: Node, fake_mode, pdl: bool) -> Node | Non
     return new
 
 
-def _absorb_out(gm: GraphModule, fused: Node, fake_mode, prefetch_w: bool = False) -> bool:
+def _absorb_out(gm: GraphModule, fused: Node, fake_mode, prefetch_w: bool = False) -> Node | None:
+    """W_UV's einsum after the attention -> k3.mla_decode_fused_out; the new node, or None."""
     try:
         m = _match_out(gm, fused)
     except NoMatch:
-        return False
+        return None
     g = gm.graph
     order = {n: i for i, n in enumerate(g.nodes)}
     if not _hoist_weight(m["w"], fused, order):
-        return False
+        return None
     with g.inserting_after(fused):
         new = g.call_function(FUSED_OUT, (*fused.args[:7], m["w"], m["nope"], *fused.args[7:])
                               + ((True,) if prefetch_w else ()))  # an engine built before: no 11th argument
@@ -349,6 +376,72 @@ def _absorb_out(gm: GraphModule, fused: Node, fake_mode, prefetch_w: bool = Fals
     replace_uses(m["out"], new, fake_mode)
     erase_subgraph(gm, m["nodes"] | {fused})
     erase_if_dead(gm, m["w_chain"])  # W_UK's slice may still read the same view of kv_b_proj's weight
+    return new
+
+
+def _match_gate(out: Node) -> tuple[Node, set] | None:
+    """(G, nodes) if the fused attention's only user is mul(out, sigmoid(G)) (either order) and the sigmoid is read
+    there only, with G, the sigmoid and the product all of out's shape and dtype; else None."""
+    if len(out.users) != 1:
+        return None
+    mul = next(iter(out.users))
+    if not is_call(mul, aten.mul.Tensor) or len(mul.args) != 2 or mul.kwargs:
+        return None
+    sig = mul.args[1] if mul.args[0] is out else mul.args[0]
+    if not (is_call(sig, aten.sigmoid.default) and len(sig.users) == 1 and isinstance(sig.args[0], Node)):
+        return None
+    ref = val_of(out)
+    for n in (sig.args[0], sig, mul):
+        v = val_of(n)
+        if v is None or v.dtype != ref.dtype or v.dim() != 2 or v.shape[1] != ref.shape[1]:
+            return None
+    return sig.args[0], {sig, mul}
+
+
+def _gate_out(gm: GraphModule, out: Node, fake_mode) -> bool:
+    """mul(k3.mla_decode_fused_out(...), sigmoid(G)) -> the op with G as its gate argument."""
+    m = _match_gate(out)
+    if m is None:
+        return False
+    gate, nodes = m
+    mul = next(n for n in nodes if is_call(n, aten.mul.Tensor))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if order[gate] > order[out]:  # G computed after the attention (no P1 merge): the op (pure) moves down to the mul
+        mul.prepend(out)
+    args = list(out.args)
+    args += [None] * (11 - len(args))  # launch_table (None: the op's default) if missing
+    args = args[:11] + [args[11] if len(args) > 11 else False, gate]  # prefetch_w, gate
+    out.args = tuple(args)
+    replace_uses(mul, out, fake_mode)
+    erase_subgraph(gm, nodes)
+    return True
+
+
+def _q_norm_into_gemv(gm: GraphModule, prologue: Node, fake_mode) -> bool:
+    """The prologue's q_a norm -> the k3.norm_gemv that replaces the one k3.gemv reading its output (see the module
+    doc); the prologue keeps the KV half. False (graph unchanged) where the form differs."""
+    q_a, q_w, q_eps = prologue.args[6:9]
+    if q_a is None or len(prologue.users) != 1:
+        return False
+    gemv = next(iter(prologue.users))
+    if not is_call(gemv, GEMV) or gemv.kwargs or gemv.args[0] is not prologue or prologue in gemv.args[1:]:
+        return False
+    _, w, c, *cfg = gemv.args  # max_m, block_n, block_k, split_k, design, use_pdl, num_warps[, l2_prefetch_kb]
+    if len(cfg) < 7 or not cfg[0] > 0 or not isinstance(w, Node):
+        return False
+    qv, wv = val_of(q_a), val_of(w)
+    if qv is None or wv is None or not qv.dtype == val_of(prologue).dtype == wv.dtype:
+        return False
+    g = gm.graph
+    with g.inserting_before(gemv):
+        fused = g.call_function(NORM_GEMV, (q_a, None, q_w, q_eps, w, c, *cfg[:7], _norm_gemv.gv.MAX_M))
+        y = g.call_function(operator.getitem, (fused, 0))
+    for n in (fused, y):
+        set_meta_val(n, fake_mode)
+    gemv.replace_all_uses_with(y)
+    g.erase_node(gemv)
+    prologue.args = (*prologue.args[:6], None, None, 0.0, *prologue.args[9:])
+    set_meta_val(prologue, fake_mode)
     return True
 
 
@@ -400,6 +493,9 @@ def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
             if _fuse_prologue(gm, m, fake_mode, config.pdl):
                 matches += 1
                 norms = _norms_by_input(gm)
+        if config.q_norm_gemv:
+            for prologue in [n for n in g.nodes if is_call(n, PROLOGUE)]:
+                matches += _q_norm_into_gemv(gm, prologue, fake_mode)
     if config.attention:
         launch_table = _kernels.flat_launch_table(_kernels.parse_launch_table(config.launch_table))
         for node in decodes:
@@ -422,6 +518,11 @@ def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
             replace_uses(node, fused, fake_mode)
             erase_subgraph(gm, [node, q_lat])
             matches += 1
-            if config.absorb_out and _absorb_out(gm, fused, fake_mode, config.pdl and config.prefetch_w_uv):
+            out = None
+            if config.absorb_out:
+                out = _absorb_out(gm, fused, fake_mode, config.pdl and config.prefetch_w_uv)
+            if out is not None:
                 matches += 1
+                if config.gate_out and _gate_out(gm, out, fake_mode):
+                    matches += 1
     return matches

@@ -8,6 +8,7 @@ import torch
 
 from k3compile.passes.kernels import gemv, kda_decode, mla_absorb, mla_decode, moe_decode, norm_gemv, norm_route, pdl
 from k3compile.passes.kernels import attn_res_norm as arn
+from k3compile.passes.kernels import glu_act
 
 for _mod in (gemv, kda_decode, mla_absorb, mla_decode, moe_decode, norm_gemv, norm_route, arn):
     _mod.pdl_for = lambda requested, tensor: bool(requested)  # compile the PDL variants too
@@ -61,13 +62,15 @@ def norm_gemv_case(m, n, k, block_n, block_k, split_k, design, num_warps=4, delt
                                               design=design, use_pdl=True)
 
 
-def mla(batch, with_out, **launch):
-    page, r, rope, heads = 16, 512, 64, 32
+def mla(batch, with_out, heads=32, gated=False, **launch):
+    page, r, rope = 16, 512, 64
     kv = _randn(batch * 32 + 1, 1, page, r + rope)
     table = torch.arange(1, batch * 32 + 1, dtype=torch.int32).view(batch, 32)
     seq = torch.full((batch,), 500, dtype=torch.int32)
     q_nope, q_rope = _randn(batch, heads, r), _randn(batch, heads, rope)
     w_uv = mla_decode.w_uv_of(_randn(heads * 256, r), heads, 128) if with_out else None
+    if gated:  # P15's gate_out: a column block of the merged input GEMM's output
+        launch["gate"] = _randn(batch, 768 + 576 + heads * 128)[:, 768 + 576:]
     return lambda: mla_decode.decode_triton(q_nope, q_rope, kv, 0, table, seq, 0.07, True, w_uv=w_uv, **launch)
 
 
@@ -164,6 +167,9 @@ CASES = [
                                                               delta=False)),
     ("norm_gemv dot in_proj M=8", norm_gemv_case(8, 12576, 2304, 64, 128, 1, gemv.DESIGNS["dot"])),
     ("norm_gemv dot gate_up M=16 split 2", norm_gemv_case(16, 18432, 2304, 64, 128, 2, gemv.DESIGNS["dot"])),
+    # P15's q_norm_gemv: K3's q_a norm in the q_b GEMV (k3-mini-6b: 768 -> 16 x 192), no delta
+    ("norm_gemv K3 q_b dot M=1", norm_gemv_case(1, 3072, 768, 64, 128, 1, gemv.DESIGNS["dot"], delta=False)),
+    ("norm_gemv K3 q_b rows M=1", norm_gemv_case(1, 3072, 768, 16, 256, 1, gemv.DESIGNS["rows"], delta=False)),
     ("mla 48B batch 1 + W_UV (merge cols from the table)", mla(1, True)),
     ("mla 48B batch 4 + W_UV, merge cols 32, 8 splits", mla(4, True, merge_cols=32, num_splits=8)),
     ("mla 48B batch 1 + W_UV, merge cols 128, block_h 32, 8 warps", mla(1, True, merge_cols=128, block_h=32,
@@ -171,6 +177,13 @@ CASES = [
     ("mla 48B batch 1 + W_UV, whole-row merge", mla(1, True, merge_cols=0)),
     ("mla 48B batch 1 + W_UV, L2 prefetch of W_UV (prefetch_w_uv)", mla(1, True, prefetch_w=True)),
     ("mla 48B batch 4 + W_UV, L2 prefetch of W_UV (prefetch_w_uv)", mla(4, True, prefetch_w=True)),
+    ("mla k3-mini-6b batch 1 + W_UV + output gate (gate_out)", mla(1, True, heads=16, gated=True)),
+    ("mla k3-mini-6b batch 4 + W_UV + output gate (gate_out)", mla(4, True, heads=16, gated=True)),
+    ("mla k3-mini-6b batch 1 + W_UV + output gate, whole-row merge", mla(1, True, heads=16, gated=True, merge_cols=0)),
+    ("glu_act situ k3-mini-6b dense MLP batch 1", lambda: glu_act.glu_act_triton(
+        *_randn(1, 16384).split(8192, 1), "situ", 4.0, 25.0)),
+    ("glu_act silu 48B dense MLP batch 8", lambda: glu_act.glu_act_triton(*_randn(8, 18432).split(9216, 1), "silu",
+                                                                          4.0, 25.0)),
     ("mla absorb_q 48B batch 1", mla_absorb_case(1)),
     ("mla absorb_q 48B batch 8", mla_absorb_case(8)),
     ("mla absorb_q 48B batch 1, 128 columns, 8 warps", mla_absorb_case(1, block_r=128, num_warps=8)),

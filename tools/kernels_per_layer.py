@@ -30,8 +30,9 @@ from k3compile.passes.pipeline import PipelineConfig
 
 # k3 ops whose CUDA implementation launches more than one kernel (H200 trace, k3-mini-6b decode)
 MULTI_KERNEL_OPS = {
-    "k3.fused_moe_decode.default": 3,  # expert up, expert down, latent out
+    "k3.fused_moe_decode.default": 3,  # expert up, expert down, latent out (a full-width MoE: 2, `_kernels`)
     "k3.mla_decode_fused.default": 2,  # split, merge
+    "k3.mla_decode_fused_out.default": 2,  # split, merge (+ W_UV): with it the count matches the trace's 323 (s9)
 }
 
 
@@ -49,6 +50,13 @@ def tiny_dims(cfg):
     return tiny.replace(**over)
 
 
+def _kernels(node, op: str, launches: int) -> int:
+    if op == "k3.fused_moe_decode.default":  # kernel C (latent norm + up-projection) only in a latent MoE
+        latent_up_w = node.args[14] if len(node.args) > 14 else node.kwargs.get("latent_up_w")
+        return 3 if latent_up_w is not None else 2
+    return MULTI_KERNEL_OPS.get(op, launches)
+
+
 def kernels_by_layer(gm) -> dict[str, collections.Counter]:
     """{layer label: Counter(op label -> kernels)} over the graph's call nodes."""
     prov = node_provenance(gm)
@@ -58,7 +66,7 @@ def kernels_by_layer(gm) -> dict[str, collections.Counter]:
         if not n:
             continue
         p = prov[node.name]
-        out[p["layer"]][p["op"]] += MULTI_KERNEL_OPS.get(p["op"], n)
+        out[p["layer"]][p["op"]] += _kernels(node, p["op"], n)
     return dict(out)
 
 
@@ -73,6 +81,9 @@ def main() -> None:
     ap.add_argument("--tiny-dims", action="store_true", help="the preset's layer structure on k3-tiny's widths")
     ap.add_argument("--passes", default="all", help="all (default pipeline), none, or p01,p02,...")
     ap.add_argument("--json", help="write {layer: {op: kernels}} here")
+    ap.add_argument("--pass-opt", action="append", default=[], metavar="PASS.OPT=VALUE",
+                    help="a pass option on top of the pipeline (repeatable), e.g. p08_small_m_gemm.choice=gemv "
+                         "(P8 measures only on CUDA: on a CPU, gemv is what the H200 chose for the decode GEMMs)")
     args = ap.parse_args()
     cfg = get_preset(args.preset)
     if args.tiny_dims:
@@ -85,6 +96,10 @@ def main() -> None:
         if args.passes != "all":
             config = PipelineConfig(order=args.passes.split(","), configs={
                 n: config.configs[n] for n in args.passes.split(",")})
+        for opt in args.pass_opt:
+            name, value = opt.split("=", 1)
+            pass_name, key = name.split(".", 1)
+            config.set_option(pass_name, key, value)
         PassManager(config).run(gm)
     table = kernels_by_layer(gm)
     layers = sorted(table, key=_layer_order)

@@ -30,6 +30,10 @@ and the split kernel calls `gdc_launch_dependents` once its loop is done so the 
 launch overlaps its tail; the prologue (`pdl` argument) waits before reading ckv / q_a and releases
 its dependents once they are read. Off by default in the ops; P15's config turns it on (its default).
 
+MLA's output gate (`gate`, P15's `gate_out`, off by default): the merge + W_UV kernels also compute
+out * sigmoid(gate) where they store out (the last-arriving program, with column blocks), so the two elementwise
+kernels after the attention (K3's `o * sigmoid(g_proj(x))`) leave the decode step; rounded as those ops round.
+
 W_UV L2 prefetch (`prefetch_w`, P15's `prefetch_w_uv`, off by default): each column-block merge + W_UV program asks
 L2 for its W_UV block (dv rows x merge_cols, kernels/l2_prefetch.py) before gdc_wait, so the 4 MB a layer (48B)
 streams while the latency-bound split kernel runs; only with PDL and 16-byte aligned blocks (`w_uv_prefetch_ok`),
@@ -143,11 +147,21 @@ def w_uv_of(kv_b_weight: torch.Tensor, heads: int, nope: int) -> torch.Tensor:
     return kv_b_weight.unflatten(0, (heads, -1))[:, nope:]
 
 
-def decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, w_uv) -> torch.Tensor:
-    """The decode attention, then MLAMixer's einsum("bhr,hdr->bhd", o_lat, W_UV) and flatten: [B, H * dv]."""
+def decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, w_uv,
+                         gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode attention, then MLAMixer's einsum("bhr,hdr->bhd", o_lat, W_UV) and flatten: [B, H * dv]; with
+    `gate` [B, H * dv] also MLAMixer's output gate, `o * sigmoid(gate)`."""
     o_lat = decode_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale)
     check_w_uv(w_uv, o_lat.shape[1], o_lat.shape[2])
-    return torch.einsum("bhr,hdr->bhd", o_lat, w_uv).flatten(-2)
+    o = torch.einsum("bhr,hdr->bhd", o_lat, w_uv).flatten(-2)
+    return o if gate is None else o * torch.sigmoid(check_gate(gate, o))
+
+
+def check_gate(gate: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    if gate.shape != out.shape or gate.dtype != out.dtype:
+        raise ValueError(f"mla_decode_fused_out: the output gate must be {tuple(out.shape)} {out.dtype} like the "
+                         f"output, got {tuple(gate.shape)} {gate.dtype}")
+    return gate
 
 
 def decode_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale) -> torch.Tensor:
@@ -300,10 +314,18 @@ if triton is not None:
         tl.store(out_ptr + bh * R + tl.arange(0, R), o.to(out_ptr.dtype.element_ty))
 
     @triton.jit
+    def _gated(y, gate_ptrs, mask, OUT_DTYPE: tl.constexpr):
+        """MLA's output gate on the attention output y (fp32): o * sigmoid(g) rounded as the unfused graph rounds it
+        (o and sigmoid(g) each in the output dtype, then their product), in fp32."""
+        g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g).to(OUT_DTYPE).to(tl.float32)
+        return y.to(OUT_DTYPE).to(tl.float32) * s
+
+    @triton.jit
     def _decode_merge_out_kernel(part_ptr, lse_ptr, seq_ptr, w_ptr, w_sh, w_sd, out_ptr, H,
                                  R: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
                                  SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, LAT_DTYPE: tl.constexpr,
-                                 USE_PDL: tl.constexpr):
+                                 USE_PDL: tl.constexpr, gate_ptr=None, gate_stride=0, HAS_GATE: tl.constexpr = False):
         # Program (request x head, block of W_UV's output rows): the merge above, rounded to the latent output's
         # dtype as mla_decode_fused returns it, then o[b, h, d] = sum_r o_lat[r] W_UV[h, d, r] (fp32 sums),
         # stored at out[b, h * DV + d]: the einsum "bhr,hdr->bhd" and the flatten after it, in one kernel.
@@ -319,6 +341,8 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
         o = _merged_row(part_ptr, lse_ptr, bh, used, R, NUM_SPLITS, SPLITS_PAD).to(LAT_DTYPE).to(tl.float32)
         y = tl.sum(w.to(tl.float32) * o[None, :], axis=1)
+        if HAS_GATE:
+            y = _gated(y, gate_ptr + (bh // H) * gate_stride + h * DV + d, dm, out_ptr.dtype.element_ty)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(out_ptr + (bh // H) * H * DV + h * DV + d, y.to(out_ptr.dtype.element_ty), mask=dm)
@@ -360,7 +384,8 @@ if triton is not None:
                                       MERGE_COLS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
                                       BLOCK_N: tl.constexpr, LAT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr,
                                       PREFETCH_W: tl.constexpr = False, W_BYTES: tl.constexpr = 2,
-                                      PIECES: tl.constexpr = 128):
+                                      PIECES: tl.constexpr = 128, gate_ptr=None, gate_stride=0,
+                                      HAS_GATE: tl.constexpr = False):
         # Program (request x head, block kb of MERGE_COLS latent columns): the merge at those columns, rounded to the
         # latent output's dtype (as mla_decode_fused returns it), times W_UV[h, :, those columns]: a [DV] fp32
         # partial of the einsum "bhr,hdr->bhd". With one block it is the result; otherwise each program stores its
@@ -387,6 +412,8 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         dst = out_ptr + (bh // H) * H * DV + h * DV + d
         if KB == 1:
+            if HAS_GATE:  # MLA's output gate, on the finished sum
+                y = _gated(y, gate_ptr + (bh // H) * gate_stride + h * DV + d, dm, out_ptr.dtype.element_ty)
             tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=dm)
         else:
             tl.store(ws_ptr + (bh * KB + kb) * DV_PAD + d, y)
@@ -395,7 +422,10 @@ if triton is not None:
             if arrived == KB - 1:  # the others' partials are visible: sum them in block order
                 kbs = tl.arange(0, KB)
                 ys = tl.load(ws_ptr + (bh * KB + kbs)[:, None] * DV_PAD + d[None, :], cache_modifier=".cg")
-                tl.store(dst, tl.sum(ys, axis=0).to(out_ptr.dtype.element_ty), mask=dm)
+                y = tl.sum(ys, axis=0)
+                if HAS_GATE:
+                    y = _gated(y, gate_ptr + (bh // H) * gate_stride + h * DV + d, dm, out_ptr.dtype.element_ty)
+                tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=dm)
                 tl.store(count_ptr + bh, 0)  # ready for the next launch (the next layer's, or the next replay)
 
 
@@ -478,7 +508,8 @@ def arrival_counts(device, n: int) -> torch.Tensor:
 def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl: bool = False,
                   num_splits: int | None = None, block_h: int | None = None, block_n: int = BLOCK_N,
                   num_warps: int = 4, w_uv: torch.Tensor | None = None, block_dv: int = BLOCK_DV,
-                  merge_cols: int | None = None, prefetch_w: bool = False) -> torch.Tensor:
+                  merge_cols: int | None = None, prefetch_w: bool = False,
+                  gate: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the split and merge kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1): o_lat [B, H, r];
     with `w_uv` [H, dv, r] (rows contiguous) the merge kernel also applies it: [B, H * dv] (`decode_out_reference`).
     num_splits (None: LAUNCH_TABLE's; 0: from the shapes) / block_h / block_n / num_warps override the defaults
@@ -486,7 +517,9 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
     merge_cols: latent columns per merge program (a power of two <= r; None: LAUNCH_TABLE's choice), or 0 for
     the whole-row merge kernels (one program per (request, head) [x block_dv rows of W_UV]: the baseline).
     prefetch_w: the column-block merge + W_UV kernel asks L2 for its W_UV block before gdc_wait (`w_uv_prefetch_ok`:
-    only with PDL and 16-byte aligned blocks; otherwise ignored). Same values either way."""
+    only with PDL and 16-byte aligned blocks; otherwise ignored). Same values either way.
+    gate [B, H * dv] (with `w_uv` only; rows may be strided): the merge kernel also applies MLA's output gate,
+    out * sigmoid(gate), rounded as the unfused ops round it (`decode_out_reference`'s gate)."""
     check_decode_args(q_nope, q_rope, kv_pool, layer, page_table, seq_lens)
     if triton is None:
         raise RuntimeError("mla_decode_fused: triton is not installed")
@@ -496,6 +529,8 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
         raise ValueError(f"mla_decode_fused kernel: needs a power-of-two latent width >= 16, got {R}")
     if w_uv is not None:
         check_w_uv(w_uv, H, R)
+    elif gate is not None:
+        raise ValueError("mla_decode_fused: the output gate needs w_uv (it gates the [B, H * dv] output)")
     if q_nope.stride(-1) != 1:
         q_nope = q_nope.contiguous()
     if q_rope.stride(-1) != 1:
@@ -509,6 +544,11 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
         out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
     else:
         out = torch.empty(B, H * w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
+    if gate is not None:
+        check_gate(gate, out)
+        if gate.stride(-1) != 1:
+            gate = gate.contiguous()
+    gate_args = {"gate_ptr": gate, "gate_stride": gate.stride(0), "HAS_GATE": True} if gate is not None else {}
     if B == 0:
         return out
     if block_h is None:  # 16 heads x 512 latent fp32 accumulator = 64 registers a thread at 4 warps
@@ -551,7 +591,7 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
             MERGE_COLS=merge_cols, NUM_SPLITS=splits, SPLITS_PAD=pad, BLOCK_N=block_n,
             LAT_DTYPE=_TL_DTYPES[q_nope.dtype], USE_PDL=pdl,
             PREFETCH_W=bool(prefetch_w) and pdl and w_uv_prefetch_ok(w_uv, merge_cols), W_BYTES=w_uv.element_size(),
-            PIECES=32 * merge_warps, num_warps=merge_warps, **extra)
+            PIECES=32 * merge_warps, num_warps=merge_warps, **gate_args, **extra)
         return out
     if w_uv is None:
         _decode_merge_kernel[(B * H,)](part, lse, seq_lens, out, H, R=R, NUM_SPLITS=splits, SPLITS_PAD=pad,
@@ -562,7 +602,7 @@ def decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, p
         _decode_merge_out_kernel[(B * H, triton.cdiv(dv, block_dv))](
             part, lse, seq_lens, w_uv, w_uv.stride(0), w_uv.stride(1), out, H, R=R, DV=dv, BLOCK_DV=block_dv,
             NUM_SPLITS=splits, SPLITS_PAD=pad, BLOCK_N=block_n, LAT_DTYPE=_TL_DTYPES[q_nope.dtype], USE_PDL=pdl,
-            num_warps=8, **extra)
+            num_warps=8, **gate_args, **extra)
     return out
 
 
@@ -674,31 +714,33 @@ def _decode_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pd
 def mla_decode_fused_out(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, kv_b_weight: torch.Tensor,
                          nope: int, pdl: bool, launch_table: Optional[list[int]] = None,
-                         prefetch_w: bool = False) -> torch.Tensor:
+                         prefetch_w: bool = False, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
     """mla_decode_fused, then W_UV (the v rows of kv_b_proj's weight, per head) and the flatten: [B, H * dv].
-    prefetch_w: the merge kernel L2-prefetches its W_UV block before gdc_wait (P15's prefetch_w_uv; same values)."""
+    prefetch_w: the merge kernel L2-prefetches its W_UV block before gdc_wait (P15's prefetch_w_uv; same values).
+    gate [B, H * dv]: MLA's output gate applied too, `out * sigmoid(gate)` (P15's gate_out)."""
     return decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale,
-                                w_uv_of(kv_b_weight, q_nope.shape[1], nope))
+                                w_uv_of(kv_b_weight, q_nope.shape[1], nope), gate)
 
 
 @mla_decode_fused_out.register_kernel("cuda")
 def _decode_out_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl,
-                     launch_table=None, prefetch_w=False):
+                     launch_table=None, prefetch_w=False, gate=None):
     w_uv = w_uv_of(kv_b_weight, q_nope.shape[1], nope)
     if not kernel_supports_decode(q_nope.shape[-1], q_rope.shape[-1]):
-        return decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, w_uv)
+        return decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, w_uv, gate)
     use_pdl = pdl_for(pdl, q_nope)
     choice = _launch_choice(launch_table, q_nope.shape[0], q_nope.shape[-1])
     with torch.cuda.device(q_nope.device):
         if q_nope.shape[0] <= OUT_MAX_TOKENS:  # a static shape: a captured graph always takes the same branch
             return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl, w_uv=w_uv,
-                                 prefetch_w=prefetch_w, **choice)
+                                 prefetch_w=prefetch_w, gate=gate, **choice)
         o_lat = decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl, **choice)
-        return torch.einsum("bhr,hdr->bhd", o_lat, w_uv).flatten(-2)
+        o = torch.einsum("bhr,hdr->bhd", o_lat, w_uv).flatten(-2)
+        return o if gate is None else o * torch.sigmoid(check_gate(gate, o))
 
 
 @mla_decode_fused_out.register_fake
 def _decode_out_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl,
-                     launch_table=None, prefetch_w=False):
+                     launch_table=None, prefetch_w=False, gate=None):
     heads = q_nope.shape[1]
     return q_nope.new_empty(q_nope.shape[0], heads * (kv_b_weight.shape[0] // heads - nope))

@@ -4,7 +4,7 @@ the unpassed graph and the eager model, pools included."""
 import pytest
 import torch
 
-from k3compile.passes.kernels import mla_absorb, mla_decode  # noqa: F401  (register torch.ops.k3.mla_*)
+from k3compile.passes.kernels import mla_absorb, mla_decode, norm_gemv  # noqa: F401  (register torch.ops.k3.*)
 
 from .helpers import (BF16_TOL, FP32_TOL, MODELS, assert_same_step, eager_step, graph, inputs_for, layer_counts, model,
                       op_counts, other_batch, run_graph, run_pass)
@@ -177,3 +177,106 @@ def test_absorb_q_fold_joins_the_prologue_without_q_lora(name, dtype, merged):
         got = run_graph(gm, x)
         assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")  # KV pool included
         assert_same_step(got, eager_step(model(name, dtype), "decode", x), tol, "vs eager model")
+
+
+@pytest.mark.parametrize("name,dtype,merged", [("k3-tiny", torch.float32, True), ("k3-tiny", torch.bfloat16, False),
+                                               ("kimi-linear-tiny", torch.bfloat16, True)])
+def test_gate_out_folds_the_output_gate_into_the_merge(name, dtype, merged):
+    """gate_out=True: K3's o * sigmoid(g) after each fused attention becomes the op's gate argument (one more match
+    per gated MLA layer, its sigmoid and product gone); Kimi Linear has no output gate (0 more); off by default;
+    numerics vs the unpassed graph and the eager model (the gate's rounding as the unfused ops')."""
+    from k3compile.passes.registry import get_pass
+    assert get_pass(P15).config_cls().gate_out is False
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    cfg = model(name).config
+    n = layer_counts(cfg)["mla"]
+    gated = n if cfg.mla_output_gate else 0
+    before, gm, plain = (graph(name, "decode", dtype) for _ in range(3))
+    if merged:
+        run_pass(gm, "p01_gemm_merge")
+        run_pass(plain, "p01_gemm_merge")
+    assert run_pass(plain, P15) == 4 * n
+    assert run_pass(gm, P15, gate_out=True) == 4 * n + gated
+    counts, plain_counts = op_counts(gm), op_counts(plain)
+    assert counts[FUSED_OUT] == n
+    assert counts[aten.sigmoid.default] == plain_counts[aten.sigmoid.default] - gated
+    assert counts[aten.mul.Tensor] == plain_counts[aten.mul.Tensor] - gated
+    gates = [node.args[12] for node in gm.graph.nodes if node.target == FUSED_OUT and len(node.args) > 12]
+    assert len(gates) == gated
+    for g in gates:
+        assert tuple(g.meta["val"].shape[1:]) == (cfg.num_attention_heads * cfg.v_head_dim,)
+    for node in gm.graph.nodes:
+        if node.target == FUSED_OUT:  # ungated: the arguments engines had before; gated: prefetch_w spelled out
+            assert len(node.args) == 11 if not gated else node.args[11] is False
+    code = gm.code
+    assert run_pass(gm, P15, gate_out=True) == 0 and gm.code == code
+    for x in (inputs_for(name, "decode", dtype), other_batch(model(name, dtype), "decode")):
+        got = run_graph(gm, x)
+        assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")  # KV pool included
+        assert_same_step(got, eager_step(model(name, dtype), "decode", x), tol, "vs eager model")
+        # on CPU the op runs the reference, the very ops it replaced: the same bits
+        assert_same_step(got, run_graph(plain, x), 0.0, "vs P15 without gate_out")
+
+
+NORM_GEMV = torch.ops.k3.norm_gemv.default
+
+
+@pytest.mark.parametrize("name,dtype", [("k3-tiny", torch.float32), ("k3-tiny", torch.bfloat16),
+                                        ("kimi-linear-tiny", torch.bfloat16)])
+def test_q_norm_gemv_moves_the_q_lora_norm_into_the_query_gemv(name, dtype):  # fp32: P8 leaves cuBLAS, 0 moved
+    """q_norm_gemv=True after P1 and P8 (choice gemv): K3's q_a norm leaves the prologue for a k3.norm_gemv in place of
+    the q_b k3.gemv (one more match per MLA layer), so absorb_q="fold" joins the prologue and W_UK's absorption as in
+    Kimi Linear (no q-LoRA: nothing to move, 0 more); off by default; numerics vs the unpassed graph and eager."""
+    from k3compile.passes.registry import get_pass
+    assert get_pass(P15).config_cls().q_norm_gemv is False
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    cfg = model(name).config
+    n = layer_counts(cfg)["mla"]
+    moved = n if cfg.q_lora_rank is not None and dtype != torch.float32 else 0
+    before, gm = graph(name, "decode", dtype), graph(name, "decode", dtype)
+    run_pass(gm, "p01_gemm_merge")
+    run_pass(gm, "p08_small_m_gemm", choice="gemv")
+    gemvs = op_counts(gm)[torch.ops.k3.gemv.default]
+    assert run_pass(gm, P15, q_norm_gemv=True, gate_out=True) == 4 * n + moved + (n if cfg.mla_output_gate else 0)
+    after = op_counts(gm)
+    assert after[NORM_GEMV] == moved and after[torch.ops.k3.gemv.default] == gemvs - moved
+    folded = n if moved or cfg.q_lora_rank is None else 0
+    assert after[PROLOGUE_ABSORB] == folded and after[PROLOGUE] == after[ABSORB_Q] == n - folded
+    for node in gm.graph.nodes:
+        if node.target == NORM_GEMV:  # the q_a column block, no delta, the q_a norm's weight, P8's configuration
+            assert node.args[1] is None and node.args[2].target.endswith("q_a_layernorm_weight")
+            assert node.args[4].target.endswith("q_b_proj_weight")
+    code = gm.code
+    assert run_pass(gm, P15, q_norm_gemv=True, gate_out=True) == 0 and gm.code == code
+    for x in (inputs_for(name, "decode", dtype), other_batch(model(name, dtype), "decode")):
+        got = run_graph(gm, x)
+        assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")  # KV pool included
+        assert_same_step(got, eager_step(model(name, dtype), "decode", x), tol, "vs eager model")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("launch", [(16, 64, 128, 1, 0, True, 4), (4, 16, 256, 1, 1, True, 4),
+                                    (16, 64, 128, 2, 0, True, 4)])  # dot, rows, dot split-K 2
+def test_cuda_q_norm_gemv_matches_prologue_then_gemv_at_k3_mini_shape(tokens, launch):
+    """q_norm_gemv's pair at k3-mini-6b's MLA shape (q_lora 768 -> 16 heads x 192, kv 512 + 64) with PDL: the KV half
+    of the prologue writes the same cache rows, and norm_gemv on the q_a column block equals the prologue's q_a norm
+    then k3.gemv within bf16 rounding."""
+    gen = torch.Generator().manual_seed(tokens)
+    merged = torch.randn(tokens, 768 + 576 + 16 * 128, generator=gen).bfloat16().cuda()  # [q_a | ckv | gate]
+    q_a, ckv = merged[:, :768], merged[:, 768: 768 + 576]
+    w_kv, w_q = (1 + 0.1 * torch.randn(512, generator=gen)).bfloat16().cuda(), \
+        (1 + 0.1 * torch.randn(768, generator=gen)).bfloat16().cuda()
+    w_qb = (torch.randn(16 * 192, 768, generator=gen) * 768 ** -0.5).bfloat16().cuda()
+    kv = torch.zeros(tokens * 2 + 1, 2, 16, 576, dtype=torch.bfloat16, device="cuda")
+    kv_ref = kv.clone()
+    loc = (torch.randperm(tokens * 16, generator=gen)[:tokens] + 16).cuda()
+    q_normed = PROLOGUE(ckv, w_kv, 1e-6, kv_ref, 1, loc, q_a, w_q, 1e-6, True)
+    want = torch.ops.k3.gemv(q_normed, w_qb, None, *launch)
+    empty = PROLOGUE(ckv, w_kv, 1e-6, kv, 1, loc, None, None, 0.0, True)
+    got, _ = NORM_GEMV(q_a, None, w_q, 1e-6, w_qb, None, *launch, 16)
+    torch.cuda.synchronize()
+    assert empty.numel() == 0 and torch.equal(kv, kv_ref)
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert got.shape == (tokens, 16 * 192) and err <= 1e-2

@@ -25,7 +25,8 @@ def randn(*shape, dtype=torch.float32):
     return torch.randn(*shape, generator=GEN).to(dtype)
 
 
-def attention_case(lens, page, heads=2, r=16, rope=8, splits=None, layers=2, layer=1, dv=None, merge_cols=None):
+def attention_case(lens, page, heads=2, r=16, rope=8, splits=None, layers=2, layer=1, dv=None, merge_cols=None,
+                   gated=False):
     """Requests with different lengths, pages scattered over the pool (non-contiguous page tables),
     q_rope a strided view (as in the graph), the pool's page stride padded like a unified arena."""
     b = len(lens)
@@ -44,9 +45,11 @@ def attention_case(lens, page, heads=2, r=16, rope=8, splits=None, layers=2, lay
     else:  # W_UV applied by the merge kernel: a view of kv_b_proj's weight, as the op passes it (block_dv < dv)
         nope = 8
         w_uv = mla.w_uv_of(randn(heads * (nope + dv), r), heads, nope)
+        # MLA's output gate: a column block of a wider GEMM output (strided rows), as P15's gate_out passes it
+        gate = randn(b, heads * dv + 7)[:, 3: 3 + heads * dv] * 3 if gated else None
         got = mla.decode_triton(q_nope, q_rope, kv, layer, table, seq, scale, num_splits=splits, w_uv=w_uv, block_dv=8,
-                                merge_cols=merge_cols)
-        want = mla.decode_out_reference(q_nope, q_rope, kv, layer, table, seq, scale, w_uv)
+                                merge_cols=merge_cols, gate=gate)
+        want = mla.decode_out_reference(q_nope, q_rope, kv, layer, table, seq, scale, w_uv, gate)
         if merge_cols and r // merge_cols > 1 and mla.arrival_counts("cpu", 1).any():
             return float("inf"), 0.0  # the last arrival must leave every count at zero for the next launch
     return ((got - want).abs().max() / want.abs().max()).item(), 1e-5
@@ -96,6 +99,11 @@ def cases():
                lambda c=cols: attention_case([70, 17, 3], 16, splits=3, dv=12, merge_cols=c))
     yield "W_UV in the merge, 64 splits (more than tiles), merge cols 4", lambda: attention_case(
         [40, 9], 4, splits=64, dv=12, merge_cols=4)
+    # the output gate (P15's gate_out) in each merge + W_UV kernel: whole row (0), one column block (16 = r), and
+    # column blocks summed by the last arrival (4)
+    for cols in (0, 16, 4):
+        yield (f"W_UV + output gate in the merge, dv 12, 3 splits, merge cols {cols}",
+               lambda c=cols: attention_case([70, 17, 3], 16, splits=3, dv=12, merge_cols=c, gated=True))
 
 
 def main() -> int:

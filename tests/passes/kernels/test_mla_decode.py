@@ -85,6 +85,8 @@ def test_ops_pass_opcheck():
     w_kv_b = torch.randn(2 * (4 + 8), 16)  # kv_b_proj: 2 heads x (nope 4 + dv 8) rows, r = 16
     torch.library.opcheck(FUSED_OUT, (torch.randn(2, 2, 16), torch.randn(2, 2, 8), kv, 1, table, seq, 0.2, w_kv_b, 4,
                                       False))
+    torch.library.opcheck(FUSED_OUT, (torch.randn(2, 2, 16), torch.randn(2, 2, 8), kv, 1, table, seq, 0.2, w_kv_b, 4,
+                                      False, None, False, torch.randn(2, 16)))  # with P15's output gate
     torch.library.opcheck(PROLOGUE, (torch.randn(2, 24), torch.randn(16), 1e-6, kv, 0, torch.tensor([1, 6]),
                                      torch.randn(2, 8), torch.randn(8), 1e-6))
 
@@ -266,3 +268,45 @@ def test_cuda_w_uv_l2_prefetch_changes_no_value(batch):
         w_uv = w_uv_of(w_kv_bs[layer], 32, 128)
         want = torch.einsum("bhr,hdr->bhd", o_lat.bfloat16().float(), w_uv.float()).flatten(-2)
         assert _rel(results[1][layer], want) <= 1.5e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 4, 8])  # 1, 4: the merge kernels gate (column blocks, LAUNCH_TABLE); 8: torch
+def test_cuda_output_gate_matches_the_unfused_ops_at_k3_mini_shape(batch):
+    """P15's gate_out at k3-mini-6b's MLA shape (16 heads, r 512, nope 128, dv 128), the gate a column block of the
+    merged input GEMM's output, in a CUDA graph with PDL over three layers: equal to the unfused step's arithmetic
+    (the ungated op, then sigmoid and product in bf16) within bf16 rounding; the whole-row merge kernel too."""
+    q_nope, q_rope, kv1, table, seq = _decode_inputs(batch, 512, 16, heads=16, seed=9)
+    kv = torch.cat([kv1, kv1.roll(1, 0), kv1.flip(2)], 1)
+    gen = torch.Generator().manual_seed(10)
+    w_kv_b = (torch.randn(16 * 256, 512, generator=gen) * 512 ** -0.5).bfloat16().cuda()
+    merged = (torch.randn(batch, 768 + 576 + 16 * 128, generator=gen) * 2).bfloat16().cuda()
+    gate = merged[:, 768 + 576:]
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+
+    def step():
+        return [FUSED_OUT(q_nope, q_rope, kv, layer, table, seq, 192 ** -0.5, w_kv_b, 128, pdl, None, False, gate)
+                for layer in range(3)]
+    graph, outs = _captured(step)
+    graph.replay()
+    torch.cuda.synchronize()
+    for layer in range(3):
+        plain = FUSED_OUT(q_nope, q_rope, kv, layer, table, seq, 192 ** -0.5, w_kv_b, 128, pdl)
+        want = plain * torch.sigmoid(gate)
+        assert outs[layer].shape == (batch, 16 * 128) and _rel(outs[layer], want) <= 1e-2, f"layer {layer}"
+    if batch <= 4:
+        w_uv = w_uv_of(w_kv_b, 16, 128)
+        whole = decode_triton(q_nope, q_rope, kv, 2, table, seq, 192 ** -0.5, pdl, w_uv=w_uv, merge_cols=0, gate=gate)
+        assert _rel(whole, outs[2]) <= 1e-2
+    assert not arrival_counts(q_nope.device, 1).any()
+
+
+def test_output_gate_of_another_shape_or_dtype_is_refused():
+    kv = _pool(8, 2, 4, 24)
+    table, seq = torch.ones(2, 3, dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32)
+    args = (torch.randn(2, 2, 16), torch.randn(2, 2, 8), kv, 1, table, seq, 0.2, torch.randn(2 * 12, 16), 4, False,
+            None, False)
+    for bad in (torch.randn(2, 15), torch.randn(2, 16, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="output gate must be"):
+            FUSED_OUT(*args, bad)
