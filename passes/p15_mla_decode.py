@@ -36,7 +36,7 @@ W_UV after (`absorb_out`), anchored on the fused attention:
    ([B, H * dv]: the merge kernel applies W_UV per (token, head) up to kernels.mla_decode.OUT_MAX_TOKENS
    tokens, so the batched GEMM, the layout copy after it and one launch leave the decode step).
 
-K3's q-LoRA norm into the query GEMM (`q_norm_gemv`, off by default: not yet measured), after the prologue:
+K3's q-LoRA norm into the query GEMM (`q_norm_gemv`, on by default: measured), after the prologue:
 
     q' = k3.mla_decode_prologue(X, ..., Q, q_norm_w, q_eps);  y = k3.gemv(q', W_qb, c, <P8's configuration>)
 -> `k3.mla_decode_prologue(X, ..., None, None, 0.0)`;  `y, _ = k3.norm_gemv(Q, None, q_norm_w, q_eps, W_qb, c,
@@ -45,7 +45,7 @@ K3's q-LoRA norm into the query GEMM (`q_norm_gemv`, off by default: not yet mea
    form of Kimi Linear's, so absorb_q="fold" makes it and W_UK's absorption one kernel: one launch less per MLA
    layer. (norm_gemv reads Q contiguous: at batch 1 the column block is; above, its launcher copies it.)
 
-K3's output gate after it (`gate_out`, off by default: not yet measured on the device), anchored on that op:
+K3's output gate after it (`gate_out`, on by default: measured), anchored on that op:
 
     mul(mla_decode_fused_out(...), sigmoid(G))      G [B, H * dv]: the gate GEMM's output (a column block of P1's
 -> `k3.mla_decode_fused_out(..., prefetch_w, G)`    merged input GEMM); the merge kernel gates where it stores
@@ -111,11 +111,12 @@ class MLADecodeConfig(PassConfig):
     # with fold, 2.238 vs 2.237 ms at 48B batch 1 (traces/h200_s10/call3)
     prefetch_w_uv: bool = False
     # K3's output gate o * sigmoid(g) applied by the W_UV merge kernel (k3.mla_decode_fused_out's gate): 2 launches
-    # less per gated MLA layer. Off until measured on the device (tools/gpu_mini12.sh)
-    gate_out: bool = False
+    # less per gated MLA layer. k3-mini-6b batch 1, whole step (traces/h200_s12/call4, same run): 1.911 -> 1.878 ms
+    gate_out: bool = True
     # K3's q_a norm moved from the prologue into the q_b GEMV's prologue (k3.norm_gemv), so that with absorb_q="fold"
-    # the prologue and W_UK's absorption are one kernel: 1 launch less per q-LoRA MLA layer. Off until measured
-    q_norm_gemv: bool = False
+    # the prologue and W_UK's absorption are one kernel: 1 launch less per q-LoRA MLA layer (where P8 chose its GEMV
+    # for q_b). k3-mini-6b batch 1 (same run): 1.911 -> 1.888 ms; with gate_out and P17 1.833
+    q_norm_gemv: bool = True
 
     def validate(self) -> None:
         if self.absorb_q not in ABSORB_Q_CHOICES:

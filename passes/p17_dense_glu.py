@@ -16,7 +16,7 @@ MoE's expert activations are inside P6's kernels already, so only the dense MLP 
 Counts: one per dense MLP (K3 presets: the first layer; Kimi Linear: the first layer), in every graph mode; 0 and
 the graph unchanged where nothing matches. Numerics: on CPU the op is `glu_act` itself (bit-identical); the
 Triton kernel computes the same fp32 expression once (exp-based tanh) and rounds once (situ), or rounds silu first
-as ATen does (silu). Off by default until the device measures it (tools/gpu_mini12.sh).
+as ATen does (silu). On by default for SiTU (measured, traces/h200_s12/call4); `acts` adds silu.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from torch.fx import GraphModule, Node
 from .graph_utils import erase_subgraph, fake_mode_of, is_call, replace_uses, set_meta_val, val_of
 from .kernels import glu_act as _kernel  # noqa: F401  (registers torch.ops.k3.glu_act)
 from .patterns import NoMatch, is_cast, need
-from .registry import PassConfig, register_pass
+from .registry import PassConfig, PassConfigError, register_pass
 
 aten = torch.ops.aten
 GLU_ACT = torch.ops.k3.glu_act.default
@@ -36,8 +36,17 @@ GLU_ACT = torch.ops.k3.glu_act.default
 
 @dataclass
 class DenseGluConfig(PassConfig):
-    # off until measured on the device: 11 launches less per K3 step (1 per Kimi Linear step)
-    enabled: bool = False
+    # k3-mini-6b batch 1, whole step with P15's gate_out and q_norm_gemv (traces/h200_s12/call4, same run): 1.911 ->
+    # 1.891 ms alone, 1.833 with both; 11 launches less per K3 step
+    enabled: bool = True
+    # the activations fused: "situ" (K3's chain, 12 ATen kernels), "silu" (Kimi Linear's silu + mul, 2 kernels:
+    # one launch less per step, not timed on the device yet, so not in the default)
+    acts: str = "situ"
+
+    def validate(self) -> None:
+        bad = [a for a in self.acts.split(",") if a.strip() and a.strip() not in ("situ", "silu")]
+        if bad:
+            raise PassConfigError(f"p17_dense_glu.acts: unknown activations {bad}; known situ, silu")
 
 
 def _other(mul: Node, one) -> object:
@@ -120,8 +129,10 @@ def dense_glu(gm: GraphModule, config: DenseGluConfig) -> int:
     g = gm.graph
     fake_mode = None
     matches = 0
-    anchors = [(n, "situ") for n in g.nodes if is_call(n, aten.tanh.default)]
-    anchors += [(n, "silu") for n in g.nodes if is_call(n, aten.silu.default)]
+    config.validate()
+    acts = {a.strip() for a in config.acts.split(",")}
+    anchors = [(n, "situ") for n in g.nodes if "situ" in acts and is_call(n, aten.tanh.default)]
+    anchors += [(n, "silu") for n in g.nodes if "silu" in acts and is_call(n, aten.silu.default)]
     done: set = set()
     for anchor, act in anchors:
         if anchor in done:

@@ -14,6 +14,7 @@ P15 = "p15_mla_decode"
 PROLOGUE = torch.ops.k3.mla_decode_prologue.default
 FUSED = torch.ops.k3.mla_decode_fused.default
 FUSED_OUT = torch.ops.k3.mla_decode_fused_out.default
+OFF = {"gate_out": False, "q_norm_gemv": False}  # the two K3 folds (on by default) off: the tests of the other options
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -24,7 +25,7 @@ def test_three_rewrites_per_mla_layer_in_decode(name):
     before = op_counts(gm)
     assert before[torch.ops.k3.kv_write.default] == before[torch.ops.k3.mla_decode.default] == n["mla"]
     assert run_pass(gm, "p01_gemm_merge") > 0  # the merged input GEMM puts q_a next to the kv columns
-    assert run_pass(gm, P15, absorb_q="cublas") == 3 * n["mla"]
+    assert run_pass(gm, P15, **OFF, absorb_q="cublas") == 3 * n["mla"]
     after = op_counts(gm)
     assert after[PROLOGUE] == after[FUSED_OUT] == n["mla"] and after[FUSED] == 0
     # W_UK's batched GEMM stays, W_UV's and the flatten's copy go
@@ -44,7 +45,7 @@ def test_three_rewrites_per_mla_layer_in_decode(name):
             assert node.args[9] is True and node.args[8] == cfg.qk_nope_head_dim
             assert node.args[7].op == "get_attr" and node.args[7].target.endswith("kv_b_proj_weight")
     code = gm.code
-    assert run_pass(gm, P15, absorb_q="cublas") == 0 and gm.code == code
+    assert run_pass(gm, P15, **OFF, absorb_q="cublas") == 0 and gm.code == code
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -63,7 +64,7 @@ def test_numerics_vs_unpassed_graph_and_eager(name, dtype, merged):
     before, gm = graph(name, "decode", dtype), graph(name, "decode", dtype)
     if merged:
         run_pass(gm, "p01_gemm_merge")
-    assert run_pass(gm, P15, absorb_q="cublas", pdl=not merged) == 3 * layer_counts(model(name).config)["mla"]  # either way on CPU
+    assert run_pass(gm, P15, **OFF, absorb_q="cublas", pdl=not merged) == 3 * layer_counts(model(name).config)["mla"]  # either way on CPU
     for x in (inputs_for(name, "decode", dtype), other_batch(model(name, dtype), "decode")):
         got = run_graph(gm, x)
         assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")  # KV pool included
@@ -73,12 +74,12 @@ def test_numerics_vs_unpassed_graph_and_eager(name, dtype, merged):
 def test_options_turn_each_half_off():
     gm = graph("kimi-linear-tiny", "decode")
     n = layer_counts(model("kimi-linear-tiny").config)["mla"]
-    assert run_pass(gm, P15, absorb_q="cublas", attention=False) == n
+    assert run_pass(gm, P15, **OFF, absorb_q="cublas", attention=False) == n
     assert op_counts(gm)[PROLOGUE] == n and op_counts(gm)[FUSED] == 0
-    assert run_pass(gm, P15, absorb_q="cublas", prologue=False) == 2 * n
+    assert run_pass(gm, P15, **OFF, absorb_q="cublas", prologue=False) == 2 * n
     assert op_counts(gm)[FUSED_OUT] == n
     gm = graph("kimi-linear-tiny", "decode")
-    assert run_pass(gm, P15, absorb_q="cublas", absorb_out=False) == 2 * n
+    assert run_pass(gm, P15, **OFF, absorb_q="cublas", absorb_out=False) == 2 * n
     assert op_counts(gm)[FUSED] == n and op_counts(gm)[FUSED_OUT] == 0
 
 
@@ -88,7 +89,7 @@ def test_launch_table_is_recorded_on_every_attention_node_and_checked():
     config_cls = get_pass(P15).config_cls
     gm = graph("kimi-linear-tiny", "decode")
     n = layer_counts(model("kimi-linear-tiny").config)["mla"]
-    assert run_pass(gm, P15, absorb_q="cublas", launch_table="1:4:8/*:0:0") == 3 * n
+    assert run_pass(gm, P15, **OFF, absorb_q="cublas", launch_table="1:4:8/*:0:0") == 3 * n
     recorded = [node.args[10] for node in gm.graph.nodes if node.target == FUSED_OUT]
     assert recorded == [[1, 4, 8, 1 << 30, 0, 0]] * n
     table = mla_decode.parse_launch_table("1:4:8/*:0:0")
@@ -115,7 +116,7 @@ def test_absorb_q_triton_replaces_w_uks_batched_gemm(name, dtype):
     n = layer_counts(cfg)["mla"]
     before, gm = graph(name, "decode", dtype), graph(name, "decode", dtype)
     bmm_before = op_counts(before)[aten.bmm.default]
-    assert run_pass(gm, P15, absorb_q="triton") == 4 * n
+    assert run_pass(gm, P15, **OFF, absorb_q="triton") == 4 * n
     after = op_counts(gm)
     assert after[ABSORB_Q] == after[FUSED_OUT] == n and after[aten.bmm.default] == bmm_before - 2 * n
     for node in gm.graph.nodes:
@@ -126,7 +127,7 @@ def test_absorb_q_triton_replaces_w_uks_batched_gemm(name, dtype):
             assert tuple(q.meta["val"].shape[1:]) == (cfg.num_attention_heads, nope)
             assert [u.target for u in node.users] == [FUSED_OUT]
     code = gm.code
-    assert run_pass(gm, P15, absorb_q="triton") == 0 and gm.code == code
+    assert run_pass(gm, P15, **OFF, absorb_q="triton") == 0 and gm.code == code
     for x in (inputs_for(name, "decode", dtype), other_batch(model(name, dtype), "decode")):
         got = run_graph(gm, x)
         assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")
@@ -137,13 +138,13 @@ def test_prefetch_w_uv_is_recorded_only_when_on_and_absorb_q_is_checked():
     from k3compile.passes.registry import PassConfigError, get_pass
     n = layer_counts(model("kimi-linear-tiny").config)["mla"]
     gm = graph("kimi-linear-tiny", "decode")
-    assert run_pass(gm, P15, absorb_q="cublas") == 3 * n
+    assert run_pass(gm, P15, **OFF, absorb_q="cublas") == 3 * n
     assert [len(node.args) for node in gm.graph.nodes if node.target == FUSED_OUT] == [11] * n  # as engines before
     gm = graph("kimi-linear-tiny", "decode")
-    assert run_pass(gm, P15, absorb_q="cublas", prefetch_w_uv=True) == 3 * n
+    assert run_pass(gm, P15, **OFF, absorb_q="cublas", prefetch_w_uv=True) == 3 * n
     assert [node.args[11] for node in gm.graph.nodes if node.target == FUSED_OUT] == [True] * n
     gm = graph("kimi-linear-tiny", "decode")
-    assert run_pass(gm, P15, absorb_q="cublas", prefetch_w_uv=True, pdl=False) == 3 * n  # the prefetch only ever runs under PDL
+    assert run_pass(gm, P15, **OFF, absorb_q="cublas", prefetch_w_uv=True, pdl=False) == 3 * n  # the prefetch only ever runs under PDL
     assert [len(node.args) for node in gm.graph.nodes if node.target == FUSED_OUT] == [11] * n
     assert get_pass(P15).config_cls().absorb_q == "fold"  # the default since traces/h200_s10/call3
     with pytest.raises(PassConfigError, match="absorb_q"):
@@ -165,7 +166,7 @@ def test_absorb_q_fold_joins_the_prologue_without_q_lora(name, dtype, merged):
     before, gm = graph(name, "decode", dtype), graph(name, "decode", dtype)
     if merged:
         run_pass(gm, "p01_gemm_merge")
-    assert run_pass(gm, P15, absorb_q="fold") == 4 * n
+    assert run_pass(gm, P15, **OFF, absorb_q="fold") == 4 * n
     after = op_counts(gm)
     folded = n if cfg.q_lora_rank is None else 0
     assert after[PROLOGUE_ABSORB] == folded and after[ABSORB_Q] == after[PROLOGUE] == n - folded
@@ -183,10 +184,10 @@ def test_absorb_q_fold_joins_the_prologue_without_q_lora(name, dtype, merged):
                                                ("kimi-linear-tiny", torch.bfloat16, True)])
 def test_gate_out_folds_the_output_gate_into_the_merge(name, dtype, merged):
     """gate_out=True: K3's o * sigmoid(g) after each fused attention becomes the op's gate argument (one more match
-    per gated MLA layer, its sigmoid and product gone); Kimi Linear has no output gate (0 more); off by default;
+    per gated MLA layer, its sigmoid and product gone); Kimi Linear has no output gate (0 more); on by default;
     numerics vs the unpassed graph and the eager model (the gate's rounding as the unfused ops')."""
     from k3compile.passes.registry import get_pass
-    assert get_pass(P15).config_cls().gate_out is False
+    assert get_pass(P15).config_cls().gate_out is True
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     cfg = model(name).config
     n = layer_counts(cfg)["mla"]
@@ -195,7 +196,7 @@ def test_gate_out_folds_the_output_gate_into_the_merge(name, dtype, merged):
     if merged:
         run_pass(gm, "p01_gemm_merge")
         run_pass(plain, "p01_gemm_merge")
-    assert run_pass(plain, P15) == 4 * n
+    assert run_pass(plain, P15, **OFF) == 4 * n
     assert run_pass(gm, P15, gate_out=True) == 4 * n + gated
     counts, plain_counts = op_counts(gm), op_counts(plain)
     assert counts[FUSED_OUT] == n
@@ -226,9 +227,9 @@ NORM_GEMV = torch.ops.k3.norm_gemv.default
 def test_q_norm_gemv_moves_the_q_lora_norm_into_the_query_gemv(name, dtype):  # fp32: P8 leaves cuBLAS, 0 moved
     """q_norm_gemv=True after P1 and P8 (choice gemv): K3's q_a norm leaves the prologue for a k3.norm_gemv in place of
     the q_b k3.gemv (one more match per MLA layer), so absorb_q="fold" joins the prologue and W_UK's absorption as in
-    Kimi Linear (no q-LoRA: nothing to move, 0 more); off by default; numerics vs the unpassed graph and eager."""
+    Kimi Linear (no q-LoRA: nothing to move, 0 more); on by default; numerics vs the unpassed graph and eager."""
     from k3compile.passes.registry import get_pass
-    assert get_pass(P15).config_cls().q_norm_gemv is False
+    assert get_pass(P15).config_cls().q_norm_gemv is True
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     cfg = model(name).config
     n = layer_counts(cfg)["mla"]

@@ -1,13 +1,13 @@
 """P17 dense GLU: each GLU activation chain (the dense MLP's, and in graphs without P6 each MoE layer's shared
 expert) -> one k3.glu_act; exact counts on both tiny models in every mode, after the default pipeline one per dense
-layer in decode; off by default; numerics vs the unpassed graph (bit-identical on CPU) and the eager model."""
+layer in decode; on by default for SiTU; numerics vs the unpassed graph (bit-identical on CPU) and the eager model."""
 import pytest
 import torch
 
 from k3compile.passes.kernels import glu_act as _glu  # noqa: F401  (registers torch.ops.k3.glu_act)
 from k3compile.passes.manager import PassManager
 from k3compile.passes.pipeline import PipelineConfig
-from k3compile.passes.registry import get_pass
+from k3compile.passes.registry import PassConfigError, get_pass
 
 from .helpers import (BF16_TOL, FP32_TOL, MODELS, assert_same_step, eager_step, graph, inputs_for, layer_counts, model,
                       op_counts, other_batch, run_graph, run_pass)
@@ -30,7 +30,7 @@ def test_one_rewrite_per_glu_mlp(name, mode):
     gm = graph(name, mode, torch.bfloat16)
     before = op_counts(gm)
     n = _glu_mlps(cfg)
-    assert run_pass(gm, P17) == n
+    assert run_pass(gm, P17, acts="situ,silu") == n
     after = op_counts(gm)
     assert after[GLU_ACT] == n
     if cfg.hidden_act == "situ":  # 12 ATen nodes a chain: 3 casts, 2 div, 2 tanh, 4 mul, 1 sigmoid
@@ -48,18 +48,30 @@ def test_one_rewrite_per_glu_mlp(name, mode):
             if cfg.hidden_act == "situ":
                 assert node.args[3:] == (cfg.situ_beta, cfg.situ_linear_beta)
     code = gm.code
+    assert run_pass(gm, P17, acts="situ,silu") == 0 and gm.code == code
+
+
+def test_silu_only_when_asked():
+    """The default fuses SiTU chains only (K3: measured on the device); Kimi Linear's silu + mul stay unless `acts`
+    names silu. An unknown activation is refused by name."""
+    assert get_pass(P17).config_cls().acts == "situ"
+    gm = graph("kimi-linear-tiny", "decode", torch.bfloat16)
+    code = gm.code
     assert run_pass(gm, P17) == 0 and gm.code == code
+    assert run_pass(gm, P17, acts="silu") == _glu_mlps(model("kimi-linear-tiny").config)
+    with pytest.raises(PassConfigError, match="p17_dense_glu.acts: unknown activations"):
+        run_pass(graph("k3-tiny", "decode", torch.bfloat16), P17, acts="gelu")
 
 
-def test_off_by_default_and_one_per_dense_layer_after_the_pipeline():
-    assert get_pass(P17).config_cls().enabled is False
+def test_on_by_default_and_one_per_dense_layer_after_the_pipeline():
+    assert get_pass(P17).config_cls().enabled is True
     cfg = model("k3-tiny").config
     counts = {}
     for on in (False, True):
         pipeline = PipelineConfig.default()
         pipeline.set_option("p08_small_m_gemm", "choice", "gemv")
-        if on:
-            pipeline.set_option(P17, "enabled", True)
+        if not on:
+            pipeline.set_option(P17, "enabled", False)
         gm = graph("k3-tiny", "decode", torch.bfloat16)
         report = PassManager(pipeline).run(gm)
         counts[on] = op_counts(gm)
@@ -77,7 +89,7 @@ def test_off_by_default_and_one_per_dense_layer_after_the_pipeline():
 def test_numerics_vs_unpassed_graph_and_eager(name, dtype, mode):
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     before, gm = graph(name, mode, dtype), graph(name, mode, dtype)
-    assert run_pass(gm, P17) == _glu_mlps(model(name).config)
+    assert run_pass(gm, P17, acts="situ,silu") == _glu_mlps(model(name).config)
     for x in (inputs_for(name, mode, dtype), other_batch(model(name, dtype), mode)):
         got = run_graph(gm, x)
         assert_same_step(got, run_graph(before, x), 0.0, "vs unpassed graph")  # on CPU the op is glu_act itself
