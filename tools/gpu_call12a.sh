@@ -26,7 +26,7 @@ timeout $(( ${TL:-300} + 20 )) k3compile bench ladder --model kimi-linear-48b --
   --context 512 --device cuda --quick --time-budget ${TL:-300} --keep-traces all "${VARGS[@]}" --out $OUT/l48 \
   > $OUT/logs/ladder.log 2>&1
 say "ladder: exit $?"
-TR=$(ls $OUT/l48/traces/*r15*bs1.json.gz 2>/dev/null | tail -1)
+TR=$(ls $OUT/l48/traces/*_r[0-9][0-9]-*bs1.json.gz 2>/dev/null | sort | tail -1)  # the last rung: engine-after
 [ -n "$TR" ] && k3compile report "$TR" --top 25 --json $OUT/report48.json > $OUT/report48.txt 2>&1
 if [ -n "${REPORT_V:-}" ]; then
   TV=$(ls $OUT/l48/traces/*v-${REPORT_V}_bs1.json.gz 2>/dev/null | tail -1)

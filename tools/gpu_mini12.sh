@@ -33,7 +33,7 @@ timeout $(( ${TL:-170} + 20 )) k3compile bench ladder --model k3-mini-6b --dtype
   --device cuda --quick --time-budget ${TL:-170} --keep-traces all "${VARGS[@]}" --out $OUT/l6 \
   > $OUT/logs/ladder.log 2>&1
 say "ladder: exit $?"
-TR=$(ls $OUT/l6/traces/*r15*bs1.json.gz 2>/dev/null | tail -1)
+TR=$(ls $OUT/l6/traces/*_r[0-9][0-9]-*bs1.json.gz 2>/dev/null | sort | tail -1)  # the last rung: engine-after
 [ -n "$TR" ] && timeout 60 k3compile report "$TR" --top 30 --json $OUT/report_after.json > $OUT/report_after.txt 2>&1
 TV=$(ls $OUT/l6/traces/*v-all3_bs1.json.gz 2>/dev/null | tail -1)
 [ -n "$TV" ] && timeout 60 k3compile report "$TV" --top 30 --json $OUT/report_all3.json > $OUT/logs/report_all3.txt 2>&1
