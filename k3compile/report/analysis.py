@@ -72,6 +72,11 @@ class NameStats:
     total_us: float
     mean_us: float
     share: float  # of the total over all steps
+    # the part of each event after the end of the one before it on its stream, summed: what the name adds to the step.
+    # Under programmatic dependent launch a kernel starts (and sits in gdc_wait) while its predecessor runs, so its
+    # duration overlaps the predecessor's; the exclusive times of one stream's events sum to its busy span.
+    exclusive_us: float = 0.0
+    exclusive_mean_us: float = 0.0
 
 
 @dataclass
@@ -184,18 +189,38 @@ def step_report(se: StepEvents) -> StepReport:
     )
 
 
+def exclusive_ns(events: list[Event]) -> dict[int, int]:
+    """id(event) -> the part of its duration after the latest end of the events that started before it on its
+    (device, stream): what it adds to the stream's busy time beyond its predecessors (PDL overlaps a kernel's start,
+    and its wait, with the kernel before it)."""
+    out: dict[int, int] = {}
+    by_stream: dict[tuple, list[Event]] = defaultdict(list)
+    for e in events:
+        by_stream[(e.device, e.stream)].append(e)
+    for evs in by_stream.values():
+        evs.sort(key=lambda e: (e.ts, e.end))
+        reached = None
+        for e in evs:
+            begin = e.ts if reached is None else max(e.ts, reached)
+            out[id(e)] = max(0, e.end - begin)
+            reached = e.end if reached is None else max(reached, e.end)
+    return out
+
+
 def top_by_total(events: list[Event], n: int) -> list[NameStats]:
-    """Names ranked by summed duration (ties: more calls first, then name)."""
-    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    """Names ranked by summed duration (ties: more calls first, then name), with their exclusive time."""
+    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    excl = exclusive_ns(events)
     for e in events:
         t = totals[e.name]
         t[0] += 1
         t[1] += e.dur
+        t[2] += excl[id(e)]
     grand = sum(t[1] for t in totals.values())
     ranked = sorted(totals.items(), key=lambda kv: (-kv[1][1], -kv[1][0], kv[0]))
     return [NameStats(name, classify(name), count, _us(total), _us(total / count),
-                      round(total / grand, 4) if grand else 0.0)
-            for name, (count, total) in ranked[:n]]
+                      round(total / grand, 4) if grand else 0.0, _us(ex), _us(ex / count))
+            for name, (count, total, ex) in ranked[:n]]
 
 
 def by_launching_op(trace: Trace, seg: Segmentation, n: int) -> list[LaunchingOpStats]:

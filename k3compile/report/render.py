@@ -111,7 +111,8 @@ def _gpu_sections(report: Report, labels: list[str]) -> list[str]:
                       [[f"{d}/{st}", n, c, round(t, 3), big]
                        for (d, st), (n, c, t, big) in sorted(streams.items())])
 
-    out += ["", "Top GPU kernels (and copies) by total GPU time, all steps"]
+    out += ["", "Top GPU kernels (and copies) by total GPU time, all steps (excl. us: mean time after the end of the event "
+                "before it on its stream; under PDL a kernel starts, and waits, while its predecessor runs)"]
     out += _names_table(report.top_kernels)
 
     out += ["", "GPU work per step by the top-level op that launched it (eager traces; a CUDA graph "
@@ -187,9 +188,9 @@ def _cpu_sections(report: Report, labels: list[str]) -> list[str]:
 def _names_table(stats: list[NameStats]) -> list[str]:
     if not stats:
         return ["(none)"]
-    rows = [[str(i + 1), s.total_us, _pct(s.share), s.count, s.mean_us, s.category,
+    rows = [[str(i + 1), s.total_us, _pct(s.share), s.count, s.mean_us, s.exclusive_mean_us, s.category,
              _shorten(s.name)] for i, s in enumerate(stats)]
-    return _table(["#", "total us", "share", "count", "mean us", "category", "name"], rows,
+    return _table(["#", "total us", "share", "count", "mean us", "excl. us", "category", "name"], rows,
                   left=("category", "name"))
 
 

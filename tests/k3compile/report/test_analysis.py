@@ -2,7 +2,8 @@
 (see `two_step_decode`)."""
 import pytest
 
-from k3compile.report.analysis import GRAPH_REPLAY, NO_OP, analyze, busy_time, launch_gaps
+from k3compile.report.analysis import (GRAPH_REPLAY, NO_OP, analyze, busy_time, exclusive_ns, launch_gaps,
+                                       top_by_total)
 from k3compile.report.steps import FROM_ANNOTATIONS, FROM_PROFILER_STEPS, WHOLE_TRACE, segment
 from k3compile.report.trace import load_trace
 from tests.k3compile.report.synthetic_traces import T0, TraceBuilder, two_step_decode
@@ -131,6 +132,23 @@ def test_gap_and_busy_helpers_ignore_overlap(tmp_path):
     (g,) = launch_gaps(events)
     assert (g.count, g.total_us, g.largest_us) == (1, 5.0, 5.0)
     assert busy_time(events) == 15_000
+
+
+def test_exclusive_time_is_what_each_kernel_adds_after_its_predecessor(tmp_path):
+    """PDL-style overlap on one stream: b starts inside a (its wait) and ends 4 us after it, c inside b entirely, d
+    after a gap; exclusive times are 10, 4, 0, 5 us and sum to the stream's busy time; the top-kernels rows carry
+    them (total and per call) next to the plain durations."""
+    b = TraceBuilder()
+    b.kernel_launch("cudaLaunchKernel", 1, "a", 10, 10)
+    b.kernel_launch("cudaLaunchKernel", 2, "b", 15, 9)   # 15..24: 4 us after a's end at 20
+    b.kernel_launch("cudaLaunchKernel", 3, "c", 16, 2)   # inside b
+    b.kernel_launch("cudaLaunchKernel", 4, "d", 30, 5)
+    events = load_trace(b.write(tmp_path / "t.json")).gpu_events
+    excl = exclusive_ns(events)
+    assert {e.name: excl[id(e)] for e in events} == {"a": 10_000, "b": 4_000, "c": 0, "d": 5_000}
+    assert sum(excl.values()) == busy_time(events)
+    stats = {k.name: (k.total_us, k.exclusive_us, k.exclusive_mean_us) for k in top_by_total(events, 10)}
+    assert stats == {"a": (10.0, 10.0, 10.0), "b": (9.0, 4.0, 4.0), "c": (2.0, 0.0, 0.0), "d": (5.0, 5.0, 5.0)}
 
 
 def test_gpu_work_is_attributed_to_the_top_level_op_that_launched_it(tmp_path):
