@@ -191,3 +191,33 @@ fi
 if [[ " $PHASES " == *" unified_tot_fork "* ]]; then  # the whole-context-fork ToT shape on the unified arena
   $BENCH --unified --traces tot_fork --seeds 1,2,3 --budgets-kib 16384,8192 --out "$OUT/unified_tot_fork"
 fi
+if [[ " $PHASES " == *" s13_arena "* ]]; then
+  # session 12 (issue 15, item 4, with the current `valued` default): the unified arena against split pools at SGLang's
+  # default state share and at a sweep of shares (the best split in hindsight is the sweep's best per cell), each
+  # trace at 16 MiB and its tight budget, seeds 1-3; one replay at a time (one process: the CPU is shared). The
+  # comparison: k3compile.bench.cache_arenas (s13_arena/arenas.md).
+  mkdir -p "$OUT/s13_arena"
+  for spec in agent:16384,8192 tot_fork:16384,8192 tot:16384,4096; do
+    trace=${spec%%:*} kibs=${spec##*:}
+    $BENCH --unified --traces $trace --seeds 1,2,3 --budgets-kib $kibs --policies valued \
+        --out "$OUT/s13_arena/unified_$trace" > "$OUT/s13_arena/unified_$trace.log" 2>&1
+    for f in 0.05 0.1 0.2 0.3 default 0.6; do  # default: SGLang's share, 0.9 / 1.9
+      share=(); [[ $f != default ]] && share=(--state-fraction $f)
+      $BENCH "${share[@]}" --traces $trace --seeds 1,2,3 --budgets-kib $kibs --policies valued \
+          --out "$OUT/s13_arena/split_${f}_$trace" > "$OUT/s13_arena/split_${f}_$trace.log" 2>&1
+    done
+  done
+  $PY -m k3compile.bench.cache_arenas "$OUT/s13_arena"
+fi
+if [[ " $PHASES " == *" s13_sparse "* ]]; then
+  # session 12: the engine's default cache policy (`sparse` until now) against `valued` on issue 15's traces: `sparse`
+  # re-run with today's code on seeds 1-3 at every budget (one replay at a time), merged over s12/ (its `sparse` rows,
+  # session 8's code, stay as sparse@s8); then `bench cache`'s own workload (chat, real k3-tiny forward) with both.
+  for spec in agent:65536,16384,8192 tot_fork:65536,16384,8192 tot:65536,16384,4096; do
+    $BENCH --traces ${spec%%:*} --seeds 1,2,3 --budgets-kib ${spec##*:} --policies sparse \
+        --out "$OUT/s13_sparse_${spec%%:*}" > "$OUT/s13_sparse_${spec%%:*}.log" 2>&1
+  done
+  $PY -c "from k3compile.bench.cache_pressure import merge_rerun, goals_side_by_side as g; merge_rerun(['$OUT/s12'], ['$OUT/s13_sparse_agent', '$OUT/s13_sparse_tot_fork', '$OUT/s13_sparse_tot'], '$OUT/s13_sparse', 's8'); print(g('$OUT/s13_sparse', {'sparse': 'sparse', 'valued': 'valued:short_stale=15,short_ttl=8,short_max_age=8'}))"
+  $PY -m k3compile.cli bench cache --policies "none;end;every_chunk;sparse;valued" --out "$OUT/s13_bench_cache" \
+      > "$OUT/s13_bench_cache.log" 2>&1
+fi
