@@ -20,7 +20,8 @@ def args_for(*extra):
 def row(share, hit, computed, ttft, sim, seed=1):
     return {"trace": "agent", "seed": seed, "budget_bytes": 8 << 20, "policy": "valued", "requests": 120,
             "prompts": 110, "prompt_tokens": 1000, "kv_only_bound": 0.9, "state_fraction": share, "hit_tokens": hit,
-            "prefill_tokens_computed": computed, "ttft_mean_s": ttft, "sim_seconds": sim}
+            "fraction_of_bound": hit / 900, "prefill_tokens_computed": computed, "ttft_mean_s": ttft,
+            "sim_seconds": sim, "repeats": 2, "repeats_hit": 1 if hit < 800 else 2, "stems": 3, "stems_hit": 3}
 
 
 def write(tmp_path, name, rows, unified=False, share=None):
@@ -43,7 +44,11 @@ def test_best_split_is_chosen_per_metric_and_ratios_favour_unified_above_one(tmp
     assert m["ttft_mean_s"]["best_share"] == 0.3 and m["ttft_mean_s"]["unified_vs_best"] == pytest.approx(0.15 / 0.10)
     assert m["prefill_tokens_computed"]["best_split"] == 300 and m["sim_seconds"]["best_split"] == 55.0
     assert m["sim_seconds"]["default_split"] == 80.0 and cell["requests"] == 120
+    assert cell["of_bound"] == {"unified": 800 / 900, "default_split": 500 / 900, "best_split": 700 / 900,
+                                "best_share": 0.1}
+    assert cell["repeats_stems"] == {"unified": "2/2, 3/3", "default_split": "1/2, 3/3", "best_split": "1/2, 3/3"}
     md = main(str(tmp_path))
+    assert "| agent | 1 | 8192 KiB | 88.9% | 55.6% | 77.8% (0.1) | 2/2, 3/3 | 1/2, 3/3 | 1/2, 3/3 |" in md
     assert "| agent | 1 | 8192 KiB | 120 (110) | hit_tokens | 800 | 500 | 700 (0.1) | 1.143x | 1.600x |" in md
     assert (tmp_path / "arenas.json").exists()
 
