@@ -18,7 +18,8 @@
 #   with short-lived checkpoints, a variant, not the default), s12 (session 11, part 2: short ages only off reused lines, merged
 #   over s11_short), s13_arena / s13_arena_k3 (session 12: unified vs SGLang's default split vs the best split of a
 #   sweep of state shares, k3-tiny's and K3's byte sizes), s13_sparse (session 12: `sparse` re-run against today's
-#   `valued`, and `bench cache`'s chat workload), e.g. PHASES="k3 unified"
+#   `valued`, and `bench cache`'s chat workload), s13_root (session 12: never-hit root-anchored checkpoints stale on all
+#   traffic, the `valued` default since), e.g. PHASES="k3 unified"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-traces/cache_pressure}
@@ -239,4 +240,29 @@ if [[ " $PHASES " == *" s13_sparse "* ]]; then
   # alone on the shared CPU
   $PY -m k3compile.cli bench cache --forward cost --policies "none;end;every_chunk;sparse;valued" --out "$OUT/s13_bench_cache" \
       > "$OUT/s13_bench_cache.log" 2>&1
+fi
+if [[ " $PHASES " == *" s13_root "* ]]; then
+  # session 12: never-hit root-anchored checkpoints go stale on all traffic (`root_stale`, the `valued` default since),
+  # and with it `short_stale` 25 (a candidate, not adopted); chosen on seed 0 (s13_tune_seed0/: tot at 64, 16, 4 MiB,
+  # agent and tot_fork at every budget), then seeds 1-3 once, one replay at a time, merged over s13_sparse/ (today's
+  # `valued` before the change is its `valued:short_stale=15,...` rows); s13_root_unified_tot: the change on the
+  # unified arena's tot (s13_arena/ has the rows before it)
+  P="valued:root_stale=1;valued:root_stale=1,short_stale=25"
+  $BENCH --traces tot --seeds 0 --budgets-kib 65536 --policies "every_chunk;valued;$P;valued:root_stale=1,short_stale=20" \
+      --out "$OUT/s13_tune_seed0/tot" > "$OUT/s13_tune_seed0/tot.log" 2>&1
+  $BENCH --traces tot --seeds 0 --budgets-kib 16384,4096 --policies "every_chunk;valued;$P" \
+      --out "$OUT/s13_tune_seed0/tot_16_4" > "$OUT/s13_tune_seed0/tot_16_4.log" 2>&1
+  for t in agent tot_fork; do
+    $BENCH --traces $t --seeds 0 --budgets-kib 65536,16384,8192 --policies "valued;$P" \
+        --out "$OUT/s13_tune_seed0/$t" > "$OUT/s13_tune_seed0/$t.log" 2>&1
+  done
+  $BENCH --traces tot --seeds 1,2,3 --budgets-kib 65536,16384,4096 --policies "$P" --out "$OUT/s13_root_tot" \
+      > "$OUT/s13_root_tot.log" 2>&1
+  for t in agent tot_fork; do
+    $BENCH --traces $t --seeds 1,2,3 --budgets-kib 65536,16384,8192 --policies "$P" --out "$OUT/s13_root_$t" \
+        > "$OUT/s13_root_$t.log" 2>&1
+  done
+  $PY -c "from k3compile.bench.cache_pressure import merge_rerun, goals_side_by_side as g; merge_rerun(['$OUT/s13_sparse'], ['$OUT/s13_root_tot', '$OUT/s13_root_agent', '$OUT/s13_root_tot_fork'], '$OUT/s13_root', 'x'); print(g('$OUT/s13_root', {'valued': 'valued:short_stale=15,short_ttl=8,short_max_age=8', 'root': 'valued:root_stale=1', 'root25': 'valued:root_stale=1,short_stale=25'}))"
+  $BENCH --unified --traces tot --seeds 1,2,3 --budgets-kib 16384,4096 --policies "valued:root_stale=1" \
+      --out "$OUT/s13_root_unified_tot" > "$OUT/s13_root_unified_tot.log" 2>&1
 fi
