@@ -33,6 +33,9 @@ decode. A policy says which of those snapshots are donated to the tree:
   Session 11 (part 2): those ages hold only for checkpoints that continue a reused line or sit under the
   root; the rest (a tree search's prompt tails and branch points) leave on short ages
   (`short_stale_age` 15, `short_unused_ttl` 8, `short_unused_max_age` 8; radix.py "Reused lines").
+  Session 12: the root's new-family clock keeps only root-anchored checkpoints that showed reuse from
+  `stale_age`; a never-hit one (a one-off's tail no repeat came for) goes after 300 lookups of all
+  traffic (`root_stale_unused_global`).
 
 Tuning (issue 15, tools/cache_pressure_report.sh's tune phase: `bench cache-pressure --seeds 0`,
 production-shaped traces of 138-145 requests, engine default chunk 256, budgets 16384 and 8192
@@ -85,6 +88,15 @@ repeats at 64 MiB (the short ages for root-anchored tails too: 2/3). Seeds 1-3: 
 of the old ages on every cell, tot 18-36% of every_chunk's bytes at 64 and 16 MiB (old 69-119%) for 4.5-6.5
 points of the bound (89.7-92.5%).
 
+Session 12 (chosen on seed 0 only; traces/cache_pressure/README.md "Session 12", `s13_tune_seed0/`, `s13_root/`): on
+prompted ToT the root's new-family clock hardly moves (its prompts all match a template), so never-hit root-anchored
+checkpoints -- one-off tails no repeat came for -- stayed to the end: 20-28% of the state held on seeds 0 and 2.
+`root_stale_unused_global` lets them go on `stale_age` (300) of all traffic: seed 0's tot at 64 MiB held 598 KB
+instead of 683 KB at the same hits (21.1% of every_chunk's against 24.0%); seeds 1-3: the same hits, repeats and
+stems on every cell, tot's bytes 17.2-31.9% of every_chunk's at 64 and 16 MiB (was 18.4-36.4%) and 74.9-86.9% at
+4 MiB (was 77.3-88.8%), agent and tot_fork rows unchanged. Not adopted: with it, `short_stale_age` 25 (seed 0: 91.8% of
+the bound at 24.2%) meets tot seed 3's hit goal (90.2%) but raises tot's bytes at 4 MiB to 84-99.5%.
+
 Checkpoint bytes. With production-length prompts (multi-thousand-token shared prefixes, tool
 outputs of hundreds of tokens) `every_chunk` at the default chunk of 256 stores a state every 256
 prefilled tokens: on the agent trace 2-5.5x as many states as `sparse` (on tree-of-thought, where
@@ -125,6 +137,8 @@ class CachePolicy:
     short_unused_ttl: int | None = None
     short_unused_max_age: int | None = None
     short_stale_age: int | None = None
+    # stale_age on all traffic for never-hit root-anchored checkpoints, not the root's new-family clock (radix.py)
+    root_stale_unused_global: bool = False
 
     def with_caps(self, per_path: int | None, total: int | None) -> "CachePolicy":
         return replace(self, max_checkpoints_per_path=per_path, max_checkpoints=total)
@@ -141,7 +155,8 @@ POLICIES = {
                           max_checkpoints_per_path=2, eviction="value", value_weight=0.25,
                           unused_ttl=48, unused_max_age=40, protect_reused=True, stale_age=300,
                           unused_root_new_only=True, protect_shared_leaves=True,
-                          short_unused_ttl=8, short_unused_max_age=8, short_stale_age=15),
+                          short_unused_ttl=8, short_unused_max_age=8, short_stale_age=15,
+                          root_stale_unused_global=True),
 }
 
 

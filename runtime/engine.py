@@ -271,7 +271,8 @@ class LLMEngine:
                                       protect_shared_leaves=self.policy.protect_shared_leaves,
                                       short_unused_ttl=self.policy.short_unused_ttl,
                                       short_unused_max_age=self.policy.short_unused_max_age,
-                                      short_stale_age=self.policy.short_stale_age)
+                                      short_stale_age=self.policy.short_stale_age,
+                                      root_stale_unused_global=self.policy.root_stale_unused_global)
         self.table = RequestTable(self.cache)
 
         slots_per_request = MAX_TRANSIENT_SLOTS if self.policy.enabled else 1

@@ -16,7 +16,10 @@
 #   unified arena at their tight budget / 16 MiB), s10_unified_psl_off (`valued` without protect_shared_leaves
 #   there), s11 (session 11: the feasibility-bound columns, seeds 1-3, merged over s10_report), s11_short (`valued`
 #   with short-lived checkpoints, a variant, not the default), s12 (session 11, part 2: short ages only off reused lines, merged
-#   over s11_short), e.g. PHASES="k3 unified"
+#   over s11_short), s13_arena / s13_arena_k3 (session 12: unified vs SGLang's default split vs the best split of a
+#   sweep of state shares, k3-tiny's and K3's byte sizes), s13_sparse (session 12: `sparse` re-run against today's
+#   `valued`, and `bench cache`'s chat workload), s13_root (session 12: never-hit root-anchored checkpoints stale on all
+#   traffic, the `valued` default since), e.g. PHASES="k3 unified"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-traces/cache_pressure}
@@ -190,4 +193,76 @@ if [[ " $PHASES " == *" unified_tot "* ]]; then
 fi
 if [[ " $PHASES " == *" unified_tot_fork "* ]]; then  # the whole-context-fork ToT shape on the unified arena
   $BENCH --unified --traces tot_fork --seeds 1,2,3 --budgets-kib 16384,8192 --out "$OUT/unified_tot_fork"
+fi
+# Session 12 (issue 15, item 4, with the current `valued` default): the unified arena against split pools at SGLang's
+# default state share and at a sweep of shares (the best split in hindsight is the sweep's best per cell and metric),
+# seeds 1-3; one replay at a time (one process: the CPU is shared). The comparison: k3compile.bench.cache_arenas
+# (DIR/arenas.md). A share whose KV pool cannot hold a request's context fails its run (the engine refuses the
+# prompt): that split is no way to serve the trace, its log says so, and the sweep goes on (agent at 0.6: a
+# 12k-token prompt). Args: folder, trace:budgets specs, shares ("default": SGLang's 0.9 / 1.9), extra bench args.
+arena_sweep() {
+  local dir=$1 specs=$2 shares=$3 extra=${4:-} spec trace kibs f share
+  mkdir -p "$dir"
+  for spec in $specs; do
+    trace=${spec%%:*} kibs=${spec##*:}
+    $BENCH $extra --unified --traces $trace --seeds 1,2,3 --budgets-kib $kibs --policies valued \
+        --out "$dir/unified_$trace" > "$dir/unified_$trace.log" 2>&1
+    for f in $shares; do
+      share=(); [[ $f != default ]] && share=(--state-fraction $f)
+      $BENCH $extra "${share[@]}" --traces $trace --seeds 1,2,3 --budgets-kib $kibs --policies valued \
+          --out "$dir/split_${f}_$trace" > "$dir/split_${f}_$trace.log" 2>&1 \
+          || echo "split $f on $trace: failed (a request does not fit), see its log"
+    done
+  done
+  $PY -m k3compile.bench.cache_arenas "$dir"
+}
+if [[ " $PHASES " == *" s13_arena "* ]]; then
+  # k3-tiny's byte sizes (a state slot = 4.2 KV pages), each trace at 16 MiB and its tight budget.
+  # S13_SPECS: a subset to (re-)run, e.g. S13_SPECS="tot:16384,4096".
+  arena_sweep "$OUT/s13_arena" "${S13_SPECS:-agent:16384,8192 tot_fork:16384,8192 tot:16384,4096}" \
+      "0.05 0.1 0.2 0.3 default 0.6"
+fi
+if [[ " $PHASES " == *" s13_arena_k3 "* ]]; then
+  # K3's byte sizes at TP 8 (a state slot = 127 KV pages: states are the scarce resource), agent and tot_fork at 64
+  # and 16 MiB (53 and 12 slots at SGLang's share)
+  arena_sweep "$OUT/s13_arena_k3" "agent:65536,16384 tot_fork:65536,16384" "0.1 0.2 0.3 default 0.6 0.8" "--byte-ratio k3"
+fi
+if [[ " $PHASES " == *" s13_sparse "* ]]; then
+  # session 12: the engine's default cache policy (`sparse` until now) against `valued` on issue 15's traces: `sparse`
+  # re-run with today's code on seeds 1-3 at every budget (one replay at a time), merged over s12/ (its `sparse` rows,
+  # session 8's code, stay as sparse@s8); then `bench cache`'s own workload (chat, 12 roots, seed 0, 64 MiB) with both.
+  for spec in agent:65536,16384,8192 tot_fork:65536,16384,8192 tot:65536,16384,4096; do
+    $BENCH --traces ${spec%%:*} --seeds 1,2,3 --budgets-kib ${spec##*:} --policies sparse \
+        --out "$OUT/s13_sparse_${spec%%:*}" > "$OUT/s13_sparse_${spec%%:*}.log" 2>&1
+  done
+  $PY -c "from k3compile.bench.cache_pressure import merge_rerun, goals_side_by_side as g; merge_rerun(['$OUT/s12'], ['$OUT/s13_sparse_agent', '$OUT/s13_sparse_tot_fork', '$OUT/s13_sparse_tot'], '$OUT/s13_sparse', 's8'); print(g('$OUT/s13_sparse', {'sparse': 'sparse', 'valued': 'valued:short_stale=15,short_ttl=8,short_max_age=8'}))"
+  # --forward cost: the same cache decisions as k3-tiny's own forward (its default), which took over 7 min for `none`
+  # alone on the shared CPU
+  $PY -m k3compile.cli bench cache --forward cost --policies "none;end;every_chunk;sparse;valued" --out "$OUT/s13_bench_cache" \
+      > "$OUT/s13_bench_cache.log" 2>&1
+fi
+if [[ " $PHASES " == *" s13_root "* ]]; then
+  # session 12: never-hit root-anchored checkpoints go stale on all traffic (`root_stale`, the `valued` default since),
+  # and with it `short_stale` 25 (a candidate, not adopted); chosen on seed 0 (s13_tune_seed0/: tot at 64, 16, 4 MiB,
+  # agent and tot_fork at every budget), then seeds 1-3 once, one replay at a time, merged over s13_sparse/ (today's
+  # `valued` before the change is its `valued:short_stale=15,...` rows); s13_root_unified_tot: the change on the
+  # unified arena's tot (s13_arena/ has the rows before it)
+  P="valued:root_stale=1;valued:root_stale=1,short_stale=25"
+  $BENCH --traces tot --seeds 0 --budgets-kib 65536 --policies "every_chunk;valued;$P;valued:root_stale=1,short_stale=20" \
+      --out "$OUT/s13_tune_seed0/tot" > "$OUT/s13_tune_seed0/tot.log" 2>&1
+  $BENCH --traces tot --seeds 0 --budgets-kib 16384,4096 --policies "every_chunk;valued;$P" \
+      --out "$OUT/s13_tune_seed0/tot_16_4" > "$OUT/s13_tune_seed0/tot_16_4.log" 2>&1
+  for t in agent tot_fork; do
+    $BENCH --traces $t --seeds 0 --budgets-kib 65536,16384,8192 --policies "valued;$P" \
+        --out "$OUT/s13_tune_seed0/$t" > "$OUT/s13_tune_seed0/$t.log" 2>&1
+  done
+  $BENCH --traces tot --seeds 1,2,3 --budgets-kib 65536,16384,4096 --policies "$P" --out "$OUT/s13_root_tot" \
+      > "$OUT/s13_root_tot.log" 2>&1
+  for t in agent tot_fork; do
+    $BENCH --traces $t --seeds 1,2,3 --budgets-kib 65536,16384,8192 --policies "$P" --out "$OUT/s13_root_$t" \
+        > "$OUT/s13_root_$t.log" 2>&1
+  done
+  $PY -c "from k3compile.bench.cache_pressure import merge_rerun, goals_side_by_side as g; merge_rerun(['$OUT/s13_sparse'], ['$OUT/s13_root_tot', '$OUT/s13_root_agent', '$OUT/s13_root_tot_fork'], '$OUT/s13_root', 'x'); print(g('$OUT/s13_root', {'valued': 'valued:short_stale=15,short_ttl=8,short_max_age=8', 'root': 'valued:root_stale=1', 'root25': 'valued:root_stale=1,short_stale=25'}))"
+  $BENCH --unified --traces tot --seeds 1,2,3 --budgets-kib 16384,4096 --policies "valued:root_stale=1" \
+      --out "$OUT/s13_root_unified_tot" > "$OUT/s13_root_unified_tot.log" 2>&1
 fi

@@ -12,7 +12,8 @@ Policies are names from runtime/cache_policy.py, optionally with overrides, e.g.
 total, weight (the `valued` eviction's value_weight, a float), ttl (unused_ttl: lookups near a never-hit
 checkpoint before it is dropped), max_age (unused_max_age: lookups its neighbourhood was quiet), protect (protect_reused), stale (stale_age: lookups
 no lookup covered a checkpoint, hit or not, before it is dropped), short_stale / short_ttl / short_max_age (the
-shorter ages for checkpoints off a reused line: radix.py "Reused lines"); 0 turns a flag off / removes a cap;
+shorter ages for checkpoints off a reused line: radix.py "Reused lines"), root_stale (stale_age on all traffic for
+never-hit root-anchored checkpoints); 0 turns a flag off / removes a cap;
 `total=0.25`, a float, caps checkpoints at that share of the state slots). Every policy must
 produce the same greedy tokens (checked: `outputs_match`).
 """
@@ -26,7 +27,8 @@ _KEYS = {"chunks": "donate_chunks", "decode": "donate_decode", "handover": "dona
          "ttl": "unused_ttl", "max_age": "unused_max_age",
          "protect": "protect_reused", "stale": "stale_age", "tail_new": "tail_min_new",
          "root_new": "unused_root_new_only", "protect_shared": "protect_shared_leaves",
-         "short_ttl": "short_unused_ttl", "short_max_age": "short_unused_max_age", "short_stale": "short_stale_age"}
+         "short_ttl": "short_unused_ttl", "short_max_age": "short_unused_max_age", "short_stale": "short_stale_age",
+         "root_stale": "root_stale_unused_global"}
 
 
 def register(sub):

@@ -63,6 +63,9 @@ def register(sub, name: str = "cache-pressure", help: str = "cache policies on r
     p.add_argument("--byte-ratio", default="tiny", choices=["tiny", "k3", "k3-mini"],
                    help="with --forward cost: state slot / KV page bytes of k3-tiny, K3 (TP 8) or k3-mini-6b")
     p.add_argument("--unified", action="store_true", help="one unified arena instead of split pools")
+    p.add_argument("--state-fraction", type=float, default=None,
+                   help="split pools: the budget's share for state slots (default: SGLang's, DEFAULT_STATE_FRACTION); "
+                        "issue 15's best split in hindsight is a sweep of this")
     p.add_argument("--traces", default="agent,tot,tot_fork", help="presets from cache_traces.PRESETS")
     p.add_argument("--seeds", default="1,2,3", help="trace seeds to report (tune on another: 0)")
     p.add_argument("--budgets-kib", default="65536,16384,8192", help="KV + state memory budgets, generous to tight")
@@ -93,6 +96,8 @@ def _ints(text: str, what: str) -> list[int]:
 def run_one(args, model, policy, roots, budget: int) -> dict:
     from k3compile.runtime.engine import EngineArgs, LLMEngine
 
+    from k3compile.runtime.memory.pools import DEFAULT_STATE_FRACTION
+
     from .cache_replay import replay, summarize_replay, use_forward
 
     defaults = EngineArgs()
@@ -100,14 +105,15 @@ def run_one(args, model, policy, roots, budget: int) -> dict:
                        page_size=args.page_size, chunk_size=args.chunk_size or defaults.chunk_size,
                        track_interval=args.track_interval or defaults.track_interval,
                        max_batch_tokens=args.max_batch_tokens, memory_bytes=budget, cache_policy=policy,
-                       enable_unified_memory=args.unified)
+                       enable_unified_memory=args.unified, state_fraction=getattr(args, "state_fraction", None))
     engine = use_forward(LLMEngine(eargs, model=model), args.forward)
     t0 = time.perf_counter()
     r = replay(engine, roots, args.step_ms, args.token_ms)
     wall = time.perf_counter() - t0
     row = summarize_replay(engine, r, args.page_size)
     engine.close()
-    row.update(budget_bytes=budget, wall_seconds=wall)
+    row.update(budget_bytes=budget, wall_seconds=wall, unified=bool(args.unified),
+               state_fraction=None if args.unified else (getattr(args, "state_fraction", None) or DEFAULT_STATE_FRACTION))
     return row
 
 
@@ -352,9 +358,10 @@ def _ub_of_bound(r: dict):
 
 def render_markdown(doc: dict) -> str:
     a = doc["args"]
+    share = "" if a.get("unified") or a.get("state_fraction") is None else f" (state share {a['state_fraction']:.3g})"
     lines = ["# bench cache-pressure", "",
              f"Model {a['model']} on {a['device']}, forward `{a.get('forward', 'model')}`, byte ratio "
-             f"{a.get('byte_ratio', 'tiny')}, {'unified arena' if a.get('unified') else 'split pools'}, page "
+             f"{a.get('byte_ratio', 'tiny')}, {'unified arena' if a.get('unified') else 'split pools'}{share}, page "
              f"{a['page_size']}, chunk {a['chunk_size'] or 'engine default'}, "
              f"track interval {a['track_interval'] or 'engine default'}; {a['roots']} roots over {a['duration']:.0f} s "
              f"simulated; step cost {a['step_ms']} ms + {a['token_ms']} ms/token (simulated, relative only).",

@@ -91,7 +91,10 @@ Stale checkpoints (`stale_age`: decay of what did show reuse)
   and tails). A shared stem is covered by every request that goes through it, so it stays while
   its traffic lasts. With `root_clock_new_only` a checkpoint anchored at the root counts only
   lookups that matched nothing (as for `unused_ttl`): a one-off's tail waits for its repeat however
-  much traffic other families send.
+  much traffic other families send. With `root_stale_unused_global` that holds only for one that showed reuse (hit,
+  or a branch point): a never-hit root-anchored checkpoint goes once `stale_age` lookups of all traffic have not
+  covered it (issue 15, session 12: on prompted tree-of-thought the new-family clock hardly moves, so one-off tails
+  that no repeat ever came for were held to the end of the trace, 20-28% of the state held).
 
 Reused lines (`short_unused_ttl`, `short_unused_max_age`, `short_stale_age`: two clocks)
 * With the short ages set, a checkpoint keeps the long ages above only if it continues a reused
@@ -239,7 +242,8 @@ class HybridRadixCache:
                  value_weight: float = 1.0, unused_ttl: int | None = None, unused_max_age: int | None = None,
                  protect_reused: bool = False, stale_age: int | None = None, root_clock_new_only: bool = False,
                  protect_shared_leaves: bool = False, short_unused_ttl: int | None = None,
-                 short_unused_max_age: int | None = None, short_stale_age: int | None = None):
+                 short_unused_max_age: int | None = None, short_stale_age: int | None = None,
+                 root_stale_unused_global: bool = False):
         p = memory.page_size
         if not isinstance(checkpoint_interval, int) or checkpoint_interval < 1 or checkpoint_interval % p:
             raise ValueError(f"checkpoint_interval must be a positive multiple of the page size {p}, "
@@ -260,6 +264,7 @@ class HybridRadixCache:
         _check_cap("stale_age", stale_age)
         self.stale_age = stale_age
         self.root_clock_new_only = root_clock_new_only
+        self.root_stale_unused_global = root_stale_unused_global
         for name, short, long in (("short_unused_ttl", short_unused_ttl, unused_ttl),
                                   ("short_unused_max_age", short_unused_max_age, unused_max_age),
                                   ("short_stale_age", short_stale_age, stale_age)):
@@ -788,7 +793,9 @@ class HybridRadixCache:
         now, new = self._stats.lookups, self._root_misses
 
         def young_on_root_clock(nd, limit):  # anchored at the root with root_clock_new_only: new-family lookups only
+            # (with root_stale_unused_global, only for one that showed reuse: a never-hit one goes on all traffic)
             return self.root_clock_new_only and self._anchor(nd) is self.root and \
+                not (self.root_stale_unused_global and not self.reuse_shown(nd)) and \
                 new - max(nd.born_new, nd.last_pass_new) <= limit
 
         # (the new-family clock never runs ahead of the global one: check it only for the globally stale; the

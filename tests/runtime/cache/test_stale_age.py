@@ -113,3 +113,24 @@ def test_with_root_clock_new_only_a_root_anchored_checkpoint_goes_stale_by_new_f
     assert not has_state_at(cache, [1, 1, 2, 2])
     assert not has_state_at(cache, [5, 5, 6, 6])  # anchored at the root as well: the new families aged it too
     check_cache(cache)
+
+
+@pytest.mark.parametrize("unused_global", [False, True])
+def test_root_stale_unused_global_ages_only_never_hit_root_anchored_checkpoints_on_all_traffic(unused_global):
+    """`root_stale_unused_global` (session 12): on the root's new-family clock a one-off tail that no repeat ever
+    came for was held to the end of a prompted-ToT trace (that clock hardly moves there). With the flag a never-hit
+    root-anchored checkpoint goes stale on all traffic; one a repeat restored from still waits for new families."""
+    mem, cache = make(stale=3, root_clock_new_only=True, root_stale_unused_global=unused_global)
+    store_prefix(cache, mem, [1, 1, 2, 2])  # a repeat will restore from it
+    store_prefix(cache, mem, [5, 5, 6, 6])  # a family with traffic
+    store_prefix(cache, mem, [3, 3, 4, 4])  # a one-off tail nobody restores from
+    assert cache.match([1, 1, 2, 2, 9]).cached_len == 4
+    for i in range(6):  # traffic into the (5, 5, 6, 6) family only: no new family, nothing covers the other two
+        assert cache.match([5, 5, 6, 6, 7, i]).cached_len == 4
+    assert has_state_at(cache, [1, 1, 2, 2]) and has_state_at(cache, [5, 5, 6, 6])
+    assert has_state_at(cache, [3, 3, 4, 4]) is not unused_global
+    assert cache.stats().checkpoints_stale == int(unused_global)
+    check_cache(cache)
+    assert parse_policy("valued:root_stale=1").root_stale_unused_global
+    assert not parse_policy("valued:root_stale=0").root_stale_unused_global
+
