@@ -37,12 +37,7 @@ def check_args(gate: torch.Tensor, up: torch.Tensor, act: str) -> None:
 
 
 if triton is not None:
-    @triton.jit
-    def _tanh(x):
-        # tanh from exp (tl has no tanh in every Triton we run on); exp of -2|x| never overflows
-        e = tl.exp(-2.0 * tl.abs(x))
-        t = (1.0 - e) / (1.0 + e)
-        return tl.where(x < 0, -t, t)
+    from .moe_decode import _glu  # the experts' SiTU-GLU in fp32 (spec §4.3), the same expression in both kernels
 
     @triton.jit
     def _glu_act_kernel(g_ptr, g_stride, u_ptr, u_stride, out_ptr, I, beta, linear_beta, ACT: tl.constexpr,
@@ -53,7 +48,7 @@ if triton is not None:
         g = tl.load(g_ptr + row * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * u_stride + cols, mask=mask, other=0.0).to(tl.float32)
         if ACT == 1:
-            h = beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
+            h = _glu(g, u, beta, linear_beta, 1)
         else:  # F.silu(g) * u: silu rounded to the output dtype first, as the two ATen ops round
             s = (g * tl.sigmoid(g)).to(out_ptr.dtype.element_ty).to(tl.float32)
             h = s * u
