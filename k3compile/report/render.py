@@ -111,8 +111,8 @@ def _gpu_sections(report: Report, labels: list[str]) -> list[str]:
                       [[f"{d}/{st}", n, c, round(t, 3), big]
                        for (d, st), (n, c, t, big) in sorted(streams.items())])
 
-    out += ["", "Top GPU kernels (and copies) by total GPU time, all steps (excl. us: mean time after the end of the event "
-                "before it on its stream; under PDL a kernel starts, and waits, while its predecessor runs)"]
+    out += ["", "Top GPU kernels (and copies) by total GPU time, all steps (excl. us: mean time after the end of the "
+                "event before it on its stream; under PDL a kernel starts, and waits, while its predecessor runs)"]
     out += _names_table(report.top_kernels)
 
     out += ["", "GPU work per step by the top-level op that launched it (eager traces; a CUDA graph "

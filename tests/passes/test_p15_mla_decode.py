@@ -64,7 +64,8 @@ def test_numerics_vs_unpassed_graph_and_eager(name, dtype, merged):
     before, gm = graph(name, "decode", dtype), graph(name, "decode", dtype)
     if merged:
         run_pass(gm, "p01_gemm_merge")
-    assert run_pass(gm, P15, **OFF, absorb_q="cublas", pdl=not merged) == 3 * layer_counts(model(name).config)["mla"]  # either way on CPU
+    n = layer_counts(model(name).config)["mla"]
+    assert run_pass(gm, P15, **OFF, absorb_q="cublas", pdl=not merged) == 3 * n  # either way on CPU
     for x in (inputs_for(name, "decode", dtype), other_batch(model(name, dtype), "decode")):
         got = run_graph(gm, x)
         assert_same_step(got, run_graph(before, x), tol, "vs unpassed graph")  # KV pool included
@@ -144,7 +145,8 @@ def test_prefetch_w_uv_is_recorded_only_when_on_and_absorb_q_is_checked():
     assert run_pass(gm, P15, **OFF, absorb_q="cublas", prefetch_w_uv=True) == 3 * n
     assert [node.args[11] for node in gm.graph.nodes if node.target == FUSED_OUT] == [True] * n
     gm = graph("kimi-linear-tiny", "decode")
-    assert run_pass(gm, P15, **OFF, absorb_q="cublas", prefetch_w_uv=True, pdl=False) == 3 * n  # the prefetch only ever runs under PDL
+    # the prefetch only ever runs under PDL
+    assert run_pass(gm, P15, **OFF, absorb_q="cublas", prefetch_w_uv=True, pdl=False) == 3 * n
     assert [len(node.args) for node in gm.graph.nodes if node.target == FUSED_OUT] == [11] * n
     assert get_pass(P15).config_cls().absorb_q == "fold"  # the default since traces/h200_s10/call3
     with pytest.raises(PassConfigError, match="absorb_q"):

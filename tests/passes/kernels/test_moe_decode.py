@@ -512,9 +512,9 @@ def test_cuda_shared_slot_with_pdl_replays_from_a_cuda_graph(n):
 @pytest.mark.parametrize("n", [1, 8])
 def test_cuda_l2_prefetch_and_early_release_give_the_same_bits_at_the_48b_shape(n):
     """shared_l2_prefetch (kernel A: shared slot first, its gate/up rows asked of L2 before gdc_wait),
-    down_l2_prefetch (B''s shared slot) and early_release (A releases B' right after its wait) at the 48B shape, PDL on, rows and tiles designs of A, eager and replayed from
-    a CUDA graph after a router-like kernel: outputs bit-identical with the options off, and within the reference's
-    tolerance."""
+    down_l2_prefetch (B''s shared slot) and early_release (A releases B' right after its wait) at the 48B shape, PDL
+    on, rows and tiles designs of A, eager and replayed from a CUDA graph after a router-like kernel: outputs
+    bit-identical with the options off, and within the reference's tolerance."""
     p, sw13 = _with_shared_w13(_cuda_problem(n, 600 + n, **_shape_48b()), 600 + n)
     f32 = {key: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v) for key, v in p.items()}
     ref = fused_moe_reference(*_op_args(f32, "silu", 0)[:13], shared_w13=sw13.float())
