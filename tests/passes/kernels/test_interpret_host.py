@@ -23,7 +23,8 @@ def test_exit_status_output_and_script_context(host, tmp_path):
     (tmp_path / "sibling.py").write_text("VALUE = 41\n")
     ok = script(tmp_path, "ok.py", "import os, sys\nfrom sibling import VALUE\n"
                 "assert os.environ['TRITON_INTERPRET'] == '1' and sys.argv == [__file__] and __name__ == '__main__'\n"
-                "os.write(1, b'below python\\n')\nprint(VALUE + 1, 'cases match')\nprint('to stderr', file=sys.stderr)\n")
+                "os.write(1, b'below python\\n')\nprint(VALUE + 1, 'cases match')\n"
+                "print('to stderr', file=sys.stderr)\n")
     assert host.run(ok, 60) == {"rc": 0, "stdout": "42 cases match\n", "stderr": "to stderr\n"}
     failing = script(tmp_path, "failing.py", "import sys\nprint('FAIL one')\nsys.exit(1)\n")
     assert host.run(failing, 60) == {"rc": 1, "stdout": "FAIL one\n", "stderr": ""}
