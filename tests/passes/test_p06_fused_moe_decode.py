@@ -11,7 +11,7 @@ from k3compile.capture import capture_step
 from k3compile.model_def.init import init_random
 from k3compile.model_def.loader import build_model
 from k3compile.passes.kernels import moe_decode
-from k3compile.passes.manager import PassManager
+from k3compile.passes.manager import PassManager, snapshot
 from k3compile.passes.pipeline import PipelineConfig, pipeline_from_flags
 from k3compile.passes.registry import PassConfigError
 from k3compile.passes.verify import step_inputs
@@ -203,7 +203,8 @@ def _small_model_on_cuda(kind: str = "situ"):
 @pytest.mark.parametrize("kind", ["mxfp4", "situ"])
 def test_mxfp4_experts_and_situ_shared_glu(kind):
     m = _small_model(kind)
-    gm, before = _after_p1_p4(capture_step(m, "decode")), _after_p1_p4(capture_step(m, "decode"))
+    captured = capture_step(m, "decode")
+    gm, before = _after_p1_p4(snapshot(captured)), _after_p1_p4(captured)
     counts = op_counts(gm)
     assert run_pass(gm, P6) == 2
     after = op_counts(gm)
@@ -320,7 +321,8 @@ def _k3_mini_like():
 
 def test_k3_mini_like_latent_moe_with_shared_expert():
     m = _k3_mini_like()
-    gm, before = _after_p1_p4(capture_step(m, "decode")), _after_p1_p4(capture_step(m, "decode"))
+    captured = capture_step(m, "decode")
+    gm, before = _after_p1_p4(snapshot(captured)), _after_p1_p4(captured)
     assert run_pass(gm, P6) == 2
     fused = _fused_nodes(gm)
     assert len(fused) == 2 and op_counts(gm)[torch.ops.k3.moe_experts.default] == 0

@@ -2,11 +2,6 @@
 (k3.gemv is the aten call on CPU: bit-identical), 'auto' keeps aten without CUDA and records why, the
 engine's graph format stores k3.gemv, the choices reach the pass report; the kernel under the
 interpreter and at real shapes on the GPU."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,6 +12,7 @@ from k3compile.passes.manager import PassManager
 from k3compile.passes.pipeline import pipeline_from_flags
 from k3compile.passes.registry import PassConfigError, get_pass
 
+from .kernels.interpreted import run_interpreted
 from .helpers import MODELS, graph, inputs_for, layer_counts, model, op_counts, rel_err, run_graph, run_pass
 
 aten = torch.ops.aten
@@ -302,11 +298,7 @@ def test_op_checks_and_opcheck():
 
 
 def test_triton_kernel_under_interpreter_matches_reference():
-    script = Path(__file__).parent / "kernels" / "interpret_gemv.py"
-    done = subprocess.run([sys.executable, str(script)], env=dict(os.environ, TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "cases match" in done.stdout
+    run_interpreted("interpret_gemv.py", timeout=600)
 
 
 @pytest.mark.gpu

@@ -2,11 +2,17 @@
 
 The flag is read when a kernel is decorated, i.e. when its module is first imported, and a pytest
 process may already hold compiled (non-interpreted) copies; so each kernel family has a script
-`interpret_<family>.py` that the test runs in a subprocess with the flag set.
+`interpret_<family>.py` that the test runs in another process with the flag set: one interpret_host.py
+process per pytest process runs them all, one after the other (each script's own process imported torch,
+Triton and k3compile again).
 """
+import atexit
+import json
 import os
+import select
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -19,13 +25,61 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-def run_interpreted(script: str, timeout: int = 300) -> None:
-    """Run tests/passes/kernels/<script> with TRITON_INTERPRET=1; fail with its output if any case failed."""
-    path = Path(__file__).with_name(script)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "cases match" in done.stdout
+class InterpretHost:
+    """A lazily started interpret_host.py process (TRITON_INTERPRET=1) that runs scripts one after the other."""
+
+    def __init__(self):
+        self.proc, self.log = None, None
+
+    def run(self, script: Path, timeout: float) -> dict:
+        """{"rc", "stdout", "stderr"} of `python script` run in the host; AssertionError if it did not end within
+        `timeout` s (the host is killed) or the host died (the next run starts another)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.close()
+            self.log = tempfile.TemporaryFile()
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("interpret_host.py"))],
+                                         env=dict(os.environ, TRITON_INTERPRET="1"), stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.proc.stdin.write(json.dumps({"script": str(script)}) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else None
+        if not line:
+            tail = self.close(kill=line is None)
+            raise AssertionError(f"{script.name}: " + (f"not done in {timeout} s" if line is None else "host died")
+                                 + f"; the host's stderr:\n{tail}")
+        return json.loads(line)
+
+    def close(self, kill: bool = False) -> str:
+        """End the host (EOF on its stdin, or SIGKILL); the last lines of its stderr."""
+        proc, log, self.proc, self.log = self.proc, self.log, None, None
+        if proc is None:
+            return ""
+        if kill:
+            proc.kill()
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+        log.seek(0)
+        tail = log.read()[-4000:].decode(errors="replace")
+        log.close()
+        return tail
+
+
+_HOST = InterpretHost()  # this pytest process's
+atexit.register(_HOST.close)
+
+
+def run_interpreted(script: str | Path, timeout: int = 300) -> None:
+    """Run the script (a name in tests/passes/kernels/, or a path) with TRITON_INTERPRET=1 in this process's
+    interpret_host.py; fail with its output if any case failed."""
+    path = Path(__file__).with_name(script) if isinstance(script, str) else Path(script)
+    done = _HOST.run(path, timeout)
+    assert done["rc"] == 0, done["stdout"] + done["stderr"]
+    assert "cases match" in done["stdout"]
 
 
 def report(failures: list[str], cases: int) -> int:

@@ -1,7 +1,4 @@
 """The ReplaySSM fold kernel against the torch reference (CPU, interpreter) and commit's checks."""
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,14 +7,11 @@ import torch
 from k3compile.model_def.cache import CacheSpec, CacheTensors
 from k3compile.model_def.draft_window import DraftWindow, DraftWindowSpec
 from k3compile.runtime.spec import fold_kernel
+from tests.passes.kernels.interpreted import run_interpreted
 
 
 def test_fold_kernel_under_interpreter_matches_reference():
-    script = Path(__file__).with_name("interpret_fold.py")
-    done = subprocess.run([sys.executable, str(script)], env=dict(os.environ, TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "cases match" in done.stdout
+    run_interpreted(Path(__file__).with_name("interpret_fold.py"), timeout=600)
 
 
 def test_commit_refuses_bad_accept_lengths_and_layouts():
