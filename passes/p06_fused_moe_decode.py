@@ -19,9 +19,9 @@ into the layer's input GEMM):
 
 and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
 act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps, use_pdl, shared_w13[, down_split[,
-shared_l2_prefetch[, down_l2_prefetch[, up_launch[, flag_deps, early_release]]]]])`: the trailing options only up to
-the last one set (a node of an engine built before them has the same arguments as then; the op's flag_deps is never
-set by the pass: it is there, False, only ahead of early_release).
+shared_l2_prefetch[, down_l2_prefetch[, up_launch[, flag_deps, early_release[, down_early_release]]]]]])`: the
+trailing options only up to the last one set (a node of an engine built before them has the same arguments as then;
+the op's flag_deps is never set by the pass: it is there, False, only ahead of early_release).
 
 Shared gate/up into kernel A (`fuse_shared_up`): when the GLU's g and up are column blocks of constant-weight
 GEMMs on z itself (P1's merged mm(z, t(W)) + split, or two plain mms), read by nothing but the GLU, and the
@@ -88,6 +88,8 @@ class FusedMoEDecodeConfig(PassConfig):
     # load their first weight tiles while A streams (B still waits for all of A before it reads h). 48B batch 1, whole
     # step (traces/h200_s12): 2.160 -> 2.125 ms alone (call 1); with P5's early_release 2.178 -> 2.121 (call 2)
     early_release: bool = True
+    # the same for kernel B' (split design) and the kernel after the op (the next layer's norm): not yet measured
+    down_early_release: bool = False
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
 
@@ -302,10 +304,11 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
 
 def _launch_options(config: FusedMoEDecodeConfig) -> tuple:
     """The op's trailing launch options (down_split, shared_l2_prefetch, down_l2_prefetch, up_launch, flag_deps
-    (always False), early_release), cut after the last one that differs from the op's default: unset, a node keeps the
+    (always False), early_release, down_early_release), cut after the last one that differs from the op's default: unset, a node keeps the
     arguments it had before the options existed."""
     options = [config.down_split_values(), bool(config.shared_l2_prefetch), bool(config.down_l2_prefetch),
-               config.up_launch_values(), False, bool(config.early_release and config.use_pdl)]
+               config.up_launch_values(), False, bool(config.early_release and config.use_pdl),
+               bool(config.down_early_release and config.use_pdl)]
     while options and options[-1] in (None, False):
         options.pop()
     return tuple(options)

@@ -220,7 +220,22 @@ if "shared_l2_prefetch" in moe_decode.fused_moe_triton.__code__.co_varnames:  # 
 CASES += [("moe 48B batch 1, early release (rows A + shared slot first)",
            moe(1, True, shared_l2_prefetch=True, down_l2_prefetch=True, early_release=True)),
           ("moe 48B batch 8, early release", moe(8, True, early_release=True)),
-          ("moe 48B batch 1, tiles A: early release", lambda: _moe_tiles_shared(1, early_release=True))]
+          ("moe 48B batch 1, tiles A: early release", lambda: _moe_tiles_shared(1, early_release=True)),
+          ("moe 48B batch 1, B' early release too (the default's L2 options)",
+           moe(1, True, shared_l2_prefetch=True, down_l2_prefetch=True, early_release=True, down_early_release=True)),
+          ("moe 48B batch 8, B' early release", moe(8, True, down_early_release=True)),
+          ("moe 48B MXFP4 batch 1, B' early release (tiles A)", lambda: _moe_tiles_shared(1, down_early_release=True)),
+          ("moe 48B batch 1, B' without a shared slot, early release", lambda: _moe_b_plain(1))]
+
+
+def _moe_b_plain(batch):
+    """B' (split) with the shared expert's activated input from outside the op (no shared slot in A)."""
+    e, k, i, d = 256, 8, 1024, 2304
+    x, (w13, w2) = _randn(batch, d), _experts(False)
+    ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
+    g, u, sw2 = _randn(batch, i), _randn(batch, i), _randn(d, i)
+    moe_decode.fused_moe_triton(x, ids, wts, w13, w2, shared_in=g, shared_up=u, shared_w2=sw2, use_pdl=True,
+                                designs=("rows", "split"), down_early_release=True)
 
 
 def _moe_tiles_shared(batch, **options):

@@ -332,12 +332,16 @@ if triton is not None:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _wait_input(counter, need, readers, WAIT: tl.constexpr, FLAG: tl.constexpr, SPIN: tl.constexpr):
-        """Before B' reads its input chunk: the chunk's counter (FLAG, flag_deps), else gdc_wait under PDL (WAIT)."""
+    def _wait_input(counter, need, readers, WAIT: tl.constexpr, FLAG: tl.constexpr, SPIN: tl.constexpr,
+                    EARLY: tl.constexpr = False):
+        """Before B' reads its input chunk: the chunk's counter (FLAG, flag_deps), else gdc_wait under PDL (WAIT);
+        EARLY (down_early_release): the next kernel is released right after that wait."""
         if FLAG:
             _await_h(counter, need, readers, SPIN)
         elif WAIT:
             tl.extra.cuda.gdc_wait()
+            if EARLY:
+                tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _shared_up_slot(x_row, sw13_ptr, hs_row, col_block, D, IS, beta, linear_beta, ACT: tl.constexpr,
@@ -513,7 +517,8 @@ if triton is not None:
     @triton.jit
     def _gemv_chunk(in_row, up_row, w_ptr, cols, cmask, K, k_lo, k_hi, beta, linear_beta, ACT: tl.constexpr,
                     GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr,
-                    PREFETCH: tl.constexpr, counter, readers, FLAG: tl.constexpr, SPIN: tl.constexpr):
+                    PREFETCH: tl.constexpr, counter, readers, FLAG: tl.constexpr, SPIN: tl.constexpr,
+                    EARLY: tl.constexpr = False):
         """Σ_{k_lo <= k < k_hi} W[cols, k] act(in, up)[k] (GLU) or W[cols, k] in[k], dense W [*, K], fp32 [BLOCK_N]:
         B''s GEMV over one K chunk of one slot. The first weight tile loads before the gdc_wait (WAIT: launched
         with PDL, its input written by the previous kernel, the weights static), so it streams while that kernel
@@ -525,7 +530,7 @@ if triton is not None:
         kk = tl.arange(0, BLOCK_K)
         k = k_lo + kk
         w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=cmask[:, None] & (k < k_hi)[None, :], other=0.0)
-        _wait_input(counter, k_hi - k_lo, readers, WAIT, FLAG, SPIN)
+        _wait_input(counter, k_hi - k_lo, readers, WAIT, FLAG, SPIN, EARLY)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PREFETCH:
             for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -579,7 +584,7 @@ if triton is not None:
                                   SHARED_L2_PREFETCH: tl.constexpr = False, PIECES: tl.constexpr = 128,
                                   FLAGS: tl.constexpr = False,
                                   FLAG_SHARED: tl.constexpr = False, SPIN: tl.constexpr = True,
-                                  FLAG_STRIDE: tl.constexpr = 32):
+                                  FLAG_STRIDE: tl.constexpr = 32, EARLY: tl.constexpr = False):
         # FLAGS (flag_deps): the routed slots (and, FLAG_SHARED, the shared slot: hs from kernel A) wait for their
         # own K chunk of h (_await_h) instead of all of kernel A (gdc_wait)
         PARTS: tl.constexpr = SLOTS * KSPLIT
@@ -606,7 +611,7 @@ if triton is not None:
             part = _gemv_chunk(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
                                cmask, IS, k_lo, k_hi, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS, USE_PDL,
                                PREFETCH, flags_ptr + ((PAIRS + token) * KSPLIT + ks) * FLAG_STRIDE, blocks,
-                               FLAG_SHARED, SPIN)
+                               FLAG_SHARED, SPIN, EARLY and not FLAG_SHARED)
         else:
             pair = token * TOP_K + slot
             expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -614,7 +619,7 @@ if triton is not None:
             k_lo, k_hi = _chunk(ks, I, KSPLIT, BLOCK_K)
             counter = flags_ptr + (pair * KSPLIT + ks) * FLAG_STRIDE
             if MXFP4:  # h in kernel A's MXFP4 order (each group of 32: even inputs, then odd)
-                _wait_input(counter, k_hi - k_lo, blocks, USE_PDL, FLAGS, SPIN)
+                _wait_input(counter, k_hi - k_lo, blocks, USE_PDL, FLAGS, SPIN, EARLY and not FLAGS)
                 acc2 = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
                 for k0 in range(k_lo, k_hi, BLOCK_K):
                     acc2 += _mxfp4_tile(w2_ptr + expert * DO * (I // 2), s2_ptr + expert * DO * (I // 32), cols,
@@ -623,8 +628,8 @@ if triton is not None:
             else:
                 part = _gemv_chunk(h_ptr + pair * I, h_ptr + pair * I, w2_ptr + expert * DO * I, cols, cmask, I, k_lo,
                                    k_hi, beta, linear_beta, ACT, False, BLOCK_N, BLOCK_K, USE_PDL, PREFETCH, counter,
-                                   blocks, FLAGS, SPIN) * weight
-        if USE_PDL:
+                                   blocks, FLAGS, SPIN, EARLY and not FLAGS) * weight
+        if USE_PDL and not (EARLY and not FLAGS):  # (EARLY: released right after the wait, in _wait_input)
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(part_ptr + (group * PARTS + part_id) * BLOCK_N + lanes, part)
         tl.debug_barrier()  # every thread's partial is stored before the arrival
@@ -1058,7 +1063,8 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
                      use_pdl: bool = False, designs: tuple[str, str] | None = None,
                      split: SplitConfig | None = None, shared_l2_prefetch: bool = False,
                      down_l2_prefetch: bool = False, up_launch: tuple[int, int, int] | None = None,
-                     flag_deps: bool = False, early_release: bool = False) -> torch.Tensor:
+                     flag_deps: bool = False, early_release: bool = False,
+                     down_early_release: bool = False) -> torch.Tensor:
     """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n / block_k
     / num_warps override the tile rule's choice for every kernel (tests, tile sweeps). use_pdl: launch with
     programmatic dependent launch where available (sm90+, Triton >= 3.4; ignored elsewhere). designs: (up,
@@ -1073,7 +1079,8 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     releases B' right after its wait and counts the h columns it stores per B' K chunk; each B' program waits for its
     own chunk's count instead of all of A (see "flag_deps" above `_publish_h`). Same loads, same sums: same bits.
     early_release: with PDL, kernel A releases the next kernel (B) right after its wait instead of after its K loop,
-    so B's programs are resident and load their first weight tiles while A streams (B still waits for all of A)."""
+    so B's programs are resident and load their first weight tiles while A streams (B still waits for all of A).
+    down_early_release: the same for B' (split design, without flag_deps) and the kernel after the op."""
     if triton is None:
         raise RuntimeError("fused_moe_decode: triton is not installed")
     num_experts, inter, width, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
@@ -1181,6 +1188,8 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
         b_opts = dict(SHARED_L2_PREFETCH=True, PIECES=32 * warps) if prefetch_b else {}
         if flags:
             b_opts.update(FLAGS=True, FLAG_SHARED=slot_a, SPIN=_SPIN, FLAG_STRIDE=FLAG_STRIDE)
+        elif pdl and down_early_release:
+            b_opts["EARLY"] = True
         _expert_down_split_kernel[(groups, parts)](
             h, ids, wts, w2, s2, sin, sup, sw2, u, partials, arrival_counters(x.device, groups, ARRIVALS_OWNER),
             flag_buf, n * k, inter, routed_width, shared_width, sin.stride(0), sup.stride(0), u.stride(0),
@@ -1228,12 +1237,13 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      use_pdl: bool = False, shared_w13: torch.Tensor | None = None,
                      down_split: list[int] | None = None, shared_l2_prefetch: bool = False,
                      down_l2_prefetch: bool = False, up_launch: list[int] | None = None,
-                     flag_deps: bool = False, early_release: bool = False) -> torch.Tensor:
+                     flag_deps: bool = False, early_release: bool = False,
+                     down_early_release: bool = False) -> torch.Tensor:
     """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc.
     down_split: kernel B''s launch (SplitConfig's fields, prefetch as 0/1) at every batch below the crossover,
     instead of split_config()'s per-shape choice (P6's down_split option; the CPU reference ignores it).
-    shared_l2_prefetch / down_l2_prefetch / up_launch / flag_deps / early_release: fused_moe_triton's options of the
-    same names (P6's; same values)."""
+    shared_l2_prefetch / down_l2_prefetch / up_launch / flag_deps / early_release / down_early_release:
+    fused_moe_triton's options of the same names (P6's; same values)."""
     return fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
 
@@ -1243,7 +1253,7 @@ def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
                            shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
-                           early_release=False):
+                           early_release=False, down_early_release=False):
     args = (x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
             linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
     if triton is None or x.shape[0] >= crossover:
@@ -1252,7 +1262,7 @@ def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
     with torch.cuda.device(x.device):  # Triton launches on the current device
         return fused_moe_triton(*args, use_pdl=use_pdl, split=split, shared_l2_prefetch=shared_l2_prefetch,
                                 down_l2_prefetch=down_l2_prefetch, up_launch=up_launch, flag_deps=flag_deps,
-                                early_release=early_release)
+                                early_release=early_release, down_early_release=down_early_release)
 
 
 @fused_moe_decode.register_fake
@@ -1260,7 +1270,7 @@ def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
                            shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
-                           early_release=False):
+                           early_release=False, down_early_release=False):
     _, _, _, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                     shared_w2, act, latent_up_w, latent_norm_w, shared_w13)
     return x.new_empty(x.shape[0], out_width)

@@ -284,6 +284,7 @@ def test_up_launch_goes_into_the_op_after_the_l2_options():
                           ({"up_launch": "16X512x8", "shared_l2_prefetch": False, "early_release": False},
                            (None, False, True, [16, 512, 8])),
                           ({}, (None, True, True, None, False, True)),  # early_release on: the default
+                          ({"down_early_release": True}, (None, True, True, None, False, True, True)),
                           ({"use_pdl": False}, (None, True, True))):  # a release point needs PDL
         gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
         assert run_pass(gm, P6, **options) == 5

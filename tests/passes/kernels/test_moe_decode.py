@@ -512,35 +512,40 @@ def test_cuda_shared_slot_with_pdl_replays_from_a_cuda_graph(n):
 @pytest.mark.parametrize("n", [1, 8])
 def test_cuda_l2_prefetch_and_early_release_give_the_same_bits_at_the_48b_shape(n):
     """shared_l2_prefetch (kernel A: shared slot first, its gate/up rows asked of L2 before gdc_wait),
-    down_l2_prefetch (B''s shared slot) and early_release (A releases B' right after its wait) at the 48B shape, PDL
-    on, rows and tiles designs of A, eager and replayed from a CUDA graph after a router-like kernel: outputs
-    bit-identical with the options off, and within the reference's tolerance."""
+    down_l2_prefetch (B''s shared slot), early_release (A releases B' right after its wait) and down_early_release (B'
+    releases the next kernel right after its wait) at the 48B shape, PDL on, rows and tiles designs of A, eager and
+    replayed from a CUDA graph after a router-like kernel: outputs bit-identical with the options off, and within the
+    reference's tolerance."""
     p, sw13 = _with_shared_w13(_cuda_problem(n, 600 + n, **_shape_48b()), 600 + n)
     f32 = {key: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v) for key, v in p.items()}
     ref = fused_moe_reference(*_op_args(f32, "silu", 0)[:13], shared_w13=sw13.float())
     args = _op_args(p, "silu", 0)[:13]
     for up in ("rows", "tiles"):
         off = moe_decode.fused_moe_triton(*args, shared_w13=sw13, use_pdl=True, designs=(up, "split"))
-        for a, b, early in ((True, False, False), (False, True, False), (True, True, False), (False, False, True),
-                            (True, True, True)):
+        for a, b, early, down in ((True, False, False, False), (False, True, False, False), (True, True, False, False),
+                                  (False, False, True, False), (True, True, True, False), (False, False, False, True),
+                                  (True, True, True, True)):
             on = moe_decode.fused_moe_triton(*args, shared_w13=sw13, use_pdl=True, designs=(up, "split"),
-                                             shared_l2_prefetch=a, down_l2_prefetch=b, early_release=early)
+                                             shared_l2_prefetch=a, down_l2_prefetch=b, early_release=early,
+                                             down_early_release=down)
             torch.cuda.synchronize()
-            assert torch.equal(on, off), (up, a, b, early)
+            assert torch.equal(on, off), (up, a, b, early, down)
         assert _rel(off, ref) < 1e-2, (up, _rel(off, ref))
     # the op as the engine calls it (options as its last two arguments), replayed from a CUDA graph behind another
     # kernel, as a step replays it
     scratch = torch.empty(1 << 22, device="cuda")
     graphs = []
-    for on, early in ((False, False), (True, False), (True, True)):
-        def step(on=on, early=early):
+    for on, early, down in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
+        def step(on=on, early=early, down=down):
             scratch.mul_(0.5)
-            return FUSED(*_op_args(p, "silu", 1 << 30), None, None, 1e-5, True, sw13, None, on, on, None, False, early)
+            out = FUSED(*_op_args(p, "silu", 1 << 30), None, None, 1e-5, True, sw13, None, on, on, None, False, early,
+                        down)
+            return out * 1.0  # a kernel after the op, which B' releases early with down_early_release
         graphs.append(_graphed(step))
     for graph, _ in graphs:
         graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(graphs[0][1], graphs[1][1]) and torch.equal(graphs[0][1], graphs[2][1])
+    assert all(torch.equal(graphs[0][1], g[1]) for g in graphs[1:])
     assert _rel(graphs[1][1], ref) < 1e-2
 
 
