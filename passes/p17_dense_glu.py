@@ -41,10 +41,13 @@ class DenseGluConfig(PassConfig):
     enabled: bool = True
     # the activations fused: "situ" (K3's chain, 12 ATen kernels), "silu" (Kimi Linear's silu + mul, 2 kernels:
     # one launch less per step, not timed on the device yet, so not in the default)
-    acts: str = "situ"
+    acts: str = "situ"  # "situ+silu" (or "situ,silu") for both; "+" also fits a `bench ladder --variant` string
+
+    def act_set(self) -> set[str]:
+        return {a.strip() for a in self.acts.replace("+", ",").split(",") if a.strip()}
 
     def validate(self) -> None:
-        bad = [a for a in self.acts.split(",") if a.strip() and a.strip() not in ("situ", "silu")]
+        bad = sorted(self.act_set() - {"situ", "silu"})
         if bad:
             raise PassConfigError(f"p17_dense_glu.acts: unknown activations {bad}; known situ, silu")
 
@@ -130,7 +133,7 @@ def dense_glu(gm: GraphModule, config: DenseGluConfig) -> int:
     fake_mode = None
     matches = 0
     config.validate()
-    acts = {a.strip() for a in config.acts.split(",")}
+    acts = config.act_set()
     anchors = [(n, "situ") for n in g.nodes if "situ" in acts and is_call(n, aten.tanh.default)]
     anchors += [(n, "silu") for n in g.nodes if "silu" in acts and is_call(n, aten.silu.default)]
     done: set = set()

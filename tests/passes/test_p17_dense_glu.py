@@ -6,7 +6,7 @@ import torch
 
 from k3compile.passes.kernels import glu_act as _glu  # noqa: F401  (registers torch.ops.k3.glu_act)
 from k3compile.passes.manager import PassManager
-from k3compile.passes.pipeline import PipelineConfig
+from k3compile.passes.pipeline import PipelineConfig, pipeline_from_flags
 from k3compile.passes.registry import PassConfigError, get_pass
 
 from .helpers import (BF16_TOL, FP32_TOL, MODELS, assert_same_step, eager_step, graph, inputs_for, layer_counts, model,
@@ -59,6 +59,8 @@ def test_silu_only_when_asked():
     code = gm.code
     assert run_pass(gm, P17) == 0 and gm.code == code
     assert run_pass(gm, P17, acts="silu") == _glu_mlps(model("kimi-linear-tiny").config)
+    pipeline = pipeline_from_flags(P17, pass_opts=[f"{P17}.acts=situ+silu"])  # a --variant string's spelling
+    assert pipeline.config(P17).act_set() == {"situ", "silu"}
     with pytest.raises(PassConfigError, match="p17_dense_glu.acts: unknown activations"):
         run_pass(graph("k3-tiny", "decode", torch.bfloat16), P17, acts="gelu")
 
