@@ -52,6 +52,7 @@ CHOICES = ("auto", "gemv", "cublas")
 TIMINGS = ("pdl_chain", "alone")
 EARLY_RELEASE = ("none", "all", "except_kda_inputs")
 _FUSED_KDA = torch.ops.k3.fused_kda_decode.default
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
 DOT_WARPS = 4
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _DESIGN_NAMES = {v: name for name, v in gemv_kernels.DESIGNS.items()}
@@ -128,25 +129,19 @@ def _weight_of(node: Node, gm: GraphModule, dtypes) -> Node | None:
 
 
 def _feeds_fused_kda(node: Node, depth: int = 4) -> bool:
-    """Whether node's output reaches a fused KDA kernel (P5) through at most `depth` view / split / getitem nodes
-    (an in-projection's column blocks)."""
+    """Whether node's output reaches a fused KDA kernel (P5) through at most `depth` views, splits and their getitems
+    (an in-projection's column blocks): nodes that launch no kernel of their own."""
     frontier = list(node.users)
     for _ in range(depth):
         nxt = []
         for user in frontier:
             if user.target == _FUSED_KDA:
                 return True
-            if user.op == "call_function" and (user.target is operator.getitem or _is_view_like(user)):
+            if user.target is operator.getitem or is_call(user, *_SPLITS) or (
+                    isinstance(user.target, torch._ops.OpOverload) and user.target.is_view):
                 nxt.extend(user.users)
         frontier = nxt
     return False
-
-
-def _is_view_like(node: Node) -> bool:
-    """A node that launches no kernel of its own: views and splits of a tensor."""
-    return getattr(node.target, "_schema", None) is not None and any(
-        a.alias_info is not None for a in node.target._schema.returns) or node.target in (
-        aten.split.Tensor, aten.split_with_sizes.default)
 
 
 def _match(node: Node, gm: GraphModule, dtypes):
