@@ -11,13 +11,12 @@
 source tools/gpu_setup.sh
 T0=$SECONDS
 say() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/call.log; }
-run_tests() {  # the early-release GPU tests, one file at a time (a slow file does not hide the others' results)
-  for spec in "tests/passes/kernels/test_kda_decode.py::pdl_chain" "tests/passes/kernels/test_moe_decode.py::early_release" \
-              "tests/passes/test_p06_fused_moe_decode.py::up_launch" "tests/passes/test_p08_small_m_gemm.py::early_release"; do
-    timeout ${TEST_EACH:-100} python3 -m pytest -q -m gpu -p no:cacheprovider "${spec%%::*}" -k "${spec##*::}" \
-      >> $OUT/logs/tests.log 2>&1
-    say "tests $spec: exit $?"; tail -1 $OUT/logs/tests.log
-  done
+run_tests() { # the early-release GPU tests, one file at a time (a slow file does not hide the others' results)
+  run_gpu_tests ${TEST_EACH:-100} \
+    "tests/passes/kernels/test_kda_decode.py::pdl_chain" \
+    "tests/passes/kernels/test_moe_decode.py::early_release" \
+    "tests/passes/test_p06_fused_moe_decode.py::up_launch" \
+    "tests/passes/test_p08_small_m_gemm.py::early_release"
 }
 mkdir -p $OUT/logs
 [ "${TESTS:-last}" = first ] && run_tests

@@ -17,12 +17,10 @@ source tools/gpu_setup.sh
 T0=$SECONDS
 say() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/call.log; }
 run_tests() {
-  for spec in "tests/passes/kernels/test_mla_decode.py::output_gate" "tests/passes/kernels/test_glu_act.py::cuda" \
-              "tests/passes/test_p15_mla_decode.py::q_norm_gemv"; do
-    timeout ${TEST_EACH:-80} python3 -m pytest -q -m gpu -p no:cacheprovider "${spec%%::*}" -k "${spec##*::}" \
-      >> $OUT/logs/tests.log 2>&1
-    say "tests $spec: exit $?"; tail -1 $OUT/logs/tests.log
-  done
+  run_gpu_tests ${TEST_EACH:-80} \
+    "tests/passes/kernels/test_mla_decode.py::output_gate" \
+    "tests/passes/kernels/test_glu_act.py::cuda" \
+    "tests/passes/test_p15_mla_decode.py::q_norm_gemv"
 }
 mkdir -p $OUT/logs
 [ "${TESTS:-last}" = first ] && run_tests

@@ -9,3 +9,12 @@ if [ ! -f /tmp/site/.k3_installed ]; then  # once per machine: jobs started side
   touch /tmp/site/.k3_installed
 fi
 R=${R:-$OUT/r}; mkdir -p "$R"
+# run_gpu_tests SECONDS FILE::K_EXPR ...: GPU tests one file at a time, each under its own time limit (a slow file
+# does not hide the others' results), appended to $OUT/logs/tests.log; the caller defines say().
+run_gpu_tests() {
+  local each=$1 spec; shift; mkdir -p $OUT/logs
+  for spec in "$@"; do
+    timeout $each python3 -m pytest -q -m gpu -p no:cacheprovider "${spec%%::*}" -k "${spec##*::}" >> $OUT/logs/tests.log 2>&1
+    say "tests $spec: exit $?"; tail -1 $OUT/logs/tests.log
+  done
+}
