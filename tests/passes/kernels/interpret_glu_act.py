@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 from k3compile.model_def.ops.moe_math import glu_act  # noqa: E402
 from k3compile.passes.kernels import glu_act as kernel  # noqa: E402
-from interpreted import TOL, rel_err, report  # noqa: E402  (this folder is sys.path[0] when run as a script)
+from interpreted import TOL, rel_err, run_cases  # noqa: E402  (this folder is sys.path[0] when run as a script)
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -45,13 +45,7 @@ def cases():
 
 def main() -> int:
     assert type(kernel._glu_act_kernel).__name__ == "InterpretedFunction", "interpreter not active"
-    failures, n = [], 0
-    for name, run in cases():
-        n += 1
-        err, tol = run()
-        if not err <= tol:
-            failures.append(f"{name}: rel err {err:.3g} > {tol:g}")
-    return report(failures, n)
+    return run_cases(cases())
 
 
 if __name__ == "__main__":

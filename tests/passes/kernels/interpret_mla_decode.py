@@ -16,7 +16,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch  # noqa: E402
 
 from k3compile.passes.kernels import mla_decode as mla  # noqa: E402
-from interpreted import report  # noqa: E402  (this folder is sys.path[0] when run as a script)
+from interpreted import run_cases  # noqa: E402  (this folder is sys.path[0] when run as a script)
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -108,13 +108,7 @@ def cases():
 
 def main() -> int:
     assert type(mla._decode_split_kernel).__name__ == "InterpretedFunction", "interpreter not active"
-    failures, n = [], 0
-    for name, run in cases():
-        n += 1
-        err, tol = run()
-        if not err <= tol:
-            failures.append(f"{name}: rel err {err:.3g} > {tol:g}")
-    return report(failures, n)
+    return run_cases(cases())
 
 
 if __name__ == "__main__":

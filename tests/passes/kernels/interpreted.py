@@ -90,6 +90,17 @@ def report(failures: list[str], cases: int) -> int:
     return 1 if failures else 0
 
 
+def run_cases(cases) -> int:
+    """Run (name, run) cases whose run() returns (rel err, tolerance); report() their failures."""
+    failures, n = [], 0
+    for name, run in cases:
+        n += 1
+        err, tol = run()
+        if not err <= tol:
+            failures.append(f"{name}: rel err {err:.3g} > {tol:g}")
+    return report(failures, n)
+
+
 # Triton 3.9's InterpretedFunction.__call__ (whitespace collapsed), which _skip_repatching_in_nested_calls replaces
 _HELPER_CALL_SOURCE = ("def __call__(self, *args, **kwargs): # This is a device function call _patch_lang(self.fn) "
                        "fn = self.rewrite() try: return fn(*args, **kwargs) except Exception as e: "
