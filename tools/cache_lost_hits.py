@@ -14,16 +14,14 @@ and the last lookup of that prompt, for a stem those at depths up to its KV matc
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cache_state_reuse import replay_listening  # noqa: E402  (tools/, next to this script)
+from cache_state_reuse import replay_arguments, replay_listening  # noqa: E402  (tools/, next to this script)
 
-from k3compile.bench.cache_traces import PRESETS  # noqa: E402
 from k3compile.runtime.cache import radix  # noqa: E402
 
 CALLERS = ("_expire_unused", "_expire_stale", "evict_checkpoints", "evict_pages", "_make_room", "unlock")
@@ -61,11 +59,7 @@ def record(trace: str, kib: int, policy: str, seed: int):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace", choices=sorted(PRESETS))
-    ap.add_argument("kib", type=int, help="memory budget in KiB")
-    ap.add_argument("policy", help="a policy as bench cache takes it, e.g. valued or valued:protect_shared=0")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = replay_arguments(__doc__.splitlines()[0], "valued or valued:protect_shared=0")
     a = ap.parse_args()
     roots, row, events, lookups = record(a.trace, a.kib, a.policy, a.seed)
     print({k: row[k] for k in ("hit_rate", "fraction_of_bound", "repeats_hit", "repeats", "stems_hit", "stems")})

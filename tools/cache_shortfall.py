@@ -15,7 +15,6 @@ Totals per request kind (the trace's tags: step, root, repeat, stem, one-off ...
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import sys
@@ -23,11 +22,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cache_state_reuse import replay_listening  # noqa: E402  (tools/, next to this script)
+from cache_state_reuse import replay_arguments, replay_listening  # noqa: E402  (tools/, next to this script)
 
 from k3compile.bench import cache_replay  # noqa: E402
 from k3compile.bench.cache_replay import PageTrie  # noqa: E402
-from k3compile.bench.cache_traces import PRESETS  # noqa: E402
 from k3compile.runtime.cache import radix  # noqa: E402
 
 
@@ -64,11 +62,7 @@ def shortfall(trace: str, kib: int, policy: str, seed: int, page_size: int = 16)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace", choices=sorted(PRESETS))
-    ap.add_argument("kib", type=int, help="memory budget in KiB")
-    ap.add_argument("policy", help="a policy as bench cache takes it, e.g. valued or sparse")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = replay_arguments(__doc__.splitlines()[0], "valued or sparse")
     ap.add_argument("--top", type=int, default=12, help="largest single losses to list")
     a = ap.parse_args()
     row, recs = shortfall(a.trace, a.kib, a.policy, a.seed)

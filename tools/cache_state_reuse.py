@@ -28,6 +28,16 @@ from k3compile.bench.cache_traces import PRESETS, TraceSpec, make_trace  # noqa:
 from k3compile.runtime.cache import radix  # noqa: E402
 
 
+def replay_arguments(description: str, policy_example: str) -> argparse.ArgumentParser:
+    """The arguments every replay diagnostic here takes: trace preset, budget in KiB, policy, seed."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("trace", choices=sorted(PRESETS))
+    ap.add_argument("kib", type=int, help="memory budget in KiB")
+    ap.add_argument("policy", help=f"a policy as bench cache takes it, e.g. {policy_example}")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
 def replay_listening(trace: str, kib: int, policy: str, seed: int, on_cache, on_match=None):
     """Replay one (trace, budget, policy, seed) like `bench cache-pressure` (24 roots over 90 s,
     split pools, the stand-in forward), calling `on_cache(cache)` when the engine builds its
@@ -78,11 +88,7 @@ def record(trace: str, kib: int, policy: str, seed: int) -> tuple[dict, dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace", choices=sorted(PRESETS))
-    ap.add_argument("kib", type=int, help="memory budget in KiB")
-    ap.add_argument("policy", help="a policy as bench cache takes it, e.g. valued or valued:ttl=0")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = replay_arguments(__doc__.splitlines()[0], "valued or valued:ttl=0")
     ap.add_argument("--out", default="bench_out")
     a = ap.parse_args()
     rec, row = record(a.trace, a.kib, a.policy, a.seed)
