@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 12, device call 1 (issue 9): PDL early release.
+# Session 12, device call 1 (issue 9): PDL early release (session 13: TEST_SPECS chooses the tests).
 #   1. GPU tests: the same-bits / reference tests of the early-release options (P8's GEMV, P5's KDA kernel in a PDL
 #      chain, P6's kernel A) at the 48B shapes
 #   2. bench ladder, Kimi-Linear-48B shape, batch ${B48:-1}, whole-engine variants $VARIANTS
@@ -11,12 +11,10 @@
 source tools/gpu_setup.sh
 T0=$SECONDS
 say() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/call.log; }
-run_tests() { # the early-release GPU tests, one file at a time (a slow file does not hide the others' results)
-  run_gpu_tests ${TEST_EACH:-100} \
-    "tests/passes/kernels/test_kda_decode.py::pdl_chain" \
-    "tests/passes/kernels/test_moe_decode.py::early_release" \
-    "tests/passes/test_p06_fused_moe_decode.py::up_launch" \
-    "tests/passes/test_p08_small_m_gemm.py::early_release"
+# TEST_SPECS="FILE::K_EXPR ...": other GPU tests than the early-release ones (default below)
+TEST_SPECS=${TEST_SPECS:-"tests/passes/kernels/test_kda_decode.py::pdl_chain tests/passes/kernels/test_moe_decode.py::early_release tests/passes/test_p06_fused_moe_decode.py::up_launch tests/passes/test_p08_small_m_gemm.py::early_release"}
+run_tests() { # one file at a time (a slow file does not hide the others' results)
+  run_gpu_tests ${TEST_EACH:-100} $TEST_SPECS
 }
 mkdir -p $OUT/logs
 [ "${TESTS:-last}" = first ] && run_tests
