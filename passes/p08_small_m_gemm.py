@@ -21,7 +21,10 @@ The choice, per node (`choice` option):
   in the engine its neighbours are norms / KDA / MoE kernels: an A/B of whole engines (`bench ladder
   --variant p8alone:p08_small_m_gemm.timing=alone`) is the measurement that settles the default.
   The rows design's warps (`rows_warps`) are swept at M = 1 and the best per tile goes on to the larger
-  buckets (a full sweep at every bucket would triple the Triton compiles of the build). The node becomes
+  buckets (a full sweep at every bucket would triple the Triton compiles of the build). Only the configurations
+  within `first_bucket_tol` of the fastest at M = 1 compete (small gains above M = 1 are within the timing noise
+  and must not outvote a clear M = 1 winner); of those, the one saving the most time summed over the buckets
+  it wins wins. The node becomes
   k3.gemv with max_m = the largest bucket up to which the kernel won at every bucket; rows above
   max_m run the aten op inside k3.gemv. If the kernel loses at M = 1 the node stays aten ('cublas').
   Without CUDA nothing is measured and every node stays aten.
@@ -82,6 +85,13 @@ class SmallMGemmConfig(PassConfig):
     # GEMVs that feed a fused KDA kernel, whose programs would then hold SMs the GEMV's own programs need; 48B batch 1,
     # traces/h200_s12/call1: "all" made the step 1% slower)
     early_release: str = "none"
+    # only configurations within this fraction of the fastest kernel at the first bucket (M = 1) compete; then the
+    # time saved over the buckets decides as before; < 0: every configuration competes (the rule before session 13).
+    # Why: at 48B the o_proj's dot tile, 1-4% ahead of cuBLAS at M = 2..8 in the GEMV chain but 34% behind the rows
+    # tile at M = 1, won the summed savings by 0.4 us in one build and lost them in another; the whole step with it
+    # ran 150 us slower at batch 1 and 330 us slower at batch 8 (traces/h200_s13/call1, rung r09 against session
+    # 12's), so savings at M > 1 smaller than the timing noise must not outvote a clear M = 1 winner
+    first_bucket_tol: float = 0.03
 
     def validate(self) -> None:
         if self.choice not in CHOICES:
@@ -101,6 +111,9 @@ class SmallMGemmConfig(PassConfig):
         if self.early_release not in EARLY_RELEASE:
             raise PassConfigError(f"p08_small_m_gemm.early_release must be one of {', '.join(EARLY_RELEASE)}, "
                                   f"got {self.early_release!r}")
+        if self.first_bucket_tol >= 1:
+            raise PassConfigError(f"p08_small_m_gemm.first_bucket_tol must be < 1 (< 0: off), "
+                                  f"got {self.first_bucket_tol}")
         if not 0 <= self.l2_prefetch_mb <= 1024:
             raise PassConfigError(f"p08_small_m_gemm.l2_prefetch_mb must be in 0..1024, got {self.l2_prefetch_mb}")
         warps = _ints("rows_warps", self.rows_warps)
@@ -221,14 +234,20 @@ def _measure(w: torch.Tensor, buckets, bench_ms: float, use_pdl: bool = False, r
     return out
 
 
-def _decide(timings: dict, buckets, min_gain: float = 0.0) -> tuple[int, tuple | None]:
+def _decide(timings: dict, buckets, min_gain: float = 0.0, first_tol: float = -1.0) -> tuple[int, tuple | None]:
     """(max_m, config): the configuration that saves the most time over cuBLAS summed over the buckets it wins
     from M = 1 up (by more than min_gain; cuBLAS runs above its reach), each bucket weighted alike; ties go to
     the longer reach, then the faster at M = 1. (Reach first, as before session 9, let a tile that barely wins
-    at M = 1 and 2 beat one that is 40% faster at M = 1: the 48B o_proj ran 9.0 us where 6.2 was on offer.)"""
+    at M = 1 and 2 beat one that is 40% faster at M = 1: the 48B o_proj ran 9.0 us where 6.2 was on offer.)
+    first_tol >= 0: only the configurations within that fraction of the fastest at the first bucket compete."""
     best = None
     first = min(buckets)
-    for cfg in {c for row in timings.values() for c in row["gemv_us"]}:
+    candidates = {c for row in timings.values() for c in row["gemv_us"]}
+    if first_tol >= 0 and timings[first]["gemv_us"]:
+        fastest = min(timings[first]["gemv_us"].values())
+        candidates = {c for c in candidates
+                      if timings[first]["gemv_us"].get(c, float("inf")) <= fastest * (1 + first_tol)}
+    for cfg in candidates:
         reach, saved = 0, 0.0
         for m in sorted(buckets):
             t = timings[m]["gemv_us"].get(cfg)
@@ -284,7 +303,7 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
             if key not in _MEASURED:
                 _MEASURED[key] = _measure(weight, buckets, config.bench_ms, timed_pdl, rows_warps)
             timings = _MEASURED[key]
-            max_m, cfg = _decide(timings, buckets, config.min_gain)
+            max_m, cfg = _decide(timings, buckets, config.min_gain, config.first_bucket_tol)
             rec["us"] = {str(m): {"cublas": round(t["cublas_us"], 2),
                                   "gemv": {config_label(c_): round(v, 2) for c_, v in t["gemv_us"].items()}}
                          for m, t in timings.items()}

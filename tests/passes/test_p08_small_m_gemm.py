@@ -272,7 +272,7 @@ def test_bad_options_are_named():
     for opts, what in (({"choice": "fast"}, "choice"), ({"buckets": "1,32"}, "buckets"),
                        ({"dtypes": "fp8"}, "dtypes"), ({"buckets": "a"}, "buckets"), ({"timing": "graph"}, "timing"),
                        ({"rows_warps": "3"}, "rows_warps"), ({"rows_warps": "x"}, "rows_warps"),
-                       ({"l2_prefetch_mb": -1}, "l2_prefetch_mb")):
+                       ({"l2_prefetch_mb": -1}, "l2_prefetch_mb"), ({"first_bucket_tol": 1.0}, "first_bucket_tol")):
         with pytest.raises(PassConfigError, match=what):
             spec.config_cls(**opts).validate()
 
@@ -407,6 +407,9 @@ def test_decision_rule():
     timings = {1: t(10.0, c64_128_1=5.0, c32_256_2=4.0), 2: t(10.0, c64_128_1=6.0, c32_256_2=11.0),
                4: t(10.0, c64_128_1=12.0, c32_256_2=12.0)}
     assert _decide(timings, [1, 2, 4]) == (2, (64, 128, 1))
+    # ... unless only the configurations near the fastest at M = 1 compete (first_tol): B
+    assert _decide(timings, [1, 2, 4], first_tol=0.03) == (1, (32, 256, 2))
+    assert _decide(timings, [1, 2, 4], first_tol=0.3) == (2, (64, 128, 1))  # A is within 30% of B at M = 1
     # a win inside the noise margin is no win
     assert _decide({1: t(10.0, c64_128_1=9.9)}, [1], min_gain=0.03) == (0, None)
     assert _decide({1: t(10.0, c64_128_1=9.9)}, [1], min_gain=0.0) == (1, (64, 128, 1))
@@ -430,6 +433,13 @@ def test_decision_rule():
     s9 = {1: t(9.99, c4_1024_1_1_8=6.17, c64_128_8_0_4=9.01), 2: t(9.91, c64_128_8_0_4=9.54),
           4: t(9.88, c64_128_8_0_4=9.66)}
     assert _decide(s9, [1, 2, 4], min_gain=0.03) == (1, (4, 1024, 1, 1, 8))
+    # session 13's H200 o_proj (traces/h200_s13/call1): the dot tile 1-4% ahead of cuBLAS at M = 2..8 sums to
+    # more saving (4.71 us) than the rows tile's M = 1 win (4.32 us); the first-bucket rule keeps the rows tile
+    s13 = {1: t(11.45, c4_1024_1_1_8=7.13, c64_128_8_0_4=9.54), 2: t(10.77, c4_1024_1_1_8=10.58, c64_128_8_0_4=10.08),
+           4: t(11.46, c4_1024_1_1_8=22.27, c64_128_8_0_4=10.08), 8: t(11.36, c64_128_8_0_4=10.95),
+           16: t(11.33, c64_128_8_0_4=11.01)}
+    assert _decide(s13, [1, 2, 4, 8, 16], min_gain=0.03) == (8, (64, 128, 8, 0, 4))
+    assert _decide(s13, [1, 2, 4, 8, 16], min_gain=0.03, first_tol=0.03) == (1, (4, 1024, 1, 1, 8))
     # equal savings: the longer reach
     assert _decide({1: t(10.0, c4_1024_1_1_8=7.0, c64_128_8_0_4=8.0), 2: t(10.0, c64_128_8_0_4=9.0)}, [1, 2]) \
         == (2, (64, 128, 8, 0, 4))
