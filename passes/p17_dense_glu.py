@@ -16,7 +16,8 @@ MoE's expert activations are inside P6's kernels already, so only the dense MLP 
 Counts: one per dense MLP (K3 presets: the first layer; Kimi Linear: the first layer), in every graph mode; 0 and
 the graph unchanged where nothing matches. Numerics: on CPU the op is `glu_act` itself (bit-identical); the
 Triton kernel computes the same fp32 expression once (exp-based tanh) and rounds once (situ), or rounds silu first
-as ATen does (silu). On by default for SiTU (measured, traces/h200_s12/call4); `acts` adds silu.
+as ATen does (silu). On by default for both (measured on the whole engine: K3's SiTU in traces/h200_s12/call4, Kimi
+Linear's silu + mul in traces/h200_s13/call1); `acts=situ` keeps silu + mul as ATen ops.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class DenseGluConfig(PassConfig):
     enabled: bool = True
     # the activations fused: "situ" (K3's chain, 12 ATen kernels), "silu" (Kimi Linear's silu + mul, 2 kernels:
     # one launch less per step, not timed on the device yet, so not in the default)
-    acts: str = "situ"  # "situ+silu" (or "situ,silu") for both; "+" also fits a `bench ladder --variant` string
+    acts: str = "situ,silu"  # or "situ+silu" ("+" fits a `bench ladder --variant` string); "situ" or "silu" alone
 
     def act_set(self) -> set[str]:
         return {a.strip() for a in self.acts.replace("+", ",").split(",") if a.strip()}
