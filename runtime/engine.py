@@ -123,6 +123,8 @@ class EngineArgs:
     # parallel engines (runtime/parallel/): an engine_dir built with --topology brings its own
     topology: str | None = None  # with `model`: cut it into ranks at start-up (tpN, dcpM, tpN-dcpM, tepN)
     rank_timeout_s: float = 60.0  # a rank silent this long (collective timeout; hung after half of it) fails
+    # time every decode forward on the device, per batch bucket, for metrics() (runtime/decode_timing.py)
+    step_timing: bool = False
 
 
 @dataclass
@@ -288,8 +290,10 @@ class LLMEngine:
         if self.ranks is None:
             self.runner = ModelRunner(self.provider, self.memory, self.max_context, overlap=args.overlap,
                                       cuda_graphs=args.cuda_graphs, buckets=args.cuda_graph_buckets,
-                                      pad_to_buckets=args.pad_decode_batches)
+                                      pad_to_buckets=args.pad_decode_batches, step_timing=args.step_timing)
         else:
+            if args.step_timing:
+                raise ValueError("step timing is not supported on a parallel engine yet")
             from k3compile.runtime.parallel.messages import RankSetup
             from k3compile.runtime.parallel.rank_runner import RankZeroRunner
             self.ranks.setup(RankSetup(args.enable_unified_memory, self.budget.bytes, args.page_size,
@@ -627,6 +631,9 @@ class LLMEngine:
             self.cache.evict_pages(self.cache.evictable_pages())
         if cuda:
             torch.cuda.synchronize()
+        timer = getattr(self.runner, "timer", None)
+        if timer is not None:   # the served figures start after the warm-up, like the counters above
+            timer.reset()
         self._warm = {"seconds": time.perf_counter() - t0, "requests": 1 + bool(width) * width, "decode_batch": width}
         return self._warm
 
@@ -651,7 +658,16 @@ class LLMEngine:
             "peak_checkpoint_bytes": st.peak_checkpoint_bytes, "tree_pages": st.num_pages,
             "retractions": s.retractions, "forked_requests": s.forked, "unified_memory": isinstance(inner, UnifiedArena),
             "cache_policy": self.policy.name,
+            **self._decode_forward_metrics(),
         }
+
+    def _decode_forward_metrics(self) -> dict:
+        """With step timing: {"decode_forward": {bucket: {"forwards", "seconds"}}} (string keys: the snapshot
+        crosses a pipe as JSON-like data with --engine-process)."""
+        timer = getattr(self.runner, "timer", None)
+        if timer is None:
+            return {}
+        return {"decode_forward": {str(b): {"forwards": n, "seconds": s} for b, (n, s) in timer.totals().items()}}
 
     def check_health(self) -> None:
         """Raise FatalEngineError if the engine cannot go on (a rank of a parallel engine died or hung)."""

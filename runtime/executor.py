@@ -178,6 +178,11 @@ class Executor:
         return graph, out
 
     # ---- running ----
+    def decode_size(self, batch_size: int) -> int:
+        """The batch size a decode batch of `batch_size` requests runs at: its bucket when padding is on and one
+        holds it (the CUDA graph replayed), else its own size (eager)."""
+        return (next_bucket(batch_size, self.buckets) if self.pad_to_buckets else None) or batch_size
+
     @torch.no_grad()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.mode == "prefill":

@@ -25,6 +25,7 @@ import torch
 from k3compile.runtime.executor import Executor
 
 from .batch_sampling import BatchSample, PendingSample, sample_batch
+from .decode_timing import DecodeTimer
 from .inflight_memory import InFlightMemory
 from .sampler import to_device
 from .scheduler import ScheduledBatch
@@ -57,17 +58,25 @@ class InFlight:
 
 class ModelRunner:
     def __init__(self, provider, memory: InFlightMemory, max_context: int, overlap: bool = False,
-                 cuda_graphs: bool | None = None, buckets=None, pad_to_buckets: bool | None = None):
+                 cuda_graphs: bool | None = None, buckets=None, pad_to_buckets: bool | None = None,
+                 step_timing: bool = False):
+        """`step_timing`: time every decode forward per batch bucket (`self.timer`, runtime/decode_timing.py)."""
         self.memory = memory
         self.executor = Executor(provider, memory.tensors, cuda_graphs=cuda_graphs, max_context=max_context,
                                  pad_to_buckets=pad_to_buckets, **({"buckets": buckets} if buckets else {}))
+        self.timer = DecodeTimer(self.executor.device.type == "cuda") if step_timing else None
         # on CUDA the launch itself is asynchronous; on a CPU a worker thread stands in for the stream
         threaded = overlap and self.executor.device.type != "cuda"
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="k3-forward") if threaded else None
 
     def _forward(self, batch: ScheduledBatch, job: InFlight) -> torch.Tensor:
+        fb = batch.forward
+        mark = self.timer.start(self.executor.decode_size(fb.batch_size)) \
+            if self.timer is not None and fb.mode == "decode" else None
         with torch.no_grad():
-            out = self.executor.run(batch.forward)
+            out = self.executor.run(fb)
+            if mark is not None:
+                self.timer.stop(mark)
             for working, snap in batch.snapshot_copies:
                 self.memory.copy_slot(working, snap)
         if isinstance(out, tuple):  # the executor emits target features (a speculative drafter reads them)

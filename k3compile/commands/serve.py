@@ -67,6 +67,11 @@ def register(sub) -> None:
                    help="build and step the engine in a child process (vLLM V1's EngineCore split): the HTTP side "
                    "and the engine's host work then share no GIL (runtime/server/engine_process.py); "
                    "/start_profile is not available there")
+    p.add_argument("--step-timing", action="store_true",
+                   help="time every decode forward on the device (CUDA events; the wall clock on a CPU) and export "
+                   "the counts and seconds per batch bucket on /metrics (k3compile_decode_forwards_total, "
+                   "k3compile_decode_forward_seconds_total): the served step next to `bench decode`'s. Off by "
+                   "default: two event records per step")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the start-up warm-up (kernels then compile at the first requests)")
     p.add_argument("--topology", default=None,
@@ -110,7 +115,8 @@ def engine_args(args):
                   mixed_batches=getattr(args, "mixed_batches", True),
                   max_context=args.max_context, mem_fraction_static=args.mem_fraction_static,
                   dtype=args.dtype,   # dtype None: fp32 for a model, the engine's own for an engine
-                  topology=getattr(args, "topology", None), rank_timeout_s=getattr(args, "rank_timeout_s", 60.0))
+                  topology=getattr(args, "topology", None), rank_timeout_s=getattr(args, "rank_timeout_s", 60.0),
+                  step_timing=getattr(args, "step_timing", False))
     return EngineArgs(**kwargs, **spec_kwargs(args))
 
 

@@ -51,6 +51,25 @@ class _EngineCollector:
                 continue
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"{PREFIX}_{name}", help_, value=float(value))
+        yield from _decode_forward_families(snap.get("decode_forward"))
+
+
+def _decode_forward_families(per_bucket):
+    """`serve --step-timing`: decode forwards and their device seconds per batch bucket (the engine's
+    "decode_forward" figures), as two counters labelled `batch`: the mean forward at a bucket is the
+    seconds' increase over the forwards' increase between two scrapes."""
+    if not isinstance(per_bucket, dict):
+        return
+    forwards = CounterMetricFamily(f"{PREFIX}_decode_forwards", "decode forwards run, by batch bucket "
+                                   "(serve --step-timing)", labels=["batch"])
+    seconds = CounterMetricFamily(f"{PREFIX}_decode_forward_seconds", "device seconds of those decode forwards "
+                                  "(CUDA events around input copies + graph replay; wall clock on a CPU)",
+                                  labels=["batch"])
+    for bucket, v in sorted(per_bucket.items(), key=lambda kv: int(kv[0])):
+        forwards.add_metric([str(bucket)], float(v["forwards"]))
+        seconds.add_metric([str(bucket)], float(v["seconds"]))
+    yield forwards
+    yield seconds
 
 
 def _is_number(v) -> bool:
