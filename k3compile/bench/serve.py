@@ -19,6 +19,14 @@ served ITL p50 / engine step per concurrency, and TTFT p99 over one prompt's pre
 engine's own prefill of the same wave of prompts. `chunks_per_output_token` says whether tokens
 arrived a chunk per step (1.0) or in bursts, which ITL and TTFT would then time instead of steps.
 
+`--client openai` sends the requests through the official `openai` package (AsyncOpenAI, streamed completions)
+instead of the built-in standard-library client: what an OpenAI user's program measures. `--repeat-first-run`
+sends the first run's prompts once more at the end (a run marked "repeat"): with a prefix cache the server
+reports them as cached (`total_cached_tokens`, from the usage's prompt_tokens_details). Against a server
+started with `--step-timing`, each run also records the server's own decode forwards over the run (its
+/metrics counters before and after): per batch bucket the forwards and their mean device time, the bucket
+most forwards ran at (`server_forward_batch`, `server_forward_ms`) and served ITL p50 over it.
+
 `--stand-in STEP_MS,TOKEN_MS` benches no endpoint: it starts `k3compile serve k3-tiny` with the
 model's forward replaced by a timed stand-in (bench/stand_in_step.py, bench/serve_stand_in.py) in a
 child process, runs the sweep against it, and times the same stand-in's engine loop -- the served
@@ -49,6 +57,7 @@ class RequestResult:
     e2e: float | None = None
     start: float = 0.0
     error: str | None = None
+    cached_tokens: int = 0   # prompt tokens the server reports served from its prefix cache
 
 
 def register(sub) -> None:
@@ -72,6 +81,10 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--warmup-requests", type=int, default=1, help="requests sent (and not counted) before the sweep")
+    p.add_argument("--client", default="sse", choices=["sse", "openai"],
+                   help="sse: the built-in standard-library client; openai: the official openai package")
+    p.add_argument("--repeat-first-run", action="store_true",
+                   help="end with the first run's prompts again (prefix-cache hits on a server with a cache)")
     p.add_argument("--engine-step", default=None, metavar="ENGINE_DIR|MODEL",
                    help="also time the engine's own decode step at the concurrencies (same lengths)")
     p.add_argument("--engine-device", default=None, help="device for --engine-step (default: cuda if available)")
@@ -148,24 +161,74 @@ async def _stream(res: RequestResult, url: str, headers: dict, payload: dict) ->
     if status != 200:
         res.error = f"HTTP {status}: {' '.join(body)[:200]}"
         return
+    _finish(res, t0, chunks, usage)
+
+
+def _finish(res: RequestResult, t0: float, chunks: int, usage: dict | None) -> None:
+    """End-to-end time, token counts and cached tokens once a stream ended (`usage`: its usage object)."""
     res.e2e = time.perf_counter() - t0
     res.output_tokens = usage["completion_tokens"] if usage and usage.get("completion_tokens") else chunks
+    res.cached_tokens = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     res.chunks = chunks
     res.ok = res.ttft is not None
     if not res.ok:
         res.error = "no token streamed"
 
 
-async def _run_load(base_url, model, api_key, reqs, rate, concurrency, seed, timeout) -> tuple[list, float]:
+async def _stream_openai(res: RequestResult, client, payload: dict) -> None:
+    """`_stream` through the official openai package: the same timings from its streamed chunks."""
+    body = dict(payload)
+    extra = {k: body.pop(k) for k in ("ignore_eos",) if k in body}
+    body.pop("stream", None)
+    t0 = time.perf_counter()
+    res.start = t0
+    last, chunks, usage = None, 0, None
+    stream = await client.completions.create(**body, stream=True, extra_body=extra)
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        if not chunk.choices:
+            continue   # a usage-only chunk carries no token to time
+        now = time.perf_counter()
+        if last is None:
+            res.ttft = now - t0
+        else:
+            res.itl.append(now - last)
+        last = now
+        chunks += 1
+    _finish(res, t0, chunks, usage)
+
+
+async def _one_openai(client, payload: dict, prompt_len: int, timeout: float) -> RequestResult:
+    res = RequestResult(False, prompt_len)
+    try:
+        await asyncio.wait_for(_stream_openai(res, client, payload), timeout)
+    except Exception as e:   # an API error, a dropped connection or a timeout fails this request only
+        res.error = res.error or repr(e)[:200]
+    return res
+
+
+def _openai_client(base_url: str, api_key: str | None, timeout: float):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0,
+                              timeout=timeout)
+
+
+async def _run_load(base_url, model, api_key, reqs, rate, concurrency, seed, timeout,
+                    client: str = "sse") -> tuple[list, float]:
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
+    oai = _openai_client(base_url, api_key, timeout) if client == "openai" else None
 
     async def send(req):
         payload = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
                    "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
         async with sem:
+            if oai is not None:
+                return await _one_openai(oai, payload, req.prompt_len, timeout)
             return await _one(url, headers, payload, req.prompt_len, timeout)
 
     t0 = time.perf_counter()
@@ -175,7 +238,10 @@ async def _run_load(base_url, model, api_key, reqs, rate, concurrency, seed, tim
         if math.isfinite(rate):
             await asyncio.sleep(rng.expovariate(rate))
     results = await asyncio.gather(*tasks)
-    return results, time.perf_counter() - t0
+    duration = time.perf_counter() - t0
+    if oai is not None:
+        await oai.close()
+    return results, duration
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -199,6 +265,7 @@ def summarize(results: list[RequestResult], duration: float, percentiles: list[f
            "output_throughput": out_tokens / duration if duration else 0.0,
            "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
            "errors": sorted({r.error for r in results if r.error})[:5],
+           "total_cached_tokens": sum(r.cached_tokens for r in ok),
            # 1.0: every token reached the client in a chunk of its own (one per engine step); far below:
            # tokens arrive in bursts, and ITL / TTFT time the bursts, not the steps
            "chunks_per_output_token": sum(r.chunks for r in ok) / out_tokens if out_tokens else float("nan")}
@@ -303,25 +370,41 @@ def _bench(args) -> dict:
            "input_len": args.input_len if args.dataset == "fixed" else None,
            "output_len": args.output_len if args.dataset == "fixed" else None,
            "percentiles": pcts, "runs": []}
+    client = getattr(args, "client", "sse")
+    doc["client"] = client
     if args.warmup_requests:
         warm = make_requests(args.dataset, args.warmup_requests, args.seed + 99, args.input_len, args.output_len,
                              args.prompt_kind, (lo, hi))
         res, _ = asyncio.run(_run_load(args.base_url, model, args.api_key, warm, math.inf, len(warm), args.seed,
-                                       args.timeout))
+                                       args.timeout, client))
         doc["warmup"] = [{"ttft_ms": r.ttft * 1000 if r.ttft else None, "error": r.error} for r in res]
+
+    def one_run(rate, conc, run_reqs, **extra):
+        _log(f"rate {rate:g} req/s, concurrency {conc}: {len(run_reqs)} requests" + (" (repeat)" if extra else ""))
+        before = scrape_decode_forwards(args.base_url)
+        results, duration = asyncio.run(_run_load(args.base_url, model, args.api_key, run_reqs, rate, conc,
+                                                  args.seed, args.timeout, client))
+        run = {"request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": conc,
+               "num_prompts": len(run_reqs), **extra, **summarize(results, duration, pcts)}
+        if before is not None:
+            time.sleep(0.2)   # the engine publishes its figures after the iteration that ran the last step
+            _add_server_forwards(run, before, scrape_decode_forwards(args.base_url))
+        _log(f"  {run['completed']} ok, {run['failed']} failed; output {run['output_throughput']:.1f} tok/s, "
+             f"TTFT p50 {run['median_ttft_ms']:.1f} ms p99 {run.get('p99_ttft_ms', float('nan')):.1f} ms, "
+             f"ITL p50 {run['median_itl_ms']:.2f} ms, {run['chunks_per_output_token']:.2f} chunks per token, "
+             f"{run['total_cached_tokens']} cached prompt tokens"
+             + (f", server decode forward {run['server_forward_ms']:.3f} ms at batch {run['server_forward_batch']}"
+                if "server_forward_ms" in run else ""))
+        doc["runs"].append(run)
+
+    first = None
     for rate in rates:
         for conc in concs:
             run_reqs = requests_for(conc, len(doc["runs"]) + 1)
-            _log(f"rate {rate:g} req/s, concurrency {conc}: {len(run_reqs)} requests")
-            results, duration = asyncio.run(_run_load(args.base_url, model, args.api_key, run_reqs, rate, conc,
-                                                      args.seed, args.timeout))
-            run = {"request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": conc,
-                   "num_prompts": len(run_reqs),
-                   **summarize(results, duration, pcts)}
-            _log(f"  {run['completed']} ok, {run['failed']} failed; output {run['output_throughput']:.1f} tok/s, "
-                 f"TTFT p50 {run['median_ttft_ms']:.1f} ms p99 {run.get('p99_ttft_ms', float('nan')):.1f} ms, "
-                 f"ITL p50 {run['median_itl_ms']:.2f} ms, {run['chunks_per_output_token']:.2f} chunks per token")
-            doc["runs"].append(run)
+            first = first or (rate, conc, run_reqs)
+            one_run(rate, conc, run_reqs)
+    if getattr(args, "repeat_first_run", False) and first is not None:
+        one_run(*first, repeat=True)
     if args.engine_step:
         from .serve_engine_step import engine_steps
 
@@ -331,6 +414,44 @@ def _bench(args) -> dict:
                                           device=args.engine_device, memory_bytes=args.engine_memory_bytes, log=_log)
         _add_ratios(doc)
     return doc
+
+
+def scrape_decode_forwards(base_url: str) -> dict | None:
+    """{bucket: (forwards, seconds)} from the server's /metrics (`serve --step-timing`); {} when it exports no
+    such counters, None when /metrics cannot be read."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except Exception:
+        return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            i = {"k3compile_decode_forwards_total": 0, "k3compile_decode_forward_seconds_total": 1}.get(sample.name)
+            if i is not None and "batch" in sample.labels:
+                out.setdefault(sample.labels["batch"], [0.0, 0.0])[i] = sample.value
+    return {b: (int(n), s) for b, (n, s) in out.items()}
+
+
+def _add_server_forwards(run: dict, before: dict, after: dict | None) -> None:
+    """The server's decode forwards during the run (the counters' increase), per bucket and at the bucket most of
+    them ran at, and served ITL p50 over that forward."""
+    per = {}
+    for b, (n, s) in (after or {}).items():
+        n0, s0 = before.get(b, (0, 0.0))
+        if n > n0:
+            per[b] = {"forwards": n - n0, "mean_ms": (s - s0) / (n - n0) * 1e3}
+    if not per:
+        return
+    run["server_decode_forward"] = per
+    top = max(per, key=lambda b: per[b]["forwards"])
+    run["server_forward_batch"], run["server_forward_ms"] = int(top), per[top]["mean_ms"]
+    if math.isfinite(run.get("median_itl_ms", float("nan"))):
+        run["itl_p50_over_server_forward"] = run["median_itl_ms"] / per[top]["mean_ms"]
 
 
 def _add_ratios(doc: dict) -> None:

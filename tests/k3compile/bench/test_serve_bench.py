@@ -89,3 +89,33 @@ def test_serve_table_ratios_and_fallback_steps(tmp_path):
     rows = [line for line in out.splitlines() if line.startswith("| a ") or line.startswith("| b ")]
     assert "| 1.20x | 1.00 | 300 | 400 | 4.00x | 2.00x | 500 |" in rows[0]
     assert "| n/a | 10.00 | n/a |" in rows[1]   # no ITL (nan): no ratio
+
+
+def test_openai_client_repeat_run_and_server_forwards(tmp_path):
+    """--client openai: the same summary through the official package; --repeat-first-run: the first run's prompts
+    come back as prefix-cache hits; against `serve --step-timing` each run carries the server's decode forwards."""
+    import json
+
+    server = start_server(api_key=None, memory_bytes=16 << 20, step_timing=True)
+    try:
+        args = argparse.Namespace(
+            base_url=server.base_url, model=None, api_key=None, dataset="fixed", input_len=40, output_len=6,
+            prompt_kind="ids", id_range="10,250", num_prompts=2, prompts_per_concurrency=None, request_rate="inf",
+            max_concurrency="1,2", percentiles="50", seed=0, timeout=300.0, warmup_requests=1, engine_step=None,
+            engine_device=None, engine_memory_bytes=None, label="oai", out=str(tmp_path), client="openai",
+            repeat_first_run=True)
+        assert bench_serve.run(args) == 0
+    finally:
+        server.stop()
+    doc = json.loads((tmp_path / "serve_oai.json").read_text())
+    assert doc["client"] == "openai" and [r.get("repeat", False) for r in doc["runs"]] == [False, False, True]
+    for run in doc["runs"]:
+        assert run["completed"] == 2 and run["failed"] == 0 and run["total_output_tokens"] == 12
+        assert run["median_itl_ms"] > 0 and run["chunks_per_output_token"] == 1.0
+        assert run["server_forward_ms"] > 0 and run["itl_p50_over_server_forward"] > 0
+    first, repeat = doc["runs"][0], doc["runs"][2]
+    for run in (first, repeat):   # one at a time: 2 requests x 5 decode forwards (the first token is the prefill's)
+        assert {b: v["forwards"] for b, v in run["server_decode_forward"].items()} == {"1": 10}
+        assert run["server_forward_batch"] == 1
+    assert first["total_cached_tokens"] == 0   # fresh prompts
+    assert repeat["total_cached_tokens"] >= 2 * 32   # 40-token prompts: at least two full pages each came back
