@@ -5,6 +5,9 @@
     compile-reduce-overhead  torch.compile(step, mode="reduce-overhead") (Inductor + CUDA-graph trees)
     graphs                   the captured, unpassed step graph replayed from CUDA graphs (our executor)
     engine                   the engine (passes P1-P4) replayed from CUDA graphs (our executor)
+    engine-served            the same engine through an executor built as `serve` builds it: every decode bucket of
+                             the engine captured, the page-table capacity of the served default context (the
+                             MLA decode kernel's split count follows that capacity; `engine` sizes it to --context)
     engine-inductor          the engine's decode graph through Inductor, then CUDA graphs (opt-in)
 
 Each arm's `make(ctx, batch)` returns a zero-argument function that runs one decode step and
@@ -114,6 +117,35 @@ def _executor(ctx: BenchContext, batch, provider, compile_decode=None):
     return run
 
 
+def served_context(config) -> int:
+    """The context `serve` gives an engine by default (runtime/engine.py: the model's, capped at
+    MAX_DEFAULT_CONTEXT; a memory budget too small for it caps it lower, not the case on a GPU)."""
+    from k3compile.runtime.engine import MAX_DEFAULT_CONTEXT
+
+    return min(config.max_position_embeddings, MAX_DEFAULT_CONTEXT)
+
+
+def _served_executor(ctx: BenchContext, batch):
+    """The engine behind an Executor made the way the served path's ModelRunner makes it: the engine's decode
+    buckets (all captured, once, shared by the batch sizes) and max_context = the served default context."""
+    from k3compile.runtime.executor import DECODE_BUCKETS
+
+    if "engine-served" not in ctx.compiled:
+        engine = ctx.get_engine()
+        buckets = getattr(engine, "decode_buckets", None) or DECODE_BUCKETS
+        context = served_context(ctx.model.config)
+        ctx.compiled["engine-served"] = Executor(engine, ctx.cache, device=ctx.device,
+                                                 cuda_graphs=ctx.device.type == "cuda", buckets=buckets,
+                                                 max_context=context)
+        ctx.notes["engine-served"] = {"buckets": list(buckets), "max_context": context}
+    ex = ctx.compiled["engine-served"]
+
+    def run():
+        return ex.run(batch)
+    run.executor = ex
+    return run
+
+
 CUDA_ONLY_COMPILE = ("needs CUDA: torch.compile baselines are measured on the GPU (Inductor's CPU build of "
                      "the whole step takes minutes on a small CPU and is not a deployment target)")
 
@@ -127,6 +159,8 @@ ARMS = {a.name: a for a in (
         lambda ctx, b: _executor(ctx, b, ctx.get_unpassed())),
     Arm("engine", "engine (P1-P4) + CUDA graphs (eager graph on CPU)", None,
         lambda ctx, b: _executor(ctx, b, ctx.get_engine())),
+    Arm("engine-served", "engine + CUDA graphs, executor as `serve` makes it (every bucket, served context)",
+        None, _served_executor),
     Arm("engine-inductor", "engine (P1-P4) through Inductor (mode default: pointwise fusion), then CUDA graphs", "needs CUDA (CUDA graphs)",
         lambda ctx, b: _executor(ctx, b, ctx.get_engine(), compile_decode="default")),
 )}

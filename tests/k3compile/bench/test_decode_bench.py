@@ -64,11 +64,16 @@ def test_engine_directory_arm(main, tmp_path):
     out = tmp_path / "out"
     assert main(["bench", "decode", "--engine", engine_dir, "--batch", "2", "--steps", "2", "--warmup", "1",
                  "--reps", "2", "--context", "16", "--dtype", "fp32", "--device", "cpu", "--copy-gib", "0.01",
-                 "--arms", "eager,engine", "--out", str(out)]) == 0
+                 "--arms", "eager,engine,engine-served", "--out", str(out)]) == 0
     doc = json.load(open(out / "decode_k3-tiny_fp32.json"))
     engine = next(r for r in doc["results"] if r["arm"] == "engine")
     # the model arms were loaded with the engine's build seed: same weights, same logits
     assert engine["status"] == "ok" and engine["max_abs_diff_vs_eager"] < 1e-4
+    # the engine through the executor `serve` makes: same logits; its buckets and context recorded
+    served = next(r for r in doc["results"] if r["arm"] == "engine-served")
+    assert served["status"] == "ok" and served["max_abs_diff_vs_eager"] < 1e-4
+    manifest = json.load(open(f"{engine_dir}/engine.json"))
+    assert doc["config"]["compile"]["engine-served"] == {"buckets": manifest["decode_buckets"], "max_context": 4096}
     assert doc["engine_passes"]["decode"]["passes"][0]["name"] == "p01_gemm_merge"
 
 
@@ -107,7 +112,7 @@ def test_gpu_smoke_run_counts_kernels_inside_graph_replays(main, tmp_path):
     out = tmp_path / "traces"
     assert main(["bench", "decode", "--model", "k3-tiny", "--batch", "1", "--steps", "10", "--warmup", "3",
                  "--reps", "2", "--context", "64", "--dtype", "bf16", "--device", "cuda", "--copy-gib", "0.5",
-                 "--arms", "eager,graphs,engine", "--out", str(out)]) == 0
+                 "--arms", "eager,graphs,engine,engine-served", "--out", str(out)]) == 0
     doc = json.load(open(out / "decode_k3-tiny_bf16.json"))
     rows = {(r["arm"], r["batch"]): r for r in doc["results"]}
     for b in (1,):
@@ -120,3 +125,7 @@ def test_gpu_smoke_run_counts_kernels_inside_graph_replays(main, tmp_path):
             assert r["kernels_per_step"] > 100
             assert r["max_abs_diff_vs_eager"] < 0.1
         assert rows["engine", b]["kernels_per_step"] < rows["graphs", b]["kernels_per_step"]  # P1-P4 fewer launches
+        # the served executor replays the same graph (its launches differ in grid sizes only)
+        served = rows["engine-served", b]
+        assert served["status"] == "ok" and served["kernels_per_step"] == rows["engine", b]["kernels_per_step"]
+        assert served["max_abs_diff_vs_eager"] < 0.1
