@@ -22,7 +22,8 @@
 # Expected wall after set-up (session 11's k3-mini figures: build 64 s, first engine start 92 s + warm-up 113 s
 # with cold Triton caches): build ~65 s, serve split ~210 s to /health + ~15 s of requests, bench decode ~70 s,
 # serve unified ~70-100 s to /health (warm Triton cache; generate alongside) + ~15 s; total ~430-470 s. Each part
-# is skipped, with a line saying so, when less than its need is left of BUDGET (default 560 s from the start).
+# is skipped, with a line saying so, when less than its need is left of BUDGET (default 560 s from the script's
+# start, set-up included: give the call timeout_s 600).
 # CPU dry run (k3-tiny, no GPU): DEVICE=cpu MODEL=k3-tiny DTYPE=fp32 IN=40 OUTLEN=8 CTX=48 MEM=67108864 \
 #   OUT=/tmp/serve13_dry PATH=.venv/bin:$PATH bash tools/gpu_serve13.sh
 # Back in $OUT (7 files): summary.txt, engine.json, serve_split.json, serve_unified.json, decode/decode_*.{json,md},
@@ -35,12 +36,15 @@ else   # the CPU dry run: the caller's Python environment
 fi
 MODEL=${MODEL:-k3-mini-6b}; DTYPE=${DTYPE:-bf16}; ENGINE=${ENGINE:-/tmp/engines/serve13}
 IN=${IN:-448}; OUTLEN=${OUTLEN:-128}; CTX=${CTX:-512}; MEM=${MEM:-40000000000}; PORT=${PORT:-30000}
-BUDGET=${BUDGET:-560}
-T0=$SECONDS
+BUDGET=${BUDGET:-560}   # seconds from the script's start (the wheels' set-up included)
+T0=0
 mkdir -p $OUT/logs
 say() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/summary.txt; }
 left() { echo $((BUDGET - (SECONDS - T0))); }
 URL=http://127.0.0.1:$PORT
+CLIENT=openai
+python3 -c "import openai" 2>/dev/null || { CLIENT=sse; say "openai client: not importable (carry its wheels in .whl/); \
+the built-in client drives the servers instead"; }
 
 timeout 240 k3compile build --model $MODEL --dtype $DTYPE --device $DEVICE -o $ENGINE --overwrite \
   > $OUT/logs/build.log 2>&1
@@ -69,7 +73,7 @@ start_server() {   # LABEL FLAGS...: start `serve ENGINE` and wait for /health; 
 }
 stop_server() { kill $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null; }
 drive() {   # LABEL: the openai client at concurrency 1 and 8, then the first run's prompts again
-  timeout 150 k3compile bench serve --client openai --base-url $URL --dataset fixed --input-len $IN \
+  timeout 150 k3compile bench serve --client $CLIENT --base-url $URL --dataset fixed --input-len $IN \
     --output-len $OUTLEN --max-concurrency 1,8 --num-prompts 4 --prompts-per-concurrency 1 --warmup-requests 1 \
     --repeat-first-run --label $1 --out $OUT > $OUT/logs/bench_$1.log 2>&1
   say "bench serve ($1): exit $?"
@@ -107,4 +111,5 @@ else say "serve (unified) and generate: skipped ($(left) s left)"; fi
 python3 tools/serve13_summary.py $OUT | tee -a $OUT/summary.txt
 mv $OUT/serve_*.png $OUT/logs/ 2>/dev/null
 tar -czf $OUT/logs.tgz -C $OUT logs && rm -rf $OUT/logs
+rmdir $OUT/r 2>/dev/null   # gpu_setup.sh's results folder, unused here
 say "all done"
