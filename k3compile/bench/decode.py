@@ -70,6 +70,10 @@ def add_step_bench_args(p) -> None:
                    help="cap one arm's repetition at about this many seconds: a slow arm (eager at 48B: ~60 ms/step) "
                         f"times fewer steps (never fewer than {MIN_STEPS_PER_REP}), estimated from its warm-up; "
                         "each row records the steps it timed (default: no cap, every arm times --steps)")
+    p.add_argument("--executor-context", default="bench", choices=["bench", "served"],
+                   help="page-table capacity of the executor arms' CUDA graphs: bench = --context (default); served "
+                        "= the context `serve` gives the engine by default (the model's, capped at 32768). The MLA "
+                        "decode kernel's split count follows it, so 'served' times the launches `serve` replays")
     p.add_argument("--compile-budget", type=float, default=None,
                    help="seconds of torch.compile time (all compile arms and batch sizes together); a compile "
                         "that would start after it is spent, or that the previous one says would overrun it, "
@@ -252,7 +256,16 @@ class DecodeBench:
         self.pass_reports = None
         return BenchContext(self.model, self.cache, self.cache_unaliased, self.device, self.args.context, get_engine,
                             get_unpassed, compile_dynamic=not self.args.compile_static,
-                            bounded_autotune=self.args.bounded_autotune)
+                            bounded_autotune=self.args.bounded_autotune,
+                            executor_context=self.executor_context())
+
+    def executor_context(self) -> int:
+        """max_context of the executor arms (--executor-context)."""
+        from .decode_arms import served_context
+
+        if getattr(self.args, "executor_context", "bench") == "served":
+            return served_context(self.model.config)
+        return self.args.context
 
     # ---- the run ----
     def run(self) -> None:
@@ -419,7 +432,8 @@ class DecodeBench:
         a = self.args
         doc = {"bench": "decode",
                "config": {"model": self.model_name, "engine": a.engine, "dtype": a.dtype, "batches": self.batches,
-                          "context": a.context, "arms": self.arms, "seed": a.seed, "passes": a.passes,
+                          "context": a.context, "executor_context": self.executor_context(), "arms": self.arms,
+                          "seed": a.seed, "passes": a.passes,
                           "disable_pass": a.disable_pass, "enable_pass": a.enable_pass, "pass_opt": a.pass_opt,
                           "pass_config": a.pass_config,
                           "compile": ctx.notes, "command": " ".join(sys.argv)},

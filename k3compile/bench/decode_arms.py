@@ -40,6 +40,8 @@ class BenchContext:
     get_unpassed: Callable[[], object]  # {"decode": captured graph}
     compile_dynamic: bool = True
     bounded_autotune: bool = False  # max-autotune without its per-kernel coordinate-descent tuning
+    # page-table capacity (max_context) of the executor arms' graphs; None: `context` (--executor-context)
+    executor_context: int | None = None
     compiled: dict = field(default_factory=dict)  # arm name -> compiled step (shared across batch sizes)
     notes: dict = field(default_factory=dict)  # arm name -> how it was built (fullgraph or not, ...)
 
@@ -109,7 +111,8 @@ def _compile_fullgraph_if_possible(fn, kw: dict, dynamic: bool, notes: dict):
 def _executor(ctx: BenchContext, batch, provider, compile_decode=None):
     cache = ctx.cache_unaliased if compile_decode else ctx.cache
     ex = Executor(provider, cache, device=ctx.device, cuda_graphs=ctx.device.type == "cuda",
-                  buckets=(batch.batch_size,), max_context=ctx.context, compile_decode=compile_decode)
+                  buckets=(batch.batch_size,), max_context=ctx.executor_context or ctx.context,
+                  compile_decode=compile_decode)
 
     def run():
         return ex.run(batch)

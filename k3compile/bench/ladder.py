@@ -434,6 +434,7 @@ class LadderBench(DecodeBench):
         a = self.args
         doc = {"bench": "ladder",
                "config": {"model": self.model_name, "dtype": a.dtype, "batches": self.batches, "context": a.context,
+                          "executor_context": self.executor_context(),
                           "arms": self.arms + ([HF_ARM] if self.hf is not None else []), "seed": a.seed,
                           "layers": self.model.config.num_hidden_layers, "pipeline": self.pipeline.to_dict(),
                           "compile": ctx.notes, "compile_budget": a.compile_budget,

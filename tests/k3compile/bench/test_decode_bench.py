@@ -74,6 +74,27 @@ def test_engine_directory_arm(main, tmp_path):
     assert served["status"] == "ok" and served["max_abs_diff_vs_eager"] < 1e-4
     manifest = json.load(open(f"{engine_dir}/engine.json"))
     assert doc["config"]["compile"]["engine-served"] == {"buckets": manifest["decode_buckets"], "max_context": 4096}
+    assert doc["config"]["executor_context"] == 16   # the engine arm's executor: capacity --context
+
+
+def test_executor_context_served_sizes_the_executors_as_serve_does(main, tmp_path, monkeypatch):
+    """--executor-context served: the executor arms get the page-table capacity `serve` gives the engine."""
+    from k3compile.bench import decode_arms
+
+    made = []
+    real = decode_arms.Executor
+
+    def spy(*a, **kw):
+        made.append(kw["max_context"])
+        return real(*a, **kw)
+    monkeypatch.setattr(decode_arms, "Executor", spy)
+    out = tmp_path / "out"
+    assert main(["bench", "decode", "--model", "k3-tiny", "--batch", "1", "--steps", "2", "--warmup", "1", "--reps",
+                 "1", "--context", "16", "--dtype", "fp32", "--device", "cpu", "--copy-gib", "0.01", "--arms",
+                 "eager,engine", "--executor-context", "served", "--out", str(out)]) == 0
+    doc = json.load(open(out / "decode_k3-tiny_fp32.json"))
+    assert made == [4096] and doc["config"]["executor_context"] == 4096   # k3-tiny: max_position_embeddings 4096
+    assert next(r for r in doc["results"] if r["arm"] == "engine")["status"] == "ok"
     assert doc["engine_passes"]["decode"]["passes"][0]["name"] == "p01_gemm_merge"
 
 
