@@ -21,10 +21,11 @@ The choice, per node (`choice` option):
   in the engine its neighbours are norms / KDA / MoE kernels: an A/B of whole engines (`bench ladder
   --variant p8alone:p08_small_m_gemm.timing=alone`) is the measurement that settles the default.
   The rows design's warps (`rows_warps`) are swept at M = 1 and the best per tile goes on to the larger
-  buckets (a full sweep at every bucket would triple the Triton compiles of the build). Only the configurations
-  within `first_bucket_tol` of the fastest at M = 1 compete (small gains above M = 1 are within the timing noise
-  and must not outvote a clear M = 1 winner); of those, the one saving the most time summed over the buckets
-  it wins wins. The node becomes
+  buckets (a full sweep at every bucket would triple the Triton compiles of the build); `rows_programs` lists the
+  program counts the rows design's K split aims at (default one, 528: each more count adds its two tiles). Only
+  the configurations within `first_bucket_tol` of the fastest at M = 1 compete (small gains above M = 1 are within
+  the timing noise and must not outvote a clear M = 1 winner); of those, the one saving the most time summed over
+  the buckets it wins wins. The node becomes
   k3.gemv with max_m = the largest bucket up to which the kernel won at every bucket; rows above
   max_m run the aten op inside k3.gemv. If the kernel loses at M = 1 the node stays aten ('cublas').
   Without CUDA nothing is measured and every node stays aten.
