@@ -3,6 +3,7 @@ bandwidth, and (given a `k3compile report --json` of the engine's trace) the mea
 
     python tools/decode_budget.py k3-mini-6b [--report traces/h200_s12/call4/report_all3.json]
                                   [--bandwidth 4.24e12] [--step-ms 1.833] [--context 512]
+                                  [--ladder LADDER.json [--arm v-NAME]]
 
 Bytes come from the preset's parameters on the meta device, grouped by the kernel of the engine's default
 pipeline that reads them (tools/kernels_per_layer.py's inventory: 288 kernels a step for k3-mini-6b): the
@@ -118,7 +119,19 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=COPY_BW, help="bytes/s for the floors")
     ap.add_argument("--step-ms", type=float, help="the measured step (ladder), for the summary")
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--ladder", help="a `bench ladder` JSON: engine-after's batch-1 step and the same-run copy "
+                                     "bandwidth (unless --step-ms / --bandwidth say otherwise)")
+    ap.add_argument("--arm", default="engine-after", help="with --ladder: the arm whose step to use")
     a = ap.parse_args()
+    if a.ladder:
+        lad = json.load(open(a.ladder))
+        arm = lad["anchors"].get(a.arm, a.arm)
+        row = next((r for r in lad["results"] if r["arm"] == arm and r["batch"] == 1 and "median_ms" in r), None)
+        if a.step_ms is None and row is not None:
+            a.step_ms = row["median_ms"]
+        if a.bandwidth == COPY_BW:
+            a.bandwidth = lad["copy_bandwidth"]["bytes_per_s"]
+        print(f"{a.ladder}: {arm} batch 1 {a.step_ms} ms, copy bandwidth {a.bandwidth / 1e9:.0f} GB/s\n")
     cfg = get_preset(a.preset)
     rows = kinds(cfg, a.context)
     meas = measured(json.load(open(a.report))) if a.report else {}
