@@ -285,6 +285,12 @@ if hasattr(moe_decode, "LATENT_CANDIDATES"):  # every launch tools/bench_moe10mi
                   for c in moe_decode.LATENT_SPLIT_CANDIDATES]
         CASES += [(f"moe mini batch {_b}, C {tuple(c)}", moe_mini(_b, latent=c)) for c in moe_decode.LATENT_CANDIDATES]
 
+if "target_programs" in gemv.rows_configs.__code__.co_varnames:  # P8's rows_programs candidates, k3-mini shapes
+    for _n in (2048, 8336):
+        for _p in (132, 264, 1056):
+            CASES += [(f"gemv rows k3-mini N={_n} rows_programs {_p} {c[:3]}", gemv_case(1, _n, 2048, *c))
+                      for c in gemv.rows_configs(_n, 2048, _p)]
+
 if "latent_prewait" in moe_decode.fused_moe_triton.__code__.co_varnames:  # P6's latent_prewait (tools/gpu_mini13.sh)
     for _b in (1, 8):  # batch 1: C's W_up tile before the wait too (one K step); 8: the shared expert only
         CASES += [(f"moe mini batch {_b}, latent_prewait + early releases",
