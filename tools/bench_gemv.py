@@ -139,7 +139,7 @@ def p8_timings(buckets, shapes=None, timings=TIMINGS, rows_warps=None, rows_prog
                          rows_programs=rows_programs)
             secs = time.perf_counter() - t0
             total[timing] += secs
-            max_m, cfg = _decide(t, buckets, opts.min_gain)
+            max_m, cfg = _decide(t, buckets, opts.min_gain, opts.first_bucket_tol)  # as P8 decides
             label = config_label(cfg) if cfg else "cublas"
             res[timing] = {"seconds": secs, "max_m": max_m, "config": label,
                            "us": {m: {"cublas": r["cublas_us"], **{config_label(c): v for c, v in r["gemv_us"].items()}}
