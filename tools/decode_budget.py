@@ -112,6 +112,34 @@ def measured(report: dict) -> dict[str, tuple[float, float]]:
     return {t["name"]: (t["count"] / steps, t["mean_us"]) for t in report["top_kernels"]}
 
 
+def p8_choices(ladder: dict) -> list[dict]:
+    """P8's build-time decisions in a ladder JSON (the first rung's pass report that has them): per (N, K) the GEMVs
+    a step, the chosen configuration and its M = 1 microseconds (P8's own timing: a PDL chain over weight copies
+    that overflow L2, tools/bench_gemv.py --p8), and cuBLAS's."""
+    def walk(o):
+        if isinstance(o, dict):
+            if o.get("name") == "p08_small_m_gemm" and o.get("details", {}).get("nodes"):
+                yield o["details"]
+            for v in o.values():
+                yield from walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                yield from walk(v)
+    details = next(walk(ladder), None)
+    out: dict[tuple, dict] = {}
+    for n in (details or {}).get("nodes", []):
+        key = (n["N"], n["K"])
+        if key in out:
+            out[key]["count"] += 1
+            continue
+        cfg, us = n.get("config"), n.get("us", {}).get("1", {})
+        label = (f"{cfg['block_n']}x{cfg['block_k']}x{cfg['split_k']}x{1 if cfg['design'] == 'rows' else 0} "
+                 f"w{cfg['num_warps']}") if cfg else "cublas"
+        out[key] = {"N": key[0], "K": key[1], "count": 1, "config": label, "cublas_us": us.get("cublas"),
+                    "us": us.get("gemv", {}).get(label, us.get("cublas"))}
+    return list(out.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("preset")
@@ -151,6 +179,17 @@ def main() -> None:
     gemv = meas.get("_gemv_rows_kernel")
     if gemv:
         print(f"\nGEMVs in the trace: {gemv[0]:.0f} a step, mean {gemv[1]:.2f} us (one kernel name for every shape)")
+    choices = p8_choices(lad) if a.ladder else []
+    if choices:
+        print("\nP8's choices at build (M = 1, its own PDL-chain timing over L2-overflowing weight copies):\n")
+        print("| N x K | GEMVs a step | MB | config | us | GB/s | % of copy bw | over floor us | cuBLAS us |")
+        print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    for c in choices:
+        nbytes = 2 * c["N"] * c["K"]
+        if c["us"]:
+            print(f"| {c['N']} x {c['K']} | {c['count']} | {nbytes / 1e6:.1f} | {c['config']} | {c['us']:.2f} | "
+                  f"{nbytes / c['us'] / 1e3:.0f} | {100 * nbytes / (c['us'] * 1e-6) / bw:.0f}% | "
+                  f"{c['us'] - nbytes / bw * 1e6:.2f} | {c['cublas_us']} |")
     if a.step_ms:
         step = a.step_ms * 1e3
         print(f"\nstep {step:.0f} us = floor {floor_us:.0f} us ({100 * floor_us / step:.1f}% of the roofline) "
