@@ -19,7 +19,8 @@ into the layer's input GEMM):
 
 and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
 act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps, use_pdl, shared_w13[, down_split[,
-shared_l2_prefetch[, down_l2_prefetch[, up_launch[, flag_deps, early_release[, down_early_release]]]]]])`: the
+shared_l2_prefetch[, down_l2_prefetch[, up_launch[, flag_deps, early_release[, down_early_release[,
+latent_prewait]]]]]]])`: the
 trailing options only up to the last one set (a node of an engine built before them has the same arguments as then;
 the op's flag_deps is never set by the pass: it is there, False, only ahead of early_release).
 
@@ -90,6 +91,10 @@ class FusedMoEDecodeConfig(PassConfig):
     early_release: bool = True
     # the same for kernel B' (split design) and the kernel after the op (the next layer's norm): not yet measured
     down_early_release: bool = False
+    # with PDL, a latent MoE's kernel C computes the shared expert's down-projection (and at batch 1 loads its W_up
+    # tile) before its gdc_wait, so that half of C's 8.4 MB (k3-mini-6b) streams while B' runs; only the routed part
+    # waits for u (same bits; kernels/moe_decode.py _latent_out_kernel). Off until measured (tools/gpu_mini13.sh)
+    latent_prewait: bool = False
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
 
@@ -304,11 +309,11 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
 
 def _launch_options(config: FusedMoEDecodeConfig) -> tuple:
     """The op's trailing launch options (down_split, shared_l2_prefetch, down_l2_prefetch, up_launch, flag_deps
-    (always False), early_release, down_early_release), cut after the last one that differs from the op's default: unset, a node keeps the
-    arguments it had before the options existed."""
+    (always False), early_release, down_early_release, latent_prewait), cut after the last one that differs from the op's
+    default: unset, a node keeps the arguments it had before the options existed."""
     options = [config.down_split_values(), bool(config.shared_l2_prefetch), bool(config.down_l2_prefetch),
                config.up_launch_values(), False, bool(config.early_release and config.use_pdl),
-               bool(config.down_early_release and config.use_pdl)]
+               bool(config.down_early_release and config.use_pdl), bool(config.latent_prewait and config.use_pdl)]
     while options and options[-1] in (None, False):
         options.pop()
     return tuple(options)

@@ -21,10 +21,11 @@ The choice, per node (`choice` option):
   in the engine its neighbours are norms / KDA / MoE kernels: an A/B of whole engines (`bench ladder
   --variant p8alone:p08_small_m_gemm.timing=alone`) is the measurement that settles the default.
   The rows design's warps (`rows_warps`) are swept at M = 1 and the best per tile goes on to the larger
-  buckets (a full sweep at every bucket would triple the Triton compiles of the build). Only the configurations
-  within `first_bucket_tol` of the fastest at M = 1 compete (small gains above M = 1 are within the timing noise
-  and must not outvote a clear M = 1 winner); of those, the one saving the most time summed over the buckets
-  it wins wins. The node becomes
+  buckets (a full sweep at every bucket would triple the Triton compiles of the build); `rows_programs` lists the
+  program counts the rows design's K split aims at (default one, 528: each more count adds its two tiles). Only
+  the configurations within `first_bucket_tol` of the fastest at M = 1 compete (small gains above M = 1 are within
+  the timing noise and must not outvote a clear M = 1 winner); of those, the one saving the most time summed over
+  the buckets it wins wins. The node becomes
   k3.gemv with max_m = the largest bucket up to which the kernel won at every bucket; rows above
   max_m run the aten op inside k3.gemv. If the kernel loses at M = 1 the node stays aten ('cublas').
   Without CUDA nothing is measured and every node stays aten.
@@ -76,6 +77,10 @@ class SmallMGemmConfig(PassConfig):
     use_pdl: bool = True
     timing: str = "pdl_chain"  # pdl_chain (candidates timed with use_pdl, as the engine runs them) | alone (no PDL)
     rows_warps: str = "2,4,8"  # warps per program tried for the rows design (the dot design keeps 4)
+    # programs the rows design's K split aims at, one (narrow, wide) tile pair per count ("," or "+" between counts,
+    # "+" fits a `bench ladder --variant` string). The default, 528 (4 per H200 SM), gives the 2048-wide GEMVs of
+    # k3-mini-6b 1024 programs of one K step each; other counts add candidates (each a Triton compile per warps)
+    rows_programs: str = str(gemv_kernels.ROWS_TARGET_PROGRAMS)
     # with PDL, each emitted launch asks L2 for up to this many MiB of its weight before its gdc_wait, so a GEMV
     # after a latency-bound kernel (KDA, MLA attention, a norm) streams while that kernel runs (kernels/gemv.py,
     # kernels/l2_prefetch.py); 0: none. Not timed by the measurement above (its chain is GEMVs back to back).
@@ -116,6 +121,9 @@ class SmallMGemmConfig(PassConfig):
                                   f"got {self.first_bucket_tol}")
         if not 0 <= self.l2_prefetch_mb <= 1024:
             raise PassConfigError(f"p08_small_m_gemm.l2_prefetch_mb must be in 0..1024, got {self.l2_prefetch_mb}")
+        programs = _ints("rows_programs", self.rows_programs)
+        if not programs or any(not 1 <= p <= 1 << 16 for p in programs):
+            raise PassConfigError(f"p08_small_m_gemm.rows_programs must be ints in 1..65536, got {self.rows_programs!r}")
         warps = _ints("rows_warps", self.rows_warps)
         if not warps or any(w not in gemv_kernels.NUM_WARPS for w in warps):
             raise PassConfigError(f"p08_small_m_gemm.rows_warps must be among {gemv_kernels.NUM_WARPS}, "
@@ -123,9 +131,9 @@ class SmallMGemmConfig(PassConfig):
 
 
 def _ints(option: str, text: str) -> list[int]:
-    """A comma-separated option's ints, or PassConfigError naming the option."""
+    """A comma- (or '+'-) separated option's ints, or PassConfigError naming the option."""
     try:
-        return [int(v) for v in text.split(",") if v.strip()]
+        return [int(v) for v in text.replace("+", ",").split(",") if v.strip()]
     except ValueError:
         raise PassConfigError(f"p08_small_m_gemm.{option}: expected comma-separated ints, got {text!r}") from None
 
@@ -171,13 +179,15 @@ def _match(node: Node, gm: GraphModule, dtypes):
 
 # --------------------------------------------------------------------------- measuring (CUDA)
 
-def _candidates(n: int, k: int, sm_count: int, rows_warps=(DOT_WARPS,)):
+def _candidates(n: int, k: int, sm_count: int, rows_warps=(DOT_WARPS,),
+                rows_programs=(gemv_kernels.ROWS_TARGET_PROGRAMS,)):
     """(block_n, block_k, split_k, design, num_warps): three of the dot design (4 warps), the rows design's two
-    tiles at each of rows_warps (each a Triton compile of ~1 s per row count: keep the set small)."""
+    tiles per program count in rows_programs (duplicates once) at each of rows_warps (each a Triton compile of
+    ~1 s per row count: keep the set small)."""
     base = gemv_kernels.default_config(n, k, sm_count)
     dot = gemv_kernels.DESIGNS["dot"]
     out = {(*base, dot, DOT_WARPS), (32, 256, base[2], dot, DOT_WARPS), (64, 128, 1, dot, DOT_WARPS)}
-    out |= {(*cfg, w) for cfg in gemv_kernels.rows_configs(n, k) for w in rows_warps}
+    out |= {(*cfg, w) for p in rows_programs for cfg in gemv_kernels.rows_configs(n, k, p) for w in rows_warps}
     return sorted(out)
 
 
@@ -198,7 +208,8 @@ def _pruned(candidates, first_row: dict) -> list:
     return [c for c in candidates if c[3] != rows or c in keep]
 
 
-def _measure(w: torch.Tensor, buckets, bench_ms: float, use_pdl: bool = False, rows_warps=(DOT_WARPS,)) -> dict:
+def _measure(w: torch.Tensor, buckets, bench_ms: float, use_pdl: bool = False, rows_warps=(DOT_WARPS,),
+             rows_programs=(gemv_kernels.ROWS_TARGET_PROGRAMS,)) -> dict:
     """Microseconds of cuBLAS and of each kernel configuration for each M in buckets, replayed from a CUDA
     graph over enough weight copies that every read comes from HBM (kernels/graph_timing.py says why;
     eager do_bench timed the host launch and made every Triton GEMV lose). bench_ms bounds the calls per graph.
@@ -212,7 +223,7 @@ def _measure(w: torch.Tensor, buckets, bench_ms: float, use_pdl: bool = False, r
     w = w.to(dev)
     weights = [w] + [w.clone() for _ in range(copies - 1)]
     gen = torch.Generator(device=dev).manual_seed(0)
-    candidates = _candidates(n, k, sm, rows_warps)
+    candidates = _candidates(n, k, sm, rows_warps, rows_programs)
     out = {}
     for m in sorted(buckets):
         x = torch.randn(m, k, device=dev, generator=gen).to(w.dtype)
@@ -284,6 +295,7 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
     measure = config.choice == "auto" and torch.cuda.is_available()
     timed_pdl = config.timing == "pdl_chain" and bool(config.use_pdl)
     rows_warps = tuple(_ints("rows_warps", config.rows_warps))
+    rows_programs = tuple(sorted(set(_ints("rows_programs", config.rows_programs))))
     if measure:
         details["measured_on"] = torch.cuda.get_device_name()
     matches = [(n, m) for n in list(gm.graph.nodes) if (m := _match(n, gm, dtypes)) is not None]
@@ -298,10 +310,10 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
             max_m, cfg = gemv_kernels.MAX_M, (*gemv_kernels.default_config(n, k), gemv_kernels.DESIGNS["dot"], DOT_WARPS)
         elif measure:
             key = (details["measured_on"], n, k, weight.dtype, tuple(buckets), config.bench_ms, config.timing,
-                   bool(config.use_pdl), rows_warps)
+                   bool(config.use_pdl), rows_warps, rows_programs)
             rec["measured_earlier"] = key in _MEASURED
             if key not in _MEASURED:
-                _MEASURED[key] = _measure(weight, buckets, config.bench_ms, timed_pdl, rows_warps)
+                _MEASURED[key] = _measure(weight, buckets, config.bench_ms, timed_pdl, rows_warps, rows_programs)
             timings = _MEASURED[key]
             max_m, cfg = _decide(timings, buckets, config.min_gain, config.first_bucket_tol)
             rec["us"] = {str(m): {"cublas": round(t["cublas_us"], 2),

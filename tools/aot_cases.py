@@ -253,7 +253,7 @@ def _mini_experts():
     return torch.empty(96, 2 * 512, 1024, dtype=BF), torch.empty(96, 1024, 512, dtype=BF)
 
 
-def moe_mini(batch, rows=None, split=None, latent=None):
+def moe_mini(batch, rows=None, split=None, latent=None, **options):
     """The op as P6 emits it for k3-mini-6b (latent path: A rows, B' split, C with norm, up-projection to 2048 and the
     shared expert's GLU, Is = 1024), PDL on; A's and C's launches put in through ROWS_TUNED / LATENT_TUNED."""
     e, k, i, lat, d, s = 96, 8, 512, 1024, 2048, 1024
@@ -270,7 +270,7 @@ def moe_mini(batch, rows=None, split=None, latent=None):
         try:
             moe_decode.fused_moe_triton(x, ids, wts, w13, w2, shared_in=g, shared_up=u, shared_w2=sw2, act="situ",
                                         latent_up_w=upw, latent_norm_w=nw, use_pdl=True, designs=("rows", "split"),
-                                        split=split)
+                                        split=split, **options)
         finally:
             for table, key, launch in entries:
                 table.pop(key, None)
@@ -284,6 +284,17 @@ if hasattr(moe_decode, "LATENT_CANDIDATES"):  # every launch tools/bench_moe10mi
         CASES += [(f"moe mini batch {_b}, B' {tuple(c)}", moe_mini(_b, split=c))
                   for c in moe_decode.LATENT_SPLIT_CANDIDATES]
         CASES += [(f"moe mini batch {_b}, C {tuple(c)}", moe_mini(_b, latent=c)) for c in moe_decode.LATENT_CANDIDATES]
+
+if "target_programs" in gemv.rows_configs.__code__.co_varnames:  # P8's rows_programs candidates, k3-mini shapes
+    for _n in (2048, 8336):
+        for _p in (132, 264, 1056):
+            CASES += [(f"gemv rows k3-mini N={_n} rows_programs {_p} {c[:3]}", gemv_case(1, _n, 2048, *c))
+                      for c in gemv.rows_configs(_n, 2048, _p)]
+
+if "latent_prewait" in moe_decode.fused_moe_triton.__code__.co_varnames:  # P6's latent_prewait (tools/gpu_mini13.sh)
+    for _b in (1, 8):  # batch 1: C's W_up tile before the wait too (one K step); 8: the shared expert only
+        CASES += [(f"moe mini batch {_b}, latent_prewait + early releases",
+                   moe_mini(_b, early_release=True, down_early_release=True, latent_prewait=True))]
 
 if "flag_deps" in moe_decode.fused_moe_triton.__code__.co_varnames:  # tools/bench_moe11.py's arms (48B, PDL on)
     _p6 = dict(shared_l2_prefetch=True, down_l2_prefetch=True)  # as P6 emits the op

@@ -6,9 +6,10 @@ Prints, per (N, K) and M, the microseconds of cuBLAS and of each candidate (bloc
 design; design 0 = dot, 1 = rows), with the bandwidth of the best, as % of a same-run copy's. P8 makes
 the same measurement at build (passes/p08_small_m_gemm.py `_measure`), so this is what it will choose from.
 
-    python3 tools/bench_gemv.py --p8 [--json OUT]   (CUDA; ~1 min)
+    python3 tools/bench_gemv.py --p8 [--mini] [--timing pdl_chain] [--buckets 1] [--rows-programs 132+528]
+                                [--rows-warps 2+4+8] [--json OUT]   (CUDA; ~1 min)
 
-P8's own measurement and decision at the 48B shapes (`P8_SHAPES`), with its option `timing` at "pdl_chain"
+P8's own measurement and decision at the 48B shapes (`P8_SHAPES`; --mini: k3-mini-6b's), with its option `timing` at "pdl_chain"
 (candidates launched with PDL in the timed chain, as the engine runs them) and at "alone" (without): per shape
 and timing, the seconds the measuring took (Triton compiles included), the choice (max_m and configuration,
 as P8 would record it), and per bucket cuBLAS, the best candidate and the chosen one.
@@ -108,24 +109,37 @@ P8_SHAPES = {  # (N, K): the 48B decode GEMMs issue 9's gemv9 brief names
     (6720, 2304): "48B MLA input GEMM (q 6144 + kv_a 576)",
     (163840, 2304): "48B lm_head",
 }
+P8_SHAPES_MINI = {  # (N, K): every decode GEMM P8 sees in k3-mini-6b (tools/decode_budget.py's kinds)
+    (8336, 2048): "k3-mini KDA merged in-proj (q k v g f_a b) x21",
+    (2048, 2048): "k3-mini KDA / MLA o_proj x29",
+    (3072, 2048): "k3-mini MoE front (latent down, shared gate/up) x28",
+    (3392, 2048): "k3-mini MLA input (q_a kv_a g) x8",
+    (3072, 768): "k3-mini MLA q_b (norm_gemv's GEMV) x8",
+    (16384, 2048): "k3-mini dense gate/up x1",
+    (2048, 8192): "k3-mini dense down x1",
+    (163840, 2048): "k3-mini lm_head x1",
+}
 
 
-def p8_timings(buckets) -> dict:
-    """P8's `_measure` + `_decide` per shape, timed both ways, with P8's default options."""
+def p8_timings(buckets, shapes=None, timings=TIMINGS, rows_warps=None, rows_programs=None) -> dict:
+    """P8's `_measure` + `_decide` per shape, timed each way in `timings`, with P8's default options unless
+    rows_warps / rows_programs (P8's options, as tuples) are given."""
     import time
     opts = SmallMGemmConfig()
-    rows_warps = tuple(int(w) for w in opts.rows_warps.split(","))
+    rows_warps = rows_warps or tuple(int(w) for w in opts.rows_warps.split(","))
+    rows_programs = rows_programs or tuple(int(p) for p in opts.rows_programs.split(","))
     out = {}
-    total = dict.fromkeys(TIMINGS, 0.0)
-    for (n, k), what in P8_SHAPES.items():
+    total = dict.fromkeys(timings, 0.0)
+    for (n, k), what in (shapes or P8_SHAPES).items():
         w = (0.02 * torch.randn(n, k, device="cuda")).bfloat16()
         res = out[f"{n}x{k}"] = {"what": what}
-        for timing in TIMINGS:
+        for timing in timings:
             t0 = time.perf_counter()
-            t = _measure(w, buckets, opts.bench_ms, use_pdl=timing == "pdl_chain", rows_warps=rows_warps)
+            t = _measure(w, buckets, opts.bench_ms, use_pdl=timing == "pdl_chain", rows_warps=rows_warps,
+                         rows_programs=rows_programs)
             secs = time.perf_counter() - t0
             total[timing] += secs
-            max_m, cfg = _decide(t, buckets, opts.min_gain)
+            max_m, cfg = _decide(t, buckets, opts.min_gain, opts.first_bucket_tol)  # as P8 decides
             label = config_label(cfg) if cfg else "cublas"
             res[timing] = {"seconds": secs, "max_m": max_m, "config": label,
                            "us": {m: {"cublas": r["cublas_us"], **{config_label(c): v for c, v in r["gemv_us"].items()}}
@@ -134,10 +148,13 @@ def p8_timings(buckets) -> dict:
             for m, r in t.items():
                 best_cfg, best = min(r["gemv_us"].items(), key=lambda kv: kv[1], default=(None, float("nan")))
                 chosen = r["gemv_us"].get(cfg) if cfg and m <= max_m else None
+                gbs = 2 * n * k / best / 1e3 if best == best else float("nan")  # weight bytes / us
                 print(f"    M={m:2d}  cublas {r['cublas_us']:7.2f} us  best {best:7.2f} us "
-                      f"({config_label(best_cfg) if best_cfg else '-'})  chosen "
+                      f"({config_label(best_cfg) if best_cfg else '-'}, {gbs:.0f} GB/s)  chosen "
                       + (f"{chosen:7.2f} us" if chosen is not None else "cublas")
                       + "".join(f"\n      ERROR {c}: {e}" for c, e in r.get("errors", {}).items()))
+                if len(rows_programs) > 1 or len(rows_warps) > 3:  # every candidate, for the sweep's question
+                    print("      " + " ".join(f"{config_label(c)}={v:.2f}" for c, v in sorted(r["gemv_us"].items())))
         del w
     print("measuring seconds, all shapes: " + ", ".join(f"{tm} {v:.1f} s" for tm, v in total.items()))
     return out
@@ -149,10 +166,18 @@ def main():
     p.add_argument("--buckets", default=None, help="M values (default 1,2,4,8; with --p8, P8's buckets)")
     p.add_argument("--pdl-chain", action="store_true", help="the PDL chain sweep instead (see the module doc)")
     p.add_argument("--p8", action="store_true", help="P8's measurement and choice, pdl_chain vs alone (module doc)")
+    p.add_argument("--mini", action="store_true", help="with --p8: k3-mini-6b's GEMM shapes instead of the 48B's")
+    p.add_argument("--timing", default=",".join(TIMINGS), help="with --p8: P8 timings to run (comma list)")
+    p.add_argument("--rows-warps", help="with --p8: P8's rows_warps ('+' or ',' between values)")
+    p.add_argument("--rows-programs", help="with --p8: P8's rows_programs ('+' or ',' between values)")
     a = p.parse_args()
     if a.p8:
         buckets = [int(b) for b in (a.buckets or SmallMGemmConfig().buckets).split(",")]
-        out = p8_timings(buckets)
+
+        def ints(text):
+            return tuple(int(v) for v in text.replace("+", ",").split(",")) if text else None
+        out = p8_timings(buckets, P8_SHAPES_MINI if a.mini else P8_SHAPES, tuple(a.timing.split(",")),
+                         ints(a.rows_warps), ints(a.rows_programs))
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"buckets": buckets, "shapes": out}, f, indent=1)

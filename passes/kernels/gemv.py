@@ -344,14 +344,14 @@ ROWS_TILE = 4096  # weights per program and K step in the rows design (8 KiB of 
 ROWS_TARGET_PROGRAMS = 528  # >= 4 programs per SM of an H200 (132): short programs keep every SM streaming
 
 
-def rows_configs(n: int, k: int) -> list[tuple[int, int, int, int]]:
+def rows_configs(n: int, k: int, target_programs: int = ROWS_TARGET_PROGRAMS) -> list[tuple[int, int, int, int]]:
     """(block_n, block_k, split_k, design) candidates of the rows design: a narrow and a wide row block, each
-    with the fewest K splits that give ROWS_TARGET_PROGRAMS programs (splits keep >= one K step each)."""
+    with the fewest K splits that give `target_programs` programs (splits keep >= one K step each)."""
     out = []
     for block_n in (4, 16):
         block_k = max(16, min(ROWS_TILE // block_n, triton.next_power_of_2(k)))
         tiles, split = -(-n // block_n), 1
-        while tiles * split < ROWS_TARGET_PROGRAMS and k // (split * 2) >= block_k and split < 32:
+        while tiles * split < target_programs and k // (split * 2) >= block_k and split < 32:
             split *= 2
         out.append((block_n, block_k, split, DESIGNS["rows"]))
     return out

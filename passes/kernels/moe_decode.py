@@ -723,12 +723,23 @@ if triton is not None:
                            sin_row_stride, sup_row_stride, out_row_stride, eps, beta, linear_beta,
                            ACT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
-                           USE_PDL: tl.constexpr):
+                           USE_PDL: tl.constexpr, PREWAIT: tl.constexpr = False, PREWAIT_W: tl.constexpr = False):
+        # PREWAIT (latent_prewait): the shared expert's down-projection before gdc_wait (its input comes from a kernel
+        # at least two back, which has finished once this kernel runs: B' released it after its own wait, which followed
+        # all of A, which waited for what came before); PREWAIT_W (one K step covers the latent row): the W_up tile too.
+        # Only the routed part waits for u. Same loads, same sums in the same order: the same bits.
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < DOUT
         kk = tl.arange(0, BLOCK_K)
         u_row = u_ptr + token * L
+        if PREWAIT:
+            if SHARED:
+                shared_acc = _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr,
+                                           cols, cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS)
+            if PREWAIT_W:
+                w_first = tl.load(upw_ptr + cols[:, None] * L + kk[None, :], mask=cmask[:, None] & (kk < L)[None, :],
+                                  other=0.0).to(tl.float32)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # u from kernel B
         rstd = 1.0
@@ -745,13 +756,19 @@ if triton is not None:
             v = tl.load(u_row + k, mask=kmask, other=0.0) * rstd
             if NORM:
                 v = v * tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-            w = tl.load(upw_ptr + cols[:, None] * L + k[None, :], mask=cmask[:, None] & kmask[None, :],
-                        other=0.0).to(tl.float32)
+            if PREWAIT_W:  # (the loop's only step)
+                w = w_first
+            else:
+                w = tl.load(upw_ptr + cols[:, None] * L + k[None, :], mask=cmask[:, None] & kmask[None, :],
+                            other=0.0).to(tl.float32)
             acc2 += w * v[None, :]
         acc = tl.sum(acc2, axis=1)
         if SHARED:
-            acc += _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
-                                 cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS)
+            if PREWAIT:
+                acc += shared_acc
+            else:
+                acc += _shared_block(sin_ptr + token * sin_row_stride, sup_ptr + token * sup_row_stride, sw2_ptr, cols,
+                                     cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
@@ -1064,7 +1081,7 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
                      split: SplitConfig | None = None, shared_l2_prefetch: bool = False,
                      down_l2_prefetch: bool = False, up_launch: tuple[int, int, int] | None = None,
                      flag_deps: bool = False, early_release: bool = False,
-                     down_early_release: bool = False) -> torch.Tensor:
+                     down_early_release: bool = False, latent_prewait: bool = False) -> torch.Tensor:
     """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n / block_k
     / num_warps override the tile rule's choice for every kernel (tests, tile sweeps). use_pdl: launch with
     programmatic dependent launch where available (sm90+, Triton >= 3.4; ignored elsewhere). designs: (up,
@@ -1080,7 +1097,9 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     own chunk's count instead of all of A (see "flag_deps" above `_publish_h`). Same loads, same sums: same bits.
     early_release: with PDL, kernel A releases the next kernel (B) right after its wait instead of after its K loop,
     so B's programs are resident and load their first weight tiles while A streams (B still waits for all of A).
-    down_early_release: the same for B' (split design, without flag_deps) and the kernel after the op."""
+    down_early_release: the same for B' (split design, without flag_deps) and the kernel after the op.
+    latent_prewait (latent MoE): kernel C runs the shared expert's down-projection, and where one K step covers the
+    latent row loads its W_up tile, before its gdc_wait; only the routed part waits for B''s u (same bits)."""
     if triton is None:
         raise RuntimeError("fused_moe_decode: triton is not installed")
     num_experts, inter, width, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
@@ -1215,13 +1234,14 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
         upw = latent_up_w.contiguous()
         nw = latent_norm_w.contiguous() if latent_norm_w is not None else upw
         launch_c = latent_config(n, out_width, routed_width, shared_width, quantized, block_n)
-        bn = launch_c.block_n
+        bn, bk_c = launch_c.block_n, block_k or launch_c.block_k
+        c_opts = dict(PREWAIT=True, PREWAIT_W=bk_c >= routed_width) if latent_prewait else {}
         _latent_out_kernel[(n, triton.cdiv(out_width, bn))](
             u, nw, upw, sin, sup, sw2, out, routed_width, out_width, shared_width,
             sin.stride(0), sup.stride(0), out.stride(0), float(latent_eps), float(beta), float(linear_beta),
             ACT=act_id, NORM=latent_norm_w is not None, SHARED=shared, SHARED_GLU=shared_up is not None,
-            BLOCK_N=bn, BLOCK_K=block_k or launch_c.block_k, BLOCK_KS=block_k or launch_c.block_ks, USE_PDL=pdl,
-            num_warps=num_warps or launch_c.num_warps, **launch)
+            BLOCK_N=bn, BLOCK_K=bk_c, BLOCK_KS=block_k or launch_c.block_ks, USE_PDL=pdl,
+            num_warps=num_warps or launch_c.num_warps, **c_opts, **launch)
     return out
 
 
@@ -1238,12 +1258,12 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      down_split: list[int] | None = None, shared_l2_prefetch: bool = False,
                      down_l2_prefetch: bool = False, up_launch: list[int] | None = None,
                      flag_deps: bool = False, early_release: bool = False,
-                     down_early_release: bool = False) -> torch.Tensor:
+                     down_early_release: bool = False, latent_prewait: bool = False) -> torch.Tensor:
     """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc.
     down_split: kernel B''s launch (SplitConfig's fields, prefetch as 0/1) at every batch below the crossover,
     instead of split_config()'s per-shape choice (P6's down_split option; the CPU reference ignores it).
-    shared_l2_prefetch / down_l2_prefetch / up_launch / flag_deps / early_release / down_early_release:
-    fused_moe_triton's options of the same names (P6's; same values)."""
+    shared_l2_prefetch / down_l2_prefetch / up_launch / flag_deps / early_release / down_early_release /
+    latent_prewait: fused_moe_triton's options of the same names (P6's; same values)."""
     return fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
 
@@ -1253,7 +1273,7 @@ def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
                            shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
-                           early_release=False, down_early_release=False):
+                           early_release=False, down_early_release=False, latent_prewait=False):
     args = (x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
             linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
     if triton is None or x.shape[0] >= crossover:
@@ -1262,7 +1282,8 @@ def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
     with torch.cuda.device(x.device):  # Triton launches on the current device
         return fused_moe_triton(*args, use_pdl=use_pdl, split=split, shared_l2_prefetch=shared_l2_prefetch,
                                 down_l2_prefetch=down_l2_prefetch, up_launch=up_launch, flag_deps=flag_deps,
-                                early_release=early_release, down_early_release=down_early_release)
+                                early_release=early_release, down_early_release=down_early_release,
+                                latent_prewait=latent_prewait)
 
 
 @fused_moe_decode.register_fake
@@ -1270,7 +1291,7 @@ def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
                            shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
-                           early_release=False, down_early_release=False):
+                           early_release=False, down_early_release=False, latent_prewait=False):
     _, _, _, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                     shared_w2, act, latent_up_w, latent_norm_w, shared_w13)
     return x.new_empty(x.shape[0], out_width)

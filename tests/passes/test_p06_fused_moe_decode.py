@@ -285,6 +285,8 @@ def test_up_launch_goes_into_the_op_after_the_l2_options():
                            (None, False, True, [16, 512, 8])),
                           ({}, (None, True, True, None, False, True)),  # early_release on: the default
                           ({"down_early_release": True}, (None, True, True, None, False, True, True)),
+                          ({"latent_prewait": True}, (None, True, True, None, False, True, False, True)),
+                          ({"latent_prewait": True, "use_pdl": False}, (None, True, True)),
                           ({"use_pdl": False}, (None, True, True))):  # a release point needs PDL
         gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
         assert run_pass(gm, P6, **options) == 5
@@ -335,6 +337,26 @@ def test_k3_mini_like_latent_moe_with_shared_expert():
     got = run_graph(gm, x)
     assert_same_step(got, run_graph(before, x), FP32_TOL, "k3-mini-like vs unpassed graph")
     assert_same_step(got, eager_step(m, "decode", x), FP32_TOL, "k3-mini-like vs eager")
+
+
+def test_latent_prewait_is_the_latent_ops_last_argument():
+    """latent_prewait (kernel C's shared expert before its gdc_wait) becomes the op's argument 26 behind
+    down_early_release, on every latent MoE layer of the k3-mini-like model; on CPU the op is the reference."""
+    m = _k3_mini_like()
+    captured = capture_step(m, "decode")
+    before = _after_p1_p4(captured)
+    x = randomized_inputs(step_inputs(m, "decode"), 6)
+    want = run_graph(before, x)
+    for options, tail in (({}, (None, True, True, None, False, True)),
+                          ({"latent_prewait": True}, (None, True, True, None, False, True, False, True)),
+                          ({"latent_prewait": True, "down_early_release": True},
+                           (None, True, True, None, False, True, True, True))):
+        gm = _after_p1_p4(snapshot(captured))
+        assert run_pass(gm, P6, **options) == 2
+        fused = _fused_nodes(gm)
+        assert len(fused) == 2 and all(tuple(n.args[19:]) == tail for n in fused), options
+        assert all(n.args[14] is not None for n in fused)  # latent MoE: kernel C exists to take the option
+        assert_same_step(run_graph(gm, x), want, FP32_TOL, f"{options}: k3-mini-like vs unpassed graph")
 
 
 def test_crossover_measurement_gets_the_layers_latent_tail_and_shared_width(monkeypatch):

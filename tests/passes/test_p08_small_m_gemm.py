@@ -200,8 +200,8 @@ def test_auto_times_the_way_the_engine_launches_and_carries_warps(monkeypatch):
     from k3compile.passes import p08_small_m_gemm as p8
     calls = []
 
-    def fake_measure(w, buckets, bench_ms, use_pdl=False, rows_warps=(4,)):
-        calls.append((tuple(w.shape), use_pdl, rows_warps))
+    def fake_measure(w, buckets, bench_ms, use_pdl=False, rows_warps=(4,), rows_programs=(528,)):
+        calls.append((tuple(w.shape), use_pdl, rows_warps, rows_programs))
         rows = gemv_kernels.DESIGNS["rows"]
         return {m: {"cublas_us": 10.0, "gemv_us": {(4, 32, 1, rows, 8): 6.0, (4, 32, 1, rows, 2): 7.0,
                                                    (64, 128, 1, 0, 4): 11.0}} for m in buckets}
@@ -212,8 +212,10 @@ def test_auto_times_the_way_the_engine_launches_and_carries_warps(monkeypatch):
     for timing, pdl, want_pdl in (("pdl_chain", True, True), ("alone", True, False), ("pdl_chain", False, False)):
         calls.clear()
         gm = engine_before("kimi-linear-tiny")
-        assert run_pass(gm, P8, buckets="1,2,4", timing=timing, use_pdl=pdl, rows_warps="2,8") == 33
+        assert run_pass(gm, P8, buckets="1,2,4", timing=timing, use_pdl=pdl, rows_warps="2+8",
+                        rows_programs="1056,264+264") == 33
         assert calls and {c[1] for c in calls} == {want_pdl} and {c[2] for c in calls} == {(2, 8)}
+        assert {c[3] for c in calls} == {(264, 1056)}  # '+' and ',' both separate; sorted, once each
         assert len(calls) == len({c[0] for c in calls})  # each shape measured once
         for node in gm.graph.nodes:
             if node.target == GEMV:
@@ -231,7 +233,7 @@ def test_a_shape_is_measured_once_per_process(monkeypatch):
     from k3compile.passes import p08_small_m_gemm as p8
     calls = []
 
-    def fake_measure(w, buckets, bench_ms, use_pdl=False, rows_warps=(4,)):
+    def fake_measure(w, buckets, bench_ms, use_pdl=False, rows_warps=(4,), rows_programs=(528,)):
         calls.append(tuple(w.shape))
         return {m: {"cublas_us": 10.0, "gemv_us": {(4, 32, 1, gemv_kernels.DESIGNS["rows"], 4): 6.0}} for m in buckets}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -248,6 +250,8 @@ def test_a_shape_is_measured_once_per_process(monkeypatch):
     assert all(r["measured_earlier"] for r in gm2.meta["k3"]["pass_details"][P8]["nodes"])
     assert run_pass(engine_before("kimi-linear-tiny"), P8, buckets="1,2", timing="alone") == 33
     assert calls == first + first  # other timing options: measured afresh
+    assert run_pass(engine_before("kimi-linear-tiny"), P8, buckets="1,2", rows_programs="528+1056") == 33
+    assert calls == first * 3  # other candidates: measured afresh
 
 
 def test_candidates_and_pruning_of_the_warps_sweep():
@@ -267,12 +271,30 @@ def test_candidates_and_pruning_of_the_warps_sweep():
     assert [c for c in kept if c[3] == dot] == [c for c in cands if c[3] == dot]
 
 
+def test_rows_programs_add_rows_tiles_at_k3_mini_shapes():
+    """k3-mini-6b's 2048-wide GEMVs: the default count (528) gives both rows tiles 1024 programs of one K step; each
+    other count adds the tiles with the fewest splits that reach it (1 split at 132, 4 at 1056...)."""
+    from k3compile.passes.p08_small_m_gemm import _candidates
+    rows = gemv_kernels.DESIGNS["rows"]
+    assert gemv_kernels.rows_configs(2048, 2048) == [(4, 1024, 2, rows), (16, 256, 8, rows)]
+    assert gemv_kernels.rows_configs(2048, 2048, 132) == [(4, 1024, 1, rows), (16, 256, 2, rows)]
+    assert gemv_kernels.rows_configs(2048, 2048, 2112) == [(4, 1024, 2, rows), (16, 256, 8, rows)]  # K caps it
+    assert gemv_kernels.rows_configs(3072, 2048, 1056) == [(4, 1024, 2, rows), (16, 256, 8, rows)]
+    default = set(_candidates(2048, 2048, 132, (4,)))
+    more = set(_candidates(2048, 2048, 132, (4,), (132, 264, 528)))
+    assert default < more
+    assert more - default == {(4, 1024, 1, rows, 4), (16, 256, 2, rows, 4), (16, 256, 4, rows, 4)}
+    assert len(_candidates(2048, 2048, 132, (2, 4), (528, 528))) == len(_candidates(2048, 2048, 132, (2, 4)))
+
+
 def test_bad_options_are_named():
     spec = get_pass(P8)
     for opts, what in (({"choice": "fast"}, "choice"), ({"buckets": "1,32"}, "buckets"),
                        ({"dtypes": "fp8"}, "dtypes"), ({"buckets": "a"}, "buckets"), ({"timing": "graph"}, "timing"),
                        ({"rows_warps": "3"}, "rows_warps"), ({"rows_warps": "x"}, "rows_warps"),
-                       ({"l2_prefetch_mb": -1}, "l2_prefetch_mb"), ({"first_bucket_tol": 1.0}, "first_bucket_tol")):
+                       ({"l2_prefetch_mb": -1}, "l2_prefetch_mb"), ({"first_bucket_tol": 1.0}, "first_bucket_tol"),
+                       ({"rows_programs": "0"}, "rows_programs"), ({"rows_programs": "a+b"}, "rows_programs"),
+                       ({"rows_programs": ""}, "rows_programs")):
         with pytest.raises(PassConfigError, match=what):
             spec.config_cls(**opts).validate()
 
@@ -347,6 +369,35 @@ def test_warps_candidates_with_pdl_in_a_graph_on_gpu(n, k):
                 assert rel_err(got.float(), want) < 1e-2, (bn, bk, split, design, warps)
         got = GEMV(x, ws[0], None, 1, bn, bk, split, design, True, warps)
         assert rel_err(got.float(), wants[0]) < 1e-2, (bn, bk, split, design, warps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", ((2048, 2048), (8336, 2048)))  # k3-mini-6b o_proj, KDA merged in-proj
+def test_rows_programs_candidates_at_k3_mini_shapes_in_a_pdl_graph_on_gpu(n, k):
+    """The rows tiles `rows_programs` adds (fewer / more K splits than the default), launched as the engine does
+    (PDL, back to back in a CUDA graph, split-K counters shared), against the fp32 reference."""
+    from k3compile.passes.p08_small_m_gemm import _candidates
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
+    ws = [(0.02 * torch.randn(n, k, device="cuda", generator=gen)).bfloat16() for _ in range(3)]
+    wants = [gemv_kernels.gemv_reference(x.float(), w.float()) for w in ws]
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = gemv_kernels.DESIGNS["rows"]
+    cands = [c for c in _candidates(n, k, sm, (4,), (132, 264, 528, 1056)) if c[3] == rows]
+    assert len({c[2] for c in cands}) >= 3  # several split counts really are tried
+    for bn, bk, split, design, warps in cands:
+        def chain():
+            return [gemv_kernels.gemv_triton(x, w, None, bn, bk, split, num_warps=warps, design=design, use_pdl=True)
+                    for w in ws]
+        chain()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain()
+        for _ in range(2):
+            graph.replay()
+            for got, want in zip(outs, wants):
+                assert rel_err(got.float(), want) < 1e-2, (bn, bk, split, warps)
 
 
 @pytest.mark.gpu

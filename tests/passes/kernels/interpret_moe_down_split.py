@@ -6,7 +6,8 @@ are summed in slot order, never in arrival order) and the arrival counters zero 
 CUDA graph replays the kernel with no memset). Then with flag_deps (kernel A counts the h columns it stores per
 B' K chunk, B' waits per chunk): bit-identical to it off, its counters zero again after the launch (every chunk
 fully counted by A and read by all its readers), also with kernel A's shared slot (shared_w13: hs counted too) and
-with A's launch from up_launch (column blocks wider than a K chunk, and narrower). Tiny shapes: the interpreter runs
+with A's launch from up_launch (column blocks wider than a K chunk, and narrower). Latent cases: kernel C with
+latent_prewait bit-identical to it without. Tiny shapes: the interpreter runs
 every program in Python.
 Prints one line per failing case and exits 1 if any failed.
 """
@@ -69,22 +70,24 @@ def cases():
                 kw["shared_up"] = randn(n, 24).to(dtype)
         yield (f"{act} N={n} E={e} k={k} D={d} I={i} Do={do} {'mxfp4' if quant else 'dense'} shared={shared} "
                f"{dtype}"), kw, dtype, tile
-    # the latent MoE (K3): B' stores u in fp32 (no shared slot), kernel C adds the norm, up-projection, shared
-    for norm, quant in ((True, False), (False, True)):
+    # the latent MoE (K3): B' stores u in fp32 (no shared slot), kernel C adds the norm, up-projection, shared;
+    # latent width L = 32 (C's K tile covers the row: latent_prewait's W_up tile before the wait) and L = 64 with
+    # 32-wide tiles (two K steps: only the shared expert before the wait)
+    for norm, quant, lat in ((True, False, 32), (False, True, 32), (True, False, 64)):
         ids, wts = routing(2, 8, 3)
-        w13, w2 = randn(8, 64, 32, scale=32 ** -0.5), randn(8, 32, 32, scale=32 ** -0.5)
-        kw = dict(x=randn(2, 32), topk_ids=ids, topk_weights=wts, act="situ", beta=4.0, linear_beta=25.0,
-                  latent_up_w=randn(48, 32, scale=32 ** -0.5), latent_eps=1e-5, shared_w2=randn(48, 24, scale=0.2),
+        w13, w2 = randn(8, 64, lat, scale=lat ** -0.5), randn(8, lat, 32, scale=32 ** -0.5)
+        kw = dict(x=randn(2, lat), topk_ids=ids, topk_weights=wts, act="situ", beta=4.0, linear_beta=25.0,
+                  latent_up_w=randn(48, lat, scale=lat ** -0.5), latent_eps=1e-5, shared_w2=randn(48, 24, scale=0.2),
                   shared_in=randn(2, 24), shared_up=randn(2, 24))
         if norm:
-            kw["latent_norm_w"] = 1 + 0.1 * randn(32)
+            kw["latent_norm_w"] = 1 + 0.1 * randn(lat)
         if quant:
             (p13, s13), (p2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
             kw.update(w13=p13, w2=p2, w13_scale=s13, w2_scale=s2)
         else:
             kw.update(w13=w13, w2=w2)
-        yield (f"latent k=3 norm={norm} {'mxfp4' if quant else 'dense'}", kw, torch.float32,
-               SplitConfig(16, 32, 4, 2, True) if norm else (16, 32))
+        yield (f"latent L={lat} k=3 norm={norm} {'mxfp4' if quant else 'dense'}", kw, torch.float32,
+               SplitConfig(16, 32, 4, 2, True) if norm and lat == 32 else (16, 32))
 
 
 def main() -> int:
@@ -113,7 +116,11 @@ def main() -> int:
             failures.append(f"{name} tile={tile}: rel err {err:.3g} > {TOL[dtype]:g}")
         if not torch.equal(runs[0], runs[1]):
             failures.append(f"{name}: two launches on the same inputs differ")
-        if "latent_up_w" in kw:
+        if "latent_up_w" in kw:  # kernel C with its shared expert (and W_up tile) ahead of the wait: the same bits
+            pre = moe_decode.fused_moe_triton(**kw, block_n=block_n, block_k=block_k, designs=(up, "split"),
+                                              split=split, latent_prewait=True)
+            if not torch.equal(pre, runs[0]):
+                failures.append(f"{name}: latent_prewait changes the output")
             continue  # (flag_deps cases below: every form of B' once, the latent tail adds nothing to them)
         flagged = moe_decode.fused_moe_triton(**kw, block_n=block_n, block_k=block_k, designs=(up, "split"),
                                               split=split, flag_deps=True)

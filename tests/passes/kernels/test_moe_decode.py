@@ -323,6 +323,49 @@ def test_cuda_latent_tail_at_the_k3_mini_shape(quant, n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1, 8])
+def test_cuda_latent_prewait_gives_the_same_bits_at_the_k3_mini_shape(n):
+    """latent_prewait (kernel C: the shared expert's down-projection, and at batch 1 the W_up tile, before gdc_wait)
+    at k3-mini-6b's latent MoE shape, PDL on, with and without A's and B''s early release (B' then releases C right
+    after its own wait): eager and replayed from CUDA graphs behind another kernel, outputs bit-identical with the
+    option off, and within the reference's tolerance."""
+    cfg = get_preset("k3-mini-6b")
+    d, lat = cfg.hidden_size, cfg.latent_size
+    s = cfg.moe_intermediate_size * cfg.num_shared_experts
+    p = _cuda_problem(n, 800 + n, e=cfg.num_experts, k=cfg.num_experts_per_token, d=lat, i=cfg.moe_intermediate_size,
+                      do=lat, s=s)
+    gen = torch.Generator(device="cuda").manual_seed(801)
+    p["shared_w2"] = (torch.randn(d, s, generator=gen, device="cuda") * s ** -0.5).bfloat16()
+    up_w = (torch.randn(d, lat, generator=gen, device="cuda") * lat ** -0.5).bfloat16()
+    norm_w = (1 + 0.1 * torch.randn(lat, generator=gen, device="cuda")).bfloat16()
+    f32 = {key: (v.float() if v.dtype == torch.bfloat16 else v) for key, v in p.items()}
+    ref = fused_moe_reference(*_op_args(f32, "situ", 0)[:13], up_w.float(), norm_w.float(), 1e-5)
+    args = (*_op_args(p, "situ", 0)[:13], up_w, norm_w, 1e-5)
+    off = moe_decode.fused_moe_triton(*args, use_pdl=True)
+    for early, down in ((False, False), (True, False), (True, True)):
+        on = moe_decode.fused_moe_triton(*args, use_pdl=True, early_release=early, down_early_release=down,
+                                         latent_prewait=True)
+        torch.cuda.synchronize()
+        assert torch.equal(on, off), (early, down)
+    assert _rel(off, ref) < 1e-2, _rel(off, ref)
+    scratch = torch.empty(1 << 22, device="cuda")
+    graphs = []
+    for early, down, pre in ((True, False, False), (True, False, True), (True, True, True)):
+        def step(early=early, down=down, pre=pre):
+            scratch.mul_(0.5)
+            out = FUSED(*_op_args(p, "situ", 1 << 30), up_w, norm_w, 1e-5, True, None, None, True, True, None, False,
+                        early, down, pre)
+            return out * 1.0  # the kernel after the op
+        graphs.append(_graphed(step))
+    for graph, _ in graphs:
+        graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(graphs[0][1], g[1]) for g in graphs[1:])
+    assert _rel(graphs[0][1], ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_crossover_measurement_returns_a_tried_batch():
     shape = _shape_48b()
     p = _cuda_problem(1, 0, **shape)
