@@ -27,6 +27,8 @@ import os
 import sys
 import time
 
+from .deadline import OverBudget, within
+
 DEFAULT_TIME_BUDGET_CUDA = 560.0  # seconds: one GPU command must finish within 10 minutes
 MIN_STEPS_PER_REP = 10  # --max-rep-seconds never cuts an arm below this
 
@@ -77,7 +79,8 @@ def add_step_bench_args(p) -> None:
     p.add_argument("--compile-budget", type=float, default=None,
                    help="seconds of torch.compile time (all compile arms and batch sizes together); a compile "
                         "that would start after it is spent, or that the previous one says would overrun it, "
-                        "is skipped with the reason (default: no separate budget)")
+                        "is skipped with the reason, and one still running when it is spent is stopped and its "
+                        "arm skipped (default: no separate budget; --time-budget bounds a compile the same way)")
 
 
 def check_step_bench_args(args):
@@ -172,6 +175,17 @@ class DecodeBench:
         if self.deadline is not None and expected and time.perf_counter() + expected > self.deadline:
             return f"time budget: the last compile of this arm took {expected:.0f} s, more than is left"
         return None
+
+    def compile_time_left(self) -> float | None:
+        """Seconds one compile may still run: what is left of --compile-budget and of --time-budget (None: no
+        limit). A compile still running then is stopped (bench/deadline.py) and its arm skipped."""
+        left = []
+        budget = getattr(self.args, "compile_budget", None)
+        if budget is not None:
+            left.append(budget - self.compile_spent)
+        if self.deadline is not None:
+            left.append(self.deadline - time.perf_counter())
+        return min(left) if left else None
 
     # ---- setup ----
     def _load(self):
@@ -335,10 +349,11 @@ class DecodeBench:
             self.log(f"bs={b}: setting up {name}")
             t_setup = time.perf_counter()
             try:
-                fn = arm.make(ctx, batch)
-                restore()
-                out = fn().float().clone()  # first call: compiles / warms up; checked against eager
-                sync(self.device)
+                with within(self.compile_time_left() if compiles else None, f"{name}'s compile"):
+                    fn = arm.make(ctx, batch)
+                    restore()
+                    out = fn().float().clone()  # first call: compiles / warms up; checked against eager
+                    sync(self.device)
                 first_s = time.perf_counter() - t_setup
                 restore()
                 if reference is None:
@@ -348,10 +363,15 @@ class DecodeBench:
                     row["warmup_ms"] = time_steps(fn, a.warmup, self.device)
                 sync(self.device)
             except Exception as e:  # one broken arm must not lose the others' numbers
-                row.update(status="failed", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-                self.log(f"  {name} failed: {row['reason']}")
+                over = isinstance(e, OverBudget)
+                row.update(status="skipped" if over else "failed",
+                           reason=str(e) if over else f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                self.log(f"  {name} {row['status']}: {row['reason']}")
                 if compiles:
                     self.compile_spent += time.perf_counter() - t_setup
+                    if over:
+                        self.last_compile_s[name] = float("inf")  # no second try at a later batch size
+                        _reset_dynamo()
                 continue
             row["setup_s"] = round(time.perf_counter() - t_setup, 2)
             if compiles:  # the first call at this batch size compiles (or recompiles) and records its graphs
@@ -511,3 +531,12 @@ def render_markdown(doc: dict) -> str:
 
 def _n(v) -> str:
     return "–" if v is None else f"{v:g}"
+
+
+def _reset_dynamo() -> None:
+    """After a compile stopped half-way: drop what Dynamo cached, so later arms do not reuse a partial state."""
+    try:
+        import torch._dynamo
+        torch._dynamo.reset()
+    except Exception:  # (a failed reset costs only the caches)
+        pass

@@ -150,3 +150,34 @@ def test_gpu_smoke_run_counts_kernels_inside_graph_replays(main, tmp_path):
         served = rows["engine-served", b]
         assert served["status"] == "ok" and served["kernels_per_step"] == rows["engine", b]["kernels_per_step"]
         assert served["max_abs_diff_vs_eager"] < 0.1
+
+
+def test_a_compile_that_outlasts_its_budget_is_stopped_and_the_other_arms_are_timed(main, tmp_path, monkeypatch):
+    """--compile-budget bounds a compile already running (session 13: torch.compile's first call took the whole
+    call and no arm was timed): the arm is stopped, skipped with the reason, not retried at the next batch size,
+    and the arms after it are set up and timed."""
+    import time
+
+    from k3compile.bench import decode_arms
+
+    calls = []
+
+    def slow_compile(ctx, batch):
+        calls.append(batch.input_ids.shape[0])
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 30:  # a compile far over its budget
+            time.sleep(0.05)
+        raise RuntimeError("not stopped")  # (the arm would then read 'failed', not 'skipped')
+    arm = decode_arms.Arm("compile-reduce-overhead", "a stand-in compile", None, slow_compile)
+    monkeypatch.setitem(decode_arms.ARMS, "compile-reduce-overhead", arm)
+    out = tmp_path / "out"
+    assert main(["bench", "decode", "--model", "k3-tiny", "--batch", "1,2", "--steps", "2", "--warmup", "1",
+                 "--reps", "1", "--context", "16", "--dtype", "fp32", "--device", "cpu", "--copy-gib", "0.01",
+                 "--arms", "eager,compile-reduce-overhead,engine", "--compile-budget", "1", "--out", str(out)]) == 0
+    doc = json.load(open(out / "decode_k3-tiny_fp32.json"))
+    rows = {(r["arm"], r["batch"]): r for r in doc["results"]}
+    assert calls == [1]  # stopped once, never started again
+    assert rows["compile-reduce-overhead", 1]["status"] == "skipped"
+    assert "still running after 1 s" in rows["compile-reduce-overhead", 1]["reason"]
+    assert rows["compile-reduce-overhead", 2]["status"] == "skipped"
+    assert all(rows[a, b]["status"] == "ok" for a in ("eager", "engine") for b in (1, 2))
