@@ -18,7 +18,8 @@
 #   3. tools/bench_gemv.py --p8 --mini: P8's own measurement at k3-mini's 8 GEMM shapes, M = 1, timing pdl_chain, with the
 #      rows_programs candidates: us and GB/s per shape (per-shape GEMV times: a trace gives one name for all 89)
 #   4. GPU tests: latent_prewait's same bits (k3-mini latent shape, eager + CUDA graphs), rows_programs' candidates
-#   run: TL=170 bash tools/gpu_mini13.sh   (carry .whl/ as for the other gpu_*.sh); ~200 s for the ladder and reports,
+#   run: TL=170 bash tools/gpu_mini13.sh   (carry .whl/ as for the other gpu_*.sh); ~200 s for the ladder and reports
+#        (COMPILE=1 C6=120 TL=300: with the torch.compile anchor, at most C6 s of compiling),
 #        ~60-90 s the GEMV sweep (GEMV=0: skip), ~60 s the tests (TESTS=first|last|0)
 # Back in $OUT: ladder_k3-mini-6b_bf16.{md,json,png}, call.log, report_after.json, budget.md, gemv13.txt, logs.tar
 # (tests.log, ladder.log, report_after.txt, report_{cpbd,rp}.{txt,json}, gemv13.json)
@@ -37,8 +38,11 @@ VARIANTS="rp:$P8.rows_programs=132+264+528 cpbd:$P6.latent_prewait=true,$P6.down
 VARIANTS="$VARIANTS cpre:$P6.latent_prewait=true bdown:$P6.down_early_release=true"
 VARIANTS="$VARIANTS gx:$P8.early_release=except_kda_inputs gall:$P8.early_release=all"
 VARGS=(); for v in $VARIANTS; do VARGS+=(--variant "$v"); done
+# COMPILE=1: the torch.compile(reduce-overhead) anchor in the same run (issue 9 Deliver 5), stopped after C6 s of
+# compiling (a cold k3-mini-6b compile ran past 190 s in session 13; the ladder now stops it and times the rest)
+CARGS=(); [ "${COMPILE:-0}" = 1 ] && CARGS=(--compile --compile-budget ${C6:-120})
 timeout $(( ${TL:-170} + 30 )) k3compile bench ladder --model k3-mini-6b --dtype bf16 --batch 1 --context 512 \
-  --device cuda --quick --time-budget ${TL:-170} --keep-traces all "${VARGS[@]}" --out $OUT/l6 \
+  --device cuda --quick --time-budget ${TL:-170} --keep-traces all "${VARGS[@]}" ${CARGS[@]+"${CARGS[@]}"} --out $OUT/l6 \
   > $OUT/logs/ladder.log 2>&1
 say "ladder: exit $?"
 TR=$(ls $OUT/l6/traces/*_r[0-9][0-9]-*bs1.json.gz 2>/dev/null | sort | tail -1)  # the last rung: engine-after
