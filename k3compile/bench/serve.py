@@ -129,7 +129,7 @@ async def _stream(res: RequestResult, url: str, headers: dict, payload: dict) ->
 
     t0 = time.perf_counter()
     res.start = t0
-    last, chunks, usage, status, body = None, 0, None, None, []
+    clock, usage, status, body = _TokenClock(res), None, None, []
     async for st, line in post_lines(url, payload, headers):
         if st is not None:
             status = st
@@ -150,18 +150,27 @@ async def _stream(res: RequestResult, url: str, headers: dict, payload: dict) ->
             usage = obj["usage"]
         if not obj.get("choices"):
             continue   # a usage-only chunk carries no token to time
-        # a chunk with empty text still brought tokens (a multi-byte character held back)
-        now = time.perf_counter()
-        if last is None:
-            res.ttft = now - t0
-        else:
-            res.itl.append(now - last)
-        last = now
-        chunks += 1
+        clock.tick()  # a chunk with empty text still brought tokens (a multi-byte character held back)
     if status != 200:
         res.error = f"HTTP {status}: {' '.join(body)[:200]}"
         return
-    _finish(res, t0, chunks, usage)
+    _finish(res, t0, clock.chunks, usage)
+
+
+class _TokenClock:
+    """TTFT and inter-token latencies from the arrival times of the chunks that carry tokens."""
+
+    def __init__(self, res: RequestResult):
+        self.res, self.last, self.chunks = res, None, 0
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.res.ttft = now - self.res.start
+        else:
+            self.res.itl.append(now - self.last)
+        self.last = now
+        self.chunks += 1
 
 
 def _finish(res: RequestResult, t0: float, chunks: int, usage: dict | None) -> None:
@@ -182,21 +191,15 @@ async def _stream_openai(res: RequestResult, client, payload: dict) -> None:
     body.pop("stream", None)
     t0 = time.perf_counter()
     res.start = t0
-    last, chunks, usage = None, 0, None
+    clock, usage = _TokenClock(res), None
     stream = await client.completions.create(**body, stream=True, extra_body=extra)
     async for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage.model_dump()
         if not chunk.choices:
             continue   # a usage-only chunk carries no token to time
-        now = time.perf_counter()
-        if last is None:
-            res.ttft = now - t0
-        else:
-            res.itl.append(now - last)
-        last = now
-        chunks += 1
-    _finish(res, t0, chunks, usage)
+        clock.tick()
+    _finish(res, t0, clock.chunks, usage)
 
 
 async def _one_openai(client, payload: dict, prompt_len: int, timeout: float) -> RequestResult:

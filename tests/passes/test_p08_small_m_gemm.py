@@ -356,17 +356,7 @@ def test_warps_candidates_with_pdl_in_a_graph_on_gpu(n, k):
     wants = [gemv_kernels.gemv_reference(x.float(), w.float()) for w in ws]
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     for bn, bk, split, design, warps in _candidates(n, k, sm, (2, 4, 8)):
-        def chain():
-            return [gemv_kernels.gemv_triton(x, w, None, bn, bk, split, num_warps=warps, design=design, use_pdl=True)
-                    for w in ws]
-        chain()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = chain()
-        for _ in range(2):
-            graph.replay()
-            for got, want in zip(outs, wants):
-                assert rel_err(got.float(), want) < 1e-2, (bn, bk, split, design, warps)
+        _check_in_a_pdl_graph(x, ws, wants, (bn, bk, split, design, warps))
         got = GEMV(x, ws[0], None, 1, bn, bk, split, design, True, warps)
         assert rel_err(got.float(), wants[0]) < 1e-2, (bn, bk, split, design, warps)
 
@@ -386,18 +376,26 @@ def test_rows_programs_candidates_at_k3_mini_shapes_in_a_pdl_graph_on_gpu(n, k):
     rows = gemv_kernels.DESIGNS["rows"]
     cands = [c for c in _candidates(n, k, sm, (4,), (132, 264, 528, 1056)) if c[3] == rows]
     assert len({c[2] for c in cands}) >= 3  # several split counts really are tried
-    for bn, bk, split, design, warps in cands:
-        def chain():
-            return [gemv_kernels.gemv_triton(x, w, None, bn, bk, split, num_warps=warps, design=design, use_pdl=True)
-                    for w in ws]
-        chain()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = chain()
-        for _ in range(2):
-            graph.replay()
-            for got, want in zip(outs, wants):
-                assert rel_err(got.float(), want) < 1e-2, (bn, bk, split, warps)
+    for cfg in cands:
+        _check_in_a_pdl_graph(x, ws, wants, cfg)
+
+
+def _check_in_a_pdl_graph(x, ws, wants, cfg):
+    """One candidate launched as the engine launches it: with PDL, back to back over the weights in a CUDA graph
+    (split-K counters shared), replayed twice, each output against its fp32 reference."""
+    bn, bk, split, design, warps = cfg
+
+    def chain():
+        return [gemv_kernels.gemv_triton(x, w, None, bn, bk, split, num_warps=warps, design=design, use_pdl=True)
+                for w in ws]
+    chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain()
+    for _ in range(2):
+        graph.replay()
+        for got, want in zip(outs, wants):
+            assert rel_err(got.float(), want) < 1e-2, cfg
 
 
 @pytest.mark.gpu
