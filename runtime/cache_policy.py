@@ -139,6 +139,10 @@ class CachePolicy:
     short_stale_age: int | None = None
     # stale_age on all traffic for never-hit root-anchored checkpoints, not the root's new-family clock (radix.py)
     root_stale_unused_global: bool = False
+    # a leaf whose checkpoint decays keeps its KV (a KV-only leaf: later requests still find where they diverge)
+    decay_keeps_kv: bool = False
+    protect_branch_leaves: bool = False  # "value": KV pressure deletes leaves holding a planted branch point last
+    kv_value_weight: float | None = None  # "value": KV pressure's weight of efficiency (None: value_weight)
 
     def with_caps(self, per_path: int | None, total: int | None) -> "CachePolicy":
         return replace(self, max_checkpoints_per_path=per_path, max_checkpoints=total)
