@@ -97,6 +97,15 @@ stems on every cell, tot's bytes 17.2-31.9% of every_chunk's at 64 and 16 MiB (w
 4 MiB (was 77.3-88.8%), agent and tot_fork rows unchanged. Not adopted: with it, `short_stale_age` 25 (seed 0: 91.8% of
 the bound at 24.2%) meets tot seed 3's hit goal (90.2%) but raises tot's bytes at 4 MiB to 84-99.5%.
 
+Session 13 (seed 0 only; traces/cache_pressure/README.md "Session 13", `s14_tune_seed0/`; all three off by default):
+`decay_keeps_kv` (a leaf whose state decays keeps its KV as a KV-only leaf, so the next sibling still finds its
+branch point; a fork over KV-only paths is no fork), `kv_value_weight` (KV pressure's own weight of the value term;
+0: recency alone) and `protect_branch_leaves` (KV pressure deletes planted branch-point leaves last). Seed 0:
+`kv_value_weight` 0 moved no hit rate on any cell and kept one more repeat on tot_fork at 8 MiB (2/3 against 1/3:
+the value term deletes a short one-off's tail first, its slot being most of what it frees);
+`protect_branch_leaves` cost tot_fork 0.6-0.8 points and two repeats at 16 and 8 MiB; `decay_keeps_kv` held 1-6%
+fewer state bytes on tot and tot_fork at hits within 0.2 points. Seeds 1-3: the README's "Session 13".
+
 Checkpoint bytes. With production-length prompts (multi-thousand-token shared prefixes, tool
 outputs of hundreds of tokens) `every_chunk` at the default chunk of 256 stores a state every 256
 prefilled tokens: on the agent trace 2-5.5x as many states as `sparse` (on tree-of-thought, where

@@ -55,8 +55,8 @@ def parse_policy(text: str):
             raise ValueError(f"policy {text!r}: expected key=value with keys {', '.join(_KEYS)}, got {item!r}")
         field = _KEYS[key]
         try:
-            v = float(val) if field in ("value_weight", "kv_value_weight", "tail_min_new") or (field == "max_checkpoints" and "." in val) \
-                else int(val)
+            floats = ("value_weight", "kv_value_weight", "tail_min_new")
+            v = float(val) if field in floats or (field == "max_checkpoints" and "." in val) else int(val)
         except ValueError:
             raise ValueError(f"policy {text!r}: {key} takes a number, got {val!r}") from None
         if isinstance(v, float):  # the eviction weight, a tail's new share, or total=0.25: a share of the state slots

@@ -299,7 +299,8 @@ class HybridRadixCache:
             raise ValueError("protect_shared_leaves orders the 'value' eviction's candidates; eviction is " + repr(eviction))
         self.protect_shared_leaves = protect_shared_leaves
         if protect_branch_leaves and eviction != "value":
-            raise ValueError("protect_branch_leaves orders the 'value' eviction's candidates; eviction is " + repr(eviction))
+            raise ValueError("protect_branch_leaves orders the 'value' eviction's candidates; eviction is "
+                             + repr(eviction))
         self.protect_branch_leaves = protect_branch_leaves
         self._probation: dict[int, TreeNode] = {}  # node id -> node whose checkpoint is on probation
         self.eviction, self.recompute_cost, self.value_weight = eviction, recompute_cost, float(value_weight)

@@ -5,8 +5,8 @@ After every step: the tree's structure and reverse maps are consistent; every li
 is accounted for exactly once (tree, a live request, or free: nothing leaked, nothing freed twice);
 ref counts equal the live locks; no unlocked tombstone leaf (but KV-only leaves with `decay_keeps_kv`, and a
 decay in a lookup frees no KV then); the caps hold; with `kv_value_weight` 0 KV pressure takes the least recently
-used leaf first, and a protected leaf (`protect_branch_leaves`) goes only after every unprotected one; every checkpoint holds
-the toy model's state for its node's prefix; every tree page holds the KV of its tokens; every
+used leaf first, and a protected leaf (`protect_branch_leaves`) goes only after every unprotected one; every
+checkpoint holds the toy model's state for its node's prefix; every tree page holds the KV of its tokens; every
 running request's page table, working state and pending snapshots are right.
 """
 from __future__ import annotations
@@ -240,7 +240,8 @@ class CacheMachine(RuleBasedStateMachine):
         c = self.cache
         leaves = [nd for nd in c.nodes() if nd.is_leaf and not nd.kv_lock]
         lru = None
-        if c.eviction == "value" and c.kv_value_weight == 0 and not (c.protect_shared_leaves or c.protect_branch_leaves):
+        protecting = c.protect_shared_leaves or c.protect_branch_leaves
+        if c.eviction == "value" and c.kv_value_weight == 0 and not protecting:
             lru = min(leaves, key=lambda nd: (nd.last_access, nd.id), default=None)  # recency alone decides
         shielded = {nd.id for nd in leaves if c.eviction == "value" and c._shared_leaf(nd)}
         freed = self.cache.evict_pages(n)
@@ -277,7 +278,8 @@ class CacheMachine(RuleBasedStateMachine):
         check_cache(self.cache, self.table)
         for nd in self.cache.nodes():
             if nd.checkpoint is None:
-                event(("KV-only leaf" if nd.kv_only else "locked tombstone leaf") if nd.is_leaf else "internal tombstone")
+                kind = ("KV-only leaf" if nd.kv_only else "locked tombstone leaf") if nd.is_leaf else "internal tombstone"
+                event(kind)
         if self.mem.moves:
             event("relocations happened")
         # Every live index has exactly one owner (check_cache proved the owners are disjoint).
