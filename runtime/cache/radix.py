@@ -655,7 +655,8 @@ class HybridRadixCache:
 
     # ------------------------------------------------------------------ eviction
     def evict_pages(self, num_pages: int) -> int:
-        """KV pressure: delete LRU unlocked leaves until `num_pages` pages are freed. Returns pages freed."""
+        """KV pressure: delete LRU unlocked leaves until `num_pages` pages are freed (KV-only leaves first:
+        they hold no state, so no lookup restores from them). Returns pages freed."""
         self._check_count(num_pages)
         if self.eviction == "value":
             freed = 0
@@ -663,22 +664,24 @@ class HybridRadixCache:
                 leaves = [nd for nd in self._nodes.values() if nd.is_leaf and not nd.kv_lock]
                 if not leaves:
                     break
+                leaves = [nd for nd in leaves if nd.kv_only] or leaves
                 if self.protect_shared_leaves or self.protect_branch_leaves:
                     leaves = [nd for nd in leaves if not self._shared_leaf(nd)] or leaves
                 freed += self._delete_upward(self._lowest_utility(leaves, "last_access", self.kv_value_weight))[1]
             self._flush()
             return freed
-        heap = [(nd.last_access, nd.id, nd) for nd in self._nodes.values() if nd.is_leaf and not nd.kv_lock]
+        heap = [(not nd.kv_only, nd.last_access, nd.id, nd) for nd in self._nodes.values()
+                if nd.is_leaf and not nd.kv_lock]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
-            _, _, nd = heapq.heappop(heap)
+            *_, nd = heapq.heappop(heap)
             if not nd.alive or not nd.is_leaf or nd.kv_lock:
                 continue
             survivor, pages = self._delete_upward(nd)
             freed += pages
             if survivor is not self.root and survivor.is_leaf and not survivor.kv_lock:
-                heapq.heappush(heap, (survivor.last_access, survivor.id, survivor))
+                heapq.heappush(heap, (not survivor.kv_only, survivor.last_access, survivor.id, survivor))
         self._flush()
         return freed
 

@@ -5,7 +5,8 @@ After every step: the tree's structure and reverse maps are consistent; every li
 is accounted for exactly once (tree, a live request, or free: nothing leaked, nothing freed twice);
 ref counts equal the live locks; no unlocked tombstone leaf (but KV-only leaves with `decay_keeps_kv`, and a
 decay in a lookup frees no KV then); the caps hold; with `kv_value_weight` 0 KV pressure takes the least recently
-used leaf first, and a protected leaf (`protect_branch_leaves`) goes only after every unprotected one; every
+used leaf first, a protected leaf (`protect_branch_leaves`) goes only after every unprotected one and a leaf with a
+state only after every KV-only one; every
 checkpoint holds the toy model's state for its node's prefix; every tree page holds the KV of its tokens; every
 running request's page table, working state and pending snapshots are right.
 """
@@ -247,6 +248,8 @@ class CacheMachine(RuleBasedStateMachine):
         freed = self.cache.evict_pages(n)
         if lru is not None and n > 0:
             assert not lru.alive, f"kv_value_weight 0: the least recently used leaf {lru!r} must go first"
+        if any(not nd.alive for nd in leaves if not nd.kv_only):  # a leaf with a state went: no KV-only one is left
+            assert all(not nd.alive for nd in leaves if nd.kv_only)
         if any(not nd.alive for nd in leaves if nd.id in shielded):  # a protected leaf went: no other could
             assert all(not nd.alive for nd in leaves if nd.id not in shielded)
         assert free_before - len(self.mem.live_pages) == freed

@@ -91,3 +91,23 @@ def test_a_kv_only_leaf_is_allowed_only_with_the_option():
 
 def test_the_policy_key():
     assert parse_policy("valued:decay_kv=1").decay_keeps_kv and not parse_policy("valued").decay_keeps_kv
+
+
+@pytest.mark.parametrize("eviction", ["lru", "value"])
+def test_kv_pressure_deletes_kv_only_leaves_before_leaves_with_a_state(eviction):
+    """A KV-only leaf restores nothing: KV pressure takes it before an older leaf that holds a state (on seeds 1-3 of
+    prompted tree-of-thought at 4 MiB, recency alone let KV-only leaves push out stems and repeats' tails)."""
+    from k3compile.runtime.cache.recompute_cost import RecomputeCost
+
+    mem = make_memory(P, num_slots=16, num_pages=64)
+    cache = HybridRadixCache(mem, P, decay_keeps_kv=True, unused_ttl=1, eviction=eviction,
+                             recompute_cost=RecomputeCost(linear=1.0, attention=0.05) if eviction == "value" else None)
+    store_prefix(cache, mem, [5, 5, 6, 6])
+    assert cache.match([5, 5, 6, 6, 1]).cached_len == 4  # hit: exempt from the unused ttl
+    store_prefix(cache, mem, [1, 1, 2, 2])  # newer, never hit
+    for t in (9, 8, 7):
+        cache.match([t, t])
+    kv_only = [nd for nd in cache.nodes() if nd.kv_only]
+    assert len(kv_only) == 1 and kv_only[0].last_access > cache.match([5, 5, 6, 6], touch=False).node.last_access
+    assert cache.evict_pages(1) == 2 and not kv_only[0].alive and has_state_at(cache, [5, 5, 6, 6])
+    check_cache(cache)
