@@ -68,7 +68,11 @@ Caps and eviction
     both min-max normalised over the candidates, where efficiency = the prefill FLOPs a hit here
     saves over restoring from the nearest checkpointed ancestor (RecomputeCost), divided by the
     bytes evicting it frees (the state slot, plus the leaf's own KV pages when the node goes with
-    it); the lowest utility goes first.
+    it); the lowest utility goes first. `kv_value_weight` sets the weight for KV pressure alone (0: recency
+    alone; under KV pressure a leaf's bytes are mostly its KV, and the term mostly deleted short one-offs'
+    tails, whose state slot is most of what they free, before their repeats came: issue 15, session 13).
+  With `protect_branch_leaves` KV pressure deletes a leaf holding a planted branch point (a stem whose
+  sessions are gone) only once no other unlocked leaf is left; KV-only leaves (below) always go first.
 
 Unused checkpoints (`unused_ttl`: decay, not only pressure)
 * A progress checkpoint no lookup has restored from is on probation: once `unused_ttl` lookups

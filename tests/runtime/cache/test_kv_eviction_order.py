@@ -71,4 +71,6 @@ def test_protect_branch_leaves_needs_the_value_eviction():
 def test_the_policy_keys():
     pol = parse_policy("valued:kv_weight=0,protect_branch=1")
     assert pol.kv_value_weight == 0.0 and pol.protect_branch_leaves
-    assert parse_policy("valued").kv_value_weight is None and not parse_policy("valued").protect_branch_leaves
+    # `valued` deletes leaves by recency under KV pressure since session 13; the key sets the weight back
+    assert parse_policy("valued").kv_value_weight == 0.0 and not parse_policy("valued").protect_branch_leaves
+    assert parse_policy("valued:kv_weight=0.25").kv_value_weight == 0.25 and parse_policy("sparse").kv_value_weight is None
