@@ -20,7 +20,8 @@
 #   sweep of state shares, k3-tiny's and K3's byte sizes), s13_sparse (session 12: `sparse` re-run against today's
 #   `valued`, and `bench cache`'s chat workload), s13_root (session 12: never-hit root-anchored checkpoints stale on all
 #   traffic, the `valued` default since), s14 (session 13: KV pressure by recency, KV-only leaves after a decay, tot's
-#   bytes / hits frontier; seed 0, then seeds 1-3 merged over s13_root), e.g. PHASES="k3 unified"
+#   bytes / hits frontier; seed 0, then seeds 1-3 merged over s13_root), s14_unified (the adopted change on the unified
+#   arena), e.g. PHASES="k3 unified"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-traces/cache_pressure}
@@ -289,4 +290,12 @@ if [[ " $PHASES " == *" s14 "* ]]; then
         > "$OUT/s14_$t.log" 2>&1
   done
   $PY -c "from k3compile.bench.cache_pressure import merge_rerun, goals_side_by_side as g; merge_rerun(['$OUT/s13_root'], ['$OUT/s14_agent', '$OUT/s14_tot', '$OUT/s14_tot_fork'], '$OUT/s14', 's13'); print(g('$OUT/s14', {'valued': 'valued', 'kvlru': 'valued:kv_weight=0', 'dkv': 'valued:decay_kv=1', 'both': 'valued:decay_kv=1,kv_weight=0'}))"
+fi
+if [[ " $PHASES " == *" s14_unified "* ]]; then
+  # session 13: the adopted change (`valued` = KV pressure by recency) on the unified arena, where KV pressure decides
+  # most, against the value order it replaced (`valued:kv_weight=0.25`), seeds 1-3 at 16 MiB and each trace's tight budget
+  for spec in agent:16384,8192 tot_fork:16384,8192 tot:16384,4096; do
+    $BENCH --unified --traces ${spec%%:*} --seeds 1,2,3 --budgets-kib ${spec##*:} --policies "valued;valued:kv_weight=0.25" \
+        --out "$OUT/s14_unified_${spec%%:*}" > "$OUT/s14_unified_${spec%%:*}.log" 2>&1
+  done
 fi
