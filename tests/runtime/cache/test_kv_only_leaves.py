@@ -9,6 +9,7 @@ import pytest
 from k3compile.bench.cache import parse_policy
 from k3compile.runtime.cache.checks import check_cache
 from k3compile.runtime.cache.radix import HybridRadixCache
+from k3compile.runtime.cache.recompute_cost import RecomputeCost
 
 from .harness import has_state_at, make_memory, store_prefix
 
@@ -97,8 +98,6 @@ def test_the_policy_key():
 def test_kv_pressure_deletes_kv_only_leaves_before_leaves_with_a_state(eviction):
     """A KV-only leaf restores nothing: KV pressure takes it before an older leaf that holds a state (on seeds 1-3 of
     prompted tree-of-thought at 4 MiB, recency alone let KV-only leaves push out stems and repeats' tails)."""
-    from k3compile.runtime.cache.recompute_cost import RecomputeCost
-
     mem = make_memory(P, num_slots=16, num_pages=64)
     cache = HybridRadixCache(mem, P, decay_keeps_kv=True, unused_ttl=1, eviction=eviction,
                              recompute_cost=RecomputeCost(linear=1.0, attention=0.05) if eviction == "value" else None)
