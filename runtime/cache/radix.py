@@ -599,7 +599,14 @@ class HybridRadixCache:
     @staticmethod
     def _is_fork(nd: TreeNode) -> bool:
         """Two or more live paths continue from this node (eviction keeps its checkpoint longest)."""
-        return len(nd.children) >= 2 and HybridRadixCache._paths(nd) >= 2
+        if len(nd.children) < 2:
+            return False
+        live = 0
+        for c in nd.children.values():  # stop at the second live path (this runs for every eviction candidate)
+            live += HybridRadixCache._holds_path(c)
+            if live >= 2:
+                return True
+        return False
 
     def _max_checkpoints_down(self, node: TreeNode) -> int:
         """Most progress checkpoints (branch points excluded) on any path from `node` (included) to a leaf."""
