@@ -17,7 +17,9 @@ decode. A policy says which of those snapshots are donated to the tree:
   what stays; memory pressure evicts least recently used first.
 * `valued` (ours): the same admission, and under memory pressure Marconi's FLOP-aware eviction
   (runtime/cache/radix.py, "value"): the checkpoint with the lowest recency + weight x recompute
-  FLOPs saved per byte goes first. In both `sparse` and `valued` a branch point that two or more
+  FLOPs saved per byte goes first (state pressure and the caps; since session 13 KV pressure deletes leaves by
+  recency alone, `kv_value_weight` 0: the value term deleted short one-offs' tails first and lost their repeats). In
+  both `sparse` and `valued` a branch point that two or more
   live paths continue from is never evicted before the leaves below it. `valued` also lets
   checkpoints with no evidence of reuse go early and keeps those with evidence longest (radix.py
   "Unused checkpoints"): a progress checkpoint no lookup has restored from leaves once 48 lookups
@@ -97,6 +99,20 @@ stems on every cell, tot's bytes 17.2-31.9% of every_chunk's at 64 and 16 MiB (w
 4 MiB (was 77.3-88.8%), agent and tot_fork rows unchanged. Not adopted: with it, `short_stale_age` 25 (seed 0: 91.8% of
 the bound at 24.2%) meets tot seed 3's hit goal (90.2%) but raises tot's bytes at 4 MiB to 84-99.5%.
 
+Session 13 (seed 0 only; traces/cache_pressure/README.md "Session 13", `s14_tune_seed0/`; options, off by default):
+`decay_keeps_kv` (a leaf whose state decays keeps its KV as a KV-only leaf, so the next sibling still finds its
+branch point; a fork over KV-only paths is no fork), `kv_value_weight` (KV pressure's own weight of the value term;
+0: recency alone) and `protect_branch_leaves` (KV pressure deletes planted branch-point leaves last). Seed 0:
+`kv_value_weight` 0 moved no hit rate on any cell and kept one more repeat on tot_fork at 8 MiB (2/3 against 1/3:
+the value term deletes a short one-off's tail first, its slot being most of what it frees);
+`protect_branch_leaves` cost tot_fork 0.6-0.8 points and two repeats at 16 and 8 MiB; `decay_keeps_kv` held 1-6%
+fewer state bytes on tot and tot_fork at hits within 0.2 points. Seeds 1-3 (the README's "Session 13", `s14/`):
+`kv_value_weight` 0 changes no hit or repeat on tot and tot_fork and no met goal cell, agent at 16 MiB +0.8 points
+of the bound and one repeat more on seed 1 (3/4), -0.6 on seed 3 (an infeasible hit cell): **`valued` uses it since**
+(state pressure keeps Marconi's utility). `decay_keeps_kv` (with KV pressure taking KV-only leaves first) stays off:
+tot at 4 MiB reaches 90.1% of the bound on seed 3 (a goal), but tot at 64 / 16 MiB loses 0.1-0.3 points on seeds
+1 and 3, and its bytes at 4 MiB rise 1-5 points.
+
 Checkpoint bytes. With production-length prompts (multi-thousand-token shared prefixes, tool
 outputs of hundreds of tokens) `every_chunk` at the default chunk of 256 stores a state every 256
 prefilled tokens: on the agent trace 2-5.5x as many states as `sparse` (on tree-of-thought, where
@@ -139,6 +155,10 @@ class CachePolicy:
     short_stale_age: int | None = None
     # stale_age on all traffic for never-hit root-anchored checkpoints, not the root's new-family clock (radix.py)
     root_stale_unused_global: bool = False
+    # a leaf whose checkpoint decays keeps its KV (a KV-only leaf: later requests still find where they diverge)
+    decay_keeps_kv: bool = False
+    protect_branch_leaves: bool = False  # "value": KV pressure deletes leaves holding a planted branch point last
+    kv_value_weight: float | None = None  # "value": KV pressure's weight of efficiency (None: value_weight)
 
     def with_caps(self, per_path: int | None, total: int | None) -> "CachePolicy":
         return replace(self, max_checkpoints_per_path=per_path, max_checkpoints=total)
@@ -156,7 +176,7 @@ POLICIES = {
                           unused_ttl=48, unused_max_age=40, protect_reused=True, stale_age=300,
                           unused_root_new_only=True, protect_shared_leaves=True,
                           short_unused_ttl=8, short_unused_max_age=8, short_stale_age=15,
-                          root_stale_unused_global=True),
+                          root_stale_unused_global=True, kv_value_weight=0.0),
 }
 
 

@@ -274,7 +274,10 @@ class LLMEngine:
                                       short_unused_ttl=self.policy.short_unused_ttl,
                                       short_unused_max_age=self.policy.short_unused_max_age,
                                       short_stale_age=self.policy.short_stale_age,
-                                      root_stale_unused_global=self.policy.root_stale_unused_global)
+                                      root_stale_unused_global=self.policy.root_stale_unused_global,
+                                      decay_keeps_kv=self.policy.decay_keeps_kv,
+                                      protect_branch_leaves=self.policy.protect_branch_leaves,
+                                      kv_value_weight=self.policy.kv_value_weight)
         self.table = RequestTable(self.cache)
 
         slots_per_request = MAX_TRANSIENT_SLOTS if self.policy.enabled else 1

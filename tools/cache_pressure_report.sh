@@ -19,7 +19,9 @@
 #   over s11_short), s13_arena / s13_arena_k3 (session 12: unified vs SGLang's default split vs the best split of a
 #   sweep of state shares, k3-tiny's and K3's byte sizes), s13_sparse (session 12: `sparse` re-run against today's
 #   `valued`, and `bench cache`'s chat workload), s13_root (session 12: never-hit root-anchored checkpoints stale on all
-#   traffic, the `valued` default since), e.g. PHASES="k3 unified"
+#   traffic, the `valued` default since), s14 (session 13: KV pressure by recency, KV-only leaves after a decay, tot's
+#   bytes / hits frontier; seed 0, then seeds 1-3 merged over s13_root), s14_unified (the adopted change on the unified
+#   arena), e.g. PHASES="k3 unified"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-traces/cache_pressure}
@@ -265,4 +267,35 @@ if [[ " $PHASES " == *" s13_root "* ]]; then
   $PY -c "from k3compile.bench.cache_pressure import merge_rerun, goals_side_by_side as g; merge_rerun(['$OUT/s13_sparse'], ['$OUT/s13_root_tot', '$OUT/s13_root_agent', '$OUT/s13_root_tot_fork'], '$OUT/s13_root', 'x'); print(g('$OUT/s13_root', {'valued': 'valued:short_stale=15,short_ttl=8,short_max_age=8', 'root': 'valued:root_stale=1', 'root25': 'valued:root_stale=1,short_stale=25'}))"
   $BENCH --unified --traces tot --seeds 1,2,3 --budgets-kib 16384,4096 --policies "valued:root_stale=1" \
       --out "$OUT/s13_root_unified_tot" > "$OUT/s13_root_unified_tot.log" 2>&1
+fi
+if [[ " $PHASES " == *" s14 "* ]]; then
+  # session 13: KV pressure deletes leaves by recency alone (`kv_weight=0`), leaves whose state decays keep their KV
+  # (`decay_kv`), KV pressure keeping planted branch-point leaves last (`protect_branch`), and on tot the bytes /
+  # hit frontier of shorter ages with decay_kv; chosen on seed 0 (s14_tune_seed0/: every trace and budget, with end
+  # and every_chunk for the goal columns), then seeds 1-3 once, one replay at a time, with `valued` re-run (today's
+  # default; it must reproduce s13_root's `valued:root_stale=1` rows), merged over s13_root/ (its rows stay, `@s13`)
+  V="valued:kv_weight=0;valued:decay_kv=1;valued:decay_kv=1,kv_weight=0"
+  A="valued:short_ttl=4,short_max_age=4;valued:decay_kv=1,short_ttl=4,short_max_age=4,short_stale=10"
+  mkdir -p "$OUT/s14_tune_seed0"
+  for spec in agent:65536,16384,8192 tot_fork:65536,16384,8192 tot:65536,16384,4096; do
+    t=${spec%%:*}; extra=""
+    [[ $t == tot ]] && extra=";$A"
+    $BENCH --traces $t --seeds 0 --budgets-kib ${spec##*:} --out "$OUT/s14_tune_seed0/$t" \
+        --policies "end;every_chunk;valued;$V;valued:protect_branch=1$extra" > "$OUT/s14_tune_seed0/$t.log" 2>&1
+  done
+  for spec in agent:65536,16384,8192 tot_fork:65536,16384,8192 tot:65536,16384,4096; do
+    t=${spec%%:*}; extra=""
+    [[ $t == tot ]] && extra=";$A"
+    $BENCH --traces $t --seeds 1,2,3 --budgets-kib ${spec##*:} --policies "valued;$V$extra" --out "$OUT/s14_$t" \
+        > "$OUT/s14_$t.log" 2>&1
+  done
+  $PY -c "from k3compile.bench.cache_pressure import merge_rerun, goals_side_by_side as g; merge_rerun(['$OUT/s13_root'], ['$OUT/s14_agent', '$OUT/s14_tot', '$OUT/s14_tot_fork'], '$OUT/s14', 's13'); print(g('$OUT/s14', {'valued': 'valued', 'kvlru': 'valued:kv_weight=0', 'dkv': 'valued:decay_kv=1', 'both': 'valued:decay_kv=1,kv_weight=0'}))"
+fi
+if [[ " $PHASES " == *" s14_unified "* ]]; then
+  # session 13: the adopted change (`valued` = KV pressure by recency) on the unified arena, where KV pressure decides
+  # most, against the value order it replaced (`valued:kv_weight=0.25`), seeds 1-3 at 16 MiB and each trace's tight budget
+  for spec in agent:16384,8192 tot_fork:16384,8192 tot:16384,4096; do
+    $BENCH --unified --traces ${spec%%:*} --seeds 1,2,3 --budgets-kib ${spec##*:} --policies "valued;valued:kv_weight=0.25" \
+        --out "$OUT/s14_unified_${spec%%:*}" > "$OUT/s14_unified_${spec%%:*}.log" 2>&1
+  done
 fi

@@ -13,7 +13,9 @@ total, weight (the `valued` eviction's value_weight, a float), ttl (unused_ttl: 
 checkpoint before it is dropped), max_age (unused_max_age: lookups its neighbourhood was quiet), protect (protect_reused), stale (stale_age: lookups
 no lookup covered a checkpoint, hit or not, before it is dropped), short_stale / short_ttl / short_max_age (the
 shorter ages for checkpoints off a reused line: radix.py "Reused lines"), root_stale (stale_age on all traffic for
-never-hit root-anchored checkpoints); 0 turns a flag off / removes a cap;
+never-hit root-anchored checkpoints), decay_kv (a leaf whose state decays keeps its KV),
+protect_branch (KV pressure deletes branch-point leaves last), kv_weight (KV pressure's value weight, a float);
+0 turns a flag off / removes a cap;
 `total=0.25`, a float, caps checkpoints at that share of the state slots). Every policy must
 produce the same greedy tokens (checked: `outputs_match`).
 """
@@ -28,7 +30,8 @@ _KEYS = {"chunks": "donate_chunks", "decode": "donate_decode", "handover": "dona
          "protect": "protect_reused", "stale": "stale_age", "tail_new": "tail_min_new",
          "root_new": "unused_root_new_only", "protect_shared": "protect_shared_leaves",
          "short_ttl": "short_unused_ttl", "short_max_age": "short_unused_max_age", "short_stale": "short_stale_age",
-         "root_stale": "root_stale_unused_global"}
+         "root_stale": "root_stale_unused_global", "decay_kv": "decay_keeps_kv",
+         "protect_branch": "protect_branch_leaves", "kv_weight": "kv_value_weight"}
 
 
 def register(sub):
@@ -52,8 +55,8 @@ def parse_policy(text: str):
             raise ValueError(f"policy {text!r}: expected key=value with keys {', '.join(_KEYS)}, got {item!r}")
         field = _KEYS[key]
         try:
-            v = float(val) if field in ("value_weight", "tail_min_new") or (field == "max_checkpoints" and "." in val) \
-                else int(val)
+            floats = ("value_weight", "kv_value_weight", "tail_min_new")
+            v = float(val) if field in floats or (field == "max_checkpoints" and "." in val) else int(val)
         except ValueError:
             raise ValueError(f"policy {text!r}: {key} takes a number, got {val!r}") from None
         if isinstance(v, float):  # the eviction weight, a tail's new share, or total=0.25: a share of the state slots

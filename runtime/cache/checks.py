@@ -59,8 +59,10 @@ def check_cache(cache: HybridRadixCache, table: RequestTable | None = None) -> N
             bad(f"{nd!r}: negative ref count")
         if nd.ckpt_lock and nd.checkpoint is None:
             bad(f"{nd!r}: checkpoint pinned but absent")
-        if nd.is_leaf and nd.checkpoint is None and not nd.kv_lock:
+        if nd.is_leaf and nd.checkpoint is None and not nd.kv_lock and not (nd.kv_only and cache.decay_keeps_kv):
             bad(f"{nd!r}: unlocked tombstone leaf")
+        if nd.kv_only and nd.checkpoint is not None:
+            bad(f"{nd!r}: a KV-only leaf holds a checkpoint")
     if {k: (v[0].id, v[1]) for k, v in cache._page_loc.items()} != {k: (v[0].id, v[1]) for k, v in page_loc.items()}:
         bad("page -> node map is stale")
     if {k: v.id for k, v in cache._slot_owner.items()} != {k: v.id for k, v in slot_owner.items()}:

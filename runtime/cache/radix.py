@@ -16,7 +16,10 @@ Shape
   states: KV stays and can be refilled). A leaf is never a tombstone: a leaf that loses its state
   is deleted with its KV, and so is every ancestor that becomes a tombstone leaf. The one
   exception is a tombstone leaf that a running request has locked (its children were evicted
-  under it); it is deleted the moment the last lock goes.
+  under it); it is deleted the moment the last lock goes. With `decay_keeps_kv` a leaf whose state
+  decayed (below) keeps its KV as a *KV-only leaf* (`kv_only`): no state, so no hit ends there, but
+  its KV still shows a later request where it diverges, so that one plants the branch point. KV
+  pressure deletes it like any leaf (its value is zero: it saves no recompute by itself).
 
 Matching and branch points (Marconi's branch-point admission, SGLang's mamba_branching_seqlen)
 * `match` walks the KV as deep as it goes, but the usable hit ends at the deepest node on the
@@ -65,7 +68,11 @@ Caps and eviction
     both min-max normalised over the candidates, where efficiency = the prefill FLOPs a hit here
     saves over restoring from the nearest checkpointed ancestor (RecomputeCost), divided by the
     bytes evicting it frees (the state slot, plus the leaf's own KV pages when the node goes with
-    it); the lowest utility goes first.
+    it); the lowest utility goes first. `kv_value_weight` sets the weight for KV pressure alone (0: recency
+    alone; under KV pressure a leaf's bytes are mostly its KV, and the term mostly deleted short one-offs'
+    tails, whose state slot is most of what they free, before their repeats came: issue 15, session 13).
+  With `protect_branch_leaves` KV pressure deletes a leaf holding a planted branch point (a stem whose
+  sessions are gone) only once no other unlocked leaf is left; KV-only leaves (below) always go first.
 
 Unused checkpoints (`unused_ttl`: decay, not only pressure)
 * A progress checkpoint no lookup has restored from is on probation: once `unused_ttl` lookups
@@ -95,6 +102,17 @@ Stale checkpoints (`stale_age`: decay of what did show reuse)
   or a branch point): a never-hit root-anchored checkpoint goes once `stale_age` lookups of all traffic have not
   covered it (issue 15, session 12: on prompted tree-of-thought the new-family clock hardly moves, so one-off tails
   that no repeat ever came for were held to the end of the trace, 20-28% of the state held).
+
+KV-only leaves (`decay_keeps_kv`: a state goes, its KV stays)
+* A never-hit prompt tail is mostly a carrier of KV: the next request of its tree search diverges
+  inside it and plants the branch point its later siblings restore from. Without the option a leaf
+  that loses its state is deleted with its KV, so a decay short enough to hold few state bytes also
+  took that KV (issue 15, session 13: on seed 0's prompted tree-of-thought, unused ages of 1 instead
+  of 8 cost 1.6 points of the bound, all of it KV gone). With it, a leaf whose checkpoint decays
+  (`unused_ttl`, `stale_age` and their short forms) keeps its edge's KV as a KV-only leaf; state
+  pressure, the caps and KV pressure delete leaves as before. A state slot is 4.2 KV pages of 16
+  tokens at k3-tiny's sizes and 127 at K3's: keeping the KV of a few-hundred-token tail instead of
+  its state is the cheaper way to keep the branch point findable.
 
 Reused lines (`short_unused_ttl`, `short_unused_max_age`, `short_stale_age`: two clocks)
 * With the short ages set, a checkpoint keeps the long ages above only if it continues a reused
@@ -143,7 +161,7 @@ class TreeNode:
     __slots__ = ("id", "key", "pages", "parent", "children", "depth", "checkpoint", "kv_lock", "ckpt_lock",
                  "last_access", "ckpt_access", "alive", "planted", "passes", "ckpt_hits", "unused_age",
                  "anchor", "anchor_seen", "passes_seen", "ckpt_born", "last_pass", "ckpt_serial", "born_new",
-                 "last_pass_new", "on_line")
+                 "last_pass_new", "on_line", "kv_only")
 
     def __init__(self, nid: int, key: tuple[int, ...], pages: list[int], parent: "TreeNode | None", depth: int):
         self.id = nid
@@ -170,6 +188,7 @@ class TreeNode:
         self.ckpt_serial = 0  # which stored checkpoint this node holds (1, 2, ...: checkpoint listeners' key)
         self.born_new = self.last_pass_new = 0  # ckpt_born and last_pass on the root's new-family clock
         self.on_line = False  # the checkpoint extends a reused line (`short_*` ages: it keeps the long ones)
+        self.kv_only = False  # a leaf kept for its KV after its state decayed (`decay_keeps_kv`)
 
     @property
     def is_leaf(self) -> bool:
@@ -243,7 +262,8 @@ class HybridRadixCache:
                  protect_reused: bool = False, stale_age: int | None = None, root_clock_new_only: bool = False,
                  protect_shared_leaves: bool = False, short_unused_ttl: int | None = None,
                  short_unused_max_age: int | None = None, short_stale_age: int | None = None,
-                 root_stale_unused_global: bool = False):
+                 root_stale_unused_global: bool = False, decay_keeps_kv: bool = False,
+                 protect_branch_leaves: bool = False, kv_value_weight: float | None = None):
         p = memory.page_size
         if not isinstance(checkpoint_interval, int) or checkpoint_interval < 1 or checkpoint_interval % p:
             raise ValueError(f"checkpoint_interval must be a positive multiple of the page size {p}, "
@@ -265,6 +285,7 @@ class HybridRadixCache:
         self.stale_age = stale_age
         self.root_clock_new_only = root_clock_new_only
         self.root_stale_unused_global = root_stale_unused_global
+        self.decay_keeps_kv = decay_keeps_kv
         for name, short, long in (("short_unused_ttl", short_unused_ttl, unused_ttl),
                                   ("short_unused_max_age", short_unused_max_age, unused_max_age),
                                   ("short_stale_age", short_stale_age, stale_age)):
@@ -281,8 +302,16 @@ class HybridRadixCache:
         if protect_shared_leaves and eviction != "value":
             raise ValueError("protect_shared_leaves orders the 'value' eviction's candidates; eviction is " + repr(eviction))
         self.protect_shared_leaves = protect_shared_leaves
+        if protect_branch_leaves and eviction != "value":
+            raise ValueError("protect_branch_leaves orders the 'value' eviction's candidates; eviction is "
+                             + repr(eviction))
+        self.protect_branch_leaves = protect_branch_leaves
         self._probation: dict[int, TreeNode] = {}  # node id -> node whose checkpoint is on probation
         self.eviction, self.recompute_cost, self.value_weight = eviction, recompute_cost, float(value_weight)
+        if kv_value_weight is not None and not kv_value_weight >= 0:
+            raise ValueError(f"kv_value_weight must be >= 0 or None, got {kv_value_weight!r}")
+        # KV pressure's weight (None: value_weight's): 0 deletes leaves by recency alone
+        self.kv_value_weight = self.value_weight if kv_value_weight is None else float(kv_value_weight)
         self.memory, self.page_size, self.checkpoint_interval = memory, p, checkpoint_interval
         self.max_checkpoints_per_path, self.max_checkpoints = max_checkpoints_per_path, max_checkpoints
         self.root = TreeNode(0, (), [], None, 0)
@@ -452,7 +481,7 @@ class HybridRadixCache:
         if admitted:
             node.ckpt_hits = node.unused_age = 0
             node.ckpt_born, node.born_new = self._stats.lookups, self._root_misses
-            node.on_line = on_line
+            node.on_line, node.kv_only = on_line, False
             self._rebase(node)
             if self.unused_ttl is not None:
                 self._probation[node.id] = node
@@ -540,19 +569,44 @@ class HybridRadixCache:
             node = node.parent
 
     def _prune(self, nd: TreeNode) -> None:
-        """Delete `nd` (and tombstone ancestors) if it is an unlocked tombstone leaf."""
-        if nd is not self.root and nd.alive and nd.is_leaf and nd.checkpoint is None and not nd.kv_lock:
+        """Delete `nd` (and tombstone ancestors) if it is an unlocked tombstone leaf (not a KV-only leaf)."""
+        if nd is not self.root and nd.alive and nd.is_leaf and nd.checkpoint is None and not nd.kv_lock \
+                and not nd.kv_only:
             self._delete_upward(nd)
+
+    @staticmethod
+    def _paths(nd: TreeNode) -> int:
+        """Children that continue a live path: a state or a request's lock somewhere in their subtree. A
+        subtree of KV only (`decay_keeps_kv`'s KV-only leaves and tombstones over them) records where
+        requests diverged, but no later request can restore below the fork from it."""
+        return sum(1 for c in nd.children.values() if HybridRadixCache._holds_path(c))
+
+    @staticmethod
+    def _holds_path(nd: TreeNode) -> bool:
+        stack = [nd]
+        while stack:
+            x = stack.pop()
+            if x.checkpoint is not None or x.kv_lock or (not x.children and not x.kv_only):
+                return True  # (a tombstone leaf that is no KV-only leaf is a locked one: a request's)
+            stack.extend(x.children.values())
+        return False
 
     @staticmethod
     def _is_branch(nd: TreeNode) -> bool:
         """A branch point for the per-path cap: a fork, or a checkpoint planted by splitting an edge."""
-        return len(nd.children) >= 2 or nd.planted
+        return nd.planted or HybridRadixCache._is_fork(nd)
 
     @staticmethod
     def _is_fork(nd: TreeNode) -> bool:
         """Two or more live paths continue from this node (eviction keeps its checkpoint longest)."""
-        return len(nd.children) >= 2
+        if len(nd.children) < 2:
+            return False
+        live = 0
+        for c in nd.children.values():  # stop at the second live path (this runs for every eviction candidate)
+            live += HybridRadixCache._holds_path(c)
+            if live >= 2:
+                return True
+        return False
 
     def _max_checkpoints_down(self, node: TreeNode) -> int:
         """Most progress checkpoints (branch points excluded) on any path from `node` (included) to a leaf."""
@@ -612,7 +666,8 @@ class HybridRadixCache:
 
     # ------------------------------------------------------------------ eviction
     def evict_pages(self, num_pages: int) -> int:
-        """KV pressure: delete LRU unlocked leaves until `num_pages` pages are freed. Returns pages freed."""
+        """KV pressure: delete LRU unlocked leaves until `num_pages` pages are freed (KV-only leaves first:
+        they hold no state, so no lookup restores from them). Returns pages freed."""
         self._check_count(num_pages)
         if self.eviction == "value":
             freed = 0
@@ -620,24 +675,33 @@ class HybridRadixCache:
                 leaves = [nd for nd in self._nodes.values() if nd.is_leaf and not nd.kv_lock]
                 if not leaves:
                     break
-                if self.protect_shared_leaves:  # a leaf several lookups restored from goes last
-                    leaves = [nd for nd in leaves if nd.ckpt_hits < 2] or leaves
-                freed += self._delete_upward(self._lowest_utility(leaves, "last_access"))[1]
+                leaves = [nd for nd in leaves if nd.kv_only] or leaves
+                if self.protect_shared_leaves or self.protect_branch_leaves:
+                    leaves = [nd for nd in leaves if not self._shared_leaf(nd)] or leaves
+                freed += self._delete_upward(self._lowest_utility(leaves, "last_access", self.kv_value_weight))[1]
             self._flush()
             return freed
-        heap = [(nd.last_access, nd.id, nd) for nd in self._nodes.values() if nd.is_leaf and not nd.kv_lock]
+        heap = [(not nd.kv_only, nd.last_access, nd.id, nd) for nd in self._nodes.values()
+                if nd.is_leaf and not nd.kv_lock]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
-            _, _, nd = heapq.heappop(heap)
+            *_, nd = heapq.heappop(heap)
             if not nd.alive or not nd.is_leaf or nd.kv_lock:
                 continue
             survivor, pages = self._delete_upward(nd)
             freed += pages
             if survivor is not self.root and survivor.is_leaf and not survivor.kv_lock:
-                heapq.heappush(heap, (survivor.last_access, survivor.id, survivor))
+                heapq.heappush(heap, (not survivor.kv_only, survivor.last_access, survivor.id, survivor))
         self._flush()
         return freed
+
+    def _shared_leaf(self, nd: TreeNode) -> bool:
+        """KV pressure deletes these leaves last: restored from twice or more (`protect_shared_leaves`), or
+        a branch point a second request planted or whose fork lost its paths (`protect_branch_leaves`: a
+        shared stem whose sessions are gone, before the next session comes to restore from it)."""
+        return (self.protect_shared_leaves and nd.ckpt_hits >= 2) or \
+            (self.protect_branch_leaves and nd.checkpoint is not None and nd.planted)
 
     def evict_checkpoints(self, num_checkpoints: int) -> int:
         """State pressure: free unpinned checkpoints, never a fork's while anything else can go
@@ -696,8 +760,10 @@ class HybridRadixCache:
             freed += len(nd.pages) * self.memory.spec.page_bytes(self.page_size)
         return self.recompute_cost.prefill(anc.depth, nd.depth) / freed
 
-    def _lowest_utility(self, nodes: list[TreeNode], clock: str) -> TreeNode:
-        """Marconi's utility: recency + value_weight * efficiency, each min-max normalised over `nodes`."""
+    def _lowest_utility(self, nodes: list[TreeNode], clock: str, weight: float | None = None) -> TreeNode:
+        """Marconi's utility: recency + weight * efficiency (weight: value_weight unless given), each min-max
+        normalised over `nodes`."""
+        weight = self.value_weight if weight is None else weight
         rec = [getattr(nd, clock) for nd in nodes]
         eff = [self.checkpoint_efficiency(nd) if nd.checkpoint is not None else 0.0 for nd in nodes]
 
@@ -705,12 +771,21 @@ class HybridRadixCache:
             lo, hi = min(xs), max(xs)
             return [(x - lo) / (hi - lo) if hi > lo else 0.0 for x in xs]
 
-        util = [r + self.value_weight * e for r, e in zip(norm(rec), norm(eff))]
+        util = [r + weight * e for r, e in zip(norm(rec), norm(eff))]
         return min(zip(util, (nd.id for nd in nodes), nodes))[2]
 
-    def _evict_checkpoint(self, nd: TreeNode) -> None:
+    def _evict_checkpoint(self, nd: TreeNode, decayed: bool = False) -> None:
+        """Free `nd`'s state: an internal node becomes a tombstone, a leaf is deleted with its KV --
+        unless the state `decayed` (no pressure) and `decay_keeps_kv`: then the leaf stays, KV only."""
         if nd.children:
             self._drop_checkpoint(nd)  # internal: becomes a tombstone, KV stays
+            self._stats.checkpoints_evicted += 1
+        elif decayed and self.decay_keeps_kv:
+            parent = nd.parent
+            if parent.checkpoint is not None and self._is_fork(parent):
+                parent.planted = True  # a fork losing a live path stays a branch point for the per-path cap
+            self._drop_checkpoint(nd)
+            nd.kv_only, nd.ckpt_hits = True, 0
             self._stats.checkpoints_evicted += 1
         else:
             self._delete_upward(nd)  # a leaf losing its state is deleted (counted there)
@@ -718,7 +793,7 @@ class HybridRadixCache:
     def _anchor(self, nd: TreeNode) -> TreeNode:
         """The nearest fork above `nd` (two or more children), or the root: whose traffic ages `nd`."""
         a = nd.parent
-        while a is not self.root and len(a.children) < 2:
+        while a is not self.root and not self._is_fork(a):
             a = a.parent
         return a
 
@@ -779,7 +854,7 @@ class HybridRadixCache:
                 due.append(nd)
         for nd in due:
             if nd.alive and nd.checkpoint is not None and self._checkpoint_evictable(nd):
-                self._evict_checkpoint(nd)
+                self._evict_checkpoint(nd, decayed=True)
                 self._stats.checkpoints_expired += 1
         self._flush()
 
@@ -807,7 +882,7 @@ class HybridRadixCache:
         for nd in sorted(due, key=lambda nd: (-nd.depth, nd.id)):
             # a fork whose paths are not all gone stays (one stored after it can be younger)
             if nd.alive and nd.checkpoint is not None and self._checkpoint_evictable(nd) and not self._is_fork(nd):
-                self._evict_checkpoint(nd)
+                self._evict_checkpoint(nd, decayed=True)
                 self._stats.checkpoints_stale += 1
         self._flush()
 

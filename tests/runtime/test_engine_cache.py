@@ -207,3 +207,29 @@ def test_shared_stem_branch_point_survives_the_per_path_cap(model, cfg, policy):
     check_idle(engine)
     assert_checkpoints_hold_their_prefix_state(engine, model)
     engine.close()
+
+
+def test_kv_only_leaves_and_recency_kv_eviction_keep_outputs(model):
+    """`valued` with leaves that keep their KV after their state decays (`decay_kv`, ages of one lookup so that
+    decays happen) and KV pressure by recency (`kv_weight=0`), on a budget that evicts: siblings over a shared stem
+    and unrelated one-offs. Outputs equal the reference, KV-only leaves were there, the accounting and every
+    checkpoint's state hold (issue 15, session 13: no correctness change)."""
+    from k3compile.bench.cache import parse_policy
+
+    policy = parse_policy("valued:decay_kv=1,kv_weight=0,ttl=1,max_age=1,short_ttl=1,short_max_age=1,stale=2,"
+                          "short_stale=2")
+    rng = random.Random(23)
+    stem = tokens(rng, 64)
+    prompts = [p for i in range(4) for p in (stem + tokens(rng, 40 + 7 * i), tokens(rng, 30 + i))]
+    engine = make_engine(model, cache_policy=policy, page_size=16, chunk_size=32, track_interval=32,
+                         memory_bytes=300_000, state_fraction=0.5)
+    kv_only = 0
+    for i, prompt in enumerate(prompts):
+        out, _ = generate_one(engine, f"r{i}", prompt)
+        assert out == reference_generate(model, prompt, GREEDY.max_new_tokens)
+        kv_only += sum(1 for nd in engine.cache.nodes() if nd.kv_only and nd.is_leaf)
+        check_idle(engine)
+    assert kv_only > 0 and engine.metrics()["cache_hit_tokens"] > 0
+    assert engine.cache.stats().pages_evicted > 0
+    assert_checkpoints_hold_their_prefix_state(engine, model)
+    engine.close()

@@ -3,8 +3,11 @@ unlock / evict / relocate on the hybrid radix cache over split pools and over th
 
 After every step: the tree's structure and reverse maps are consistent; every live page and slot
 is accounted for exactly once (tree, a live request, or free: nothing leaked, nothing freed twice);
-ref counts equal the live locks; no unlocked tombstone leaf; the caps hold; every checkpoint holds
-the toy model's state for its node's prefix; every tree page holds the KV of its tokens; every
+ref counts equal the live locks; no unlocked tombstone leaf (but KV-only leaves with `decay_keeps_kv`, and a
+decay in a lookup frees no KV then); the caps hold; with `kv_value_weight` 0 KV pressure takes the least recently
+used leaf first, a protected leaf (`protect_branch_leaves`) goes only after every unprotected one and a leaf with a
+state only after every KV-only one; every
+checkpoint holds the toy model's state for its node's prefix; every tree page holds the KV of its tokens; every
 running request's page table, working state and pending snapshots are right.
 """
 from __future__ import annotations
@@ -48,8 +51,10 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(page_size=st.sampled_from([1, 2, 4]), interval_pages=st.sampled_from([1, 2]),
                 per_path=st.sampled_from([None, 1, 2, 3]), global_cap=st.sampled_from([None, 2, 5]),
                 arena=st.booleans(), eviction=st.sampled_from(["lru", "value"]),
-                decay=st.sampled_from([(None, None), (1, None), (2, 6)]))
-    def setup(self, page_size, interval_pages, per_path, global_cap, arena, eviction, decay):
+                decay=st.sampled_from([(None, None, None), (1, None, None), (2, 6, None), (2, 6, 5), (None, None, 3)]),
+                keep_kv=st.booleans(), kv_weight=st.sampled_from([None, 0.0]), protect_branch=st.booleans())
+    def setup(self, page_size, interval_pages, per_path, global_cap, arena, eviction, decay, keep_kv, kv_weight,
+              protect_branch):
         if arena:
             size = 10 * SPEC.slot_bytes + 40 * SPEC.page_bytes(page_size)
             inner = UnifiedArena(SPEC, size, page_size)
@@ -60,7 +65,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = HybridRadixCache(self.mem, self.interval, max_checkpoints_per_path=per_path,
                                       max_checkpoints=global_cap, eviction=eviction,
                                       recompute_cost=RecomputeCost(linear=1.0, attention=0.05),
-                                      unused_ttl=decay[0], unused_max_age=decay[1])
+                                      unused_ttl=decay[0], unused_max_age=decay[1], stale_age=decay[2],
+                                      decay_keeps_kv=keep_kv, kv_value_weight=kv_weight,
+                                      protect_branch_leaves=protect_branch and eviction == "value")
         self.table = RequestTable(self.cache)
         self.sims: dict[int, Sim] = {}
         self.locks = []
@@ -196,7 +203,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(tokens=TOKENS, touch=st.booleans())
     def match(self, tokens, touch):
+        pages_before = self.cache.num_pages()
         hit = self.cache.match(tokens, touch=touch)
+        if self.cache.decay_keeps_kv:  # decay (which runs in a lookup) frees states only, never the tree's KV
+            assert self.cache.num_pages() == pages_before
         p, I = self.cache.page_size, self.interval
         assert hit.cached_len % I == 0 and hit.cached_len <= hit.kv_match_len <= len(tokens)
         assert self.cache.path_tokens(hit.node) == tuple(tokens[: hit.cached_len])
@@ -228,7 +238,20 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 12))
     def evict_pages(self, n):
         free_before = len(self.mem.live_pages)
+        c = self.cache
+        leaves = [nd for nd in c.nodes() if nd.is_leaf and not nd.kv_lock]
+        lru = None
+        protecting = c.protect_shared_leaves or c.protect_branch_leaves
+        if c.eviction == "value" and c.kv_value_weight == 0 and not protecting:
+            lru = min(leaves, key=lambda nd: (nd.last_access, nd.id), default=None)  # recency alone decides
+        shielded = {nd.id for nd in leaves if c.eviction == "value" and c._shared_leaf(nd)}
         freed = self.cache.evict_pages(n)
+        if lru is not None and n > 0:
+            assert not lru.alive, f"kv_value_weight 0: the least recently used leaf {lru!r} must go first"
+        if any(not nd.alive for nd in leaves if not nd.kv_only):  # a leaf with a state went: no KV-only one is left
+            assert all(not nd.alive for nd in leaves if nd.kv_only)
+        if any(not nd.alive for nd in leaves if nd.id in shielded):  # a protected leaf went: no other could
+            assert all(not nd.alive for nd in leaves if nd.id not in shielded)
         assert free_before - len(self.mem.live_pages) == freed
         assert freed >= n or self.cache.evictable_pages() == 0
 
@@ -258,7 +281,8 @@ class CacheMachine(RuleBasedStateMachine):
         check_cache(self.cache, self.table)
         for nd in self.cache.nodes():
             if nd.checkpoint is None:
-                event("locked tombstone leaf" if nd.is_leaf else "internal tombstone")
+                kind = ("KV-only leaf" if nd.kv_only else "locked tombstone leaf") if nd.is_leaf else "internal tombstone"
+                event(kind)
         if self.mem.moves:
             event("relocations happened")
         # Every live index has exactly one owner (check_cache proved the owners are disjoint).
@@ -293,7 +317,8 @@ class CacheMachine(RuleBasedStateMachine):
         for lk in self.locks:
             self.cache.unlock(lk)
         check_cache(self.cache, self.table)  # no tombstone leaf once nothing is locked
-        assert all(nd.checkpoint is not None for nd in self.cache.nodes() if nd.is_leaf)
+        assert all(nd.checkpoint is not None or (nd.kv_only and self.cache.decay_keeps_kv)
+                   for nd in self.cache.nodes() if nd.is_leaf)
         self.cache.evict_pages(10 ** 9)
         assert not list(self.cache.nodes()) and not self.mem.live_pages and not self.mem.live_slots
 
