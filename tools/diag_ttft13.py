@@ -8,7 +8,8 @@ EngineArgs as `serve ENGINE --memory-bytes M --step-timing`:
   A. TTFT of 4 new 448-token prompts one at a time, and of the same prompts again (prefix-cache hits); per prefill
      forward: tokens, host ms (the call that launches it) and device ms (CUDA events around it); the engine step's
      other host work (schedule, sampling, applying results) as the rest of the TTFT.
-  B. the same with chunk_size 2048 (serve --chunk-size 2048): 2 forwards per new prompt instead of 3.
+  B. the same with chunk_size 2048 (serve --chunk-size 2048): 2 forwards per new prompt instead of 3; and (chunk 256)
+     with the short convs' per-step layout cache off (model_def/ops/library.py: each conv makes its own, as before).
   C. one prefill forward of 256 tokens and one of 16 under torch.profiler (CPU + CUDA): host ops, kernels, top ops
      by self CPU time, k3:: custom ops, and host syncs (torch.cuda.set_sync_debug_mode) per forward.
   D. pass p18_short_conv_merge (off by default): the prefill graph captured again from the same preset and seed as
@@ -133,6 +134,15 @@ eng.scheduler.cfg = replace(cfg, chunk_size=2048)
 eng.generate(prompts(2, 1), SamplingParams(max_new_tokens=2, ignore_eos=True))   # the 432-token chunk's shapes
 doc["chunk2048"] = arm("chunk 2048", 20)
 eng.scheduler.cfg = cfg
+
+# the short convs' per-step layout cache (model_def/ops/library.py, on since ttft13) off: every conv makes its own
+from k3compile.model_def.ops import kda_math, library   # noqa: E402
+
+cached_layout = library._conv_step_layout
+library._conv_step_layout = lambda cu, seq, n, w: (library._fresh(cu, seq).view(-1, 1, 1),
+                                                   kda_math.short_conv_layout(cu, n, w) if w > 1 else None)
+doc["conv_layout_uncached"] = arm("conv layout uncached", 40)
+library._conv_step_layout = cached_layout
 
 
 def profile_forward(prompt_len: int, arm_name: str = "engine"):
