@@ -153,7 +153,8 @@ class Scheduler:
         self.cache_hit_tokens = 0  # of those, served from the cache
         self.forked = 0  # followers that continued from a forked state instead of a prefill
         # what first tokens cost (metrics "first_token"): requests that got one, the prefill forwards each
-        # rode in until then (summed), and their engine-side seconds from add_request to that token
+        # rode in until then (summed), and their engine-side seconds from add_request to that token (n > 1
+        # followers are not counted: their first token is sampled from the leader's forward)
         self.first_tokens = 0
         self.first_token_forwards = 0
         self.first_token_seconds = 0.0
