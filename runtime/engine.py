@@ -628,6 +628,8 @@ class LLMEngine:
             self.generate([[rng.randrange(vocab) for _ in range(1 + i % 7)] for i in range(width)], params)
         s = self.scheduler
         s.generated_tokens = s.prefill_tokens = s.prompt_tokens = s.cache_hit_tokens = 0
+        s.first_tokens = s.first_token_forwards = 0
+        s.first_token_seconds = 0.0
         if self.cache.num_checkpoints():   # leave the cache as empty as it was
             self.cache.evict_checkpoints(self.cache.num_checkpoints())
         if self.cache.evictable_pages():
@@ -637,6 +639,9 @@ class LLMEngine:
         timer = getattr(self.runner, "timer", None)
         if timer is not None:   # the served figures start after the warm-up, like the counters above
             timer.reset()
+        prefill_timer = getattr(self.runner, "prefill_timer", None)
+        if prefill_timer is not None:
+            prefill_timer.reset()
         self._warm = {"seconds": time.perf_counter() - t0, "requests": 1 + bool(width) * width, "decode_batch": width}
         return self._warm
 
@@ -661,7 +666,10 @@ class LLMEngine:
             "peak_checkpoint_bytes": st.peak_checkpoint_bytes, "tree_pages": st.num_pages,
             "retractions": s.retractions, "forked_requests": s.forked, "unified_memory": isinstance(inner, UnifiedArena),
             "cache_policy": self.policy.name,
+            "first_token": {"requests": s.first_tokens, "prefill_forwards": s.first_token_forwards,
+                            "seconds": s.first_token_seconds},
             **self._decode_forward_metrics(),
+            **self._prefill_forward_metrics(),
         }
 
     def _decode_forward_metrics(self) -> dict:
@@ -671,6 +679,12 @@ class LLMEngine:
         if timer is None:
             return {}
         return {"decode_forward": {str(b): {"forwards": n, "seconds": s} for b, (n, s) in timer.totals().items()}}
+
+    def _prefill_forward_metrics(self) -> dict:
+        """With step timing: {"prefill_forward": {"forwards", "tokens", "host_seconds", "device_forwards",
+        "device_seconds"}} (runtime/prefill_timing.py)."""
+        timer = getattr(self.runner, "prefill_timer", None)
+        return {} if timer is None else {"prefill_forward": timer.totals()}
 
     def check_health(self) -> None:
         """Raise FatalEngineError if the engine cannot go on (a rank of a parallel engine died or hung)."""

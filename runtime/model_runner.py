@@ -26,6 +26,7 @@ from k3compile.runtime.executor import Executor
 
 from .batch_sampling import BatchSample, PendingSample, sample_batch
 from .decode_timing import DecodeTimer
+from .prefill_timing import PrefillTimer
 from .inflight_memory import InFlightMemory
 from .sampler import to_device
 from .scheduler import ScheduledBatch
@@ -60,23 +61,29 @@ class ModelRunner:
     def __init__(self, provider, memory: InFlightMemory, max_context: int, overlap: bool = False,
                  cuda_graphs: bool | None = None, buckets=None, pad_to_buckets: bool | None = None,
                  step_timing: bool = False):
-        """`step_timing`: time every decode forward per batch bucket (`self.timer`, runtime/decode_timing.py)."""
+        """`step_timing`: time every decode forward per batch bucket (`self.timer`, runtime/decode_timing.py)
+        and every prefill forward's host and device time (`self.prefill_timer`, runtime/prefill_timing.py)."""
         self.memory = memory
         self.executor = Executor(provider, memory.tensors, cuda_graphs=cuda_graphs, max_context=max_context,
                                  pad_to_buckets=pad_to_buckets, **({"buckets": buckets} if buckets else {}))
-        self.timer = DecodeTimer(self.executor.device.type == "cuda") if step_timing else None
+        cuda = self.executor.device.type == "cuda"
+        self.timer = DecodeTimer(cuda) if step_timing else None
+        self.prefill_timer = PrefillTimer(cuda) if step_timing else None
         # on CUDA the launch itself is asynchronous; on a CPU a worker thread stands in for the stream
         threaded = overlap and self.executor.device.type != "cuda"
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="k3-forward") if threaded else None
 
     def _forward(self, batch: ScheduledBatch, job: InFlight) -> torch.Tensor:
         fb = batch.forward
-        mark = self.timer.start(self.executor.decode_size(fb.batch_size)) \
-            if self.timer is not None and fb.mode == "decode" else None
+        timer = None
+        if self.timer is not None and fb.mode == "decode":
+            timer, mark = self.timer, self.timer.start(self.executor.decode_size(fb.batch_size))
+        elif self.prefill_timer is not None and fb.mode == "prefill":
+            timer, mark = self.prefill_timer, self.prefill_timer.start(int(fb.input_ids.shape[0]))
         with torch.no_grad():
             out = self.executor.run(fb)
-            if mark is not None:
-                self.timer.stop(mark)
+            if timer is not None:
+                timer.stop(mark)
             for working, snap in batch.snapshot_copies:
                 self.memory.copy_slot(working, snap)
         if isinstance(out, tuple):  # the executor emits target features (a speculative drafter reads them)

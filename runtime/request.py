@@ -44,6 +44,7 @@ class Request:
     branch_point: int | None = None  # where this admission's prefill plants a checkpoint (Marconi)
     handle: CachedRequest | None = None  # pages, slots and tree lock, while running
     admit_seq: int = 0  # admission order: retraction takes the newest
+    prefill_forwards: int = 0  # prefill-mode forwards that computed some of its positions (TTFT accounting)
     inflight: int = 0  # batches scheduled or running that include this request
     retract_pending: bool = False  # retract once no batch includes it any more
     latest_snapshot: int | None = None  # position of the newest complete snapshot not yet donated

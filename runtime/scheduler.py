@@ -152,6 +152,12 @@ class Scheduler:
         self.prompt_tokens = 0  # prompt tokens of first admissions
         self.cache_hit_tokens = 0  # of those, served from the cache
         self.forked = 0  # followers that continued from a forked state instead of a prefill
+        # what first tokens cost (metrics "first_token"): requests that got one, the prefill forwards each
+        # rode in until then (summed), and their engine-side seconds from add_request to that token (n > 1
+        # followers are not counted: their first token is sampled from the leader's forward)
+        self.first_tokens = 0
+        self.first_token_forwards = 0
+        self.first_token_seconds = 0.0
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, req: Request) -> None:
@@ -465,6 +471,8 @@ class Scheduler:
             spans.append((offset - n_logits, offset))
             req.num_scheduled = row.end
             req.inflight += 1
+            if mode == "prefill" and not row.decode:
+                req.prefill_forwards += 1
         self.memory.pin(pins_s, pins_p)
         fb = ForwardBatch.build(mode, ids, [r.start for r in rows], tables, slots, p)  # on the host first
         if scoring:
@@ -516,8 +524,13 @@ class Scheduler:
                 req.finish("length")  # scored the prompt, generates nothing
                 touched.append(req)
             elif row.samples and tok is not None:
+                first = not req.output_ids
                 req.append_token(tok, sampled.logprobs[i])
                 self.generated_tokens += 1
+                if first:
+                    self.first_tokens += 1
+                    self.first_token_forwards += req.prefill_forwards
+                    self.first_token_seconds += req.first_token_time - req.arrival_time
                 touched.append(req)
                 if req.followers:
                     touched.extend(self._fork(req, sampled.forks.get(i, [])))

@@ -385,6 +385,7 @@ def _bench(args) -> dict:
     def one_run(rate, conc, run_reqs, **extra):
         _log(f"rate {rate:g} req/s, concurrency {conc}: {len(run_reqs)} requests" + (" (repeat)" if extra else ""))
         before = scrape_decode_forwards(args.base_url)
+        before_prefill = scrape_prefill(args.base_url)
         results, duration = asyncio.run(_run_load(args.base_url, model, args.api_key, run_reqs, rate, conc,
                                                   args.seed, args.timeout, client))
         run = {"request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": conc,
@@ -392,12 +393,13 @@ def _bench(args) -> dict:
         if before is not None:
             time.sleep(0.2)   # the engine publishes its figures after the iteration that ran the last step
             _add_server_forwards(run, before, scrape_decode_forwards(args.base_url))
+            _add_server_prefill(run, before_prefill, scrape_prefill(args.base_url))
         _log(f"  {run['completed']} ok, {run['failed']} failed; output {run['output_throughput']:.1f} tok/s, "
              f"TTFT p50 {run['median_ttft_ms']:.1f} ms p99 {run.get('p99_ttft_ms', float('nan')):.1f} ms, "
              f"ITL p50 {run['median_itl_ms']:.2f} ms, {run['chunks_per_output_token']:.2f} chunks per token, "
              f"{run['total_cached_tokens']} cached prompt tokens"
              + (f", server decode forward {run['server_forward_ms']:.3f} ms at batch {run['server_forward_batch']}"
-                if "server_forward_ms" in run else ""))
+                if "server_forward_ms" in run else "") + _prefill_line(run.get("server_prefill")))
         doc["runs"].append(run)
 
     first = None
@@ -438,6 +440,67 @@ def scrape_decode_forwards(base_url: str) -> dict | None:
             if i is not None and "batch" in sample.labels:
                 out.setdefault(sample.labels["batch"], [0.0, 0.0])[i] = sample.value
     return {b: (int(n), s) for b, (n, s) in out.items()}
+
+
+_PREFILL_SAMPLES = ("prefill_forwards", "prefill_forward_tokens", "prefill_forward_host_seconds",
+                    "prefill_forward_device_forwards", "prefill_forward_device_seconds", "first_token_requests",
+                    "first_token_prefill_forwards", "first_token_engine_seconds")
+
+
+def scrape_prefill(base_url: str) -> dict | None:
+    """The server's prefill-forward and first-token counters ({name: value}, names without the k3compile_ prefix
+    and _total; runtime/server/metrics.py); None when /metrics cannot be read."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except Exception:
+        return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            name = sample.name.removeprefix("k3compile_").removesuffix("_total")
+            if name in _PREFILL_SAMPLES:
+                out[name] = sample.value
+    return out
+
+
+def _add_server_prefill(run: dict, before: dict | None, after: dict | None) -> None:
+    """What the run's first tokens cost on the server (the counters' increase): prefill forwards, tokens per
+    forward, host and device ms per forward, forwards per first token, engine-side TTFT."""
+    if before is None or not after:
+        return
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _PREFILL_SAMPLES}
+    out = {}
+    if d["first_token_requests"] > 0:
+        out["first_tokens"] = int(d["first_token_requests"])
+        out["forwards_per_first_token"] = d["first_token_prefill_forwards"] / d["first_token_requests"]
+        out["engine_ttft_mean_ms"] = d["first_token_engine_seconds"] / d["first_token_requests"] * 1e3
+    if d["prefill_forwards"] > 0:
+        n = d["prefill_forwards"]
+        out["forwards"] = int(n)
+        out["tokens_per_forward"] = d["prefill_forward_tokens"] / n
+        out["host_ms_per_forward"] = d["prefill_forward_host_seconds"] / n * 1e3
+        if d["prefill_forward_device_forwards"] > 0:
+            out["device_ms_per_forward"] = d["prefill_forward_device_seconds"] / d["prefill_forward_device_forwards"] * 1e3
+    if out:
+        run["server_prefill"] = out
+
+
+def _prefill_line(p: dict | None) -> str:
+    if not p:
+        return ""
+    parts = []
+    if "forwards_per_first_token" in p:
+        parts.append(f"{p['forwards_per_first_token']:.2f} prefill forwards per first token, engine TTFT "
+                     f"{p['engine_ttft_mean_ms']:.1f} ms")
+    if "forwards" in p:
+        parts.append(f"prefill forward: {p['tokens_per_forward']:.0f} tokens, host {p['host_ms_per_forward']:.1f} ms"
+                     + (f", device {p['device_ms_per_forward']:.1f} ms" if "device_ms_per_forward" in p else ""))
+    return "; " + "; ".join(parts)
 
 
 def _add_server_forwards(run: dict, before: dict, after: dict | None) -> None:

@@ -137,28 +137,40 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor):
     return y.to(x.dtype), new_window
 
 
-def short_conv_packed(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, cu_seqlens: torch.Tensor):
+def short_conv_layout(cu_seqlens: torch.Tensor, num_tokens: int, width: int) -> tuple[torch.Tensor, ...]:
+    """The row indices `short_conv_packed` uses, which depend on the batch only (cu_seqlens, N, conv width), not on
+    a layer: (token rows [N], window rows [B*(W-1)], frame rows [N, W], last rows [B, W-1]) in the extended layout
+    where each sequence's W-1 window rows sit right before its tokens. A step computes them once for all its convs."""
+    past = width - 1
+    cu = cu_seqlens.to(torch.int64)
+    dev, b = cu.device, cu.shape[0] - 1
+    seq = sequence_ids(cu, num_tokens)
+    tok_row = torch.arange(num_tokens, device=dev) + (seq + 1) * past  # token t's row in the extended layout
+    win_row = (cu[:-1] + torch.arange(b, device=dev) * past).unsqueeze(1) + torch.arange(past, device=dev)  # [B, W-1]
+    frames = tok_row.unsqueeze(1) - past + torch.arange(width, device=dev)  # [N, W]
+    last = (cu[1:] + torch.arange(1, b + 1, device=dev) * past - past).unsqueeze(1) + torch.arange(past, device=dev)
+    return tok_row, win_row.flatten(), frames, last
+
+
+def short_conv_packed(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, cu_seqlens: torch.Tensor,
+                      layout: tuple[torch.Tensor, ...] | None = None):
     """`short_conv` for B packed sequences at once, with no per-sequence loop and no host sync.
 
     x [N, C] packed new inputs cut by cu_seqlens [B+1]; windows [B, C, W-1] each sequence's previous
     inputs (oldest first). Returns (y [N, C], new windows [B, C, W-1]), the same math as `short_conv`
     per sequence: each sequence's window rows are laid out right before its tokens, and every token
     reads the W rows ending at itself (a sequence shorter than W-1 keeps part of its old window).
+    `layout`: `short_conv_layout(cu_seqlens, N, W)` when the caller has it already (the same for every layer).
     """
     n, c = x.shape
     b, width = windows.shape[0], weight.shape[-1]
     past = width - 1
     if past == 0:
         return F.silu(x.float() * weight.float()[:, 0]).to(x.dtype), windows
-    dev = x.device
-    cu = cu_seqlens.to(torch.int64)
-    seq = sequence_ids(cu, n)
-    tok_row = torch.arange(n, device=dev) + (seq + 1) * past  # token t's row in the extended layout
-    win_row = (cu[:-1] + torch.arange(b, device=dev) * past).unsqueeze(1) + torch.arange(past, device=dev)  # [B, W-1]
+    tok_row, win_rows, frame_rows, last = layout if layout is not None else short_conv_layout(cu_seqlens, n, width)
     ext = x.new_empty(n + b * past, c)
-    ext[win_row.flatten()] = windows.to(x.dtype).transpose(1, 2).reshape(b * past, c)
+    ext[win_rows] = windows.to(x.dtype).transpose(1, 2).reshape(b * past, c)
     ext[tok_row] = x
-    frames = ext[tok_row.unsqueeze(1) - past + torch.arange(width, device=dev)]  # [N, W, C]
+    frames = ext[frame_rows]  # [N, W, C]
     y = F.silu((frames.transpose(1, 2).float() * weight.float()).sum(-1))
-    last = (cu[1:] + torch.arange(1, b + 1, device=dev) * past - past).unsqueeze(1) + torch.arange(past, device=dev)
     return y.to(x.dtype), ext[last].transpose(1, 2)

@@ -27,11 +27,37 @@ def short_conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.T
     """x [N, C] -> SiLU(causal depthwise conv) [N, C]; updates each request's window in conv_pool.
     All requests at once, on any device: no per-request loop, no host sync."""
     c = x.shape[1]
+    fresh, layout = _conv_step_layout(cu_seqlens, seq_lens, x.shape[0], weight.shape[-1])
     win = conv_pool[slots, layer, channel_offset: channel_offset + c]  # [B, C, W-1]
-    win = torch.where(_fresh(cu_seqlens, seq_lens).view(-1, 1, 1), torch.zeros_like(win), win)
-    y, new = kda_math.short_conv_packed(x, weight, win, cu_seqlens)
+    win = torch.where(fresh, torch.zeros_like(win), win)
+    y, new = kda_math.short_conv_packed(x, weight, win, cu_seqlens, layout)
     conv_pool[slots, layer, channel_offset: channel_offset + c] = new.to(conv_pool.dtype)
     return y
+
+
+# The last step's short-conv layout: (key, (fresh [B, 1, 1], row indices)). Every short conv of a step (3 per KDA
+# layer, or 1 after pass P18) sees the same cu_seqlens / seq_lens tensors, and their index math is ~30 of the op's
+# ~60 host-dispatched ops: an eager prefill step is host-bound (traces/h200_s13/call3), so it is done once a step.
+# Keyed on the tensors' identity and version (held here, so an id cannot be reused) and the sizes it depends on;
+# one tuple read and replaced whole, so engines stepping on two threads at worst recompute it.
+_CONV_LAYOUT: list = [None]
+
+
+def _conv_step_layout(cu_seqlens: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, width: int):
+    try:
+        key = (cu_seqlens, cu_seqlens._version, seq_lens, seq_lens._version, num_tokens, width)
+    except RuntimeError:   # inference tensors keep no version: nothing can tell an in-place change, so no cache
+        key = None
+    entry = _CONV_LAYOUT[0]
+    if entry is not None and key is not None:
+        old = entry[0]
+        if old[0] is key[0] and old[2] is key[2] and old[1] == key[1] and old[3:] == key[3:]:
+            return entry[1]
+    fresh = _fresh(cu_seqlens, seq_lens).view(-1, 1, 1)
+    value = (fresh, kda_math.short_conv_layout(cu_seqlens, num_tokens, width) if width > 1 else None)
+    if key is not None:
+        _CONV_LAYOUT[0] = (key, value)
+    return value
 
 
 def _fresh(cu_seqlens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

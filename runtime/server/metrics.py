@@ -52,6 +52,7 @@ class _EngineCollector:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"{PREFIX}_{name}", help_, value=float(value))
         yield from _decode_forward_families(snap.get("decode_forward"))
+        yield from _prefill_families(snap.get("prefill_forward"), snap.get("first_token"))
 
 
 def _decode_forward_families(per_bucket):
@@ -70,6 +71,34 @@ def _decode_forward_families(per_bucket):
         seconds.add_metric([str(bucket)], float(v["seconds"]))
     yield forwards
     yield seconds
+
+
+# (snapshot key, counter name without prefix and _total, help) of what a first token costs
+_PREFILL_COUNTERS = (
+    ("prefill_forward", "forwards", "prefill_forwards", "prefill forwards run (serve --step-timing)"),
+    ("prefill_forward", "tokens", "prefill_forward_tokens", "tokens those prefill forwards computed"),
+    ("prefill_forward", "host_seconds", "prefill_forward_host_seconds",
+     "wall seconds of the calls that launched them (op dispatch, launches, host syncs inside)"),
+    ("prefill_forward", "device_forwards", "prefill_forward_device_forwards",
+     "prefill forwards whose device time is counted (finished)"),
+    ("prefill_forward", "device_seconds", "prefill_forward_device_seconds",
+     "device seconds of those (CUDA events around the forward; wall clock on a CPU)"),
+    ("first_token", "requests", "first_token_requests", "requests that got their first token"),
+    ("first_token", "prefill_forwards", "first_token_prefill_forwards",
+     "prefill forwards those requests rode in until their first token, summed"),
+    ("first_token", "seconds", "first_token_engine_seconds",
+     "engine-side seconds from add_request to the first token, summed"),
+)
+
+
+def _prefill_families(prefill, first):
+    """Counters of the prefill forwards (with --step-timing) and of what first tokens cost: a scraper differences
+    two scrapes to get tokens per forward, host and device ms per forward, forwards per first token."""
+    snaps = {"prefill_forward": prefill, "first_token": first}
+    for key, field, name, help_ in _PREFILL_COUNTERS:
+        snap = snaps[key]
+        if isinstance(snap, dict) and _is_number(snap.get(field)):
+            yield CounterMetricFamily(f"{PREFIX}_{name}", help_, value=float(snap[field]))
 
 
 def _is_number(v) -> bool:

@@ -81,6 +81,42 @@ def test_short_conv_work_does_not_grow_with_requests():
     assert "aten::_local_scalar_dense" not in many and "aten::item" not in many
 
 
+def test_a_steps_short_convs_share_one_layout():
+    """Every short conv of a step (the q/k/v convs of each KDA layer) reads the same cu_seqlens / seq_lens: the
+    index math is done by the first and reused (about half the op's host-dispatched ops: an eager prefill step is
+    host-bound); results are those of the layout made afresh. A new batch, or the same tensors changed in place, get
+    a new layout."""
+    C, W = 6, 4
+    lens, prefixes = [3, 1, 6], [0, 5, 2]
+    slots = torch.tensor([2, 0, 1])
+    w = torch.randn(C, W, generator=gen(8))
+    x = torch.randn(sum(lens), C, generator=gen(9))
+    cu, seq = cu_of(lens), torch.tensor([p + n for p, n in zip(prefixes, lens)], dtype=torch.int32)
+    pool0 = torch.randn(3, 3, 2 * C, W - 1, generator=gen(10))
+
+    def conv(pool, layer, off, cu_t, seq_t, xx=x):
+        return torch.ops.k3.short_conv_prefill(xx, w, pool, layer, off, slots, cu_t, seq_t)
+
+    fresh_pool = pool0.clone()   # each call with its own copies of cu / seq: a new layout every time
+    want = [conv(fresh_pool, i % 3, (i % 2) * C, cu.clone(), seq.clone()) for i in range(4)]
+    pool = pool0.clone()
+    first = aten_ops(lambda: conv(pool, 0, 0, cu, seq))
+    again = aten_ops(lambda: conv(pool, 1, C, cu, seq))
+    assert sum(again.values()) <= sum(first.values()) - 15   # the layout's ops are not dispatched again
+    got = [conv(pool, 2, 0, cu, seq), conv(pool, 0, C, cu, seq)]
+    assert torch.equal(pool, fresh_pool)
+    assert all(torch.equal(a, b) for a, b in zip(got, want[2:]))
+    # in place: another batch of as many tokens in the same tensors (only the versions tell it apart)
+    cu2, seq2 = cu_of([2, 4, 4]), torch.tensor([5, 9, 4], dtype=torch.int32)
+    x2 = torch.randn(10, C, generator=gen(11))
+    ref_pool = pool.clone()
+    ref = conv(ref_pool, 1, 0, cu2.clone(), seq2.clone(), x2)
+    conv(pool.clone(), 1, 0, cu, seq, x2)   # the layout of (cu, seq) as they are now is the cached one again
+    cu.copy_(cu2)
+    seq.copy_(seq2)
+    assert torch.equal(conv(pool, 1, 0, cu, seq, x2), ref) and torch.equal(pool, ref_pool)
+
+
 # ------------------------------------------------------------------------------------------- KDA
 
 def _kda_inputs(n, H=2, K=8, V=8, seed=0):
