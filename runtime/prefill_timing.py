@@ -16,47 +16,24 @@ device; `device_forwards` counts those.
 """
 from __future__ import annotations
 
-import time
-from collections import deque
+from .forward_clock import ForwardClock
 
 
-class PrefillTimer:
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self._marks: deque = deque()   # (start event, end event) of forwards not yet read (CUDA)
-        self.reset()
+class PrefillTimer(ForwardClock):
+    """Prefill forwards: start(num_tokens) ... stop(mark); host time of every one, device time of the finished."""
 
-    def start(self, tokens: int):
-        ev = None
-        if self.cuda:
-            import torch
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-        return tokens, time.perf_counter(), ev
-
-    def stop(self, mark) -> None:
-        tokens, t0, start = mark
-        host = time.perf_counter() - t0
+    def _launched(self, tokens: int, host_seconds: float) -> None:
         self._forwards += 1
         self._tokens += tokens
-        self._host += host
-        if self.cuda:
-            import torch
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._marks.append((start, end))
-        else:
-            self._device_forwards += 1
-            self._device += host
+        self._host += host_seconds
 
-    def _drain(self) -> None:
-        while self._marks:
-            start, end = self._marks[0]
-            if not end.query():   # still running: later marks are later on the same stream
-                return
-            self._marks.popleft()
-            self._device_forwards += 1
-            self._device += start.elapsed_time(end) / 1e3
+    def _finished(self, tokens: int, device_seconds: float) -> None:
+        self._device_forwards += 1
+        self._device += device_seconds
+
+    def _clear(self) -> None:
+        self._forwards = self._tokens = self._device_forwards = 0
+        self._host = self._device = 0.0
 
     def totals(self) -> dict:
         """Prefill forwards since the start or the last reset: their count, tokens, host seconds, and the
@@ -64,9 +41,3 @@ class PrefillTimer:
         self._drain()
         return {"forwards": self._forwards, "tokens": self._tokens, "host_seconds": self._host,
                 "device_forwards": self._device_forwards, "device_seconds": self._device}
-
-    def reset(self) -> None:
-        """Forget what was timed so far (after the warm-up); forwards still running are dropped too."""
-        self._marks.clear()
-        self._forwards = self._tokens = self._device_forwards = 0
-        self._host = self._device = 0.0
