@@ -384,16 +384,16 @@ def _bench(args) -> dict:
 
     def one_run(rate, conc, run_reqs, **extra):
         _log(f"rate {rate:g} req/s, concurrency {conc}: {len(run_reqs)} requests" + (" (repeat)" if extra else ""))
-        before = scrape_decode_forwards(args.base_url)
-        before_prefill = scrape_prefill(args.base_url)
+        before = _metric_samples(args.base_url)   # the server's counters, read once before and once after
         results, duration = asyncio.run(_run_load(args.base_url, model, args.api_key, run_reqs, rate, conc,
                                                   args.seed, args.timeout, client))
         run = {"request_rate": rate if math.isfinite(rate) else "inf", "max_concurrency": conc,
                "num_prompts": len(run_reqs), **extra, **summarize(results, duration, pcts)}
         if before is not None:
             time.sleep(0.2)   # the engine publishes its figures after the iteration that ran the last step
-            _add_server_forwards(run, before, scrape_decode_forwards(args.base_url))
-            _add_server_prefill(run, before_prefill, scrape_prefill(args.base_url))
+            after = _metric_samples(args.base_url)
+            _add_server_forwards(run, _decode_forwards(before), after and _decode_forwards(after))
+            _add_server_prefill(run, _prefill_counters(before), after and _prefill_counters(after))
         _log(f"  {run['completed']} ok, {run['failed']} failed; output {run['output_throughput']:.1f} tok/s, "
              f"TTFT p50 {run['median_ttft_ms']:.1f} ms p99 {run.get('p99_ttft_ms', float('nan')):.1f} ms, "
              f"ITL p50 {run['median_itl_ms']:.2f} ms, {run['chunks_per_output_token']:.2f} chunks per token, "
@@ -421,9 +421,8 @@ def _bench(args) -> dict:
     return doc
 
 
-def scrape_decode_forwards(base_url: str) -> dict | None:
-    """{bucket: (forwards, seconds)} from the server's /metrics (`serve --step-timing`); {} when it exports no
-    such counters, None when /metrics cannot be read."""
+def _metric_samples(base_url: str) -> list | None:
+    """The samples of the server's /metrics (prometheus text format), None when it cannot be read."""
     import urllib.request
 
     try:
@@ -433,12 +432,16 @@ def scrape_decode_forwards(base_url: str) -> dict | None:
         return None
     from prometheus_client.parser import text_string_to_metric_families
 
+    return [sample for fam in text_string_to_metric_families(text) for sample in fam.samples]
+
+
+def _decode_forwards(samples: list) -> dict:
+    """{bucket: (forwards, seconds)} of the decode forwards `serve --step-timing` counts ({} without them)."""
     out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(text):
-        for sample in fam.samples:
-            i = {"k3compile_decode_forwards_total": 0, "k3compile_decode_forward_seconds_total": 1}.get(sample.name)
-            if i is not None and "batch" in sample.labels:
-                out.setdefault(sample.labels["batch"], [0.0, 0.0])[i] = sample.value
+    for sample in samples:
+        i = {"k3compile_decode_forwards_total": 0, "k3compile_decode_forward_seconds_total": 1}.get(sample.name)
+        if i is not None and "batch" in sample.labels:
+            out.setdefault(sample.labels["batch"], [0.0, 0.0])[i] = sample.value
     return {b: (int(n), s) for b, (n, s) in out.items()}
 
 
@@ -447,25 +450,21 @@ _PREFILL_SAMPLES = ("prefill_forwards", "prefill_forward_tokens", "prefill_forwa
                     "first_token_prefill_forwards", "first_token_engine_seconds")
 
 
-def scrape_prefill(base_url: str) -> dict | None:
-    """The server's prefill-forward and first-token counters ({name: value}, names without the k3compile_ prefix
-    and _total; runtime/server/metrics.py); None when /metrics cannot be read."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-    except Exception:
-        return None
-    from prometheus_client.parser import text_string_to_metric_families
-
+def _prefill_counters(samples: list) -> dict:
+    """The prefill-forward and first-token counters ({name: value}, names without the k3compile_ prefix and
+    _total; runtime/server/metrics.py)."""
     out = {}
-    for fam in text_string_to_metric_families(text):
-        for sample in fam.samples:
-            name = sample.name.removeprefix("k3compile_").removesuffix("_total")
-            if name in _PREFILL_SAMPLES:
-                out[name] = sample.value
+    for sample in samples:
+        name = sample.name.removeprefix("k3compile_").removesuffix("_total")
+        if name in _PREFILL_SAMPLES:
+            out[name] = sample.value
     return out
+
+
+def scrape_prefill(base_url: str) -> dict | None:
+    """The server's prefill-forward and first-token counters; None when /metrics cannot be read."""
+    samples = _metric_samples(base_url)
+    return None if samples is None else _prefill_counters(samples)
 
 
 def _add_server_prefill(run: dict, before: dict | None, after: dict | None) -> None:
