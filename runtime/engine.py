@@ -391,7 +391,7 @@ class LLMEngine:
                 raise ValueError(f"max_context {args.max_context} does not fit the memory: one request can hold "
                                  f"at most {cap} tokens of KV in {self.budget.bytes} bytes ({self.budget.source})")
             return args.max_context
-        ctx = min(self.config.max_position_embeddings, MAX_DEFAULT_CONTEXT, cap)
+        ctx = min(default_context(self.config), cap)
         if ctx < 2:
             raise ValueError(f"{self.budget.bytes} bytes of pools ({self.budget.source}) leave room for {cap} "
                              f"tokens per request")
@@ -703,3 +703,9 @@ class LLMEngine:
         runner = getattr(self, "runner", None)
         if runner is not None and runner._worker is not None:
             runner._worker.shutdown(wait=False)
+
+
+def default_context(config) -> int:
+    """The context an engine gets without --max-context: the model's, capped at MAX_DEFAULT_CONTEXT (the memory
+    may cap it lower: LLMEngine._max_context)."""
+    return min(config.max_position_embeddings, MAX_DEFAULT_CONTEXT)

@@ -121,11 +121,11 @@ def _executor(ctx: BenchContext, batch, provider, compile_decode=None):
 
 
 def served_context(config) -> int:
-    """The context `serve` gives an engine by default (runtime/engine.py: the model's, capped at
-    MAX_DEFAULT_CONTEXT; a memory budget too small for it caps it lower, not the case on a GPU)."""
-    from k3compile.runtime.engine import MAX_DEFAULT_CONTEXT
+    """The context `serve` gives an engine by default (runtime/engine.py's default_context; a memory budget too
+    small for it caps it lower, not the case on a GPU)."""
+    from k3compile.runtime.engine import default_context
 
-    return min(config.max_position_embeddings, MAX_DEFAULT_CONTEXT)
+    return default_context(config)
 
 
 def _served_executor(ctx: BenchContext, batch):
