@@ -40,8 +40,8 @@ class DenseGluConfig(PassConfig):
     # k3-mini-6b batch 1, whole step with P15's gate_out and q_norm_gemv (traces/h200_s12/call4, same run): 1.911 ->
     # 1.891 ms alone, 1.833 with both; 11 launches less per K3 step
     enabled: bool = True
-    # the activations fused: "situ" (K3's chain, 12 ATen kernels), "silu" (Kimi Linear's silu + mul, 2 kernels:
-    # one launch less per step, not timed on the device yet, so not in the default)
+    # the activations fused: "situ" (K3's chain, 12 ATen kernels), "silu" (Kimi Linear's silu + mul, 2 kernels: one
+    # launch less per step; 48B 2.247 -> 2.238 ms at batch 1, traces/h200_s13/call1)
     acts: str = "situ,silu"  # or "situ+silu" ("+" fits a `bench ladder --variant` string); "situ" or "silu" alone
 
     def act_set(self) -> set[str]:
