@@ -16,6 +16,8 @@ import json
 import os
 import sys
 
+from .results import read_json, report_exists
+
 # metric -> True if higher is better
 METRICS = {"hit_tokens": True, "prefill_tokens_computed": False, "ttft_mean_s": False, "sim_seconds": False}
 
@@ -25,10 +27,9 @@ def load_rows(folder: str) -> list[dict]:
     rows = []
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name, "cache_pressure.json")
-        if not os.path.isfile(path):
+        if not report_exists(path):
             continue
-        with open(path) as f:
-            doc = json.load(f)
+        doc = read_json(path)
         unified = bool(doc["args"].get("unified"))
         for r in doc["rows"]:
             share = r.get("state_fraction")

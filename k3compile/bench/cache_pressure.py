@@ -45,6 +45,8 @@ import os
 import time
 from dataclasses import asdict, replace
 
+from .results import read_json
+
 DEFAULT_POLICIES = "none,end,every_chunk,sparse,valued"
 GOAL_OF_BOUND, GOAL_ABOVE_END, GOAL_BYTES_VS_DENSE = 0.90, 0.10, 0.25
 GOAL_TRACES = ("agent", "tot", "tot_fork")  # issue 15's agentic and tree-of-thought traces (both ToT shapes)
@@ -182,8 +184,7 @@ def merge(paths: list[str], out: str) -> str:
 
     docs = []
     for p in paths:
-        with open(os.path.join(p, "cache_pressure.json")) as f:
-            docs.append(json.load(f))
+        docs.append(read_json(os.path.join(p, "cache_pressure.json")))
     doc = dict(docs[0], rows=[r for d in docs for r in d["rows"]])
     doc["args"] = dict(doc["args"], traces=",".join(d["args"]["traces"] for d in docs))
     doc["goals"] = goals(doc["rows"])
@@ -216,8 +217,7 @@ def merge_rerun(previous: list[str], rerun: list[str], out: str, old_tag: "str |
     def load(paths):
         docs = []
         for p in paths:
-            with open(os.path.join(p, "cache_pressure.json")) as f:
-                docs.append((p, json.load(f)))
+            docs.append((p, read_json(os.path.join(p, "cache_pressure.json"))))
         return docs
 
     old_docs, new_docs = load(previous), load(rerun)
@@ -426,8 +426,7 @@ def goals_side_by_side(report: str, policies: dict[str, str]) -> str:
     Writes `report`/goals_<labels>.md and returns its markdown."""
     import json
 
-    with open(os.path.join(report, "cache_pressure.json")) as f:
-        rows = json.load(f)["rows"]
+    rows = read_json(os.path.join(report, "cache_pressure.json"))["rows"]
     per = {label: {(g["trace"], g["seed"], g["budget_bytes"]): g for g in goals(rows, policy)}
            for label, policy in policies.items()}
     cells = sorted(set.intersection(*(set(p) for p in per.values())),

@@ -65,6 +65,21 @@ def write_json(path: str, doc: dict) -> None:
     os.replace(tmp, path)  # a run killed mid-write keeps the previous complete file
 
 
+def read_json(path: str) -> dict:
+    """A report written by write_json, or its gzipped copy `path`.gz (large reports are committed under traces/
+    compressed, to keep the repository small)."""
+    import gzip
+    if not os.path.exists(path) and os.path.exists(path + ".gz"):
+        with gzip.open(path + ".gz", "rt") as f:
+            return json.load(f)
+    with open(path) as f:
+        return json.load(f)
+
+
+def report_exists(path: str) -> bool:
+    return os.path.isfile(path) or os.path.isfile(path + ".gz")
+
+
 DEFAULT_OUT_ROOT = "bench_out"
 
 
