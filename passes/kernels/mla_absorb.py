@@ -158,6 +158,7 @@ def prologue_absorb_triton(ckv, kv_norm_weight, kv_eps, kv_pool, layer, out_cach
     if n != B or kv_norm_weight.shape[0] != r:
         raise ValueError(f"mla prologue + absorption: {n} ckv rows and r = {kv_norm_weight.shape[0]} must match the "
                          f"query's {B} tokens and kv_b_proj's r = {r}")
+    block_r = min(block_r, r)  # a small latent (k3-tiny's r = 16) is one column block
     if r % block_r or block_r != triton.next_power_of_2(block_r) or r != triton.next_power_of_2(r):
         raise ValueError(f"mla prologue + absorption kernel: r = {r} and block_r = {block_r} must be powers of two, "
                          f"block_r dividing r")

@@ -50,6 +50,7 @@ PROLOGUE_CASES = [
     (torch.float32, 1, 2, 16, 8, 16, 32, 16),
     (torch.float32, 3, 3, 24, 8, 8, 64, 32),
     (torch.bfloat16, 2, 2, 16, 8, 16, 32, 16),
+    (torch.float32, 2, 2, 16, 8, 16, 16, 64),  # r below the default block (k3-tiny's r = 16): one column block
 ]
 
 CASES = [
