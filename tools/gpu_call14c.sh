@@ -4,9 +4,10 @@
 #      1.755-1.760 ms and v-cpbd 1.768 against engine-after's 1.836-1.837) before either becomes a default:
 #      rp = P8 rows_programs 132+264+528, cpbd = P6 latent_prewait + down_early_release, both together.
 #      No --keep-traces (call 2's profiling after the time budget ran past the outer time-out).
-#   2. tools/gpu_ttft13.sh with BUDGET=270 (build + the in-process TTFT breakdown; the served part needs >= 110 s
-#      more and is skipped).
-#   run: bash tools/gpu_call14c.sh   (carry .whl/ with fla-core), ~470 s after set-up.
+#   2. the k3-mini ladder again with the same three variants and no torch.compile (call 2's ladder was killed before
+#      it wrote its table: its figures are only in its log; this one gives the kernel counts and `both`).
+#   A failed start cost 122 s of the budget, so the TTFT breakdown (tools/gpu_ttft13.sh) does not fit this session.
+#   run: bash tools/gpu_call14c.sh   (carry .whl/ with fla-core), ~370 s after set-up.
 source tools/gpu_setup.sh
 T0=$SECONDS
 say() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/call.log; }
@@ -20,8 +21,12 @@ say "48B ladder with variants: exit $?"
 grep -hE "^\| (arm|r04|r1[4-9]|v-)" $OUT/l48/ladder_*.md 2>/dev/null | cut -c1-200
 grep -E "rep [0-9]+/" $OUT/l48/ladder.log | tail -2 | cut -c1-600
 (cd $OUT && tar cf l48.tar l48 && rm -rf l48)
-mkdir -p $OUT/ttft
-(OUT=$OUT/ttft BUDGET=${BUDGET:-270} bash tools/gpu_ttft13.sh) > $OUT/ttft_console.log 2>&1
-say "gpu_ttft13.sh: exit $?"; tail -40 $OUT/ttft_console.log | cut -c1-300
-(cd $OUT && tar cf ttft.tar ttft ttft_console.log && rm -rf ttft ttft_console.log)
+mkdir -p $OUT/l6
+timeout ${T6:-170} k3compile bench ladder --model k3-mini-6b --dtype bf16 --batch 1 --context 512 \
+  --device cuda --quick --time-budget ${TL6:-130} --variant "rp:$RP" --variant "cpbd:$CP" --variant "both:$RP,$CP" \
+  --out $OUT/l6 > $OUT/l6/ladder.log 2>&1
+say "k3-mini ladder with variants: exit $?"
+grep -hE "^\| (arm|eager|r04|r1[4-9]|v-)" $OUT/l6/ladder_*.md 2>/dev/null | cut -c1-200
+grep -E "rep [0-9]+/" $OUT/l6/ladder.log | tail -2 | cut -c1-600
+(cd $OUT && tar cf l6.tar l6 && rm -rf l6)
 say "done"
