@@ -362,7 +362,7 @@ class DecodeBench:
                 if a.warmup:  # the warm-up's mean step time sizes the repetitions (--max-rep-seconds)
                     row["warmup_ms"] = time_steps(fn, a.warmup, self.device)
                 sync(self.device)
-            except Exception as e:  # one broken arm must not lose the others' numbers
+            except (Exception, OverBudget) as e:  # one broken arm must not lose the others' numbers
                 over = isinstance(e, OverBudget)
                 row.update(status="skipped" if over else "failed",
                            reason=str(e) if over else f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")

@@ -154,7 +154,7 @@ def test_gpu_smoke_run_counts_kernels_inside_graph_replays(main, tmp_path):
 
 def test_a_compile_that_outlasts_its_budget_is_stopped_and_the_other_arms_are_timed(main, tmp_path, monkeypatch):
     """--compile-budget bounds a compile already running (session 13: torch.compile's first call took the whole
-    call and no arm was timed): the arm is stopped, skipped with the reason, not retried at the next batch size,
+    call and no arm was timed), also when the compile catches Exception: the arm is stopped, skipped with the reason, not retried at the next batch size,
     and the arms after it are set up and timed."""
     import time
 
@@ -166,7 +166,10 @@ def test_a_compile_that_outlasts_its_budget_is_stopped_and_the_other_arms_are_ti
         calls.append(batch.input_ids.shape[0])
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < 30:  # a compile far over its budget
-            time.sleep(0.05)
+            try:
+                time.sleep(0.05)
+            except Exception:  # as an autotuner scores a raising candidate as slow and goes on (session 14)
+                pass
         raise RuntimeError("not stopped")  # (the arm would then read 'failed', not 'skipped')
     arm = decode_arms.Arm("compile-reduce-overhead", "a stand-in compile", None, slow_compile)
     monkeypatch.setitem(decode_arms.ARMS, "compile-reduce-overhead", arm)
