@@ -392,13 +392,9 @@ class DecodeBench:
                 rows[name]["samples_ms"].append(time_steps(fns[name], rows[name]["steps_per_rep"], self.device))
             self.log(f"bs={b} rep {rep + 1}/{a.reps}: " + ", ".join(
                 f"{n} {rows[n]['samples_ms'][-1]:.3f} ms" for n in fns))
-        for name, fn in fns.items():
-            row = rows[name]
-            trace = os.path.join(a.out, "traces", f"{self.stem}_{name}_bs{b}.json.gz")
-            try:
-                row.update(profile_steps(fn, 3, self.device, trace))
-            except Exception as e:
-                row["profile_error"] = f"{type(e).__name__}: {e}"
+        for row in rows.values():
+            if row.get("status") != "ok":
+                continue
             if not row["samples_ms"]:
                 row.update(status="skipped", reason="time budget exhausted before timing")
                 continue
@@ -411,6 +407,15 @@ class DecodeBench:
             if eager and row.get("median_ms"):
                 row["speedup_vs_eager"] = eager / row["median_ms"]
         self.results.extend(rows.values())
+        # The timings are on disk before the profiles (kernel counts) are taken: profiling every arm takes tens of
+        # seconds after the time budget, and a run stopped then (session 14, call 2) kept no table at all.
+        self._write(ctx)
+        for name, fn in fns.items():
+            trace = os.path.join(a.out, "traces", f"{self.stem}_{name}_bs{b}.json.gz")
+            try:
+                rows[name].update(profile_steps(fn, 3, self.device, trace))
+            except Exception as e:
+                rows[name]["profile_error"] = f"{type(e).__name__}: {e}"
         del fns
         restore()
         del snapshot

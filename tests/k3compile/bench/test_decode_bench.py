@@ -184,3 +184,26 @@ def test_a_compile_that_outlasts_its_budget_is_stopped_and_the_other_arms_are_ti
     assert "still running after 1 s" in rows["compile-reduce-overhead", 1]["reason"]
     assert rows["compile-reduce-overhead", 2]["status"] == "skipped"
     assert all(rows[a, b]["status"] == "ok" for a in ("eager", "engine") for b in (1, 2))
+
+
+def test_the_timings_are_written_before_the_profiles(main, tmp_path, monkeypatch):
+    """A run stopped while it profiles (session 14, call 2: killed by its time-out after the time budget) keeps every
+    arm's timings: the results file is written between the timed repetitions and the profiles."""
+    from k3compile.bench import timing
+
+    class Killed(BaseException):
+        pass
+
+    def stopped(*args, **kwargs):
+        raise Killed  # the run is killed here
+    monkeypatch.setattr(timing, "profile_steps", stopped)
+    out = tmp_path / "out"
+    with pytest.raises(Killed):
+        main(["bench", "decode", "--model", "k3-tiny", "--batch", "1", "--steps", "2", "--warmup", "1", "--reps", "2",
+              "--context", "16", "--dtype", "fp32", "--device", "cpu", "--copy-gib", "0.01", "--arms", "eager,engine",
+              "--out", str(out)])
+    doc = json.load(open(out / "decode_k3-tiny_fp32.json"))
+    rows = {r["arm"]: r for r in doc["results"]}
+    assert set(rows) == {"eager", "engine"}
+    assert all(r["status"] == "ok" and len(r["samples_ms"]) == 2 and r["median_ms"] > 0 for r in rows.values())
+    assert "kernels_per_step" not in rows["engine"]  # no profile was taken
