@@ -6,8 +6,9 @@
 #      No --keep-traces (call 2's profiling after the time budget ran past the outer time-out).
 #   2. the k3-mini ladder again with the same three variants and no torch.compile (call 2's ladder was killed before
 #      it wrote its table: its figures are only in its log; this one gives the kernel counts and `both`).
-#   A failed start cost 122 s of the budget, so the TTFT breakdown (tools/gpu_ttft13.sh) does not fit this session.
-#   run: bash tools/gpu_call14c.sh   (carry .whl/ with fla-core), ~370 s after set-up.
+#      Only with MINI=1 (+~170 s).
+#   Two refused starts cost 212 s of the budget, so the TTFT breakdown (tools/gpu_ttft13.sh) does not fit this session.
+#   run: bash tools/gpu_call14c.sh   (carry .whl/ with fla-core), ~200 s after set-up (MINI=1: ~370 s).
 source tools/gpu_setup.sh
 T0=$SECONDS
 say() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/call.log; }
@@ -21,6 +22,7 @@ say "48B ladder with variants: exit $?"
 grep -hE "^\| (arm|r04|r1[4-9]|v-)" $OUT/l48/ladder_*.md 2>/dev/null | cut -c1-200
 grep -E "rep [0-9]+/" $OUT/l48/ladder.log | tail -2 | cut -c1-600
 (cd $OUT && tar cf l48.tar l48 && rm -rf l48)
+if [ "${MINI:-0}" = 1 ]; then
 mkdir -p $OUT/l6
 timeout ${T6:-170} k3compile bench ladder --model k3-mini-6b --dtype bf16 --batch 1 --context 512 \
   --device cuda --quick --time-budget ${TL6:-130} --variant "rp:$RP" --variant "cpbd:$CP" --variant "both:$RP,$CP" \
@@ -29,4 +31,5 @@ say "k3-mini ladder with variants: exit $?"
 grep -hE "^\| (arm|eager|r04|r1[4-9]|v-)" $OUT/l6/ladder_*.md 2>/dev/null | cut -c1-200
 grep -E "rep [0-9]+/" $OUT/l6/ladder.log | tail -2 | cut -c1-600
 (cd $OUT && tar cf l6.tar l6 && rm -rf l6)
+fi
 say "done"
