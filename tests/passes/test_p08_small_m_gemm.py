@@ -634,3 +634,38 @@ def test_upper_tiers_of_the_op():
             GEMV(x, w, None, 2, *cfg[:4], True, 8, 0, False, bad)
     assert torch.equal(GEMV(x, w, None, 2, *cfg[:4], True, 8, 0, False, up), torch.mm(x, w.t()))
     torch.library.opcheck(GEMV, (x, w, None, 2, *cfg[:4], True, 8, 0, False, up))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", (O_PROJ, DOWN))  # 48B: cuBLAS's split-K + reduce pairs at M = 8
+def test_upper_tier_launches_in_a_pdl_graph_on_gpu(n, k):
+    """k3.gemv with the tiers upper_tier records for these shapes (rows tile to M = 2, split dot tile to 16): each
+    row count launches its tier's kernel (the same bits as that configuration launched directly), in a CUDA graph with
+    PDL, against the fp32 reference; one kernel per call up to M = 16."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = (0.02 * torch.randn(n, k, device="cuda", generator=gen)).bfloat16()
+    rows = (4, 1024, 1, gemv_kernels.DESIGNS["rows"], 8)
+    upper = [16, *SPLIT_DOT]
+    for m in (1, 2, 4, 8, 16):
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        want = gemv_kernels.gemv_reference(x.float(), w.float())
+        bn, bk, split, design, warps = rows if m <= 2 else SPLIT_DOT
+        direct = gemv_kernels.gemv_triton(x, w, None, bn, bk, split, num_warps=warps, design=design, use_pdl=True)
+
+        def call():
+            return GEMV(x, w, None, 2, *rows[:4], True, rows[4], 0, False, upper)
+        call()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = call()
+        for _ in range(2):  # split-K counters back at zero after each replay
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(got, direct), m
+            assert rel_err(got.float(), want) < 1e-2, m
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(kernels) == 1, (m, [e.name for e in kernels])
