@@ -15,9 +15,10 @@
 #   v-both  both: 250 -> 208 expected at batch 8; batch 1 unchanged (208; the options act above M = 2 / 4 only)
 #   UP3=1 adds v-up3 (upper_tier with upper_min_gain 0.03: the first tier's margin; the o_proj may stay cuBLAS at 8)
 # Then: kernels/step per arm and batch from the ladder JSON, and the GEMM / copy kernel names per step in the batch-8
-# traces of engine-after and the variants (splitKreduce, nvjet, gemv, merge, copy); GPU tests of both options.
-#   run: bash tools/gpu_bs8k14.sh   (carry .whl/ as for the other gpu_*.sh); TL=170 (ladder time budget, ~190 s in
-#        all: session 13 call 1's 48B ladder at batch 1,8 with 3 variants ran 170 s), ~40 s tests (TESTS=0: none)
+# traces of engine-after and the variants (splitKreduce, nvjet, gemv, merge, copy); with TESTS=1 the GPU tests.
+#   run: bash tools/gpu_bs8k14.sh   (carry .whl/ as for the other gpu_*.sh); TL=185 (the ladder's time budget; session
+#        13 call 1's 48B ladder at batch 1,8 with 3 variants, same arm count, ran 170 s): ~200 s in all.
+#        TESTS=1 adds the GPU tests of both options after the ladder (~60-90 s, TEST_EACH=90 per file)
 # Back in $OUT: ladder_kimi-linear-48b_bf16.{md,json,png}, call.log, kernels.txt, logs.tar (ladder.log, tests.log)
 source tools/gpu_setup.sh
 T0=$SECONDS
@@ -27,8 +28,8 @@ P8=p08_small_m_gemm; P15=p15_mla_decode
 VARIANTS="up:$P8.upper_tier=true w8:$P15.w_uv_max_tokens=8 both:$P8.upper_tier=true,$P15.w_uv_max_tokens=8"
 [ "${UP3:-0}" = 1 ] && VARIANTS="$VARIANTS up3:$P8.upper_tier=true,$P8.upper_min_gain=0.03"
 VARGS=(); for v in $VARIANTS; do VARGS+=(--variant "$v"); done
-timeout $(( ${TL:-170} + 30 )) k3compile bench ladder --model kimi-linear-48b --dtype bf16 --batch 1,8 \
-  --context 512 --device cuda --quick --time-budget ${TL:-170} --keep-traces all "${VARGS[@]}" --out $OUT/l48 \
+timeout $(( ${TL:-185} + 25 )) k3compile bench ladder --model kimi-linear-48b --dtype bf16 --batch 1,8 \
+  --context 512 --device cuda --quick --time-budget ${TL:-185} --keep-traces all "${VARGS[@]}" --out $OUT/l48 \
   > $OUT/logs/ladder.log 2>&1
 say "ladder: exit $?"
 python3 - $OUT/l48 > $OUT/kernels.txt 2>&1 <<'EOF'
@@ -59,7 +60,7 @@ mv $OUT/l48/ladder_* $OUT/ 2>/dev/null; rm -rf $OUT/l48
 for md in $OUT/ladder_*.md; do grep -E "^\| (arm|r04|r09|r1[46]|v-)|^- (batch|routing|tolerance|v-)" "$md" | cut -c1-220; done
 cat $OUT/kernels.txt
 grep -E "upper|w_uv_max" $OUT/logs/ladder.log | head -5
-if [ "${TESTS:-1}" = 1 ]; then
+if [ "${TESTS:-0}" = 1 ]; then
   run_gpu_tests ${TEST_EACH:-90} \
     "tests/passes/test_p08_small_m_gemm.py::upper_tier" \
     "tests/passes/kernels/test_mla_decode.py::w_uv or output_gate"
