@@ -184,8 +184,8 @@ def test_w_uv_max_tokens_is_recorded_only_when_it_differs_and_checked(name):
     weights = {nd.target: getattr(gm, nd.target) for nd in gm.graph.nodes if nd.op == "get_attr"}
     back = graph_from_dict(graph_to_dict(gm, "decode", keys), weights, STEP_INPUTS)
     assert [nd.args[13] for nd in back.graph.nodes if nd.target == FUSED_OUT] == [8] * n
-    for x in (inputs_for(name, "decode", torch.bfloat16), other_batch(model(name, torch.bfloat16), "decode")):
-        assert_same_step(run_graph(back, x), run_graph(plain, x), 0.0, "vs the default bound")
+    x = inputs_for(name, "decode", torch.bfloat16)
+    assert_same_step(run_graph(back, x), run_graph(plain, x), 0.0, "vs the default bound")
     for bad in (-1, 65):
         with pytest.raises(PassConfigError, match="w_uv_max_tokens"):
             get_pass(P15).config_cls(w_uv_max_tokens=bad).validate()
