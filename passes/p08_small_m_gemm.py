@@ -4,7 +4,7 @@
 Matched (decode graphs only; the weight a constant of a 16-bit dtype the kernel takes):
 
     mm(x, t(W))              ->  k3.gemv(x, W, None, max_m, block_n, block_k, split_k, design, use_pdl, num_warps
-                                          [, l2_prefetch_kb[, early_release]]: with those options])
+                                          [, l2_prefetch_kb[, early_release[, upper]]]: with those options])
 
 (P11 later folds an add that reads the result into k3.gemv's c. An addmm is left alone: it rounds
 once, k3.gemv's c is added after the product is rounded.)
@@ -28,6 +28,9 @@ The choice, per node (`choice` option):
   the buckets it wins wins. The node becomes
   k3.gemv with max_m = the largest bucket up to which the kernel won at every bucket; rows above
   max_m run the aten op inside k3.gemv. If the kernel loses at M = 1 the node stays aten ('cublas').
+  With `upper_tier` (off by default), the buckets above that reach choose a second configuration the same way
+  among themselves (`upper_min_gain` for the margin over cuBLAS), recorded as k3.gemv's `upper` tier: the op
+  launches it for those rows, so a batch-8 step keeps one kernel per GEMM where cuBLAS launched two.
   Without CUDA nothing is measured and every node stays aten.
 * "gemv": rewrite every match with max_m = 16 and the default configuration (tests, experiments).
 * "cublas": rewrite nothing.
@@ -97,6 +100,17 @@ class SmallMGemmConfig(PassConfig):
     # ran 150 us slower at batch 1 and 330 us slower at batch 8 (traces/h200_s13/call1, rung r09 against session
     # 12's), so savings at M > 1 smaller than the timing noise must not outvote a clear M = 1 winner
     first_bucket_tol: float = 0.03
+    # a second configuration for the buckets above the first one's reach (k3.gemv's `upper` tier), chosen over those
+    # buckets alone by the same rule (most time saved over cuBLAS, from the first bucket above up), with
+    # `upper_min_gain` in place of min_gain. Why: the 48B o_proj's and dense down's M = 1 winner (the rows design)
+    # stops at M <= 2, so at batch 8 cuBLAS ran them as a split-K GEMM + reduce pair, 28 kernels more per step
+    # (traces/h200_s13/call2: 250 kernels at batch 8 against 208 at 1), where a split-K dot tile in one kernel was as
+    # fast in the chain timing. Off until the device A/B (tools/gpu_bs8k14.sh)
+    upper_tier: bool = False
+    # the upper tier's margin over cuBLAS; < 0 lets a kernel within that fraction slower than cuBLAS's timing win:
+    # across four H200 builds cuBLAS's own chain timing of the o_proj at M = 8 spread 10.62-11.36 us (7%), and
+    # within that noise one PDL launch beats cuBLAS's (a split-K pair at these shapes) on the kernel-count goal
+    upper_min_gain: float = -0.03
 
     def validate(self) -> None:
         if self.choice not in CHOICES:
@@ -119,6 +133,8 @@ class SmallMGemmConfig(PassConfig):
         if self.first_bucket_tol >= 1:
             raise PassConfigError(f"p08_small_m_gemm.first_bucket_tol must be < 1 (< 0: off), "
                                   f"got {self.first_bucket_tol}")
+        if not -0.5 <= self.upper_min_gain < 1:
+            raise PassConfigError(f"p08_small_m_gemm.upper_min_gain must be in [-0.5, 1), got {self.upper_min_gain}")
         if not 0 <= self.l2_prefetch_mb <= 1024:
             raise PassConfigError(f"p08_small_m_gemm.l2_prefetch_mb must be in 0..1024, got {self.l2_prefetch_mb}")
         programs = _ints("rows_programs", self.rows_programs)
@@ -271,6 +287,28 @@ def _decide(timings: dict, buckets, min_gain: float = 0.0, first_tol: float = -1
     return (0, None) if best is None else (best[0][1], best[1])
 
 
+def _decide_upper(timings: dict, buckets, max_m: int, min_gain: float) -> tuple[int, tuple | None]:
+    """(reach, config) of the upper tier above the first configuration's reach max_m: `_decide` over the buckets
+    above it alone (from the first of them up; min_gain < 0 admits a kernel that much slower than cuBLAS), (0, None)
+    where there is no first configuration, no bucket above it, or no configuration wins the first bucket above."""
+    above = [m for m in sorted(buckets) if m > max_m]
+    if not max_m or not above:
+        return 0, None
+    return _decide({m: timings[m] for m in above}, above, min_gain)
+
+
+def _decide_tiers(timings: dict, buckets, config: SmallMGemmConfig) -> tuple[int, tuple | None, list[tuple]]:
+    """(max_m, config, upper tiers) of one GEMM from its timings under the pass's options: `_decide`, then with
+    upper_tier `_decide_upper` above its reach (the same configuration again just extends the reach)."""
+    max_m, cfg = _decide(timings, buckets, config.min_gain, config.first_bucket_tol)
+    if not config.upper_tier:
+        return max_m, cfg, []
+    up_m, up_cfg = _decide_upper(timings, buckets, max_m, config.upper_min_gain)
+    if up_m and up_cfg == cfg:  # the first configuration, admitted above by upper_min_gain: one tier, longer
+        return up_m, cfg, []
+    return max_m, cfg, [(up_m, *up_cfg)] if up_m else []
+
+
 # Timings per (device, shape, dtype, timing options), kept for the process: the nodes of one graph share a
 # shape's measurement, and so do later builds in the same process (bench ladder's rungs and --variant arms, which
 # would otherwise re-time the same GEMVs for ~20 s each). A build in a new process measures afresh.
@@ -306,6 +344,7 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
         n, k = weight.shape
         rec = {"node": node.name, "op": str(node.target), "weight": w.target, "N": n, "K": k,
                "dtype": str(weight.dtype).removeprefix("torch.")}
+        upper = []  # upper tiers: (max_m, block_n, block_k, split_k, design, num_warps)
         if config.choice == "gemv":
             max_m, cfg = gemv_kernels.MAX_M, (*gemv_kernels.default_config(n, k), gemv_kernels.DESIGNS["dot"], DOT_WARPS)
         elif measure:
@@ -315,7 +354,7 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
             if key not in _MEASURED:
                 _MEASURED[key] = _measure(weight, buckets, config.bench_ms, timed_pdl, rows_warps, rows_programs)
             timings = _MEASURED[key]
-            max_m, cfg = _decide(timings, buckets, config.min_gain, config.first_bucket_tol)
+            max_m, cfg, upper = _decide_tiers(timings, buckets, config)
             rec["us"] = {str(m): {"cublas": round(t["cublas_us"], 2),
                                   "gemv": {config_label(c_): round(v, 2) for c_, v in t["gemv_us"].items()}}
                          for m, t in timings.items()}
@@ -325,6 +364,9 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
         rec["max_m"] = max_m
         rec["config"] = None if cfg is None else {"block_n": cfg[0], "block_k": cfg[1], "split_k": cfg[2],
                                                   "design": _DESIGN_NAMES[cfg[3]], "num_warps": cfg[4]}
+        if upper:
+            rec["upper"] = [{"max_m": row[0], "block_n": row[1], "block_k": row[2], "split_k": row[3],
+                             "design": _DESIGN_NAMES[row[4]], "num_warps": row[5]} for row in upper]
         details["nodes"].append(rec)
         if not max_m:
             continue
@@ -337,6 +379,8 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
         if early:
             args += (True,)
             rec["early_release"] = True
+        if upper:  # positional after l2_prefetch_kb and early_release (their defaults where not set above)
+            args += (0, False)[len(args) - 10:] + (gemv_kernels.flat_upper(upper),)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(torch.ops.k3.gemv.default, args)
         set_meta_val(new, fake_mode)

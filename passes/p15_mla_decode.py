@@ -34,7 +34,8 @@ W_UV after (`absorb_out`), anchored on the fused attention:
 -> `k3.mla_decode_fused_out(q_nope, q_rope, kv, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl,
    launch_table[, prefetch_w])`   (prefetch_w: `prefetch_w_uv`, recorded only when on)
    ([B, H * dv]: the merge kernel applies W_UV per (token, head) up to kernels.mla_decode.OUT_MAX_TOKENS
-   tokens, so the batched GEMM, the layout copy after it and one launch leave the decode step).
+   tokens, or the option `w_uv_max_tokens` (recorded as the op's 14th argument when it differs), so the batched
+   GEMM, the layout copy after it and one launch leave the decode step).
 
 K3's q-LoRA norm into the query GEMM (`q_norm_gemv`, on by default: measured), after the prologue:
 
@@ -117,8 +118,16 @@ class MLADecodeConfig(PassConfig):
     # the prologue and W_UK's absorption are one kernel: 1 launch less per q-LoRA MLA layer (where P8 chose its GEMV
     # for q_b). k3-mini-6b batch 1 (same run): 1.911 -> 1.888 ms; with gate_out and P17 1.833
     q_norm_gemv: bool = True
+    # up to this many tokens the W_UV merge kernel applies W_UV (and the gate): recorded into each
+    # k3.mla_decode_fused_out (its last argument, only when it differs from kernels.mla_decode.OUT_MAX_TOKENS, 4).
+    # Above it the op runs the plain merge, cuBLAS's batched GEMM and the flatten's copy: 2 kernels more per MLA layer
+    # (48B batch 8: 14 a step, traces/h200_s13/call2). 8 takes them out at batch 8, with W_UV read once per
+    # (token, head) program (from L2 after the first). Default 4 until the device A/B (tools/gpu_bs8k14.sh)
+    w_uv_max_tokens: int = _kernels.OUT_MAX_TOKENS
 
     def validate(self) -> None:
+        if not 0 <= self.w_uv_max_tokens <= 64:
+            raise PassConfigError(f"p15_mla_decode: w_uv_max_tokens must be in 0..64, got {self.w_uv_max_tokens}")
         if self.absorb_q not in ABSORB_Q_CHOICES:
             raise PassConfigError(f"p15_mla_decode: absorb_q must be one of {ABSORB_Q_CHOICES}, got {self.absorb_q!r}")
         try:
@@ -526,4 +535,13 @@ def mla_decode(gm: GraphModule, config: MLADecodeConfig) -> int:
                 matches += 1
                 if config.gate_out and _gate_out(gm, out, fake_mode):
                     matches += 1
+                if config.w_uv_max_tokens != _kernels.OUT_MAX_TOKENS:
+                    _set_w_uv_max_tokens(out, int(config.w_uv_max_tokens))
     return matches
+
+
+def _set_w_uv_max_tokens(out: Node, tokens: int) -> None:
+    """The op's 14th argument, after launch_table, prefetch_w and gate (their values, or the op's defaults)."""
+    args = list(out.args)
+    args += [None, False, None][len(args) - 10:] if len(args) < 13 else []
+    out.args = tuple(args[:13]) + (tokens,)

@@ -41,8 +41,16 @@ build time (and into which P11 folds the add that follows):
   tuned configuration per node, and the serialized engine carries it. num_warps and then l2_prefetch_kb are last
   with defaults (4 warps, no prefetch: what every launch did before they were in the schema), so an engine
   written without them loads and runs as before; early_release (a bool) comes after them, for the same reason.
+* Upper tiers (`upper`, P8's `upper_tier`; last, default None): rows of (max_m, block_n, block_k, split_k, design,
+  num_warps), flattened, for M above max_m: the first row whose max_m covers M launches its configuration, above
+  them all the aten calls run. The token count is static per captured graph (one CUDA graph per decode batch), so a
+  graph always takes one branch. Why: the configuration that wins at M = 1 (the rows design) loses at M = 8, where
+  cuBLAS then ran, at the 48B o_proj / dense down as a split-K GEMM + reduce pair (two kernels), while a split-K
+  dot tile in one kernel was as fast (traces/h200_s13/call2).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -92,6 +100,55 @@ def check_gemv_args(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, ma
         raise ValueError(f"gemv: split_k must be >= 1, got {split_k}")
     if num_warps not in NUM_WARPS:
         raise ValueError(f"gemv: num_warps must be one of {NUM_WARPS}, got {num_warps}")
+
+
+UPPER_ROW = 6  # an upper tier's fields: max_m, block_n, block_k, split_k, design, num_warps
+
+
+def upper_rows(upper) -> list[tuple[int, ...]]:
+    """The upper tiers of a gemv call (its flattened `upper` argument) as rows; [] for None."""
+    if upper is None:
+        return []
+    if len(upper) % UPPER_ROW:
+        raise ValueError(f"gemv: upper must be rows of {UPPER_ROW} ints (max_m, block_n, block_k, split_k, design, "
+                         f"num_warps), got {len(upper)} ints")
+    return [tuple(int(v) for v in upper[i:i + UPPER_ROW]) for i in range(0, len(upper), UPPER_ROW)]
+
+
+def flat_upper(rows) -> list[int]:
+    """Rows of (max_m, block_n, block_k, split_k, design, num_warps) as the op's `upper` argument."""
+    return [int(v) for row in rows for v in row]
+
+
+def check_upper(upper, max_m: int) -> None:
+    """Raise ValueError naming the first thing wrong with a gemv call's upper tiers: each row a valid configuration
+    (as check_gemv_args checks the first), the rows' max_m increasing above the call's max_m."""
+    last = max_m
+    for row in upper_rows(upper):
+        m, bn, bk, split, design, warps = row
+        if m <= last:
+            raise ValueError(f"gemv: an upper tier's max_m must exceed the tier before it ({last}), got {row}")
+        if not 1 <= m <= MAX_M or design not in DESIGNS.values() \
+                or design == DESIGNS["rows"] and m > ROWS_MAX_M or split < 1 or warps not in NUM_WARPS:
+            raise ValueError(f"gemv: upper tier {row} is not a configuration the kernel takes (max_m <= {MAX_M}, "
+                             f"the rows design <= {ROWS_MAX_M} rows, split_k >= 1, warps in {NUM_WARPS})")
+        least_n = 16 if design == DESIGNS["dot"] else 1
+        for v, least in ((bn, least_n), (bk, 16)):
+            if v < least or v & (v - 1):
+                raise ValueError(f"gemv: upper tier {row}: block sizes must be powers of two (block_n >= {least_n}, "
+                                 f"block_k >= 16)")
+        last = m
+
+
+def tier_for(m: int, max_m: int, config: tuple, upper=None) -> tuple[int, tuple] | None:
+    """(the tier's max_m, (block_n, block_k, split_k, design, num_warps)) that launches for m rows: the call's own
+    configuration up to max_m, else the first upper tier covering m; None: the aten calls (m above every tier)."""
+    if m <= max_m:
+        return max_m, tuple(config)
+    for row in upper_rows(upper):
+        if m <= row[0]:
+            return row[0], row[1:]
+    return None
 
 
 def gemv_reference(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
@@ -359,28 +416,41 @@ def rows_configs(n: int, k: int, target_programs: int = ROWS_TARGET_PROGRAMS) ->
 
 # --------------------------------------------------------------------------- the k3 op
 
+def run_gemv(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False, num_warps=4, l2_prefetch_kb=0,
+             early_release=False, upper=None) -> torch.Tensor:
+    """What k3.gemv launches on CUDA (and on CPU tensors under TRITON_INTERPRET=1): the kernel in the tier that
+    covers x's rows (`tier_for`), the aten calls where no tier does or the kernel does not take the call."""
+    tier = tier_for(x.shape[0], max_m, (block_n, block_k, split_k, design, num_warps), upper)
+    if tier is not None and kernel_supports(x, w, tier[0], tier[1][3]):
+        bn, bk, split, des, warps = tier[1]
+        return gemv_triton(x, w, c, bn, bk, split, num_warps=warps, design=des, use_pdl=use_pdl,
+                           l2_prefetch_kb=l2_prefetch_kb, early_release=early_release)
+    return gemv_reference(x, w, c)
+
+
 @torch.library.custom_op("k3::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, max_m: int, block_n: int, block_k: int,
          split_k: int, design: int = 0, use_pdl: bool = False, num_warps: int = 4,
-         l2_prefetch_kb: int = 0, early_release: bool = False) -> torch.Tensor:
-    """y = x @ w.T (then + c): the aten calls (CPU, or rows > max_m); see the module doc."""
+         l2_prefetch_kb: int = 0, early_release: bool = False, upper: Optional[list[int]] = None) -> torch.Tensor:
+    """y = x @ w.T (then + c): the aten calls (CPU, or rows above every tier); see the module doc."""
     check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design, num_warps)
+    check_upper(upper, max_m)
     return gemv_reference(x, w, c)
 
 
 @gemv.register_kernel("cuda")
 def _gemv_cuda(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False, num_warps=4, l2_prefetch_kb=0,
-               early_release=False):
+               early_release=False, upper=None):
     check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design, num_warps)
-    if kernel_supports(x, w, max_m, design):
-        with torch.cuda.device(x.device):  # Triton launches on the current device
-            return gemv_triton(x, w, c, block_n, block_k, split_k, num_warps=num_warps, design=design,
-                               use_pdl=use_pdl, l2_prefetch_kb=l2_prefetch_kb, early_release=early_release)
-    return gemv_reference(x, w, c)
+    check_upper(upper, max_m)
+    with torch.cuda.device(x.device):  # Triton launches on the current device
+        return run_gemv(x, w, c, max_m, block_n, block_k, split_k, design, use_pdl, num_warps, l2_prefetch_kb,
+                        early_release, upper)
 
 
 @gemv.register_fake
 def _gemv_fake(x, w, c, max_m, block_n, block_k, split_k, design=0, use_pdl=False, num_warps=4, l2_prefetch_kb=0,
-               early_release=False):
+               early_release=False, upper=None):
     check_gemv_args(x, w, c, max_m, block_n, block_k, split_k, design, num_warps)
+    check_upper(upper, max_m)
     return x.new_empty(x.shape[0], w.shape[0])

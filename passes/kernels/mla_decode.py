@@ -65,7 +65,10 @@ BLOCK_N = 32  # cache rows per tile
 TARGET_PROGRAMS = 264  # split until the grid fills ~2 waves of an H200's 132 SMs
 BLOCK_DV = 64  # W_UV rows per program of the merge kernel that applies it (64 x 512 bf16: 64 KB of weight)
 OUT_MAX_TOKENS = 4  # up to this many tokens the merge kernel applies W_UV; above, cuBLAS's batched GEMM (W_UV read
-                    # once per head rather than once per token and head) after the plain merge
+                    # once per head rather than once per token and head) after the plain merge. The ops take another
+                    # bound (`w_uv_max_tokens`, P15's option of that name): at batch 8 the GEMM path is 3 kernels
+                    # (merge, batched GEMM, the [H, B, dv] -> [B, H * dv] copy) where the merge + W_UV is 1: 14 of the
+                    # 42 kernels the 48B step has more at batch 8 than at 1 (traces/h200_s13/call2)
 # Per-shape launch choices, recorded by P15 into each decode node (the ops' launch_table): rows (largest batch,
 # num_splits (0: from the shapes, `num_splits_for`), merge_cols); the first row covering the batch applies. A merge
 # program handles one (request, head) and merge_cols of the r latent columns, loading all of its splits' partials
@@ -714,33 +717,53 @@ def _decode_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pd
 def mla_decode_fused_out(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, kv_b_weight: torch.Tensor,
                          nope: int, pdl: bool, launch_table: Optional[list[int]] = None,
-                         prefetch_w: bool = False, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         prefetch_w: bool = False, gate: Optional[torch.Tensor] = None,
+                         w_uv_max_tokens: int = OUT_MAX_TOKENS) -> torch.Tensor:
     """mla_decode_fused, then W_UV (the v rows of kv_b_proj's weight, per head) and the flatten: [B, H * dv].
     prefetch_w: the merge kernel L2-prefetches its W_UV block before gdc_wait (P15's prefetch_w_uv; same values).
-    gate [B, H * dv]: MLA's output gate applied too, `out * sigmoid(gate)` (P15's gate_out)."""
+    gate [B, H * dv]: MLA's output gate applied too, `out * sigmoid(gate)` (P15's gate_out).
+    w_uv_max_tokens: up to this many tokens the merge kernel applies W_UV (and the gate), above it cuBLAS after
+    the plain merge (P15's option; OUT_MAX_TOKENS where not recorded)."""
+    check_w_uv_max_tokens(w_uv_max_tokens)
     return decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale,
                                 w_uv_of(kv_b_weight, q_nope.shape[1], nope), gate)
 
 
+def check_w_uv_max_tokens(w_uv_max_tokens: int) -> None:
+    if w_uv_max_tokens < 0:
+        raise ValueError(f"mla_decode_fused_out: w_uv_max_tokens must be >= 0, got {w_uv_max_tokens}")
+
+
+def decode_out_run(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, w_uv, pdl, launch_table=None,
+                   prefetch_w=False, gate=None, w_uv_max_tokens=OUT_MAX_TOKENS):
+    """What k3.mla_decode_fused_out launches (CUDA, or CPU tensors under TRITON_INTERPRET=1): up to w_uv_max_tokens
+    tokens the split kernel + the merge kernel applying W_UV (and the gate); above, the plain merge, then cuBLAS's
+    batched GEMM, the flatten's copy (and the gate's two kernels). The token count is a static shape: a captured graph
+    always takes the same branch."""
+    choice = _launch_choice(launch_table, q_nope.shape[0], q_nope.shape[-1])
+    if q_nope.shape[0] <= w_uv_max_tokens:
+        return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl, w_uv=w_uv,
+                             prefetch_w=prefetch_w, gate=gate, **choice)
+    o_lat = decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, pdl, **choice)
+    o = torch.einsum("bhr,hdr->bhd", o_lat, w_uv).flatten(-2)
+    return o if gate is None else o * torch.sigmoid(check_gate(gate, o))
+
+
 @mla_decode_fused_out.register_kernel("cuda")
 def _decode_out_cuda(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl,
-                     launch_table=None, prefetch_w=False, gate=None):
+                     launch_table=None, prefetch_w=False, gate=None, w_uv_max_tokens=OUT_MAX_TOKENS):
+    check_w_uv_max_tokens(w_uv_max_tokens)
     w_uv = w_uv_of(kv_b_weight, q_nope.shape[1], nope)
     if not kernel_supports_decode(q_nope.shape[-1], q_rope.shape[-1]):
         return decode_out_reference(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, w_uv, gate)
-    use_pdl = pdl_for(pdl, q_nope)
-    choice = _launch_choice(launch_table, q_nope.shape[0], q_nope.shape[-1])
     with torch.cuda.device(q_nope.device):
-        if q_nope.shape[0] <= OUT_MAX_TOKENS:  # a static shape: a captured graph always takes the same branch
-            return decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl, w_uv=w_uv,
-                                 prefetch_w=prefetch_w, gate=gate, **choice)
-        o_lat = decode_triton(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, use_pdl, **choice)
-        o = torch.einsum("bhr,hdr->bhd", o_lat, w_uv).flatten(-2)
-        return o if gate is None else o * torch.sigmoid(check_gate(gate, o))
+        return decode_out_run(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, w_uv,
+                              pdl_for(pdl, q_nope), launch_table, prefetch_w, gate, w_uv_max_tokens)
 
 
 @mla_decode_fused_out.register_fake
 def _decode_out_fake(q_nope, q_rope, kv_pool, layer, page_table, seq_lens, scale, kv_b_weight, nope, pdl,
-                     launch_table=None, prefetch_w=False, gate=None):
+                     launch_table=None, prefetch_w=False, gate=None, w_uv_max_tokens=OUT_MAX_TOKENS):
+    check_w_uv_max_tokens(w_uv_max_tokens)
     heads = q_nope.shape[1]
     return q_nope.new_empty(q_nope.shape[0], heads * (kv_b_weight.shape[0] // heads - nope))

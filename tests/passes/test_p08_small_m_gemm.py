@@ -294,7 +294,8 @@ def test_bad_options_are_named():
                        ({"rows_warps": "3"}, "rows_warps"), ({"rows_warps": "x"}, "rows_warps"),
                        ({"l2_prefetch_mb": -1}, "l2_prefetch_mb"), ({"first_bucket_tol": 1.0}, "first_bucket_tol"),
                        ({"rows_programs": "0"}, "rows_programs"), ({"rows_programs": "a+b"}, "rows_programs"),
-                       ({"rows_programs": ""}, "rows_programs")):
+                       ({"rows_programs": ""}, "rows_programs"), ({"upper_min_gain": -0.6}, "upper_min_gain"),
+                       ({"upper_min_gain": 1.0}, "upper_min_gain")):
         with pytest.raises(PassConfigError, match=what):
             spec.config_cls(**opts).validate()
 
@@ -492,3 +493,179 @@ def test_decision_rule():
     # equal savings: the longer reach
     assert _decide({1: t(10.0, c4_1024_1_1_8=7.0, c64_128_8_0_4=8.0), 2: t(10.0, c64_128_8_0_4=9.0)}, [1, 2]) \
         == (2, (64, 128, 8, 0, 4))
+
+
+# --------------------------------------------------------------------------- upper tier (issue 9, batch 8)
+
+TRACES = __import__("pathlib").Path(__file__).parents[2] / "traces"
+RECORDED = ("h200_s12/call2", "h200_s12/call3", "h200_s13/call1", "h200_s13/call2")  # 48B ladders, P8's timings
+O_PROJ, DOWN, IN_PROJ, GATE_UP, MLA_IN, LM_HEAD = (2304, 4096), (2304, 9216), (12576, 2304), (18432, 2304), \
+    (6720, 2304), (163840, 2304)
+SPLIT_DOT, DOT = (64, 128, 8, 0, 4), (64, 128, 1, 0, 4)
+
+
+def recorded_timings(run: str) -> dict:
+    """{(N, K): {M: {"cublas_us", "gemv_us": {config: us}}}} of P8's report in a committed 48B ladder JSON."""
+    import json
+    doc = json.loads((TRACES / run / "ladder_kimi-linear-48b_bf16.json").read_text())
+    out = {}
+    for rung in doc["rungs"]:
+        for rep in rung.get("pass_reports") or []:
+            for p in rep["passes"]:
+                for node in p["details"].get("nodes", []) if p["name"] == P8 else []:
+                    out.setdefault((node["N"], node["K"]), {int(m): {"cublas_us": t["cublas"], "gemv_us": {
+                        (*map(int, lbl.split(" w")[0].split("x")), int(lbl.split(" w")[1])): us
+                        for lbl, us in t["gemv"].items()}} for m, t in node["us"].items()})
+    return out
+
+
+# upper tier per run and shape with upper_min_gain -0.03 (the default): (reach, config); None: no upper tier
+UPPER_WANT = {
+    "h200_s12/call2": {IN_PROJ: (2, DOT), O_PROJ: (16, SPLIT_DOT), GATE_UP: None, DOWN: (16, SPLIT_DOT)},
+    "h200_s12/call3": {IN_PROJ: None, O_PROJ: (8, SPLIT_DOT), GATE_UP: (4, DOT), DOWN: (16, SPLIT_DOT)},
+    "h200_s13/call1": {IN_PROJ: None, O_PROJ: (16, SPLIT_DOT), GATE_UP: (4, DOT), DOWN: (16, SPLIT_DOT)},
+    "h200_s13/call2": {IN_PROJ: (4, DOT), O_PROJ: (16, SPLIT_DOT), GATE_UP: (2, DOT), DOWN: (16, SPLIT_DOT)},
+}
+
+
+@pytest.mark.parametrize("run", RECORDED)
+def test_upper_tier_on_recorded_h200_timings(run):
+    """On the four committed 48B builds' timings: the first tier is what it is without the option; the upper tier
+    runs the o_proj and the dense down (the GEMMs cuBLAS launches as a split-K + reduce pair, 28 a step) in one
+    split-K kernel at M = 8 in every run; with the first tier's margin (+3%) the o_proj would fall back to cuBLAS at
+    M = 8 in both session-12 runs (cuBLAS's own M = 8 timing there 10.62 / 10.64 us, 11.27-11.36 in session 13)."""
+    from k3compile.passes.p08_small_m_gemm import SmallMGemmConfig, _decide_tiers
+    timings = recorded_timings(run)
+    assert set(timings) == {O_PROJ, DOWN, IN_PROJ, GATE_UP, MLA_IN, LM_HEAD}
+    on, off = SmallMGemmConfig(upper_tier=True), SmallMGemmConfig()
+    strict = SmallMGemmConfig(upper_tier=True, upper_min_gain=0.03)
+    for shape, t in timings.items():
+        buckets = sorted(t)
+        assert buckets == [1, 2, 4, 8, 16]
+        max_m, cfg, upper = _decide_tiers(t, buckets, on)
+        assert (max_m, cfg, []) == _decide_tiers(t, buckets, off)
+        want = UPPER_WANT[run].get(shape)
+        assert upper == ([] if want is None else [(want[0], *want[1])]), shape
+        if shape in (O_PROJ, DOWN):
+            assert cfg[3] == gemv_kernels.DESIGNS["rows"] and max_m <= 2
+            assert gemv_kernels.tier_for(8, max_m, cfg, gemv_kernels.flat_upper(upper)) == (want[0], SPLIT_DOT)
+        if shape in (MLA_IN, LM_HEAD):  # cuBLAS-class at M > 1 (or at every M): no upper tier
+            assert upper == []
+    o_strict = _decide_tiers(timings[O_PROJ], [1, 2, 4, 8, 16], strict)[2]
+    assert o_strict == ([(4, *SPLIT_DOT)] if run.startswith("h200_s12") else [(8, *SPLIT_DOT)])
+
+
+def test_upper_tier_decision_rule():
+    from k3compile.passes.p08_small_m_gemm import SmallMGemmConfig, _decide_tiers, _decide_upper
+
+    def t(cublas, **gemv):
+        return {"cublas_us": cublas, "gemv_us": {tuple(map(int, k[1:].split("_"))): v for k, v in gemv.items()}}
+    rows = (4, 1024, 1, 1, 8)
+    timings = {1: t(10.0, c4_1024_1_1_8=6.0, c64_128_8_0_4=9.0), 2: t(10.0, c4_1024_1_1_8=11.0, c64_128_8_0_4=9.0),
+               4: t(10.0, c64_128_8_0_4=10.2), 8: t(10.0, c64_128_8_0_4=10.4)}
+    on = SmallMGemmConfig(upper_tier=True)
+    assert _decide_tiers(timings, [1, 2, 4, 8], SmallMGemmConfig()) == (1, rows, [])
+    # above M = 1 the split dot tile: wins 2, within 3% of cuBLAS at 4, 4% behind at 8
+    assert _decide_tiers(timings, [1, 2, 4, 8], on) == (1, rows, [(4, 64, 128, 8, 0, 4)])
+    assert _decide_upper(timings, [1, 2, 4, 8], 1, 0.03) == (2, (64, 128, 8, 0, 4))
+    assert _decide_upper(timings, [1, 2, 4, 8], 1, -0.05) == (8, (64, 128, 8, 0, 4))
+    assert _decide_upper(timings, [1, 2, 4, 8], 0, -0.05) == (0, None)  # no first tier (cuBLAS at M = 1): none
+    assert _decide_upper(timings, [1, 2], 2, -0.05) == (0, None)  # nothing above the first tier
+    # the first tier's own configuration admitted above by the tolerance: one tier with a longer reach
+    same = {1: t(10.0, c64_128_8_0_4=6.0), 2: t(10.0, c64_128_8_0_4=10.2), 4: t(10.0, c64_128_8_0_4=11.0)}
+    assert _decide_tiers(same, [1, 2, 4], on) == (2, (64, 128, 8, 0, 4), [])
+    # losing the first bucket above (beyond the tolerance): cuBLAS above the first tier, as without the option
+    assert _decide_tiers({1: t(10.0, c4_1024_1_1_8=6.0), 2: t(10.0, c64_128_8_0_4=10.5)}, [1, 2], on) == (1, rows, [])
+
+
+def test_upper_tier_reaches_the_nodes_the_report_and_the_engine_format(monkeypatch):
+    """upper_tier with the 48B o_proj's recorded timings (session 12 call 2) for every GEMM of kimi-linear-tiny: each
+    k3.gemv gets the rows tile up to M = 2 and the split dot tile up to 16 as its 13th argument (after the defaults of
+    l2_prefetch_kb and early_release), recorded per node; the engine format keeps it; on CPU the values are the aten
+    calls' (bit-identical to the graph without the option); without the option the nodes keep 10 arguments."""
+    from k3compile.passes import p08_small_m_gemm as p8
+    o_proj = recorded_timings("h200_s12/call2")[O_PROJ]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "recorded-s12c2")
+    monkeypatch.setattr(p8, "_measure", lambda w, buckets, *a, **k: {m: o_proj[m] for m in buckets})
+    monkeypatch.setattr(p8, "_MEASURED", {})
+    plain = engine_before("kimi-linear-tiny")
+    assert run_pass(plain, P8) == 33
+    assert all(len(n.args) == 10 and n.args[3] == 2 for n in plain.graph.nodes if n.target == GEMV)
+    gm = engine_before("kimi-linear-tiny")
+    assert run_pass(gm, P8, upper_tier=True) == 33
+    gemvs = [n for n in gm.graph.nodes if n.target == GEMV]
+    assert len(gemvs) == 33
+    for n in gemvs:
+        assert n.args[3:10] == (2, 4, 1024, 1, gemv_kernels.DESIGNS["rows"], True, 8)
+        assert n.args[10:] == (0, False, [16, *SPLIT_DOT])
+    recs = gm.meta["k3"]["pass_details"][P8]["nodes"]
+    assert all(r["upper"] == [{"max_m": 16, "block_n": 64, "block_k": 128, "split_k": 8, "design": "dot",
+                               "num_warps": 4}] for r in recs)
+    keys = {n.target: n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    weights = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    back = graph_from_dict(graph_to_dict(gm, "decode", keys), weights, STEP_INPUTS)
+    assert [n.args[10:] for n in back.graph.nodes if n.target == GEMV] == [(0, False, [16, *SPLIT_DOT])] * 33
+    inputs = inputs_for("kimi-linear-tiny", "decode", torch.bfloat16)
+    assert torch.equal(run_graph(back, inputs)[0][0], run_graph(plain, inputs)[0][0])
+    # with early release: the tier after the release flag
+    early = engine_before("kimi-linear-tiny")
+    assert run_pass(early, P8, upper_tier=True, early_release="all") == 33
+    assert [n.args[10:] for n in early.graph.nodes if n.target == GEMV] == [(0, True, [16, *SPLIT_DOT])] * 33
+
+
+def test_upper_tiers_of_the_op():
+    """k3.gemv's `upper` argument: rows checked by name, the tier per row count (`tier_for`), opcheck with it."""
+    rows, dot = gemv_kernels.DESIGNS["rows"], gemv_kernels.DESIGNS["dot"]
+    cfg = (4, 1024, 1, rows, 8)
+    up = [16, 64, 128, 8, dot, 4]
+    assert gemv_kernels.upper_rows(None) == [] and gemv_kernels.upper_rows(up) == [tuple(up)]
+    assert [gemv_kernels.tier_for(m, 2, cfg, up) for m in (1, 2, 3, 8, 16, 17)] == \
+        [(2, cfg)] * 2 + [(16, tuple(up[1:]))] * 3 + [None]
+    assert gemv_kernels.tier_for(3, 2, cfg) is None  # no upper tier: the aten calls above max_m, as before
+    two = [4, 64, 128, 8, dot, 4, 8, 32, 256, 4, dot, 4]
+    assert gemv_kernels.tier_for(8, 2, cfg, two) == (8, (32, 256, 4, dot, 4))
+    x, w = torch.randn(3, 16).bfloat16(), torch.randn(8, 16).bfloat16()
+    for bad, what in (([16, 64, 128, 8, dot], "rows of 6"), ([2, 64, 128, 8, dot, 4], "exceed"),
+                      ([8, 4, 128, 1, rows, 8], "configuration"), ([8, 8, 128, 1, dot, 4], "powers of two"),
+                      ([8, 64, 128, 1, dot, 3], "configuration"), ([17, 64, 128, 1, dot, 4], "configuration"),
+                      ([8, 64, 128, 1, dot, 4, 4, 64, 128, 1, dot, 4], "exceed")):
+        with pytest.raises(ValueError, match=what):
+            GEMV(x, w, None, 2, *cfg[:4], True, 8, 0, False, bad)
+    assert torch.equal(GEMV(x, w, None, 2, *cfg[:4], True, 8, 0, False, up), torch.mm(x, w.t()))
+    torch.library.opcheck(GEMV, (x, w, None, 2, *cfg[:4], True, 8, 0, False, up))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", (O_PROJ, DOWN))  # 48B: cuBLAS's split-K + reduce pairs at M = 8
+def test_upper_tier_launches_in_a_pdl_graph_on_gpu(n, k):
+    """k3.gemv with the tiers upper_tier records for these shapes (rows tile to M = 2, split dot tile to 16): each
+    row count launches its tier's kernel (the same bits as that configuration launched directly), in a CUDA graph with
+    PDL, against the fp32 reference; one kernel per call up to M = 16."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = (0.02 * torch.randn(n, k, device="cuda", generator=gen)).bfloat16()
+    rows = (4, 1024, 1, gemv_kernels.DESIGNS["rows"], 8)
+    upper = [16, *SPLIT_DOT]
+    for m in (1, 2, 4, 8, 16):
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        want = gemv_kernels.gemv_reference(x.float(), w.float())
+        bn, bk, split, design, warps = rows if m <= 2 else SPLIT_DOT
+        direct = gemv_kernels.gemv_triton(x, w, None, bn, bk, split, num_warps=warps, design=design, use_pdl=True)
+
+        def call():
+            return GEMV(x, w, None, 2, *rows[:4], True, rows[4], 0, False, upper)
+        call()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = call()
+        for _ in range(2):  # split-K counters back at zero after each replay
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(got, direct), m
+            assert rel_err(got.float(), want) < 1e-2, m
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(kernels) == 1, (m, [e.name for e in kernels])

@@ -75,5 +75,23 @@ for name, x, w, c, bn, bk, split, *launch in cases():
     if counters is not None and int(counters.abs().sum()) != 0:
         failed += 1
         print(f"FAIL {name}: split-K counters not reset")
+# k3.gemv's tiers (run_gemv: what the op launches on CUDA): the rows tile up to 2 rows, a split-K dot tile up to 4,
+# the aten calls above; each tier's launch is the kernel of that configuration, bit for bit
+gen = torch.Generator().manual_seed(1)
+w = torch.randn(40, 96, generator=gen).bfloat16()
+first, upper = (4, 32, 2, gemv.DESIGNS["rows"], 2), [4, 16, 32, 3, gemv.DESIGNS["dot"], 4]
+for m, want_cfg in ((1, first), (2, first), (3, tuple(upper[1:])), (4, tuple(upper[1:])), (6, None)):
+    n += 1
+    x = torch.randn(m, 96, generator=gen).bfloat16()
+    got = gemv.run_gemv(x, w, None, 2, *first[:4], True, first[4], 0, False, upper)
+    if want_cfg is None:
+        want = gemv.gemv_reference(x, w)
+    else:
+        bn, bk, split, design, warps = want_cfg
+        want = gemv.gemv_triton(x, w, None, bn, bk, split, num_warps=warps, design=design, use_pdl=True)
+    exact = x.double() @ w.double().t()
+    if not torch.equal(got, want) or not rel(got, exact) <= TOL:
+        failed += 1
+        print(f"FAIL tiers M={m}: not the launch of {want_cfg} (rel err {rel(got, exact):.3g})")
 print(f"{n - failed}/{n} cases match")
 sys.exit(1 if failed else 0)

@@ -55,6 +55,27 @@ def attention_case(lens, page, heads=2, r=16, rope=8, splits=None, layers=2, lay
     return ((got - want).abs().max() / want.abs().max()).item(), 1e-5
 
 
+def w_uv_bound_case(tokens, bound, gated):
+    """What k3.mla_decode_fused_out launches (decode_out_run) for `tokens` tokens under the op's w_uv_max_tokens
+    `bound`: the merge kernel applying W_UV (and the gate) up to it, the plain merge + einsum above; LAUNCH_TABLE's
+    choice (the whole-row merge above 4 tokens); both against the reference."""
+    heads, r, rope, nope, dv, page = 2, 16, 8, 8, 12, 16  # lens up to 38: 3 of the 4 pages each
+    lens = [3 + 5 * i for i in range(tokens)]
+    pages = tokens * 4 + 3
+    kv = randn(pages, 2, page, r + rope)
+    table = (torch.randperm(pages - 1, generator=GEN)[: tokens * 4] + 1).view(tokens, 4).to(torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    q_nope, q_rope = randn(tokens, heads, r), randn(tokens, heads, rope + 5)[..., 5:]
+    w_uv = mla.w_uv_of(randn(heads * (nope + dv), r), heads, nope)
+    gate = randn(tokens, heads * dv + 7)[:, 3: 3 + heads * dv] * 3 if gated else None
+    scale = (r + rope) ** -0.5
+    got = mla.decode_out_run(q_nope, q_rope, kv, 1, table, seq, scale, w_uv, True, gate=gate, w_uv_max_tokens=bound)
+    want = mla.decode_out_reference(q_nope, q_rope, kv, 1, table, seq, scale, w_uv, gate)
+    if mla.arrival_counts("cpu", 1).any():
+        return float("inf"), 0.0
+    return ((got - want).abs().max() / want.abs().max()).item(), 1e-5
+
+
 def prologue_case(dtype, n, with_q, page):
     r, rope, q_dim = 16, 8, 24
     kv = randn(12, 2, page, r + rope, dtype=dtype)
@@ -104,6 +125,11 @@ def cases():
     for cols in (0, 16, 4):
         yield (f"W_UV + output gate in the merge, dv 12, 3 splits, merge cols {cols}",
                lambda c=cols: attention_case([70, 17, 3], 16, splits=3, dv=12, merge_cols=c, gated=True))
+    # the op's token bound for W_UV in the merge (P15's w_uv_max_tokens): 8 tokens above the default bound (merge +
+    # einsum) and within a bound of 8 (the whole-row merge + W_UV kernel), with and without the gate; 2 tokens
+    for tokens, bound, gated in ((8, 4, False), (8, 8, False), (8, 8, True), (2, 8, True)):
+        yield (f"op path: {tokens} tokens, w_uv_max_tokens {bound}, gated {gated}",
+               lambda t=tokens, b=bound, g=gated: w_uv_bound_case(t, b, g))
 
 
 def main() -> int:

@@ -143,19 +143,20 @@ def test_cuda_decode_matches_reference(batch, context, page):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("batch", [1, 4, 8])  # 1 and 4: the merge kernel applies W_UV; 8: cuBLAS after the merge
-def test_cuda_decode_with_w_uv_matches_reference_in_a_cuda_graph(batch):
+@pytest.mark.parametrize("batch,bound", [(1, 4), (4, 4), (8, 4), (8, 8), (16, 16)])  # up to the op's w_uv_max_tokens
+# (P15's option; 4 by default) the merge kernel applies W_UV; above it cuBLAS after the merge
+def test_cuda_decode_with_w_uv_matches_reference_in_a_cuda_graph(batch, bound):
     q_nope, q_rope, kv, table, seq = _decode_inputs(batch, 512, 16, seed=2)
     gen = torch.Generator().manual_seed(3)
     w_kv_b = (torch.randn(32 * 256, 512, generator=gen) * 512 ** -0.5).bfloat16().cuda()  # 48B: nope 128 + dv 128
     pdl = torch.cuda.get_device_capability()[0] >= 9
     args = (q_nope, q_rope, kv, 0, table, seq, 192 ** -0.5, w_kv_b, 128)
-    out = FUSED_OUT(*args, pdl)  # compile outside the capture
+    out = FUSED_OUT(*args, pdl, None, False, None, bound)  # compile outside the capture
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            out = FUSED_OUT(*args, pdl)
+            out = FUSED_OUT(*args, pdl, None, False, None, bound)
     q_nope.normal_()
     graph.replay()
     torch.cuda.synchronize()
@@ -272,8 +273,9 @@ def test_cuda_w_uv_l2_prefetch_changes_no_value(batch):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("batch", [1, 4, 8])  # 1, 4: the merge kernels gate (column blocks, LAUNCH_TABLE); 8: torch
-def test_cuda_output_gate_matches_the_unfused_ops_at_k3_mini_shape(batch):
+@pytest.mark.parametrize("batch,bound", [(1, 4), (4, 4), (8, 4), (8, 8)])  # up to the op's w_uv_max_tokens the merge
+# kernels gate (column blocks at 1-4, LAUNCH_TABLE; the whole row at 8); above it torch
+def test_cuda_output_gate_matches_the_unfused_ops_at_k3_mini_shape(batch, bound):
     """P15's gate_out at k3-mini-6b's MLA shape (16 heads, r 512, nope 128, dv 128), the gate a column block of the
     merged input GEMM's output, in a CUDA graph with PDL over three layers: equal to the unfused step's arithmetic
     (the ungated op, then sigmoid and product in bf16) within bf16 rounding; the whole-row merge kernel too."""
@@ -286,8 +288,8 @@ def test_cuda_output_gate_matches_the_unfused_ops_at_k3_mini_shape(batch):
     pdl = torch.cuda.get_device_capability()[0] >= 9
 
     def step():
-        return [FUSED_OUT(q_nope, q_rope, kv, layer, table, seq, 192 ** -0.5, w_kv_b, 128, pdl, None, False, gate)
-                for layer in range(3)]
+        return [FUSED_OUT(q_nope, q_rope, kv, layer, table, seq, 192 ** -0.5, w_kv_b, 128, pdl, None, False, gate,
+                          bound) for layer in range(3)]
     graph, outs = _captured(step)
     graph.replay()
     torch.cuda.synchronize()
@@ -295,7 +297,7 @@ def test_cuda_output_gate_matches_the_unfused_ops_at_k3_mini_shape(batch):
         plain = FUSED_OUT(q_nope, q_rope, kv, layer, table, seq, 192 ** -0.5, w_kv_b, 128, pdl)
         want = plain * torch.sigmoid(gate)
         assert outs[layer].shape == (batch, 16 * 128) and _rel(outs[layer], want) <= 1e-2, f"layer {layer}"
-    if batch <= 4:
+    if batch <= bound:
         w_uv = w_uv_of(w_kv_b, 16, 128)
         whole = decode_triton(q_nope, q_rope, kv, 2, table, seq, 192 ** -0.5, pdl, w_uv=w_uv, merge_cols=0, gate=gate)
         assert _rel(whole, outs[2]) <= 1e-2
