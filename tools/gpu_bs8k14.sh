@@ -13,6 +13,8 @@
 #           the o_proj and down get the split-K dot tile 64x128x8 up to M = 8-16: -28 kernels at batch 8 expected
 #   v-w8    p15_mla_decode.w_uv_max_tokens=8: the whole-row merge + W_UV kernel at batch 8: -14 kernels expected
 #   v-both  both: 250 -> 208 expected at batch 8; batch 1 unchanged (208; the options act above M = 2 / 4 only)
+#   EXTRA_VARIANTS="name:pass.opt=v,... ..." adds arms (session 14's next call: P8 rows_programs and P6 latent_prewait +
+#   down_early_release, see traces/h200_s14/README.md; raise TL by ~25 s per batch size and variant)
 #   UP3=1 adds v-up3 (upper_tier with upper_min_gain 0.03: the first tier's margin; the o_proj may stay cuBLAS at 8)
 # Then: kernels/step per arm and batch from the ladder JSON, and the GEMM / copy kernel names per step in the batch-8
 # traces of engine-after and the variants (splitKreduce, nvjet, gemv, merge, copy); with TESTS=1 the GPU tests.
@@ -27,6 +29,7 @@ mkdir -p $OUT/logs
 P8=p08_small_m_gemm; P15=p15_mla_decode
 VARIANTS="up:$P8.upper_tier=true w8:$P15.w_uv_max_tokens=8 both:$P8.upper_tier=true,$P15.w_uv_max_tokens=8"
 [ "${UP3:-0}" = 1 ] && VARIANTS="$VARIANTS up3:$P8.upper_tier=true,$P8.upper_min_gain=0.03"
+VARIANTS="$VARIANTS ${EXTRA_VARIANTS:-}"  # more arms in the same run, e.g. k3-mini's winners (traces/h200_s14/README.md)
 VARGS=(); for v in $VARIANTS; do VARGS+=(--variant "$v"); done
 timeout $(( ${TL:-185} + 25 )) k3compile bench ladder --model kimi-linear-48b --dtype bf16 --batch 1,8 \
   --context 512 --device cuda --quick --time-budget ${TL:-185} --keep-traces all "${VARGS[@]}" --out $OUT/l48 \
