@@ -8,7 +8,7 @@ Matched (after P6 and P7, in decode and verify graphs), anchored on P6's node:
          | k3.attn_res_norm(bank, y, None, query, norm_weight, res_eps, norm_eps, pdl) y the row itself (no add)
 
 and replaced by `h, p = k3.fused_moe_decode_norm(bank, r | None, query, norm_weight, res_eps, norm_eps, pdl,
-num_warps, <the MoE node's arguments as they are>)`; users of h and p keep reading them, y is never a graph value.
+num_warps, block_n, <the MoE node's arguments as they are>)`; users of h and p keep reading them, y is never a graph value.
 Kimi-Linear's full-width MoE (no kernel C), a norm with an fp32 copy (P7's `_f32`: a router's input), a norm fed
 through a collective (P9's) and anything else off the form above are left alone. Prefill graphs have no P6 node.
 
@@ -18,8 +18,9 @@ not apply, the same two ops (bit-identical); where it runs, the same arithmetic 
 then P7's one-pass norm).
 
 **Off by default** (`enabled`) until the k3-mini-6b ladder measures it (`tools/gpu_mini14.sh`): the norm's tile in
-kernel C's registers may cost kernel C more than the launch saves. `num_warps` (0: kernel C's own launch) sets kernel
-C's warps when it carries the tail.
+kernel C's registers (ptxas, k3-mini batch 1: 211 registers a thread instead of 96, 2 programs an SM instead of 5) may
+cost kernel C more than the launch saves. With the tail, `block_n` sets kernel C's output columns per program (8:
+256 programs at batch 1, one wave at 2 an SM) and `num_warps` its warps (0: kernel C's own launch for either).
 """
 from __future__ import annotations
 
@@ -47,11 +48,17 @@ class MoeOutNormConfig(PassConfig):
     # kernel C's warps when it carries the norm's tail (0: the latent launch's own, moe_decode.latent_config); the
     # tail's [bank rows, D] fp32 tile is spread over them (k3-mini: 8 x 2048, 128 a thread at 4 warps)
     num_warps: int = 0
+    # kernel C's output columns per program with the tail (0: the latent launch's own, 4 at k3-mini batch 1: 512
+    # programs, two waves at the tail's 2 programs an SM; 8: 256 programs, one wave)
+    block_n: int = 0
 
     def validate(self) -> None:
         if self.num_warps not in (0, 1, 2, 4, 8, 16):
             raise PassConfigError(f"p07_moe_out_norm.num_warps must be 0 (kernel C's own) or a power of two up to "
                                   f"16, got {self.num_warps}")
+        if self.block_n not in (0, 1, 2, 4, 8, 16, 32, 64):
+            raise PassConfigError(f"p07_moe_out_norm.block_n must be 0 (kernel C's own) or a power of two up to 64, "
+                                  f"got {self.block_n}")
 
 
 def _match(moe: Node):
@@ -95,7 +102,7 @@ def moe_out_norm(gm: GraphModule, config: MoeOutNormConfig) -> int:
         # at the norm's place: every MoE argument exists before the MoE node, every norm argument before the norm
         with g.inserting_before(norm):
             fused = g.call_function(FUSED, (bank, residual, query, norm_w, res_eps, norm_eps, pdl,
-                                             int(config.num_warps), *moe.args))
+                                             int(config.num_warps), int(config.block_n), *moe.args))
             items = [g.call_function(operator.getitem, (fused, i)) for i in range(2)]
         for n in [fused, *items]:
             set_meta_val(n, fake_mode)

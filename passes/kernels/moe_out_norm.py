@@ -2,7 +2,7 @@
 p07_moe_out_norm).
 
 `torch.ops.k3.fused_moe_decode_norm(bank, residual, query, norm_weight, res_eps, norm_eps, norm_pdl, tail_warps,
-<k3::fused_moe_decode's arguments, same order and defaults>) -> (h, p)` is exactly the composition the decode graph
+tail_block_n, <k3::fused_moe_decode's arguments, same order and defaults>) -> (h, p)` is exactly the composition the decode graph
 runs once P6 and P7 have rewritten it:
 
     y    = k3.fused_moe_decode(<MoE arguments>)                                  latent MoE (latent_up_w given)
@@ -21,8 +21,11 @@ residual add, AttnRes softmax, RMSNorm: attn_res_norm's helpers, the same roundi
 stays in a workspace. One launch per MoE layer less than the pair: the norm's own kernel (3.9 us a launch in the
 session-12 k3-mini trace, traces/h200_s12/call4) becomes a tail that runs once the row exists, with no kernel
 boundary in between. The tail's [bank rows, D] tile lives in the registers of one program of kernel C, so it sizes
-kernel C's register budget; `tail_warps` (the pass's `num_warps`, 0: kernel C's own launch) spreads it over more
-threads.
+kernel C's register budget: ptxas (Triton 3.6, sm90, k3-mini's 8-row bank, batch 1) gives kernel C 96 registers a
+thread without the tail and 211 with it at 4 warps (124 at 8 warps), i.e. 2 programs an SM where 5 fitted, so C's 512
+programs at batch 1 no longer fit one wave. `tail_block_n` (the pass's `block_n`, 0: kernel C's own launch) sets C's
+output columns per program (8: 256 programs, one wave at 2 an SM, the same bytes in flight per SM), `tail_warps`
+(`num_warps`, 0: C's own) its warps.
 
 Testing without a GPU: TRITON_INTERPRET=1 in the environment before this module is imported makes
 `fused_moe_norm_triton` run on CPU tensors (tests/passes/kernels/interpret_moe_out_norm.py).
@@ -42,7 +45,7 @@ except ImportError:  # CPU-only install: the op still works through the referenc
     triton = None
 
 ARRIVALS_OWNER = "moe_out_norm"  # this kernel's per-token counters (kernels.arrivals)
-MOE_ARGS = 27  # k3::fused_moe_decode's arguments, x .. latent_prewait
+NORM_ARGS = 9  # the op's arguments before k3::fused_moe_decode's (bank .. tail_block_n)
 
 
 def check_args(bank, residual, query, norm_weight, x, latent_up_w) -> None:
@@ -149,22 +152,28 @@ class _NormTail:
     """moe_decode.fused_moe_triton's latent_tail: launches `_latent_out_norm_kernel` with kernel C's arguments plus the
     norm's, returns (h, p)."""
 
-    def __init__(self, bank, residual, query, norm_weight, res_eps, norm_eps, num_warps: int = 0):
+    def __init__(self, bank, residual, query, norm_weight, res_eps, norm_eps, num_warps: int = 0, block_n: int = 0):
         self.bank, self.residual, self.query, self.norm_weight = bank, residual, query, norm_weight
-        self.res_eps, self.norm_eps, self.num_warps = float(res_eps), float(norm_eps), num_warps
+        self.res_eps, self.norm_eps, self.num_warps, self.block_n = float(res_eps), float(norm_eps), num_warps, block_n
 
     def __call__(self, grid, c_args, c_consts, launch):
         y = c_args[6]  # kernel C's output: [N, D] contiguous (fused_moe_triton allocates it)
         n, d = y.shape
+        consts = dict(c_consts)
+        if self.block_n:  # kernel C's launch for this column block (latent_config's K tiles for it)
+            latent, shared = c_args[7], c_args[9]
+            launch_c = moe_decode.latent_config(n, d, latent, shared, block_n=self.block_n)
+            consts.update(BLOCK_N=launch_c.block_n, BLOCK_K=launch_c.block_k, BLOCK_KS=launch_c.block_ks,
+                          PREWAIT_W=consts["PREWAIT"] and launch_c.block_k >= latent)
+            grid = (grid[0], triton.cdiv(d, launch_c.block_n))
+        if self.num_warps:
+            consts["num_warps"] = self.num_warps
         x, delta = _norm_inputs(y, self.bank, self.residual)
         h = torch.empty(n, d, dtype=arn._out_dtype(y, self.norm_weight), device=y.device)
         p = torch.empty_like(y)
         rows = self.bank + [y] * (arn.MAX_BANK - len(self.bank))  # unused pointer slots: any valid tensor
         col_blocks = grid[1]
         arrivals = arrival_counters(y.device, n, ARRIVALS_OWNER) if col_blocks > 1 else h  # (unused at 1)
-        consts = dict(c_consts)
-        if self.num_warps:
-            consts["num_warps"] = self.num_warps
         _latent_out_norm_kernel[grid](
             *c_args, *rows, x, delta if delta is not None else x,
             self.query.contiguous() if self.query is not None else self.norm_weight, self.norm_weight.contiguous(),
@@ -175,9 +184,10 @@ class _NormTail:
 
 
 def fused_moe_norm_triton(bank, residual, query, norm_weight, res_eps, norm_eps, *moe_args, tail_warps: int = 0,
-                          **moe_options):
+                          tail_block_n: int = 0, **moe_options):
     """Launch A, B' and kernel C with the norm tail (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1): (h, p).
-    moe_args: fused_moe_triton's positional arguments (x .. shared_w13), moe_options its launch options."""
+    moe_args: fused_moe_triton's positional arguments (x .. shared_w13), moe_options its launch options; tail_warps /
+    tail_block_n: kernel C's warps / output columns per program with the tail (0: its own launch's)."""
     if triton is None:
         raise RuntimeError("fused_moe_decode_norm: triton is not installed")
     x, latent_up_w = moe_args[0], moe_args[13]
@@ -190,7 +200,9 @@ def fused_moe_norm_triton(bank, residual, query, norm_weight, res_eps, norm_eps,
     if x.shape[0] == 0:
         y = x.new_empty(0, latent_up_w.shape[0])
         return torch.empty_like(y, dtype=arn._out_dtype(y, norm_weight)), torch.empty_like(y)
-    tail = _NormTail(bank, residual, query, norm_weight, res_eps, norm_eps, tail_warps)
+    if tail_block_n and tail_block_n & (tail_block_n - 1):
+        raise ValueError(f"fused_moe_decode_norm: tail_block_n must be a power of two, got {tail_block_n}")
+    tail = _NormTail(bank, residual, query, norm_weight, res_eps, norm_eps, tail_warps, tail_block_n)
     return moe_decode.fused_moe_triton(*moe_args, **moe_options, latent_tail=tail)
 
 
@@ -199,7 +211,7 @@ def fused_moe_norm_triton(bank, residual, query, norm_weight, res_eps, norm_eps,
 @torch.library.custom_op("k3::fused_moe_decode_norm", mutates_args=())
 def fused_moe_decode_norm(
         bank: list[torch.Tensor], residual: torch.Tensor | None, query: torch.Tensor | None, norm_weight: torch.Tensor,
-        res_eps: float, norm_eps: float, norm_pdl: bool, tail_warps: int,
+        res_eps: float, norm_eps: float, norm_pdl: bool, tail_warps: int, tail_block_n: int,
         x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, shared_in: torch.Tensor | None,
         shared_up: torch.Tensor | None, shared_w2: torch.Tensor | None, act: str, beta: float, linear_beta: float,
@@ -208,8 +220,9 @@ def fused_moe_decode_norm(
         down_split: list[int] | None = None, shared_l2_prefetch: bool = False, down_l2_prefetch: bool = False,
         up_launch: list[int] | None = None, flag_deps: bool = False, early_release: bool = False,
         down_early_release: bool = False, latent_prewait: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, p): k3::fused_moe_decode, then k3::attn_res_norm on its output. See the module doc. tail_warps: kernel C's
-    warps with the tail (0: its own launch; the results do not depend on it beyond the sums' order)."""
+    """(h, p): k3::fused_moe_decode, then k3::attn_res_norm on its output. See the module doc. tail_warps /
+    tail_block_n: kernel C's warps / output columns per program with the tail (0: its own launch's; the results do not
+    depend on them beyond the sums' order)."""
     check_args(bank, residual, query, norm_weight, x, latent_up_w)
     return fused_moe_norm_reference(bank, residual, query, norm_weight, res_eps, norm_eps, x, topk_ids, topk_weights,
                                     w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
@@ -217,7 +230,8 @@ def fused_moe_decode_norm(
 
 
 @fused_moe_decode_norm.register_kernel("cuda")
-def _fused_moe_decode_norm_cuda(bank, residual, query, norm_weight, res_eps, norm_eps, norm_pdl, tail_warps, x,
+def _fused_moe_decode_norm_cuda(bank, residual, query, norm_weight, res_eps, norm_eps, norm_pdl, tail_warps, tail_block_n,
+                                x,
                                 topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2,
                                 act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
                                 latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
@@ -231,7 +245,7 @@ def _fused_moe_decode_norm_cuda(bank, residual, query, norm_weight, res_eps, nor
             return fused_moe_norm_triton(
                 bank_c, residual, query, norm_weight, res_eps, norm_eps, x, topk_ids, topk_weights, w13, w2,
                 w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta, linear_beta, latent_up_w,
-                latent_norm_w, latent_eps, shared_w13, tail_warps=tail_warps, use_pdl=use_pdl, split=split,
+                latent_norm_w, latent_eps, shared_w13, tail_warps=tail_warps, tail_block_n=tail_block_n, use_pdl=use_pdl, split=split,
                 shared_l2_prefetch=shared_l2_prefetch, down_l2_prefetch=down_l2_prefetch, up_launch=up_launch,
                 flag_deps=flag_deps, early_release=early_release, down_early_release=down_early_release,
                 latent_prewait=latent_prewait)
@@ -246,7 +260,8 @@ def _fused_moe_decode_norm_cuda(bank, residual, query, norm_weight, res_eps, nor
 
 
 @fused_moe_decode_norm.register_fake
-def _fused_moe_decode_norm_fake(bank, residual, query, norm_weight, res_eps, norm_eps, norm_pdl, tail_warps, x,
+def _fused_moe_decode_norm_fake(bank, residual, query, norm_weight, res_eps, norm_eps, norm_pdl, tail_warps, tail_block_n,
+                                x,
                                 topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2,
                                 act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
                                 latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,

@@ -30,6 +30,8 @@ def test_off_by_default():
     assert not PipelineConfig.default().config(P).enabled
     with pytest.raises(PassConfigError, match="num_warps must be 0"):
         get_pass(P).config_cls(num_warps=3).validate()
+    with pytest.raises(PassConfigError, match="block_n must be 0"):
+        get_pass(P).config_cls(block_n=12).validate()
 
 
 def test_one_fused_node_per_latent_moe_layer_in_decode():
@@ -43,8 +45,8 @@ def test_one_fused_node_per_latent_moe_layer_in_decode():
     assert after[FUSED] == moe and after[MOE] == 0
     assert after[NORM] == before[NORM] - moe  # each MoE output fed one input norm (the last one the final norm)
     for node in [n for n in gm.graph.nodes if n.target == FUSED]:
-        assert node.args[8 + 14] is not None  # latent_up_w, after the 8 norm arguments
-        assert node.args[7] == 0  # num_warps: kernel C's own launch
+        assert node.args[mon.NORM_ARGS + 14] is not None  # latent_up_w, after the norm's arguments
+        assert node.args[7:9] == (0, 0)  # num_warps, block_n: kernel C's own launch
         assert {u.target for u in node.users} == {operator.getitem}
     code = gm.code
     assert run_pass(gm, P) == 0 and gm.code == code
@@ -58,10 +60,10 @@ def test_full_width_moe_and_prefill_are_left_alone(name, mode):
     assert run_pass(gm, P) == 0 and gm.code == code
 
 
-def test_num_warps_rides_on_the_node():
+def test_launch_options_ride_on_the_node():
     gm = _after_p7("k3-tiny", "decode")
-    assert run_pass(gm, P, num_warps=8) == layer_counts(model("k3-tiny").config)["moe"]
-    assert {n.args[7] for n in gm.graph.nodes if n.target == FUSED} == {8}
+    assert run_pass(gm, P, num_warps=8, block_n=16) == layer_counts(model("k3-tiny").config)["moe"]
+    assert {n.args[7:9] for n in gm.graph.nodes if n.target == FUSED} == {(8, 16)}
 
 
 def test_numerics_equal_the_graph_before_and_close_to_eager():
@@ -85,7 +87,7 @@ def _args(gen, n=3, d=48, lat=32, e=8, k=2, s=24, bank_rows=2, residual=True, dt
            randn(e, lat, lat, scale=lat ** -0.5), None, None, randn(n, s), randn(n, s), randn(d, s, scale=s ** -0.5),
            "situ", 4.0, 25.0, 16, randn(d, lat, scale=lat ** -0.5), 1 + 0.1 * randn(lat), 1e-5)
     norm = ([randn(n, d) for _ in range(bank_rows)], randn(n, d) if residual else None,
-            torch.randn(d, generator=gen) if bank_rows else None, 1 + 0.1 * randn(d), 1e-6, 1e-5, True, 0)
+            torch.randn(d, generator=gen) if bank_rows else None, 1 + 0.1 * randn(d), 1e-6, 1e-5, True, 0, 0)
     return norm, moe
 
 
@@ -156,7 +158,8 @@ def _pair(norm, moe, *options):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,bank_rows,residual", [(1, 8, True), (1, 3, False), (8, 8, True)])
 def test_cuda_fused_kernel_matches_the_pair_at_the_k3_mini_shape(n, bank_rows, residual):
-    """The fused kernel (PDL on, kernel C's own warps and 8; with P6's latent_prewait + early releases) against the
+    """The fused kernel (PDL on; kernel C's own launch, 8 warps, 8 columns a program; with P6's latent_prewait + early
+    releases) against the
     pair it replaces (P6's op, then P7's): p bit for bit, h within 1e-2, and within 1e-2 of the fp32 references."""
     norm, moe = _mini_problem(n, 900 + n + bank_rows, bank_rows, residual)
     h_pair, p_pair = _pair(norm, moe)
@@ -166,11 +169,13 @@ def test_cuda_fused_kernel_matches_the_pair_at_the_k3_mini_shape(n, bank_rows, r
     x, delta = (res32, y_ref) if residual else (y_ref, None)
     h_ref, _ = arn.attn_res_norm_reference(bank32, x, delta, norm[2], norm[3].float(), norm[4], norm[5])
     options = (None, None, False, False, None, False)  # shared_w13 .. flag_deps
-    for warps, releases in ((0, (False, False, False)), (8, (False, False, False)), (0, (True, True, True))):
-        h, p = FUSED(*norm, warps, *moe, *options, *releases)
+    off, on = (False, False, False), (True, True, True)
+    for warps, block_n, releases in ((0, 0, off), (8, 0, off), (0, 8, off), (0, 0, on), (0, 8, on)):
+        h, p = FUSED(*norm, warps, block_n, *moe, *options, *releases)
         torch.cuda.synchronize()
-        assert torch.equal(p, p_pair), (warps, releases)
-        assert _rel(h, h_pair) < 1e-2 and _rel(h, h_ref) < 1e-2, (warps, releases, _rel(h, h_pair), _rel(h, h_ref))
+        what = (warps, block_n, releases)
+        assert torch.equal(p, p_pair), what
+        assert _rel(h, h_pair) < 1e-2 and _rel(h, h_ref) < 1e-2, (what, _rel(h, h_pair), _rel(h, h_ref))
     assert not arrivals.current(torch.device("cuda"), mon.ARRIVALS_OWNER).any()
 
 
@@ -184,7 +189,7 @@ def test_cuda_fused_kernel_replays_from_a_cuda_graph_behind_other_kernels():
 
     def step():
         scratch.mul_(0.5)
-        h, p = FUSED(*norm, 0, *moe)
+        h, p = FUSED(*norm, 0, 8, *moe)
         return h * 1.0, p * 1.0  # the kernels after the op
 
     step()

@@ -38,6 +38,7 @@ def cases():
             (3, 2, True, False, dict(block_n=16, latent_prewait=True)),
             (2, 0, True, True, dict(block_n=64)),
             (2, 1, False, True, dict(block_n=16, tail_warps=8)),
+            (2, 2, True, True, dict(tail_block_n=8, latent_prewait=True)),  # the tail's own column block: 6 blocks
             (1, 7, True, True, dict())]  # the op's own tile rule; 7 bank rows (padded to 8)
     dtype, d, lat, e, k, s = torch.bfloat16, 48, 32, 8, 2, 24
     for n, rows, res, lnorm, opts in grid:
@@ -60,8 +61,8 @@ def main() -> int:
         n += 1
         wrong = []  # this case's failures: one report line
         bank, residual, query, norm_w, res_eps, norm_eps = norm
-        tail_warps = opts.pop("tail_warps", 0)
-        h, p = mon.fused_moe_norm_triton(*norm, *moe, tail_warps=tail_warps, **opts)
+        tail = {key: opts.pop(key) for key in ("tail_warps", "tail_block_n") if key in opts}
+        h, p = mon.fused_moe_norm_triton(*norm, *moe, **tail, **opts)
         # the references on the same inputs in fp32 (the kernels accumulate in fp32; the bf16 references would round
         # y, p, the mix and the normed row on the way, each rounding moving h by up to 2^-9)
         def f32(v):
