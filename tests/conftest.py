@@ -19,7 +19,8 @@ SHARED_WORKER = {
     # tests/passes/parallel_helpers.py (~15 CPU s per model and mode), each captured once per process
     "pass-graphs": tuple(f"tests/passes/test_{name}.py" for name in (
         "manager", "p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing",
-        "p05_fused_kda_decode", "p06_fused_moe_decode", "p07_attn_res_norm", "p07_norm_route", "p08_small_m_gemm",
+        "p05_fused_kda_decode", "p06_fused_moe_decode", "p07_attn_res_norm", "p07_moe_out_norm", "p07_norm_route",
+        "p08_small_m_gemm",
         "p08_small_m_norm_gemv",
         "p09_all_reduce_norm", "p11_copy_elision", "p12_moe_finalize_all_reduce", "p13_latent_up_column",
         "p15_mla_decode", "p16_kda_verify_inputs", "parallel_pipeline")) + (

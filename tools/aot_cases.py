@@ -296,6 +296,37 @@ if "latent_prewait" in moe_decode.fused_moe_triton.__code__.co_varnames:  # P6's
         CASES += [(f"moe mini batch {_b}, latent_prewait + early releases",
                    moe_mini(_b, early_release=True, down_early_release=True, latent_prewait=True))]
 
+try:  # p07_moe_out_norm's kernel C with the AttnRes norm tail (tools/gpu_mini14.sh), k3-mini-6b, PDL on
+    from k3compile.passes.kernels import moe_out_norm
+except ImportError:
+    moe_out_norm = None
+
+
+def moe_mini_norm(batch, bank_rows=8, tail_warps=0, tail_block_n=0, **options):
+    """The op as p07_moe_out_norm emits it for k3-mini-6b: moe_mini's MoE, then the norm (a bank of `bank_rows` rows
+    of 2048, the residual add) as kernel C's tail."""
+    e, k, i, lat, d, s = 96, 8, 512, 1024, 2048, 1024
+    (w13, w2), x = _mini_experts(), _randn(batch, lat)
+    ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
+    g, u, sw2, upw, nw = _randn(batch, s), _randn(batch, s), _randn(d, s), _randn(d, lat), _randn(lat)
+    bank, res, query, norm_w = [_randn(batch, d) for _ in range(bank_rows)], _randn(batch, d), _randn(d), _randn(d)
+    return lambda: moe_out_norm.fused_moe_norm_triton(
+        bank, res, query.float(), norm_w, 1e-6, 1e-5, x, ids, wts, w13, w2, None, None, g, u, sw2, "situ", 4.0, 25.0,
+        upw, nw, 1e-5, None, tail_warps=tail_warps, tail_block_n=tail_block_n, use_pdl=True, designs=("rows", "split"), **options)
+
+
+if moe_out_norm is not None:
+    for _b in (1, 8):
+        CASES += [(f"moe_out_norm mini batch {_b}", moe_mini_norm(_b)),
+                  (f"moe_out_norm mini batch {_b}, tail_warps 8", moe_mini_norm(_b, tail_warps=8)),
+                  (f"moe_out_norm mini batch {_b}, tail_block_n 8", moe_mini_norm(_b, tail_block_n=8)),
+                  (f"moe_out_norm mini batch {_b}, tail_block_n 8 + latent_prewait + early releases",
+                   moe_mini_norm(_b, tail_block_n=8, early_release=True, down_early_release=True,
+                                 latent_prewait=True)),
+                  (f"moe_out_norm mini batch {_b}, latent_prewait + early releases",
+                   moe_mini_norm(_b, early_release=True, down_early_release=True, latent_prewait=True))]
+    CASES += [("moe_out_norm mini batch 1, no bank", moe_mini_norm(1, bank_rows=0))]
+
 if "flag_deps" in moe_decode.fused_moe_triton.__code__.co_varnames:  # tools/bench_moe11.py's arms (48B, PDL on)
     _p6 = dict(shared_l2_prefetch=True, down_l2_prefetch=True)  # as P6 emits the op
     for _b in (1, 8):

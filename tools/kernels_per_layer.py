@@ -33,6 +33,7 @@ MULTI_KERNEL_OPS = {
     "k3.fused_moe_decode.default": 3,  # expert up, expert down, latent out (a full-width MoE: 2, `_kernels`)
     "k3.mla_decode_fused.default": 2,  # split, merge
     "k3.mla_decode_fused_out.default": 2,  # split, merge (+ W_UV): with it the count matches the trace's 323 (s9)
+    "k3.fused_moe_decode_norm.default": 3,  # p07_moe_out_norm: expert up, expert down, latent out + the norm tail
 }
 
 

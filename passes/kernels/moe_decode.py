@@ -719,18 +719,17 @@ if triton is not None:
         tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
     @triton.jit
-    def _latent_out_kernel(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr, L, DOUT, IS,
-                           sin_row_stride, sup_row_stride, out_row_stride, eps, beta, linear_beta,
-                           ACT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
-                           USE_PDL: tl.constexpr, PREWAIT: tl.constexpr = False, PREWAIT_W: tl.constexpr = False):
+    def _latent_out_cols(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, token, cols, cmask, L, IS,
+                         sin_row_stride, sup_row_stride, eps, beta, linear_beta,
+                         ACT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
+                         USE_PDL: tl.constexpr, PREWAIT: tl.constexpr, PREWAIT_W: tl.constexpr):
+        """Kernel C's columns `cols` of token's output row (fp32, [BLOCK_N]), PDL wait and release included; shared by
+        `_latent_out_kernel` and kernels.moe_out_norm's kernel C with the next norm as its tail."""
         # PREWAIT (latent_prewait): the shared expert's down-projection before gdc_wait (its input comes from a kernel
         # at least two back, which has finished once this kernel runs: B' released it after its own wait, which followed
         # all of A, which waited for what came before); PREWAIT_W (one K step covers the latent row): the W_up tile too.
         # Only the routed part waits for u. Same loads, same sums in the same order: the same bits.
-        token = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < DOUT
         kk = tl.arange(0, BLOCK_K)
         u_row = u_ptr + token * L
         if PREWAIT:
@@ -771,6 +770,20 @@ if triton is not None:
                                      cmask, IS, beta, linear_beta, ACT, SHARED_GLU, BLOCK_N, BLOCK_KS)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
+        return acc
+
+    @triton.jit
+    def _latent_out_kernel(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr, L, DOUT, IS,
+                           sin_row_stride, sup_row_stride, out_row_stride, eps, beta, linear_beta,
+                           ACT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
+                           USE_PDL: tl.constexpr, PREWAIT: tl.constexpr = False, PREWAIT_W: tl.constexpr = False):
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < DOUT
+        acc = _latent_out_cols(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, token, cols, cmask, L, IS,
+                               sin_row_stride, sup_row_stride, eps, beta, linear_beta, ACT, NORM, SHARED, SHARED_GLU,
+                               BLOCK_N, BLOCK_K, BLOCK_KS, USE_PDL, PREWAIT, PREWAIT_W)
         tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -1081,7 +1094,7 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
                      split: SplitConfig | None = None, shared_l2_prefetch: bool = False,
                      down_l2_prefetch: bool = False, up_launch: tuple[int, int, int] | None = None,
                      flag_deps: bool = False, early_release: bool = False,
-                     down_early_release: bool = False, latent_prewait: bool = False) -> torch.Tensor:
+                     down_early_release: bool = False, latent_prewait: bool = False, latent_tail=None):
     """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n / block_k
     / num_warps override the tile rule's choice for every kernel (tests, tile sweeps). use_pdl: launch with
     programmatic dependent launch where available (sm90+, Triton >= 3.4; ignored elsewhere). designs: (up,
@@ -1099,12 +1112,17 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     so B's programs are resident and load their first weight tiles while A streams (B still waits for all of A).
     down_early_release: the same for B' (split design, without flag_deps) and the kernel after the op.
     latent_prewait (latent MoE): kernel C runs the shared expert's down-projection, and where one K step covers the
-    latent row loads its W_up tile, before its gdc_wait; only the routed part waits for B''s u (same bits)."""
+    latent row loads its W_up tile, before its gdc_wait; only the routed part waits for B''s u (same bits).
+    latent_tail (latent MoE): a callable (grid, kernel C's arguments, its constexprs and launch options, launch) that
+    launches kernel C in its stead and whose result this function returns (kernels.moe_out_norm: C with the next
+    AttnRes norm as its last program's tail); None: C as above, the output returned."""
     if triton is None:
         raise RuntimeError("fused_moe_decode: triton is not installed")
     num_experts, inter, width, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
                                                       shared_in, shared_up, shared_w2, act, latent_up_w,
                                                       latent_norm_w, shared_w13)
+    if latent_tail is not None and latent_up_w is None:
+        raise ValueError("fused_moe_decode: latent_tail needs a latent MoE (latent_up_w)")
     n, k = topk_ids.shape
     quantized = w13_scale is not None
     if block_k is not None:
@@ -1236,12 +1254,16 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
         launch_c = latent_config(n, out_width, routed_width, shared_width, quantized, block_n)
         bn, bk_c = launch_c.block_n, block_k or launch_c.block_k
         c_opts = dict(PREWAIT=True, PREWAIT_W=bk_c >= routed_width) if latent_prewait else {}
-        _latent_out_kernel[(n, triton.cdiv(out_width, bn))](
-            u, nw, upw, sin, sup, sw2, out, routed_width, out_width, shared_width,
-            sin.stride(0), sup.stride(0), out.stride(0), float(latent_eps), float(beta), float(linear_beta),
-            ACT=act_id, NORM=latent_norm_w is not None, SHARED=shared, SHARED_GLU=shared_up is not None,
-            BLOCK_N=bn, BLOCK_K=bk_c, BLOCK_KS=block_k or launch_c.block_ks, USE_PDL=pdl,
-            num_warps=num_warps or launch_c.num_warps, **c_opts, **launch)
+        grid_c = (n, triton.cdiv(out_width, bn))
+        c_args = (u, nw, upw, sin, sup, sw2, out, routed_width, out_width, shared_width,
+                  sin.stride(0), sup.stride(0), out.stride(0), float(latent_eps), float(beta), float(linear_beta))
+        c_consts = dict(ACT=act_id, NORM=latent_norm_w is not None, SHARED=shared, SHARED_GLU=shared_up is not None,
+                        BLOCK_N=bn, BLOCK_K=bk_c, BLOCK_KS=block_k or launch_c.block_ks, USE_PDL=pdl,
+                        PREWAIT=bool(c_opts), PREWAIT_W=c_opts.get("PREWAIT_W", False),
+                        num_warps=num_warps or launch_c.num_warps)
+        if latent_tail is not None:  # kernel C with a tail: kernels.moe_out_norm launches it, returns its outputs
+            return latent_tail(grid_c, c_args, c_consts, launch)
+        _latent_out_kernel[grid_c](*c_args, **c_consts, **launch)
     return out
 
 
