@@ -19,7 +19,7 @@ from .helpers import (FP32_TOL, assert_same_step, attn_res_reads_with_weights, e
 
 aten = torch.ops.aten
 FIRST4 = ["p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing"]
-# the default pipeline: every pass file in passes/, in name order, less the one off by default (p08_small_m_norm_gemv)
+# the default pipeline: every pass file in passes/, in name order, less those off by default (test below)
 BUILTIN = PipelineConfig.default().enabled_passes()
 assert set(BUILTIN) < set(registered_passes())
 
