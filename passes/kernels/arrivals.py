@@ -17,10 +17,19 @@ _buffers: dict = {}  # (owner, device) -> int32 counters, zero between launches
 _outgrown: list = []  # smaller buffers that captured graphs may still use: never freed
 
 
+def _key(owner: str, device) -> tuple:
+    """(owner, device) with a CUDA device's index spelled out: "cuda" and "cuda:0" name one buffer (session 14: a
+    test asking for torch.device("cuda") got None for counters a tensor's device, cuda:0, had made)."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return owner, d
+
+
 def arrival_counters(device: torch.device, n: int, owner: str) -> torch.Tensor:
     """At least n zeroed int32 counters for `owner`'s kernels on `device` (shared by its launches: each
     launch leaves them zero)."""
-    key = (owner, torch.device(device))
+    key = _key(owner, device)
     buf = _buffers.get(key)
     if buf is not None and buf.numel() >= n:
         return buf
@@ -37,4 +46,4 @@ def arrival_counters(device: torch.device, n: int, owner: str) -> torch.Tensor:
 def current(device: torch.device, owner: str) -> torch.Tensor | None:
     """`owner`'s shared counter buffer on `device`, None before its first split launch (tests check that
     every launch left it zero)."""
-    return _buffers.get((owner, torch.device(device)))
+    return _buffers.get(_key(owner, device))
