@@ -13,7 +13,7 @@ SHARED_WORKER = {
     # the k3-tiny fp32 default-pipeline engine of `built_engine` (one build: ~20 CPU s)
     "engine-k3-tiny": ("tests/k3compile/engine/test_engine.py", "tests/k3compile/engine/test_provenance.py",
                        "tests/k3compile/engine/test_generate_engine.py", "tests/k3compile/engine/test_open_engine.py",
-                       "tests/runtime/server/test_openai_variants.py"),
+                       "tests/runtime/server/test_openai_variants.py", "tests/k3compile/engine/test_served_graph.py"),
     # the pass tests' captured graphs: tests/passes/helpers.graph (k3-tiny and kimi-linear-tiny; decode, prefill and
     # verify, fp32 and bf16: 14 graphs, 3-13 CPU s each, ~100 CPU s in all) and the tp2 rank graphs of
     # tests/passes/parallel_helpers.py (~15 CPU s per model and mode), each captured once per process
@@ -22,7 +22,7 @@ SHARED_WORKER = {
         "p05_fused_kda_decode", "p06_fused_moe_decode", "p07_attn_res_norm", "p07_norm_route", "p08_small_m_gemm",
         "p08_small_m_norm_gemv",
         "p09_all_reduce_norm", "p11_copy_elision", "p12_moe_finalize_all_reduce", "p13_latent_up_column",
-        "p15_mla_decode", "p16_kda_verify_inputs", "parallel_pipeline")) + (
+        "p15_mla_decode", "p16_kda_verify_inputs", "p17_dense_glu", "p18_short_conv_merge", "parallel_pipeline")) + (
         "tests/k3compile/engine/test_verify_graph.py",),  # k3-tiny's verify graph, as P16's tests
 }
 _GROUP_OF = {path: group for group, paths in SHARED_WORKER.items() for path in paths}
@@ -72,6 +72,15 @@ def pytest_configure(config):
     missing += [unit for unit in SLOW_FIRST if unit not in SHARED_WORKER and not (config.rootpath / unit).is_file()]
     if missing:  # a renamed file would silently leave its group (and build its shared object again elsewhere)
         raise pytest.UsageError(f"tests/conftest.py SHARED_WORKER / SLOW_FIRST list files that do not exist: {missing}")
+    # a CPU pass test outside the group captures all its graphs again in another process (sessions 12-13: P17 and
+    # P18's files, ~30 CPU s)
+    pass_tests = {str(path.relative_to(config.rootpath)): path.read_text()
+                  for path in sorted((config.rootpath / "tests/passes").glob("test_*.py"))}
+    outside = [name for name, text in pass_tests.items() if "helpers import" in text
+               and "pytestmark = pytest.mark.gpu" not in text and name not in SHARED_WORKER["pass-graphs"]]
+    if outside:
+        raise pytest.UsageError("pass tests that capture graphs (tests/passes/helpers.py) belong to "
+                                f"tests/conftest.py's 'pass-graphs' group: {outside}")
     if config.pluginmanager.hasplugin("xdist"):  # the hook exists only with xdist (not under -p no:xdist)
         config.pluginmanager.register(SharedWorkerGroups(), "shared-worker-groups")
 
