@@ -34,17 +34,23 @@ SHARED_CAPTURES = SHARED_WORKER["engine-captures"]
 _CAPTURE_MEMO = pytest.StashKey()
 
 # Units (files or SHARED_WORKER groups) handed out before all others, longest first: xdist orders units by their
-# number of tests, which puts long files of one or two tests (test_engine_properties: one 57 s test) last, where
-# one worker runs them while the other has nothing left. Order from the slowest tests of the last full runs
-# (`--durations`, session 8); a unit missing here only goes in xdist's order.
-SLOW_FIRST = ("pass-graphs", "engine-captures", "tests/runtime/test_engine_cache.py",
-              "tests/runtime/test_engine_parity.py", "tests/runtime/test_engine_memory.py",
-              "tests/passes/kernels/test_moe_decode.py", "tests/k3compile/engine/test_parallel_build.py",
-              "tests/runtime/test_engine_properties.py", "tests/runtime/test_overlap_mixed.py",
-              "tests/runtime/spec/test_spec_sampling.py", "tests/k3compile/commands/test_serve_parallel_engine.py",
-              "tests/passes/kernels/test_kda_decode.py", "tests/runtime/server/test_openai_surface.py",
-              "tests/passes/kernels/test_routing.py", "tests/k3compile/bench/test_cache_bench.py",
-              "tests/runtime/server/test_schema_fuzz.py", "tests/runtime/spec/test_fold_kernel.py")
+# number of tests, which puts long files of one or two tests (test_serve_parallel_engine: one 43 s test) last, where
+# one worker runs them while the other has nothing left. Order from the units' wall time in the last full run
+# (session 14, per-test times summed per unit); a unit missing here only goes in xdist's order.
+SLOW_FIRST = ("pass-graphs", "engine-captures", "tests/passes/kernels/test_moe_decode.py",
+              "tests/runtime/test_engine_cache.py", "tests/k3compile/commands/test_serve_parallel_engine.py",
+              "tests/runtime/test_engine_parity.py", "tests/k3compile/engine/test_parallel_build.py",
+              "tests/runtime/test_engine_memory.py", "tests/k3compile/commands/test_serve_parallel.py",
+              "tests/model_def/parallel/test_tp_dcp.py", "tests/passes/kernels/test_kda_decode.py",
+              "tests/runtime/test_overlap_mixed.py", "tests/k3compile/commands/test_serve.py",
+              "tests/model_def/parallel/test_dcp_verify.py", "tests/runtime/spec/test_fold_kernel.py",
+              "tests/passes/kernels/test_norm_route.py", "tests/runtime/server/test_openai_surface.py",
+              "tests/runtime/parallel/test_parallel_engine.py", "tests/runtime/spec/test_spec_sampling.py",
+              "tests/k3compile/engine/test_trained_token_agreement.py", "tests/runtime/test_failure_isolation.py",
+              "tests/k3compile/bench/test_serve_bench.py", "tests/passes/kernels/test_gemv.py",
+              "tests/runtime/cache/test_cache_properties.py", "tests/runtime/test_engine_properties.py",
+              "tests/runtime/server/test_schema_fuzz.py", "tests/passes/kernels/test_routing.py",
+              "tests/k3compile/bench/test_cache_bench.py")
 
 
 class SharedWorkerGroups:
