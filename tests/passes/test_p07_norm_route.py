@@ -16,7 +16,6 @@ from k3compile.passes.registry import PassConfigError, get_pass
 
 from .helpers import BF16_TOL, MODELS, assert_same_step, eager_step, graph, inputs_for, layer_counts, model, \
     op_counts, run_graph, run_pass
-from .kernels.interpreted import run_interpreted
 
 P = "p07_norm_route"
 BEFORE = ("p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing", "p05_fused_kda_decode",
@@ -143,10 +142,6 @@ def test_bad_arguments_raise_clear_errors(change, message):
     change(args)
     with pytest.raises(ValueError, match=message):
         FUSED(*args)
-
-
-def test_triton_kernel_under_interpreter_matches_references():
-    run_interpreted("interpret_norm_route.py")
 
 
 # ------------------------------------------------------------------------------------- CUDA

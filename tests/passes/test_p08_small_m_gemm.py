@@ -12,7 +12,6 @@ from k3compile.passes.manager import PassManager
 from k3compile.passes.pipeline import pipeline_from_flags
 from k3compile.passes.registry import PassConfigError, get_pass
 
-from .kernels.interpreted import run_interpreted
 from .helpers import MODELS, graph, inputs_for, layer_counts, model, op_counts, rel_err, run_graph, run_pass
 
 aten = torch.ops.aten
@@ -318,10 +317,6 @@ def test_op_checks_and_opcheck():
                  (x, w, None, 4, 4, 128, 2, gemv_kernels.DESIGNS["rows"]),
                  (x, w, None, 4, 4, 128, 2, gemv_kernels.DESIGNS["rows"], True, 8)):
         torch.library.opcheck(GEMV, args)
-
-
-def test_triton_kernel_under_interpreter_matches_reference():
-    run_interpreted("interpret_gemv.py", timeout=600)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """Run the fused norm + GEMV Triton kernel under TRITON_INTERPRET=1 on CPU and compare with the references.
 
-Started in a subprocess by test_p08_small_m_norm_gemv.py (TRITON_INTERPRET is read when the kernel is decorated).
+Started in a subprocess by test_norm_gemv.py (TRITON_INTERPRET is read when the kernel is decorated).
 Prints one line per failing case and exits 1 if any failed."""
 import os
 import sys
