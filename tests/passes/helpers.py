@@ -86,6 +86,16 @@ def assert_same_step(got, want, tol: float, what: str = "") -> None:
             assert err <= tol, f"{what}: tensor {i} differs: rel err {err:.3g} > {tol:g}"
 
 
+def assert_as_before_and_close_to_eager(gm, before, name: str, seeds=(0, 1), mode: str = "decode") -> None:
+    """A bf16 graph after a fusion pass whose CPU op is the pair it replaced: the graph before the pass bit for bit,
+    and the eager model within BF16_TOL, on each seed's inputs."""
+    for seed in seeds:
+        x = inputs_for(name, mode, torch.bfloat16, seed=seed)
+        got = run_graph(gm, x)
+        assert_same_step(got, run_graph(before, x), 0.0, "vs the graph before the pass")
+        assert_same_step(got, eager_step(model(name, torch.bfloat16), mode, x), BF16_TOL, "vs eager model")
+
+
 def other_batch(m, mode: str, seed: int = 1) -> list:
     """A batch of another size than the capture example (5 requests), random tokens and pools."""
     page = 4

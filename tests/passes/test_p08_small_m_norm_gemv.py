@@ -17,8 +17,8 @@ from k3compile.passes.manager import snapshot
 from k3compile.passes.pipeline import PipelineConfig, pipeline_from_flags
 from k3compile.passes.registry import PassConfigError, get_pass
 
-from .helpers import BF16_TOL, MODELS, assert_same_step, eager_step, graph, inputs_for, layer_counts, model, \
-    op_counts, rel_err, run_graph, run_pass
+from .helpers import MODELS, assert_as_before_and_close_to_eager, graph, layer_counts, model, op_counts, rel_err, \
+    run_pass
 
 P = "p08_small_m_norm_gemv"
 BEFORE = ("p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing", "p05_fused_kda_decode",
@@ -89,10 +89,7 @@ def test_numerics_equal_the_graph_before_and_close_to_eager(name):
     before = _after_p8(name)
     gm = _after_p8(name)
     assert run_pass(gm, P) == _expected(name)
-    x = inputs_for(name, "decode", torch.bfloat16, seed=1)
-    got = run_graph(gm, x)
-    assert_same_step(got, run_graph(before, x), 0.0, "vs the graph before the pass")  # same references on CPU
-    assert_same_step(got, eager_step(model(name, torch.bfloat16), "decode", x), BF16_TOL, "vs eager model")
+    assert_as_before_and_close_to_eager(gm, before, name, seeds=(1,))  # same references on CPU
 
 
 def test_off_by_default_right_after_p8_and_switchable():
