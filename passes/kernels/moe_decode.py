@@ -724,8 +724,9 @@ if triton is not None:
                          ACT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
                          USE_PDL: tl.constexpr, PREWAIT: tl.constexpr, PREWAIT_W: tl.constexpr):
-        """Kernel C's columns `cols` of token's output row (fp32, [BLOCK_N]), PDL wait and release included; shared by
-        `_latent_out_kernel` and kernels.moe_out_norm's kernel C with the next norm as its tail."""
+        """Kernel C's columns `cols` of token's output row (fp32, [BLOCK_N]), PDL wait and release included; through
+        `_latent_out_block`, shared by `_latent_out_kernel` and kernels.moe_out_norm's kernel C with the next norm as
+        its tail."""
         # PREWAIT (latent_prewait): the shared expert's down-projection before gdc_wait (its input comes from a kernel
         # at least two back, which has finished once this kernel runs: B' released it after its own wait, which followed
         # all of A, which waited for what came before); PREWAIT_W (one K step covers the latent row): the W_up tile too.
@@ -773,11 +774,13 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _latent_out_kernel(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr, L, DOUT, IS,
-                           sin_row_stride, sup_row_stride, out_row_stride, eps, beta, linear_beta,
-                           ACT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
-                           USE_PDL: tl.constexpr, PREWAIT: tl.constexpr = False, PREWAIT_W: tl.constexpr = False):
+    def _latent_out_block(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr, L, DOUT, IS,
+                          sin_row_stride, sup_row_stride, out_row_stride, eps, beta, linear_beta,
+                          ACT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
+                          USE_PDL: tl.constexpr, PREWAIT: tl.constexpr, PREWAIT_W: tl.constexpr):
+        """Kernel C's program: its (token, column block) of the output row computed and stored; returns the token
+        (kernels.moe_out_norm's kernel runs the next norm of that row after it)."""
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < DOUT
@@ -785,6 +788,17 @@ if triton is not None:
                                sin_row_stride, sup_row_stride, eps, beta, linear_beta, ACT, NORM, SHARED, SHARED_GLU,
                                BLOCK_N, BLOCK_K, BLOCK_KS, USE_PDL, PREWAIT, PREWAIT_W)
         tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+        return token
+
+    @triton.jit
+    def _latent_out_kernel(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr, L, DOUT, IS,
+                           sin_row_stride, sup_row_stride, out_row_stride, eps, beta, linear_beta,
+                           ACT: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, SHARED_GLU: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
+                           USE_PDL: tl.constexpr, PREWAIT: tl.constexpr = False, PREWAIT_W: tl.constexpr = False):
+        _latent_out_block(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr, L, DOUT, IS, sin_row_stride,
+                          sup_row_stride, out_row_stride, eps, beta, linear_beta, ACT, NORM, SHARED, SHARED_GLU,
+                          BLOCK_N, BLOCK_K, BLOCK_KS, USE_PDL, PREWAIT, PREWAIT_W)
 
 
 # Tile rule for the GEMV kernels. A GEMV at batch 1-64 is bound by the bytes each SM keeps in flight, and

@@ -14,7 +14,7 @@ does not fit P7's one-pass register tile or a row not 16-byte aligned, widths th
 engine with the pass computes bit for bit what one without it does there.
 
 CUDA below the crossover: kernels A and B' as P6 launches them, then kernel C (`_latent_out_norm_kernel`): every
-program computes its column block of y as P6's kernel C does (moe_decode._latent_out_cols: same loads, same sums,
+program computes its column block of y as P6's kernel C does (moe_decode._latent_out_block: same loads, same sums,
 PDL wait and release at the same points), stores it, and arrives on its token's counter (kernels.arrivals, acq_rel,
 zeroed again by the last); the token's last program to arrive runs P7's one-pass norm on the whole row (bank tile,
 residual add, AttnRes softmax, RMSNorm: attn_res_norm's helpers, the same roundings) and stores h and p. y itself
@@ -76,7 +76,7 @@ def fused_moe_norm_reference(bank, residual, query, norm_weight, res_eps, norm_e
 
 if triton is not None:
     from .attn_res_norm import _bank_tile_ptrs, _residual_add, _rms_norm_row, _tile_mix
-    from .moe_decode import _latent_out_cols
+    from .moe_decode import _latent_out_block
 
     @triton.jit
     def _norm_tail(token, x_ptr, delta_ptr, b0, b1, b2, b3, b4, b5, b6, b7, query_ptr, norm_w_ptr, h_ptr, p_ptr,
@@ -113,13 +113,9 @@ if triton is not None:
         NUM_BANK: tl.constexpr, BANK_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DELTA: tl.constexpr,
         COL_BLOCKS: tl.constexpr,
     ):
-        token = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < DOUT
-        acc = _latent_out_cols(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, token, cols, cmask, L, IS,
-                               sin_row_stride, sup_row_stride, eps, beta, linear_beta, ACT, NORM, SHARED, SHARED_GLU,
-                               BLOCK_N, BLOCK_K, BLOCK_KS, USE_PDL, PREWAIT, PREWAIT_W)
-        tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+        token = _latent_out_block(u_ptr, nw_ptr, upw_ptr, sin_ptr, sup_ptr, sw2_ptr, out_ptr, L, DOUT, IS,
+                                  sin_row_stride, sup_row_stride, out_row_stride, eps, beta, linear_beta, ACT, NORM,
+                                  SHARED, SHARED_GLU, BLOCK_N, BLOCK_K, BLOCK_KS, USE_PDL, PREWAIT, PREWAIT_W)
         if COL_BLOCKS == 1:
             _norm_tail(token, x_ptr, delta_ptr, b0, b1, b2, b3, b4, b5, b6, b7, query_ptr, norm_w_ptr, h_ptr, p_ptr,
                        DOUT, res_eps, norm_eps, NUM_BANK, BANK_PAD, BLOCK_D, HAS_DELTA)
