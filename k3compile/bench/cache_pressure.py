@@ -180,8 +180,6 @@ def _save(args, rows, environment) -> str:
 def merge(paths: list[str], out: str) -> str:
     """One report from several runs' cache_pressure.json (e.g. traces run side by side): rows
     concatenated, goals recomputed, args and environment of the first. Returns the markdown."""
-    import json
-
     docs = []
     for p in paths:
         docs.append(read_json(os.path.join(p, "cache_pressure.json")))
@@ -212,8 +210,6 @@ def merge_rerun(previous: list[str], rerun: list[str], out: str, old_tag: "str |
     a row for the same (trace, seed, budget, policy), the first in `previous` wins. `old_tag` may map
     each earlier report's path to its own tag (reports from different sessions). Every row says where it comes from
     (`source`). Returns the markdown."""
-    import json
-
     def load(paths):
         docs = []
         for p in paths:
@@ -424,8 +420,6 @@ def goals_side_by_side(report: str, policies: dict[str, str]) -> str:
     other cell by cell: `policies` maps a short label to a policy name as the rows spell it. A cell is listed where
     every policy has a row (a policy's goals need `end` and `every_chunk` there too, for the points and the bytes).
     Writes `report`/goals_<labels>.md and returns its markdown."""
-    import json
-
     rows = read_json(os.path.join(report, "cache_pressure.json"))["rows"]
     per = {label: {(g["trace"], g["seed"], g["budget_bytes"]): g for g in goals(rows, policy)}
            for label, policy in policies.items()}
