@@ -89,12 +89,15 @@ class FusedMoEDecodeConfig(PassConfig):
     # load their first weight tiles while A streams (B still waits for all of A before it reads h). 48B batch 1, whole
     # step (traces/h200_s12): 2.160 -> 2.125 ms alone (call 1); with P5's early_release 2.178 -> 2.121 (call 2)
     early_release: bool = True
-    # the same for kernel B' (split design) and the kernel after the op (the next layer's norm): not yet measured
-    down_early_release: bool = False
+    # the same for kernel B' (split design) and the kernel after the op (the next layer's norm). On with
+    # latent_prewait since session 15 (below)
+    down_early_release: bool = True
     # with PDL, a latent MoE's kernel C computes the shared expert's down-projection (and at batch 1 loads its W_up
     # tile) before its gdc_wait, so that half of C's 8.4 MB (k3-mini-6b) streams while B' runs; only the routed part
-    # waits for u (same bits; kernels/moe_decode.py _latent_out_kernel). Off until measured (tools/gpu_mini13.sh)
-    latent_prewait: bool = False
+    # waits for u (same bits; kernels/moe_decode.py _latent_out_kernel). Both on, with P8's rows_programs
+    # 132,264,528, since session 15 (traces/h200_s15, one run, batch 1): k3-mini-6b 1.851 -> 1.688 ms, 48B 2.124 ->
+    # 2.113 ms; 48B batch 8 6.938 ms either way
+    latent_prewait: bool = True
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
 

@@ -81,9 +81,10 @@ class SmallMGemmConfig(PassConfig):
     timing: str = "pdl_chain"  # pdl_chain (candidates timed with use_pdl, as the engine runs them) | alone (no PDL)
     rows_warps: str = "2,4,8"  # warps per program tried for the rows design (the dot design keeps 4)
     # programs the rows design's K split aims at, one (narrow, wide) tile pair per count ("," or "+" between counts,
-    # "+" fits a `bench ladder --variant` string). The default, 528 (4 per H200 SM), gives the 2048-wide GEMVs of
-    # k3-mini-6b 1024 programs of one K step each; other counts add candidates (each a Triton compile per warps)
-    rows_programs: str = str(gemv_kernels.ROWS_TARGET_PROGRAMS)
+    # "+" fits a `bench ladder --variant` string). 528 (4 per H200 SM) gives the 2048-wide GEMVs of k3-mini-6b 1024
+    # programs of one K step each; each count adds candidates (a Triton compile per warps). 1, 2 and 4 per SM since
+    # session 15 (with P6's latent_prewait and down_early_release; traces/h200_s15: k3-mini-6b batch 1 -8.8%)
+    rows_programs: str = "132,264,528"
     # with PDL, each emitted launch asks L2 for up to this many MiB of its weight before its gdc_wait, so a GEMV
     # after a latency-bound kernel (KDA, MLA attention, a norm) streams while that kernel runs (kernels/gemv.py,
     # kernels/l2_prefetch.py); 0: none. Not timed by the measurement above (its chain is GEMVs back to back).

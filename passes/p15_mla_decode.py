@@ -121,8 +121,9 @@ class MLADecodeConfig(PassConfig):
     # up to this many tokens the W_UV merge kernel applies W_UV (and the gate): recorded into each
     # k3.mla_decode_fused_out (its last argument, only when it differs from kernels.mla_decode.OUT_MAX_TOKENS, 4).
     # Above it the op runs the plain merge, cuBLAS's batched GEMM and the flatten's copy: 2 kernels more per MLA layer
-    # (48B batch 8: 14 a step, traces/h200_s13/call2). 8 takes them out at batch 8, with W_UV read once per
-    # (token, head) program (from L2 after the first). Default 4 until the device A/B (tools/gpu_bs8k14.sh)
+    # (48B batch 8: 14 a step, traces/h200_s13/call2). 8 (the default since session 15) takes them out at batch 8,
+    # with W_UV read once per (token, head) program (from L2 after the first): same step time at 48B batch 8
+    # (traces/h200_s15, tools/gpu_bs8k14.sh)
     w_uv_max_tokens: int = _kernels.OUT_MAX_TOKENS
 
     def validate(self) -> None:

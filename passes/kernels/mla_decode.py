@@ -64,11 +64,12 @@ except ImportError:  # CPU-only install: the ops still work through the referenc
 BLOCK_N = 32  # cache rows per tile
 TARGET_PROGRAMS = 264  # split until the grid fills ~2 waves of an H200's 132 SMs
 BLOCK_DV = 64  # W_UV rows per program of the merge kernel that applies it (64 x 512 bf16: 64 KB of weight)
-OUT_MAX_TOKENS = 4  # up to this many tokens the merge kernel applies W_UV; above, cuBLAS's batched GEMM (W_UV read
+OUT_MAX_TOKENS = 8  # up to this many tokens the merge kernel applies W_UV; above, cuBLAS's batched GEMM (W_UV read
                     # once per head rather than once per token and head) after the plain merge. The ops take another
                     # bound (`w_uv_max_tokens`, P15's option of that name): at batch 8 the GEMM path is 3 kernels
                     # (merge, batched GEMM, the [H, B, dv] -> [B, H * dv] copy) where the merge + W_UV is 1: 14 of the
-                    # 42 kernels the 48B step has more at batch 8 than at 1 (traces/h200_s13/call2)
+                    # 42 kernels the 48B step had more at batch 8 than at 1 (traces/h200_s13/call2). 8 since session
+                    # 15: 48B batch 8, 6.947 vs 6.938 ms with 4 (same time), 236 vs 250 kernels (traces/h200_s15)
 # Per-shape launch choices, recorded by P15 into each decode node (the ops' launch_table): rows (largest batch,
 # num_splits (0: from the shapes, `num_splits_for`), merge_cols); the first row covering the batch applies. A merge
 # program handles one (request, head) and merge_cols of the r latent columns, loading all of its splits' partials

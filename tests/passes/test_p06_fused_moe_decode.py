@@ -276,17 +276,20 @@ def test_up_launch_goes_into_the_op_after_the_l2_options():
     """up_launch (kernel A's launch, for an A/B of tools/bench_moe11.py's winners) becomes the op's argument 22; unset,
     a node keeps the arguments it had before it. On CPU the op computes the reference whatever it says. Bad launches
     are refused by name; the op's flag_deps is no pass option (it hung a whole engine: traces/h200_s11/call2).
-    early_release (on by default, with PDL) adds flag_deps (False) and itself after up_launch."""
+    early_release, down_early_release and latent_prewait (on by default, with PDL) add flag_deps (False) and
+    themselves after up_launch."""
     x = inputs_for("kimi-linear-tiny", "decode", torch.float32)
     want = run_graph(_after_p1_p4(graph("kimi-linear-tiny", "decode")), x)
-    for options, tail in (({"early_release": False}, (None, True, True)),
-                          ({"up_launch": "32x256x4", "early_release": False}, (None, True, True, [32, 256, 4])),
-                          ({"up_launch": "16X512x8", "shared_l2_prefetch": False, "early_release": False},
+    off = {"early_release": False, "down_early_release": False, "latent_prewait": False}
+    for options, tail in ((off, (None, True, True)),
+                          ({**off, "up_launch": "32x256x4"}, (None, True, True, [32, 256, 4])),
+                          ({**off, "up_launch": "16X512x8", "shared_l2_prefetch": False},
                            (None, False, True, [16, 512, 8])),
-                          ({}, (None, True, True, None, False, True)),  # early_release on: the default
-                          ({"down_early_release": True}, (None, True, True, None, False, True, True)),
-                          ({"latent_prewait": True}, (None, True, True, None, False, True, False, True)),
-                          ({"latent_prewait": True, "use_pdl": False}, (None, True, True)),
+                          ({}, (None, True, True, None, False, True, True, True)),  # the three releases: defaults
+                          ({"down_early_release": False, "latent_prewait": False}, (None, True, True, None, False, True)),
+                          ({"latent_prewait": False}, (None, True, True, None, False, True, True)),
+                          ({"down_early_release": False}, (None, True, True, None, False, True, False, True)),
+                          ({"use_pdl": False}, (None, True, True)),
                           ({"use_pdl": False}, (None, True, True))):  # a release point needs PDL
         gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
         assert run_pass(gm, P6, **options) == 5
@@ -347,10 +350,9 @@ def test_latent_prewait_is_the_latent_ops_last_argument():
     before = _after_p1_p4(captured)
     x = randomized_inputs(step_inputs(m, "decode"), 6)
     want = run_graph(before, x)
-    for options, tail in (({}, (None, True, True, None, False, True)),
-                          ({"latent_prewait": True}, (None, True, True, None, False, True, False, True)),
-                          ({"latent_prewait": True, "down_early_release": True},
-                           (None, True, True, None, False, True, True, True))):
+    for options, tail in (({"latent_prewait": False, "down_early_release": False}, (None, True, True, None, False, True)),
+                          ({"down_early_release": False}, (None, True, True, None, False, True, False, True)),
+                          ({}, (None, True, True, None, False, True, True, True))):  # both on: the defaults
         gm = _after_p1_p4(snapshot(captured))
         assert run_pass(gm, P6, **options) == 2
         fused = _fused_nodes(gm)

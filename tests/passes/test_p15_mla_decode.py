@@ -155,9 +155,9 @@ def test_prefetch_w_uv_is_recorded_only_when_on_and_absorb_q_is_checked():
 
 @pytest.mark.parametrize("name", MODELS)
 def test_w_uv_max_tokens_is_recorded_only_when_it_differs_and_checked(name):
-    """w_uv_max_tokens=8: every k3.mla_decode_fused_out gets it as its 14th argument (launch_table, prefetch_w and a
-    gate kept or spelled out as the op's defaults), same match count; the default (4) leaves the arguments engines
-    had; the engine format keeps it; on CPU the op is the reference: the same bits as without it."""
+    """w_uv_max_tokens=4 (not the default, 8): every k3.mla_decode_fused_out gets it as its 14th argument
+    (launch_table, prefetch_w and a gate kept or spelled out as the op's defaults), same match count; the default
+    leaves the arguments engines had; the engine format keeps it; on CPU the op is the reference: the same bits as without it."""
     from k3compile.capture import STEP_INPUTS
     from k3compile.engine.graph_io import graph_from_dict, graph_to_dict
     from k3compile.passes.registry import PassConfigError, get_pass
@@ -170,20 +170,20 @@ def test_w_uv_max_tokens_is_recorded_only_when_it_differs_and_checked(name):
     for g in (plain, gm):
         run_pass(g, "p01_gemm_merge")
         run_pass(g, "p08_small_m_gemm", choice="gemv")
-    assert get_pass(P15).config_cls().w_uv_max_tokens == mla_decode.OUT_MAX_TOKENS == 4
-    assert run_pass(plain, P15) == want and run_pass(gm, P15, w_uv_max_tokens=8) == want
+    assert get_pass(P15).config_cls().w_uv_max_tokens == mla_decode.OUT_MAX_TOKENS == 8
+    assert run_pass(plain, P15) == want and run_pass(gm, P15, w_uv_max_tokens=4) == want
     outs = [node for node in gm.graph.nodes if node.target == FUSED_OUT]
     plain_outs = [node for node in plain.graph.nodes if node.target == FUSED_OUT]
     assert len(outs) == len(plain_outs) == n
     for node, ref in zip(outs, plain_outs):
-        assert len(ref.args) in (11, 13) and len(node.args) == 14 and node.args[13] == 8
+        assert len(ref.args) in (11, 13) and len(node.args) == 14 and node.args[13] == 4
         assert node.args[11] is False and (node.args[12] is None) == (not gated)
         consts = [[a for a in nd.args[:11] if not isinstance(a, torch.fx.Node)] for nd in (node, ref)]
         assert consts[0] == consts[1]  # layer, scale, nope, pdl, launch_table as without the option
     keys = {nd.target: nd.target for nd in gm.graph.nodes if nd.op == "get_attr"}
     weights = {nd.target: getattr(gm, nd.target) for nd in gm.graph.nodes if nd.op == "get_attr"}
     back = graph_from_dict(graph_to_dict(gm, "decode", keys), weights, STEP_INPUTS)
-    assert [nd.args[13] for nd in back.graph.nodes if nd.target == FUSED_OUT] == [8] * n
+    assert [nd.args[13] for nd in back.graph.nodes if nd.target == FUSED_OUT] == [4] * n
     x = inputs_for(name, "decode", torch.bfloat16)
     assert_same_step(run_graph(back, x), run_graph(plain, x), 0.0, "vs the default bound")
     for bad in (-1, 65):
