@@ -438,19 +438,21 @@ def test_kimi_like_on_cuda_with_the_down_split_launch_from_the_config():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kimi_like_on_cuda_with_up_launch():
-    """P6's up_launch (and early_release) reach kernel A on CUDA (PDL on, the L2 options at their defaults): with
-    either launch, and with kernel A releasing B right after its wait, the step matches the unpassed graph."""
+    """P6's up_launch (and the early releases) reach kernel A on CUDA (PDL on, the L2 options at their defaults): with
+    either launch, with kernel A releasing B right after its wait, and with the defaults (B' releasing early too,
+    latent_prewait on: no latent MoE here), the step matches the unpassed graph."""
     gpu = _small_model_on_cuda()
     before = _after_p1_p4(capture_step(gpu, "decode"))
     x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 8)]
     want = run_graph(before, x)
-    for options in ({"up_launch": "16x64x4", "early_release": False}, {"up_launch": "32x64x8", "early_release": False},
-                    {"up_launch": "16x64x4", "early_release": True}):
+    off = {"early_release": False, "down_early_release": False, "latent_prewait": False}
+    for options, tail in (({**off, "up_launch": "16x64x4"}, ()), ({**off, "up_launch": "32x64x8"}, ()),
+                          ({**off, "up_launch": "16x64x4", "early_release": True}, (False, True)),
+                          ({"up_launch": "16x64x4"}, (False, True, True, True))):  # the three releases' defaults
         gm = _after_p1_p4(capture_step(gpu, "decode"))
         assert run_pass(gm, P6, use_pdl=True, crossover_batch=1 << 20, **options) == 2
         assert all(tuple(n.args[22]) == tuple(int(v) for v in options["up_launch"].split("x"))
-                   and tuple(n.args[23:]) == ((False, True) if options["early_release"] else ())
-                   for n in _fused_nodes(gm))
+                   and tuple(n.args[23:]) == tail for n in _fused_nodes(gm))
         assert_same_step(run_graph(gm, x), want, BF16_TOL, f"{options} on CUDA vs unpassed graph")
 
 
