@@ -95,7 +95,7 @@ class FusedMoEDecodeConfig(PassConfig):
     # with PDL, a latent MoE's kernel C computes the shared expert's down-projection (and at batch 1 loads its W_up
     # tile) before its gdc_wait, so that half of C's 8.4 MB (k3-mini-6b) streams while B' runs; only the routed part
     # waits for u (same bits; kernels/moe_decode.py _latent_out_kernel). Both on, with P8's rows_programs
-    # 132,264,528, since session 15 (traces/h200_s15, one run, batch 1): k3-mini-6b 1.851 -> 1.688 ms, 48B 2.124 ->
+    # 132,264,528, since session 15 (traces/h200_s15, one run, batch 1): k3-mini-6b 1.826 -> 1.688 ms, 48B 2.124 ->
     # 2.113 ms; 48B batch 8 6.938 ms either way
     latent_prewait: bool = True
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from

@@ -83,7 +83,7 @@ class SmallMGemmConfig(PassConfig):
     # programs the rows design's K split aims at, one (narrow, wide) tile pair per count ("," or "+" between counts,
     # "+" fits a `bench ladder --variant` string). 528 (4 per H200 SM) gives the 2048-wide GEMVs of k3-mini-6b 1024
     # programs of one K step each; each count adds candidates (a Triton compile per warps). 1, 2 and 4 per SM since
-    # session 15 (with P6's latent_prewait and down_early_release; traces/h200_s15: k3-mini-6b batch 1 -8.8%)
+    # session 15 (with P6's latent_prewait and down_early_release; traces/h200_s15: k3-mini-6b batch 1 -7.6%)
     rows_programs: str = "132,264,528"
     # with PDL, each emitted launch asks L2 for up to this many MiB of its weight before its gdc_wait, so a GEMV
     # after a latency-bound kernel (KDA, MLA attention, a norm) streams while that kernel runs (kernels/gemv.py,
