@@ -25,6 +25,10 @@ BEFORE = ("p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused
 FUSED = torch.ops.k3.fused_moe_decode.default
 
 
+# the three PDL release options (on by default) off: the op keeps the arguments it had before them
+RELEASES_OFF = {"early_release": False, "down_early_release": False, "latent_prewait": False}
+
+
 def _after_p1_p4(gm):
     for name in BEFORE:
         run_pass(gm, name)
@@ -42,7 +46,7 @@ def test_one_fused_op_per_moe_layer_in_decode(name):
     gm = _after_p1_p4(graph(name, "decode"))
     before = op_counts(gm)
     assert run_pass(gm, P6, shared_l2_prefetch=False, down_l2_prefetch=False,
-                    early_release=False) == n  # (the 19 arguments)
+                    **RELEASES_OFF) == n  # (the 19 arguments)
     after = op_counts(gm)
     assert after[FUSED] == n and after[torch.ops.k3.moe_experts.default] == 0
     latent = cfg.latent_size is not None
@@ -238,7 +242,7 @@ def test_down_split_option_goes_into_the_op_and_bad_values_are_refused():
     gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
     before = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
     assert run_pass(gm, P6, down_split="64x128x4x2x1", shared_l2_prefetch=False, down_l2_prefetch=False,
-                    early_release=False) == 5
+                    **RELEASES_OFF) == 5
     assert all(len(n.args) == 20 and n.args[19] == [64, 128, 4, 2, 1] for n in _fused_nodes(gm))
     x = inputs_for("kimi-linear-tiny", "decode", torch.float32)
     assert_same_step(run_graph(gm, x), run_graph(before, x), FP32_TOL, "down_split on CPU vs unpassed graph")
@@ -263,7 +267,7 @@ def test_l2_prefetch_options_go_into_the_op_after_down_split_and_default_on():
                           ({"shared_l2_prefetch": True, "down_l2_prefetch": True, "down_split": "64x128x4"},
                            ([64, 128, 4], True, True))):
         gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
-        assert run_pass(gm, P6, early_release=False, **options) == 5  # (early_release: the next test)
+        assert run_pass(gm, P6, **RELEASES_OFF, **options) == 5  # (the releases: the next test)
         assert all(tuple(n.args[19:]) == tail for n in _fused_nodes(gm)), options
         assert_same_step(run_graph(gm, x), want, FP32_TOL, f"{options} on CPU vs unpassed graph")
     pipeline = pipeline_from_flags(P6, pass_opts=[f"{P6}.shared_l2_prefetch=true", f"{P6}.down_l2_prefetch=on"])
@@ -280,7 +284,7 @@ def test_up_launch_goes_into_the_op_after_the_l2_options():
     themselves after up_launch."""
     x = inputs_for("kimi-linear-tiny", "decode", torch.float32)
     want = run_graph(_after_p1_p4(graph("kimi-linear-tiny", "decode")), x)
-    off = {"early_release": False, "down_early_release": False, "latent_prewait": False}
+    off = RELEASES_OFF
     for options, tail in ((off, (None, True, True)),
                           ({**off, "up_launch": "32x256x4"}, (None, True, True, [32, 256, 4])),
                           ({**off, "up_launch": "16X512x8", "shared_l2_prefetch": False},
@@ -445,7 +449,7 @@ def test_kimi_like_on_cuda_with_up_launch():
     before = _after_p1_p4(capture_step(gpu, "decode"))
     x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 8)]
     want = run_graph(before, x)
-    off = {"early_release": False, "down_early_release": False, "latent_prewait": False}
+    off = RELEASES_OFF
     for options, tail in (({**off, "up_launch": "16x64x4"}, ()), ({**off, "up_launch": "32x64x8"}, ()),
                           ({**off, "up_launch": "16x64x4", "early_release": True}, (False, True)),
                           ({"up_launch": "16x64x4"}, (False, True, True, True))):  # the three releases' defaults
