@@ -35,6 +35,20 @@ def graph(name: str, mode: str, dtype: torch.dtype = torch.float32):
     return snapshot(_captured(name, mode, dtype))
 
 
+@functools.lru_cache(maxsize=None)
+def _passed(name: str, mode: str, dtype: torch.dtype, passes: tuple):
+    gm = graph(name, mode, dtype)
+    for p in passes:
+        run_pass(gm, p)
+    return gm
+
+
+def graph_after(name: str, mode: str, dtype: torch.dtype = torch.float32, passes: tuple = ()):
+    """A private copy of the captured graph after `passes` at their default options. Each (graph, passes) is run
+    once per process: the earlier passes' fake-tensor propagation is most of a pass test's CPU time."""
+    return snapshot(_passed(name, mode, dtype, tuple(passes)))
+
+
 def run_pass(gm, name: str, **options) -> int:
     spec = get_pass(name)
     cfg = spec.config_cls(**options)

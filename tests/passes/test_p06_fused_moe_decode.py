@@ -16,8 +16,8 @@ from k3compile.passes.pipeline import PipelineConfig, pipeline_from_flags
 from k3compile.passes.registry import PassConfigError
 from k3compile.passes.verify import step_inputs
 
-from .helpers import (BF16_TOL, FP32_TOL, MODELS, assert_same_step, eager_step, graph, inputs_for, layer_counts, model,
-                      op_counts, randomized_inputs, run_graph, run_pass)
+from .helpers import (BF16_TOL, FP32_TOL, MODELS, assert_same_step, eager_step, graph, graph_after, inputs_for,
+                      layer_counts, model, op_counts, randomized_inputs, run_graph, run_pass)
 
 aten = torch.ops.aten
 P6 = "p06_fused_moe_decode"
@@ -43,7 +43,7 @@ def _fused_nodes(gm):
 def test_one_fused_op_per_moe_layer_in_decode(name):
     cfg = model(name).config
     n = layer_counts(cfg)["moe"]
-    gm = _after_p1_p4(graph(name, "decode"))
+    gm = graph_after(name, "decode", passes=BEFORE)
     before = op_counts(gm)
     assert run_pass(gm, P6, shared_l2_prefetch=False, down_l2_prefetch=False,
                     **RELEASES_OFF) == n  # (the 19 arguments)
@@ -90,7 +90,7 @@ def test_one_fused_op_per_moe_layer_in_decode(name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_prefill_is_left_alone(name):
-    gm = _after_p1_p4(graph(name, "prefill"))
+    gm = graph_after(name, "prefill", passes=BEFORE)
     code = gm.code
     assert run_pass(gm, P6) == 0
     assert gm.code == code
@@ -100,7 +100,7 @@ def test_prefill_is_left_alone(name):
                                         ("kimi-linear-tiny", torch.bfloat16)])
 def test_numerics_vs_unpassed_graph_and_eager(name, dtype):
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
-    before, gm = _after_p1_p4(graph(name, "decode", dtype)), _after_p1_p4(graph(name, "decode", dtype))
+    before, gm = graph_after(name, "decode", dtype, passes=BEFORE), graph_after(name, "decode", dtype, passes=BEFORE)
     assert run_pass(gm, P6) == layer_counts(model(name).config)["moe"]
     x = inputs_for(name, "decode", dtype)
     got = run_graph(gm, x)
@@ -109,7 +109,7 @@ def test_numerics_vs_unpassed_graph_and_eager(name, dtype):
 
 
 def test_crossover_from_config_goes_into_the_graph_and_the_report():
-    gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
+    gm = graph_after("kimi-linear-tiny", "decode", passes=BEFORE)
     assert run_pass(gm, P6, crossover_batch=5) == 5
     assert {n.args[13] for n in _fused_nodes(gm)} == {5}
     pipeline = pipeline_from_flags(",".join(BEFORE + (P6,)))
@@ -130,7 +130,7 @@ def test_default_pipeline_runs_p06_after_p04():
 @pytest.mark.parametrize("name", MODELS)
 def test_disabled_tail_fusion_keeps_the_shared_expert_and_latent_tail(name):
     n = layer_counts(model(name).config)["moe"]
-    gm = _after_p1_p4(graph(name, "decode"))
+    gm = graph_after(name, "decode", passes=BEFORE)
     before = op_counts(gm)
     assert run_pass(gm, P6, fuse_shared=False, fuse_latent=False) == n
     assert op_counts(gm)[aten.mm.default] == before[aten.mm.default]
@@ -142,7 +142,7 @@ def test_bf16_shared_gate_up_gemm_leaves_the_graph():
     exactly [shared gate; shared up]; its weight becomes the op's shared_w13 as it is (no copy) and the GEMM
     goes: per MoE layer 2 GEMMs (that one and the shared down-projection) fewer."""
     name, n = "kimi-linear-tiny", layer_counts(model("kimi-linear-tiny").config)["moe"]
-    gm = _after_p1_p4(graph(name, "decode", torch.bfloat16))
+    gm = graph_after(name, "decode", torch.bfloat16, passes=BEFORE)
     merged = {k for k in gm.meta["k3"]["merged_weights"] if "shared_experts" in k and k.endswith("up_proj")}
     assert len(merged) == n
     before = op_counts(gm)
@@ -156,7 +156,7 @@ def test_bf16_shared_gate_up_gemm_leaves_the_graph():
 
 @pytest.mark.parametrize("name,dtype", [("kimi-linear-tiny", torch.float32), ("kimi-linear-tiny", torch.bfloat16)])
 def test_shared_gate_up_left_out_keeps_the_gemm(name, dtype):
-    gm = _after_p1_p4(graph(name, "decode", dtype))
+    gm = graph_after(name, "decode", dtype, passes=BEFORE)
     before = op_counts(gm)
     n = layer_counts(model(name).config)["moe"]
     assert run_pass(gm, P6, fuse_shared_up=False) == n
@@ -167,7 +167,7 @@ def test_shared_gate_up_left_out_keeps_the_gemm(name, dtype):
 def test_fp32_router_keeps_its_rows_of_the_merged_gemm():
     """fp32: P1 merged [router; shared gate; shared up]; P6 takes the shared rows into a new constant and the
     router's logits come from a GEMM on its own rows again (named as before P1), numerics unchanged."""
-    gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
+    gm = graph_after("kimi-linear-tiny", "decode", passes=BEFORE)
     assert run_pass(gm, P6) == layer_counts(model("kimi-linear-tiny").config)["moe"]
     for node in gm.graph.nodes:
         if node.target == torch.ops.k3.fused_route.default:
@@ -239,8 +239,8 @@ def test_crossover_flag_and_bad_values():
 def test_down_split_option_goes_into_the_op_and_bad_values_are_refused():
     """down_split (kernel B''s launch for an A/B of whole engines) becomes the op's last argument; unset, the op keeps
     its 19 arguments and the table decides. On CPU the op computes the reference whatever it says."""
-    gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
-    before = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
+    gm = graph_after("kimi-linear-tiny", "decode", passes=BEFORE)
+    before = graph_after("kimi-linear-tiny", "decode", passes=BEFORE)
     assert run_pass(gm, P6, down_split="64x128x4x2x1", shared_l2_prefetch=False, down_l2_prefetch=False,
                     **RELEASES_OFF) == 5
     assert all(len(n.args) == 20 and n.args[19] == [64, 128, 4, 2, 1] for n in _fused_nodes(gm))
@@ -259,14 +259,14 @@ def test_l2_prefetch_options_go_into_the_op_after_down_split_and_default_on():
     op's arguments 20 and 21, after down_split (None when unset); both off, a node has the 19 arguments it had before
     them; both on is the default. On CPU the op computes the reference whatever they say."""
     x = inputs_for("kimi-linear-tiny", "decode", torch.float32)
-    before = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
+    before = graph_after("kimi-linear-tiny", "decode", passes=BEFORE)
     want = run_graph(before, x)
     for options, tail in (({"shared_l2_prefetch": False, "down_l2_prefetch": False}, ()), ({}, (None, True, True)),
                           ({"down_l2_prefetch": False}, (None, True)),
                           ({"shared_l2_prefetch": False}, (None, False, True)),
                           ({"shared_l2_prefetch": True, "down_l2_prefetch": True, "down_split": "64x128x4"},
                            ([64, 128, 4], True, True))):
-        gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
+        gm = graph_after("kimi-linear-tiny", "decode", passes=BEFORE)
         assert run_pass(gm, P6, **RELEASES_OFF, **options) == 5  # (the releases: the next test)
         assert all(tuple(n.args[19:]) == tail for n in _fused_nodes(gm)), options
         assert_same_step(run_graph(gm, x), want, FP32_TOL, f"{options} on CPU vs unpassed graph")
@@ -283,7 +283,7 @@ def test_up_launch_goes_into_the_op_after_the_l2_options():
     early_release, down_early_release and latent_prewait (on by default, with PDL) add flag_deps (False) and
     themselves after up_launch."""
     x = inputs_for("kimi-linear-tiny", "decode", torch.float32)
-    want = run_graph(_after_p1_p4(graph("kimi-linear-tiny", "decode")), x)
+    want = run_graph(graph_after("kimi-linear-tiny", "decode", passes=BEFORE), x)
     off = RELEASES_OFF
     for options, tail in ((off, (None, True, True)),
                           ({**off, "up_launch": "32x256x4"}, (None, True, True, [32, 256, 4])),
@@ -295,7 +295,7 @@ def test_up_launch_goes_into_the_op_after_the_l2_options():
                           ({"down_early_release": False}, (None, True, True, None, False, True, False, True)),
                           ({"use_pdl": False}, (None, True, True)),
                           ({"use_pdl": False}, (None, True, True))):  # a release point needs PDL
-        gm = _after_p1_p4(graph("kimi-linear-tiny", "decode"))
+        gm = graph_after("kimi-linear-tiny", "decode", passes=BEFORE)
         assert run_pass(gm, P6, **options) == 5
         assert all(tuple(n.args[19:]) == tail for n in _fused_nodes(gm)), options
         assert_same_step(run_graph(gm, x), want, FP32_TOL, f"{options} on CPU vs unpassed graph")
@@ -391,7 +391,7 @@ def test_layer_the_op_refuses_is_skipped_and_counted(monkeypatch):
     def refuse(*args, **kwargs):
         raise ValueError("fused_moe_decode: refused for the test")
     monkeypatch.setattr(moe_decode, "check_args", refuse)
-    gm = _after_p1_p4(graph("k3-tiny", "decode"))
+    gm = graph_after("k3-tiny", "decode", passes=BEFORE)
     code = gm.code
     report = PassManager(pipeline_from_flags(P6)).run(gm)
     rec = report.passes[-1]
@@ -486,7 +486,7 @@ def test_verify_graphs_get_the_fused_op_too(name, mode, dtype):
     """A verify step's MoE sees anchor + drafts per request (a few tokens): one fused op per MoE layer there
     as well, with the verify step's numerics unchanged (window tensors included)."""
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
-    before, gm = _after_p1_p4(graph(name, mode, dtype)), _after_p1_p4(graph(name, mode, dtype))
+    before, gm = graph_after(name, mode, dtype, passes=BEFORE), graph_after(name, mode, dtype, passes=BEFORE)
     assert run_pass(gm, P6) == layer_counts(model(name).config)["moe"] == len(_fused_nodes(gm))
     x = inputs_for(name, mode, dtype)
     got = run_graph(gm, x)

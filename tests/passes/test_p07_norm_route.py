@@ -2,7 +2,6 @@
 Kimi-Linear's plain residual), none in prefill or fp32 graphs; the fp32 router copies leave the weights for bf16
 ones; numerics exactly those of the graph before the pass (CPU: the same references), close to the eager model;
 the op's checks and registration; the kernel under the interpreter; on CUDA the kernel at the 48B shape."""
-import functools
 import operator
 
 import pytest
@@ -11,10 +10,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from k3compile.passes.kernels import arrivals
 from k3compile.passes.kernels import norm_route as nr
-from k3compile.passes.manager import snapshot
 from k3compile.passes.registry import PassConfigError, get_pass
 
-from .helpers import MODELS, assert_as_before_and_close_to_eager, graph, layer_counts, model, op_counts, run_pass
+from .helpers import (MODELS, assert_as_before_and_close_to_eager, graph_after, layer_counts, model, op_counts,
+                      run_pass)
 
 P = "p07_norm_route"
 BEFORE = ("p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing", "p05_fused_kda_decode",
@@ -24,17 +23,9 @@ NORM_F32 = torch.ops.k3.attn_res_norm_f32.default
 ROUTE = torch.ops.k3.fused_route.default
 
 
-@functools.lru_cache(maxsize=None)
-def _after_p7_once(name, mode, dtype):
-    gm = graph(name, mode, dtype)
-    for p in BEFORE:
-        run_pass(gm, p)
-    return gm
-
-
 def _after_p7(name, mode, dtype=torch.bfloat16):
     """A private copy of the graph after P1-P7 (the passes run once per graph and session)."""
-    return snapshot(_after_p7_once(name, mode, dtype))
+    return graph_after(name, mode, dtype, BEFORE)
 
 
 def _weights(gm) -> dict:

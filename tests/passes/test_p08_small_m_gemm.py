@@ -12,7 +12,7 @@ from k3compile.passes.manager import PassManager
 from k3compile.passes.pipeline import pipeline_from_flags
 from k3compile.passes.registry import PassConfigError, get_pass
 
-from .helpers import MODELS, graph, inputs_for, layer_counts, model, op_counts, rel_err, run_graph, run_pass
+from .helpers import MODELS, graph, graph_after, inputs_for, layer_counts, model, op_counts, rel_err, run_graph, run_pass
 
 aten = torch.ops.aten
 P8 = "p08_small_m_gemm"
@@ -21,10 +21,7 @@ BEFORE = ("p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused
 
 
 def engine_before(name, mode="decode", dtype=torch.bfloat16):
-    gm = graph(name, mode, dtype)
-    for p in BEFORE:
-        run_pass(gm, p)
-    return gm
+    return graph_after(name, mode, dtype, BEFORE)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -17,8 +17,8 @@ from k3compile.passes.manager import snapshot
 from k3compile.passes.pipeline import PipelineConfig, pipeline_from_flags
 from k3compile.passes.registry import PassConfigError, get_pass
 
-from .helpers import MODELS, assert_as_before_and_close_to_eager, graph, layer_counts, model, op_counts, rel_err, \
-    run_pass
+from .helpers import MODELS, assert_as_before_and_close_to_eager, graph_after, layer_counts, model, op_counts, \
+    rel_err, run_pass
 
 P = "p08_small_m_norm_gemv"
 BEFORE = ("p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing", "p05_fused_kda_decode",
@@ -30,9 +30,7 @@ GEMV = torch.ops.k3.gemv.default
 
 @functools.lru_cache(maxsize=None)
 def _after_p8_once(name, mode, choice):
-    gm = graph(name, mode, torch.bfloat16)
-    for p in BEFORE:
-        run_pass(gm, p)
+    gm = graph_after(name, mode, torch.bfloat16, BEFORE)
     run_pass(gm, "p08_small_m_gemm", choice=choice)
     return gm
 

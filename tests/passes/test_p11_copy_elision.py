@@ -7,7 +7,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from k3compile.passes.p11_copy_elision import copy_nodes
 
-from .helpers import (BF16_TOL, FP32_TOL, MODELS, graph, inputs_for, layer_counts, model, op_counts, rel_err,
+from .helpers import (BF16_TOL, FP32_TOL, MODELS, graph_after, inputs_for, layer_counts, model, op_counts, rel_err,
                       run_graph, run_pass)
 
 aten = torch.ops.aten
@@ -17,10 +17,7 @@ BEFORE = ("p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused
 
 
 def engine_before(name, dtype, mode="decode"):
-    gm = graph(name, mode, dtype)
-    for p in BEFORE:
-        run_pass(gm, p)
-    return gm
+    return graph_after(name, mode, dtype, BEFORE)
 
 
 def expected_folds(name, dtype):
