@@ -20,7 +20,7 @@ into the layer's input GEMM):
 and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
 act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps, use_pdl, shared_w13[, down_split[,
 shared_l2_prefetch[, down_l2_prefetch[, up_launch[, flag_deps, early_release[, down_early_release[,
-latent_prewait]]]]]]])`: the
+latent_prewait[, grouped_sorted]]]]]]]])`: the
 trailing options only up to the last one set (a node of an engine built before them has the same arguments as then;
 the op's flag_deps is never set by the pass: it is there, False, only ahead of early_release).
 
@@ -98,6 +98,10 @@ class FusedMoEDecodeConfig(PassConfig):
     # 132,264,528, since session 15 (traces/h200_s15, one run, batch 1): k3-mini-6b 1.826 -> 1.688 ms, 48B 2.124 ->
     # 2.113 ms; 48B batch 8 6.938 ms either way
     latent_prewait: bool = True
+    # from the crossover on, the routed experts by kernels/moe_sorted.py (align + two M-tiled tl.dot kernels + the
+    # weighted sum: each expert's weights read once, the GLU in the up kernel's registers) instead of
+    # torch._grouped_mm and its ATen chain; the build-time crossover is measured against the same path
+    grouped_sorted: bool = False
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
 
@@ -299,7 +303,7 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
         crossover, timings = moe_decode.measure_crossover(
             w13, w2, *scales, shared_w2=shared_w2, top_k=top_k, act=act, beta=beta, linear_beta=linear_beta,
             dtype=dtype, shared_glu=shared_glu, latent_up_w=latent[0], latent_norm_w=latent[1], latent_eps=latent[2],
-            shared_w13=shared_w13)
+            shared_w13=shared_w13, grouped_sorted=bool(config.grouped_sorted))
         summary = ", ".join(f"{n}: {t['fused_us']}/{t['grouped_us']} us" for n, t in timings.items())
         config.crossover_source = (f"measured on {torch.cuda.get_device_name(w13.device)} "
                                    f"(batch: fused/grouped per layer) {summary}")
@@ -312,11 +316,12 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
 
 def _launch_options(config: FusedMoEDecodeConfig) -> tuple:
     """The op's trailing launch options (down_split, shared_l2_prefetch, down_l2_prefetch, up_launch, flag_deps
-    (always False), early_release, down_early_release, latent_prewait), cut after the last one that differs from the op's
-    default: unset, a node keeps the arguments it had before the options existed."""
+    (always False), early_release, down_early_release, latent_prewait, grouped_sorted), cut after the last one that
+    differs from the op's default: unset, a node keeps the arguments it had before the options existed."""
     options = [config.down_split_values(), bool(config.shared_l2_prefetch), bool(config.down_l2_prefetch),
                config.up_launch_values(), False, bool(config.early_release and config.use_pdl),
-               bool(config.down_early_release and config.use_pdl), bool(config.latent_prewait and config.use_pdl)]
+               bool(config.down_early_release and config.use_pdl), bool(config.latent_prewait and config.use_pdl),
+               bool(config.grouped_sorted)]
     while options and options[-1] in (None, False):
         options.pop()
     return tuple(options)

@@ -354,3 +354,18 @@ if "tail" in norm_route.norm_route_triton.__code__.co_varnames:  # route11: ever
     from bench_route11 import ARMS as _ROUTE11_ARMS
     CASES += [(f"norm_route {_s} batch {_b}, {_name}", route_launch(_b, _s, **_arm))
               for _s in ("48b", "mini") for _b in (1, 8) for _name, _arm in _ROUTE11_ARMS.items()]
+
+try:  # the sorted M-tiled experts above P6's crossover (kernels/moe_sorted.py): every launch bench_moe_sorted.py times
+    from bench_moe_sorted import VARIANTS as _SORTED_VARIANTS
+
+    from k3compile.passes.kernels import moe_sorted
+
+    def sorted_case(shape, batch, launch):
+        e, i, d, act = (96, 512, 1024, "situ") if shape == "mini" else (256, 1024, 2304, "silu")
+        w13, w2, x = torch.empty(e, 2 * i, d, dtype=BF), torch.empty(e, d, i, dtype=BF), _randn(batch, d)
+        ids, wts = moe_decode.random_routing(batch, e, 8, "cpu", seed=1)
+        return lambda: moe_sorted.moe_experts_sorted(x, ids, wts, w13, w2, act, 4.0, 25.0, launch)
+    CASES += [(f"moe sorted {_s} batch 64, {_name}", sorted_case(_s, 64, _l))
+              for _s in ("mini", "48b") for _name, _l in _SORTED_VARIANTS.items()]
+except ImportError:
+    pass

@@ -215,13 +215,20 @@ def fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_s
 
 def fused_moe_grouped(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scale=None, shared_in=None,
                       shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
-                      latent_norm_w=None, latent_eps=1e-5, shared_w13=None):
-    """Above the crossover on CUDA: grouped GEMM (sm90, bf16) or the gather path, shared expert in torch."""
+                      latent_norm_w=None, latent_eps=1e-5, shared_w13=None, grouped_sorted=False):
+    """Above the crossover on CUDA: the routed experts by kernels.moe_sorted (grouped_sorted: four launches, each
+    expert's weights read once), else grouped GEMM (sm90, bf16) or the gather path; latent tail and shared expert in
+    torch."""
     shared_in, shared_up = _shared_gate_up(x, shared_in, shared_up, shared_w13)
     w13, w2 = _dense_weights(w13, w2, w13_scale, w2_scale, x.dtype, check_nan_scales=False)  # no host sync
-    grouped = (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-               and torch.cuda.get_device_capability(x.device)[0] >= 9)
-    run = moe_experts_grouped if grouped else moe_experts_gather
+    if grouped_sorted and triton is not None:
+        from .moe_sorted import moe_experts_sorted  # here: moe_sorted imports this module's GLU
+        run = moe_experts_sorted
+    elif (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+          and torch.cuda.get_device_capability(x.device)[0] >= 9):
+        run = moe_experts_grouped
+    else:
+        run = moe_experts_gather
     y = run(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta)
     y = _latent(y, latent_up_w, latent_norm_w, latent_eps)
     return _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta)
@@ -1294,12 +1301,14 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      down_split: list[int] | None = None, shared_l2_prefetch: bool = False,
                      down_l2_prefetch: bool = False, up_launch: list[int] | None = None,
                      flag_deps: bool = False, early_release: bool = False,
-                     down_early_release: bool = False, latent_prewait: bool = False) -> torch.Tensor:
+                     down_early_release: bool = False, latent_prewait: bool = False,
+                     grouped_sorted: bool = False) -> torch.Tensor:
     """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc.
     down_split: kernel B''s launch (SplitConfig's fields, prefetch as 0/1) at every batch below the crossover,
     instead of split_config()'s per-shape choice (P6's down_split option; the CPU reference ignores it).
     shared_l2_prefetch / down_l2_prefetch / up_launch / flag_deps / early_release / down_early_release /
-    latent_prewait: fused_moe_triton's options of the same names (P6's; same values)."""
+    latent_prewait: fused_moe_triton's options of the same names (P6's; same values). grouped_sorted: from the
+    crossover on, the routed experts by kernels.moe_sorted instead of torch._grouped_mm (P6's option)."""
     return fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
 
@@ -1309,11 +1318,13 @@ def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
                            shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
-                           early_release=False, down_early_release=False, latent_prewait=False):
+                           early_release=False, down_early_release=False, latent_prewait=False,
+                           grouped_sorted=False):
     args = (x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
             linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
     if triton is None or x.shape[0] >= crossover:
-        return fused_moe_grouped(*args)
+        with torch.cuda.device(x.device):
+            return fused_moe_grouped(*args, grouped_sorted=grouped_sorted)
     split = None if down_split is None else split_from_list(down_split)
     with torch.cuda.device(x.device):  # Triton launches on the current device
         return fused_moe_triton(*args, use_pdl=use_pdl, split=split, shared_l2_prefetch=shared_l2_prefetch,
@@ -1327,7 +1338,8 @@ def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
                            shared_w2, act, beta, linear_beta, crossover, latent_up_w=None, latent_norm_w=None,
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
                            shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
-                           early_release=False, down_early_release=False, latent_prewait=False):
+                           early_release=False, down_early_release=False, latent_prewait=False,
+                           grouped_sorted=False):
     _, _, _, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                     shared_w2, act, latent_up_w, latent_norm_w, shared_w13)
     return x.new_empty(x.shape[0], out_width)
@@ -1370,17 +1382,17 @@ def crossover_case(n: int, w13, w2, w13_scale, w2_scale, shared_w2, shared_glu: 
 def measure_crossover(w13, w2, w13_scale=None, w2_scale=None, shared_w2=None, top_k: int = 8, act: str = "silu",
                       beta: float = 4.0, linear_beta: float = 25.0, dtype=torch.bfloat16,
                       batches=CROSSOVER_BATCHES, shared_glu: bool = True, latent_up_w=None, latent_norm_w=None,
-                      latent_eps: float = 1e-5, shared_w13=None) -> tuple[int, dict]:
+                      latent_eps: float = 1e-5, shared_w13=None, grouped_sorted: bool = False) -> tuple[int, dict]:
     """Smallest batch in `batches` at which the grouped path is at least as fast as the GEMV kernels,
     timed on this layer's weights (CUDA) with the same tail the layer's op has (latent up-projection and
     norm, shared expert with or without its GLU, its gate/up in the op with shared_w13); NO_CROSSOVER if it
-    never is. Returns (crossover, timings µs)."""
+    never is. grouped_sorted: the grouped path the op will run (kernels.moe_sorted). Returns (crossover, timings µs)."""
     timings = {}
     for n in batches:
         args = crossover_case(n, w13, w2, w13_scale, w2_scale, shared_w2, shared_glu, top_k, act, beta,
                               linear_beta, dtype, latent_up_w, latent_norm_w, latent_eps, shared_w13)
         fused = _time_us(lambda: fused_moe_triton(*args))
-        grouped = _time_us(lambda: fused_moe_grouped(*args))
+        grouped = _time_us(lambda: fused_moe_grouped(*args, grouped_sorted=grouped_sorted))
         timings[n] = {"fused_us": round(fused, 2), "grouped_us": round(grouped, 2)}
         if grouped <= fused:
             return n, timings

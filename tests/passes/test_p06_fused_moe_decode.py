@@ -371,10 +371,11 @@ def test_crossover_measurement_gets_the_layers_latent_tail_and_shared_width(monk
     here on CPU with the reference standing in for both paths (the arguments are what is checked)."""
     m = _k3_mini_like()
     moe = m.model.layers[1].block_sparse_moe
-    calls = []
+    calls, sorted_flags = [], []
 
-    def reference(*args):
+    def reference(*args, **kwargs):
         calls.append(args)
+        sorted_flags.extend(kwargs.values())
         return moe_decode.fused_moe_reference(*args)
     monkeypatch.setattr(moe_decode, "fused_moe_triton", reference)
     monkeypatch.setattr(moe_decode, "fused_moe_grouped", reference)
@@ -382,9 +383,27 @@ def test_crossover_measurement_gets_the_layers_latent_tail_and_shared_width(monk
     crossover, timings = moe_decode.measure_crossover(
         moe.experts.w13, moe.experts.w2, shared_w2=moe.shared_experts.down_proj.weight, top_k=2, act="situ",
         dtype=torch.float32, batches=(1, 4), latent_up_w=moe.routed_expert_up_proj.weight,
-        latent_norm_w=moe.routed_expert_norm.weight, latent_eps=m.config.rms_norm_eps)
+        latent_norm_w=moe.routed_expert_norm.weight, latent_eps=m.config.rms_norm_eps, grouped_sorted=True)
     assert crossover == 1 and list(timings) == [1] and len(calls) == 2
+    assert sorted_flags == [True]  # the grouped path is timed as the op will run it
     assert reference(*calls[0]).shape == (1, m.config.hidden_size)
+
+
+def test_grouped_sorted_is_the_ops_last_argument():
+    """grouped_sorted (the sorted M-tiled experts above the crossover, kernels/moe_sorted.py) becomes the op's argument
+    27 behind latent_prewait; off, a node keeps its old arguments. On CPU the op is the reference either way."""
+    m = _k3_mini_like()
+    captured = capture_step(m, "decode")
+    x = randomized_inputs(step_inputs(m, "decode"), 7)
+    want = run_graph(_after_p1_p4(captured), x)
+    for options, tail in (({}, (None, True, True, None, False, True, True, True)),
+                          ({"grouped_sorted": True}, (None, True, True, None, False, True, True, True, True)),
+                          ({**RELEASES_OFF, "grouped_sorted": True},
+                           (None, True, True, None, False, False, False, False, True))):
+        gm = _after_p1_p4(snapshot(captured))
+        assert run_pass(gm, P6, **options) == 2
+        assert all(tuple(n.args[19:]) == tail for n in _fused_nodes(gm)), options
+        assert_same_step(run_graph(gm, x), want, FP32_TOL, f"{options}: k3-mini-like vs unpassed graph")
 
 
 def test_layer_the_op_refuses_is_skipped_and_counted(monkeypatch):

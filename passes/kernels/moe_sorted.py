@@ -1,0 +1,236 @@
+"""Sorted, M-tiled fused MoE: the routed experts of a batch above P6's crossover, each expert's weights read once.
+
+Below the crossover P6's GEMV kernels (moe_decode A / B') read an expert's weights once per token that chose it.
+At batch 64 the build-time crossover hands the layer to `torch._grouped_mm`, which reads them once but runs the
+sort, the gathers, the GLU (12 ATen kernels for SiTU) and the weighted sum as separate kernels, with CUTLASS tiles of
+128 rows for experts that see ~2-8 tokens (traces/h200_s15: ~24% of the MoE bytes' roofline at k3-mini-6b, ~49% at
+Kimi-Linear-48B). Here the same work is four launches (the fused-MoE design of vLLM and TensorRT-LLM, in our code):
+
+  align  `_align_kernel`, one program: the (token, choice) pairs p = t k + s sorted by expert, each expert's run padded
+         to a multiple of BLOCK_M. pairs[b BLOCK_M + r] = the pair in row r of block b, or P (= N k, a padding row);
+         block_expert[b] = block b's expert, E past the last block. The grid of the next two kernels is static
+         (CUDA graphs): max_blocks(P, E, BLOCK_M) blocks, and a program whose block has no expert returns at once.
+  up     `_sorted_up_kernel`, one program per (block, column block of I): x's rows of the block's pairs (a gather)
+         times the expert's gate and up rows, both by tl.dot over D in fp32, the GLU in registers; h [blocks BLOCK_M,
+         I] in x's dtype (the reference rounds the activation to it as well).
+  down   `_sorted_down_kernel`, one program per (block, column block of Do): h's rows times the expert's W2 block,
+         times the pair's routing weight, stored as the pair's fp32 row rows[p] ([P, Do]: each pair's own row, so no
+         atomics and the sum below is in a fixed order).
+  sum    rows.view(N, k, Do).sum(1) in fp32, cast to x's dtype (one ATen kernel).
+
+`moe_experts_sorted` has `model_def.ops.moe_math.moe_experts_loop`'s contract (its exact reference); P6's op runs it
+as its grouped path when the pass option `grouped_sorted` is on (kernels.moe_decode.fused_moe_grouped). Dense weights
+only: MXFP4 experts are dequantized first, as the grouped path always did. Under TRITON_INTERPRET=1 (set before this
+module is imported) the kernels run on CPU tensors (tests/passes/kernels/interpret_moe_sorted.py).
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: P6's op runs its reference there
+    triton = None
+
+ACTS = {"silu": 0, "situ": 1}
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are decorated, as Triton does
+
+
+class SortedLaunch(NamedTuple):
+    """One shape's tiles: rows per block, up's and down's column block and K step, warps and pipeline stages."""
+    block_m: int = 16
+    up_n: int = 64
+    up_k: int = 128
+    down_n: int = 64
+    down_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_LAUNCH = SortedLaunch()
+
+
+def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
+    """Most blocks the align step can produce: sum_e ceil(c_e / M) <= P / M + (experts hit) <= cdiv(P, M) + min(E, P)."""
+    return -(-pairs // block_m) + min(num_experts, pairs)
+
+
+if triton is not None:
+    from .moe_decode import _glu  # the experts' SiLU / SiTU-GLU in fp32, the same expression as the GEMV kernels
+
+    @triton.jit
+    def _align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, P, E, MAX_BLOCKS, BLOCK_M: tl.constexpr,
+                      BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+        """One program. Per-expert counts, then each pair's rank among the earlier pairs of its expert (a running
+        count per expert, chunk by chunk), its row = the expert's first block x BLOCK_M + rank; then every block's
+        expert and its padding rows. Experts are compared against a [CHUNK, BLOCK_E] one-hot (no gathers from
+        register vectors, no atomics: the same result on every run)."""
+        experts = tl.arange(0, BLOCK_E)
+        live = experts < E
+        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for c0 in range(0, P, CHUNK):
+            j = c0 + tl.arange(0, CHUNK)
+            e_j = tl.load(ids_ptr + j, mask=j < P, other=-1).to(tl.int32)
+            counts += tl.sum((e_j[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        blocks = (counts + BLOCK_M - 1) // BLOCK_M
+        block_end = tl.cumsum(blocks, axis=0)
+        first_row = (block_end - blocks) * BLOCK_M
+        seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for c0 in range(0, P, CHUNK):
+            j = c0 + tl.arange(0, CHUNK)
+            e_j = tl.load(ids_ptr + j, mask=j < P, other=-1).to(tl.int32)
+            hot = (e_j[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, BLOCK_E]
+            i = tl.arange(0, CHUNK)
+            before = (e_j[:, None] == e_j[None, :]) & (i[None, :] < i[:, None])  # earlier pairs of this chunk
+            row = tl.sum(hot * (first_row + seen)[None, :], axis=1) + tl.sum(before.to(tl.int32), axis=1)
+            tl.store(pairs_ptr + row, j, mask=j < P)
+            seen += tl.sum(hot, axis=0)
+        total = tl.sum(tl.where(live, blocks, 0), axis=0)
+        for b0 in range(0, MAX_BLOCKS, CHUNK):
+            b = b0 + tl.arange(0, CHUNK)
+            e_b = tl.sum(((block_end[None, :] <= b[:, None]) & live[None, :]).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + b, e_b, mask=b < MAX_BLOCKS)
+            hot = (e_b[:, None] == experts[None, :]).to(tl.int32)
+            # rows of block b already holding a pair: the expert's count less the rows of its earlier blocks
+            rows_before = (b - tl.sum(hot * (first_row // BLOCK_M)[None, :], axis=1)) * BLOCK_M
+            used = tl.sum(hot * counts[None, :], axis=1) - rows_before
+            r = tl.arange(0, BLOCK_M)
+            pad = (r[None, :] >= used[:, None]) | (b[:, None] >= total)
+            tl.store(pairs_ptr + b[:, None] * BLOCK_M + r[None, :], P + 0 * r[None, :],
+                     mask=pad & (b[:, None] < MAX_BLOCKS))
+
+    @triton.jit
+    def _mma(acc, a, w, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """acc + a @ w in fp32: 16-bit operands on the tensor cores, or (UPCAST: the interpreter, whose 16-bit dot is
+        wrong) as fp32 copies, exact for 16-bit values."""
+        if UPCAST:
+            return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
+        return tl.dot(a.to(w.dtype), w, acc, input_precision=PRECISION)
+
+    @triton.jit
+    def _block_rows(pairs_ptr, block, P, K_TOP, BLOCK_M: tl.constexpr):
+        """(h rows, pair, valid, token) of a block's BLOCK_M rows."""
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pairs_ptr + rows)
+        valid = pair < P
+        return rows, pair, valid, tl.where(valid, pair // K_TOP, 0)
+
+    @triton.jit
+    def _sorted_up_kernel(x_ptr, stride_x, w13_ptr, pairs_ptr, block_expert_ptr, h_ptr, P, E, K_TOP, D, I, beta,
+                          linear_beta, ACT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        block = tl.program_id(0)
+        e = tl.load(block_expert_ptr + block)
+        if e < E:
+            rows, pair, valid, tok = _block_rows(pairs_ptr, block, P, K_TOP, BLOCK_M)
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            cmask = cols < I
+            w = w13_ptr + e.to(tl.int64) * 2 * I * D
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, D, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                kmask = ks < D
+                a = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_x + ks[None, :],
+                            mask=valid[:, None] & kmask[None, :], other=0.0)
+                wmask = kmask[:, None] & cmask[None, :]
+                wg = tl.load(w + cols[None, :] * D + ks[:, None], mask=wmask, other=0.0)  # [BLOCK_K, BLOCK_N]
+                wu = tl.load(w + (cols[None, :] + I) * D + ks[:, None], mask=wmask, other=0.0)
+                acc_g = _mma(acc_g, a, wg, PRECISION, UPCAST)
+                acc_u = _mma(acc_u, a, wu, PRECISION, UPCAST)
+            h = _glu(acc_g, acc_u, beta, linear_beta, ACT)
+            tl.store(h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], h.to(h_ptr.dtype.element_ty),
+                     mask=valid[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _sorted_down_kernel(h_ptr, w2_ptr, pairs_ptr, block_expert_ptr, wts_ptr, out_ptr, P, E, K_TOP, I, DO,
+                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        block = tl.program_id(0)
+        e = tl.load(block_expert_ptr + block)
+        if e < E:
+            rows, pair, valid, tok = _block_rows(pairs_ptr, block, P, K_TOP, BLOCK_M)
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            cmask = cols < DO
+            w = w2_ptr + e.to(tl.int64) * DO * I
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                kmask = ks < I
+                a = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + ks[None, :], mask=valid[:, None] & kmask[None, :],
+                            other=0.0)
+                wt = tl.load(w + cols[None, :] * I + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+                acc = _mma(acc, a, wt, PRECISION, UPCAST)
+            weight = tl.load(wts_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+            tl.store(out_ptr + pair[:, None].to(tl.int64) * DO + cols[None, :], acc * weight[:, None],
+                     mask=valid[:, None] & cmask[None, :])
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pairs [max_blocks * block_m] int32, block_expert [max_blocks] int32) by `_align_kernel` (module doc)."""
+    p = topk_ids.numel()
+    blocks = max_blocks(p, num_experts, block_m)
+    pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=topk_ids.device)
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    _align_kernel[(1,)](ids, pairs, block_expert, p, num_experts, blocks, BLOCK_M=block_m,
+                        BLOCK_E=max(16, triton.next_power_of_2(num_experts)), CHUNK=32, num_warps=4)
+    return pairs, block_expert
+
+
+def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The align step in torch (the kernel's contract, for its tests): a stable sort by expert."""
+    flat = topk_ids.reshape(-1).long()
+    p = flat.numel()
+    blocks = max_blocks(p, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long).index_add_(0, flat.cpu(), torch.ones(p, dtype=torch.long))
+    per = (counts + block_m - 1) // block_m
+    end = per.cumsum(0)
+    pairs = torch.full((blocks * block_m,), p, dtype=torch.int32)
+    block_expert = torch.full((blocks,), num_experts, dtype=torch.int32)
+    for e in range(num_experts):
+        mine = torch.nonzero(flat.cpu() == e).flatten()
+        start = int(end[e] - per[e])
+        pairs[start * block_m: start * block_m + mine.numel()] = mine.to(torch.int32)
+        block_expert[start: int(end[e])] = e
+    return pairs, block_expert
+
+
+def moe_experts_sorted(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta,
+                       launch: SortedLaunch = DEFAULT_LAUNCH):
+    """moe_experts_loop's result (x [N, D]; w13 [E, 2I, D]; w2 [E, Do, I], dense) by the four launches of the module
+    doc. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
+    if triton is None:
+        raise RuntimeError("moe_experts_sorted: triton is not installed")
+    n, k = topk_ids.shape
+    num_experts, inter, do = w13.shape[0], w2.shape[2], w2.shape[1]
+    out = torch.empty(n, do, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    pairs, block_expert = align(topk_ids, num_experts, launch.block_m)
+    blocks = block_expert.numel()
+    h = torch.empty(blocks * launch.block_m, inter, dtype=x.dtype, device=x.device)
+    rows = torch.empty(n * k, do, dtype=torch.float32, device=x.device)
+    precision = "ieee" if torch.float32 in (x.dtype, w13.dtype) else "tf32"
+    upcast = _INTERPRETED or precision == "ieee"
+    pipeline = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    _sorted_up_kernel[(blocks, triton.cdiv(inter, launch.up_n))](
+        x, x.stride(0), w13, pairs, block_expert, h, n * k, num_experts, k, x.shape[1], inter, float(beta),
+        float(linear_beta), ACT=ACTS[act], PRECISION=precision, UPCAST=upcast, BLOCK_M=launch.block_m, BLOCK_N=launch.up_n,
+        BLOCK_K=launch.up_k, **pipeline)
+    weights = topk_weights.reshape(-1)
+    if not weights.is_contiguous():
+        weights = weights.contiguous()
+    _sorted_down_kernel[(blocks, triton.cdiv(do, launch.down_n))](
+        h, w2, pairs, block_expert, weights, rows, n * k, num_experts, k, inter, do, PRECISION=precision, UPCAST=upcast,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.down_n, BLOCK_K=launch.down_k, **pipeline)
+    return rows.view(n, k, do).sum(1).to(x.dtype)

@@ -1,0 +1,73 @@
+"""Run the sorted fused-MoE kernels (passes/kernels/moe_sorted.py) under TRITON_INTERPRET=1 on CPU: the align kernel
+against its torch contract (exact: the same stable order), the whole path against moe_experts_loop (the grouped
+path's exact reference) in fp32 (1e-5) and bf16 (1e-2), SiLU and SiTU, shapes whose every tile edge is ragged, experts
+with no pair and experts with several blocks. Started in a subprocess by test_moe_sorted.py; prints one line per
+failing case and exits 1 if any failed."""
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("interpret_moe_sorted.py: run with TRITON_INTERPRET=1 in the environment")
+
+import torch  # noqa: E402
+
+from k3compile.model_def.ops.moe_math import moe_experts_loop  # noqa: E402
+from k3compile.passes.kernels import moe_sorted  # noqa: E402
+from interpreted import TOL, rel_err, run_cases  # noqa: E402  (this folder is sys.path[0] when run as a script)
+
+GEN = torch.Generator().manual_seed(0)
+SMALL = moe_sorted.SortedLaunch(block_m=16, up_n=16, up_k=16, down_n=32, down_k=16, num_warps=4, num_stages=1)
+
+
+def routing(n, k, e, skewed=False):
+    """Distinct experts per token (uniform, or most pairs on expert 0 and 1 so they span several blocks)."""
+    scores = torch.rand(n, e, generator=GEN)
+    if skewed:
+        scores[:, :2] += 10
+    ids = scores.argsort(-1, descending=True)[:, :k]
+    wts = torch.rand(n, k, generator=GEN)
+    return ids, wts / wts.sum(-1, keepdim=True)
+
+
+def align_case(n, k, e, block_m, skewed=False):
+    ids, _ = routing(n, k, e, skewed)
+    got = moe_sorted.align(ids, e, block_m)
+    want = moe_sorted.align_reference(ids, e, block_m)
+    same = all(torch.equal(g, w) for g, w in zip(got, want))
+    return (0.0 if same else float("inf")), 0.0
+
+
+def experts_case(n, k, e, d, inter, do, act, dtype, skewed=False, launch=SMALL):
+    ids, wts = routing(n, k, e, skewed)
+    x = torch.randn(n, d, generator=GEN).to(dtype)
+    w13 = (torch.randn(e, 2 * inter, d, generator=GEN) / d ** 0.5).to(dtype)
+    w2 = (torch.randn(e, do, inter, generator=GEN) / inter ** 0.5).to(dtype)
+    got = moe_sorted.moe_experts_sorted(x, ids, wts, w13, w2, act, 4.0, 25.0, launch=launch)
+    # the reference in fp32 (one rounding at the end): the kernels accumulate in fp32 and round h once
+    want = moe_experts_loop(x.float(), ids, wts, w13.float(), w2.float(), act, 4.0, 25.0)
+    if got.shape != want.shape or got.dtype != dtype:
+        return float("inf"), 0.0
+    return rel_err(got, want), 2 * TOL[dtype]
+
+
+def cases():
+    for n, k, e, m in ((1, 2, 8, 16), (5, 3, 4, 16), (7, 2, 40, 16), (40, 2, 3, 16), (33, 4, 9, 32)):
+        yield f"align n {n} k {k} E {e} M {m}", lambda a=(n, k, e, m): align_case(*a)
+    yield "align skewed 50 x 4 of 12 experts", lambda: align_case(50, 4, 12, 16, skewed=True)
+    for act in ("situ", "silu"):
+        for dtype in (torch.float32, torch.bfloat16):
+            yield f"{act} {dtype} 1 token", lambda a=act, t=dtype: experts_case(1, 2, 8, 40, 24, 36, a, t)
+            yield f"{act} {dtype} 9 tokens", lambda a=act, t=dtype: experts_case(9, 3, 6, 40, 24, 36, a, t)
+            yield f"{act} {dtype} skewed 24 tokens", lambda a=act, t=dtype: experts_case(24, 2, 5, 32, 16, 48, a, t,
+                                                                                         skewed=True)
+    yield "bf16 default launch", lambda: experts_case(6, 2, 4, 128, 64, 64, "situ", torch.bfloat16,
+                                                      launch=moe_sorted.SortedLaunch(num_stages=1))
+
+
+def main() -> int:
+    assert type(moe_sorted._sorted_up_kernel).__name__ == "InterpretedFunction", "interpreter not active"
+    return run_cases(cases())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
