@@ -191,10 +191,10 @@ def _shared_gate_up(x, shared_in, shared_up, shared_w13):
     return F.linear(x, shared_w13).split(shared_w13.shape[0] // 2, dim=1)
 
 
-def _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta):
+def _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta, glu=glu_act):
     if shared_w2 is None:
         return y
-    a = shared_in if shared_up is None else glu_act(shared_in, shared_up, act, beta, linear_beta)
+    a = shared_in if shared_up is None else glu(shared_in, shared_up, act, beta, linear_beta)
     return y + F.linear(a, shared_w2)
 
 
@@ -231,7 +231,11 @@ def fused_moe_grouped(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_sca
         run = moe_experts_gather
     y = run(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta)
     y = _latent(y, latent_up_w, latent_norm_w, latent_eps)
-    return _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta)
+    if not grouped_sorted:
+        return _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta)
+    from . import glu_act as glu_kernel  # here: it imports this module's GLU
+    # the shared expert's GLU as one kernel (k3.glu_act, P17's; SiTU is 12 ATen kernels), as rounded as glu_act's
+    return _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta, glu=glu_kernel.glu_act)
 
 
 # --------------------------------------------------------------------------- Triton kernels

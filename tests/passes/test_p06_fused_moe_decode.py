@@ -434,6 +434,22 @@ def test_k3_mini_like_on_cuda_measures_and_fuses():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_k3_mini_like_on_cuda_runs_the_sorted_experts_above_the_crossover():
+    """grouped_sorted with crossover 1: every decode batch takes kernels/moe_sorted.py (+ the latent tail and the
+    shared expert's k3.glu_act); the step matches the unpassed graph in bf16."""
+    m = _k3_mini_like()
+    gpu = build_model(m.config)
+    gpu.load_state_dict(m.state_dict())
+    gpu = gpu.to("cuda", torch.bfloat16)
+    gm, before = _after_p1_p4(capture_step(gpu, "decode")), _after_p1_p4(capture_step(gpu, "decode"))
+    assert run_pass(gm, P6, crossover_batch=1, grouped_sorted=True) == 2
+    assert all(n.args[13] == 1 and n.args[-1] is True for n in _fused_nodes(gm))
+    x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 8)]
+    assert_same_step(run_graph(gm, x), run_graph(before, x), BF16_TOL, "sorted experts on CUDA vs unpassed graph")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kimi_like_on_cuda_runs_the_shared_gate_up_in_kernel_a_with_pdl():
     """Full-width MoE (Kimi-Linear-like, SiTU) in bf16 on CUDA: the shared gate/up GEMM leaves the graph, the op
     runs it in kernel A (Triton path: crossover above the batch), PDL on; the step matches the unpassed graph."""
