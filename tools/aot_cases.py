@@ -367,5 +367,12 @@ try:  # the sorted M-tiled experts above P6's crossover (kernels/moe_sorted.py):
         return lambda: moe_sorted.moe_experts_sorted(x, ids, wts, w13, w2, act, 4.0, 25.0, launch)
     CASES += [(f"moe sorted {_s} batch 64, {_name}", sorted_case(_s, 64, _l))
               for _s in ("mini", "48b") for _name, _l in _SORTED_VARIANTS.items()]
+
+    def sorted_mxfp4_case(batch):
+        w13, w2, s13, s2 = _experts(True)
+        ids, wts = moe_decode.random_routing(batch, 256, 8, "cpu", seed=1)
+        return lambda: moe_sorted.moe_experts_sorted(_randn(batch, 2304), ids, wts, w13, w2, "silu", 4.0, 25.0,
+                                                     w13_scale=s13, w2_scale=s2)
+    CASES += [("moe sorted 48b MXFP4 batch 64", sorted_mxfp4_case(64))]
 except ImportError:
     pass

@@ -6,7 +6,8 @@ shared expert) and of kimi-linear-48b (E=256, top-8, D=2304, I=1024, SiLU, share
 uniformly random routing (moe_decode.random_routing). Every arm is timed from a CUDA graph (graph_timing.replay_us).
 Per batch: the whole op (fused = GEMV kernels, grouped = torch path, sorted = grouped_sorted) in µs, and the routed
 experts alone (experts_grouped / experts_sorted, plus SortedLaunch variants), with the bytes of the experts the
-routing hit and the bandwidth that implies. Writes sorted16.md / sorted16.json to OUT (argv[1]); argv[2]: batches.
+routing hit and the bandwidth that implies; at batch 64 the op with the experts in MXFP4 (grouped = dequantize all,
+then the grouped GEMM; sorted = decoded in the kernels). Writes sorted16.md / sorted16.json to OUT (argv[1]); argv[2]: batches.
 """
 from __future__ import annotations
 
@@ -78,6 +79,17 @@ def main() -> int:
                             [lambda: moe_sorted.moe_experts_sorted(x, ids, wts, w13, w2, act, 4.0, 25.0, launch)])
                     except Exception as exc:  # a tile that does not fit shared memory: say so, go on
                         row[f"sorted {v}"] = f"failed: {type(exc).__name__}"
+            if n == 64:  # the same layer in MXFP4 (K3's expert format): the grouped path dequantizes every expert
+                from k3compile.model_def.ops import mxfp4
+                (q13, s13), (q2, s2) = mxfp4.quantize(w13.float()), mxfp4.quantize(w2.float())
+                q_args = (x, ids, wts, q13, q2, s13, s2, *args[7:])
+                with torch.no_grad():
+                    row["mxfp4_grouped_us"] = replay_us([lambda: moe_decode.fused_moe_grouped(*q_args)])
+                    row["mxfp4_sorted_us"] = replay_us(
+                        [lambda: moe_decode.fused_moe_grouped(*q_args, grouped_sorted=True)])
+                del q13, q2, s13, s2
+                print(f"{name} batch 64 MXFP4: grouped (dequantize all) {row['mxfp4_grouped_us']:.1f} us, "
+                      f"sorted {row['mxfp4_sorted_us']:.1f} us", flush=True)
             rows.append(row)
             cells = [name, n, hit, row["mb"]] + [row[c] for c in ("fused_us", "grouped_us", "sorted_us",
                                                                   "experts_grouped_us")]

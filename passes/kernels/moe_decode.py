@@ -217,25 +217,24 @@ def fused_moe_grouped(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_sca
                       shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
                       latent_norm_w=None, latent_eps=1e-5, shared_w13=None, grouped_sorted=False):
     """Above the crossover on CUDA: the routed experts by kernels.moe_sorted (grouped_sorted: four launches, each
-    expert's weights read once), else grouped GEMM (sm90, bf16) or the gather path; latent tail and shared expert in
-    torch."""
+    expert's weights read once, MXFP4 decoded in them), else grouped GEMM (sm90, bf16) or the gather path on weights
+    dequantized first; latent tail and shared expert in torch."""
     shared_in, shared_up = _shared_gate_up(x, shared_in, shared_up, shared_w13)
-    w13, w2 = _dense_weights(w13, w2, w13_scale, w2_scale, x.dtype, check_nan_scales=False)  # no host sync
     if grouped_sorted and triton is not None:
         from .moe_sorted import moe_experts_sorted  # here: moe_sorted imports this module's GLU
-        run = moe_experts_sorted
-    elif (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-          and torch.cuda.get_device_capability(x.device)[0] >= 9):
-        run = moe_experts_grouped
-    else:
-        run = moe_experts_gather
+        y = moe_experts_sorted(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta, w13_scale=w13_scale,
+                               w2_scale=w2_scale)  # MXFP4 decoded in its kernels
+        y = _latent(y, latent_up_w, latent_norm_w, latent_eps)
+        from . import glu_act as glu_kernel  # here: it imports this module's GLU
+        # the shared expert's GLU as one kernel (k3.glu_act, P17's; SiTU is 12 ATen kernels), rounded as glu_act
+        return _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta, glu=glu_kernel.glu_act)
+    w13, w2 = _dense_weights(w13, w2, w13_scale, w2_scale, x.dtype, check_nan_scales=False)  # no host sync
+    grouped = (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+               and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    run = moe_experts_grouped if grouped else moe_experts_gather
     y = run(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta)
     y = _latent(y, latent_up_w, latent_norm_w, latent_eps)
-    if not grouped_sorted:
-        return _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta)
-    from . import glu_act as glu_kernel  # here: it imports this module's GLU
-    # the shared expert's GLU as one kernel (k3.glu_act, P17's; SiTU is 12 ATen kernels), as rounded as glu_act's
-    return _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta, glu=glu_kernel.glu_act)
+    return _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta)
 
 
 # --------------------------------------------------------------------------- Triton kernels

@@ -19,8 +19,8 @@ Kimi-Linear-48B). Here the same work is four launches (the fused-MoE design of v
   sum    rows.view(N, k, Do).sum(1) in fp32, cast to x's dtype (one ATen kernel).
 
 `moe_experts_sorted` has `model_def.ops.moe_math.moe_experts_loop`'s contract (its exact reference); P6's op runs it
-as its grouped path when the pass option `grouped_sorted` is on (kernels.moe_decode.fused_moe_grouped). Dense weights
-only: MXFP4 experts are dequantized first, as the grouped path always did. Under TRITON_INTERPRET=1 (set before this
+as its grouped path when the pass option `grouped_sorted` is on (kernels.moe_decode.fused_moe_grouped). Weights in
+bf16 or MXFP4 (decoded in registers: E2M1 x E8M0, each code byte's two inputs as two half-K dots). Under TRITON_INTERPRET=1 (set before this
 module is imported) the kernels run on CPU tensors (tests/passes/kernels/interpret_moe_sorted.py).
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
 
 
 if triton is not None:
-    from .moe_decode import _glu  # the experts' SiLU / SiTU-GLU in fp32, the same expression as the GEMV kernels
+    from .moe_decode import _e2m1_x2p14, _glu  # the GEMV kernels' SiLU / SiTU-GLU and E2M1 decode, shared
 
     @triton.jit
     def _align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, P, E, MAX_BLOCKS, BLOCK_M: tl.constexpr,
@@ -112,6 +112,39 @@ if triton is not None:
         return tl.dot(a.to(w.dtype), w, acc, input_precision=PRECISION)
 
     @triton.jit
+    def _dense_step(acc, a_ptr, a_row, valid, w_ptr, cols, cmask, k0, K, PRECISION: tl.constexpr,
+                    UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
+        """acc + A[:, k0:k0+BLOCK_K] @ W[cols, k0:k0+BLOCK_K].T: A's rows at a_ptr + a_row (K contiguous), W [*, K]."""
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        a = tl.load(a_ptr + a_row[:, None] + ks[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=kmask[:, None] & cmask[None, :],
+                    other=0.0)  # [BLOCK_K, BLOCK_N]
+        return _mma(acc, a, w, PRECISION, UPCAST)
+
+    @triton.jit
+    def _mxfp4_step(acc, a_ptr, a_row, valid, q_ptr, s_ptr, cols, cmask, k0, K, PRECISION: tl.constexpr,
+                    UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
+        """_dense_step with W in MXFP4 (codes [*, K/2] at q_ptr, E8M0 scales [*, K/32] at s_ptr): each code byte holds
+        inputs 2j (low nibble) and 2j+1 (high), so the step is two dots of K = BLOCK_K / 2, A's even inputs with the
+        low nibbles' values and its odd inputs with the high ones' (no interleaving in registers). Values decoded
+        exactly (E2M1 x 2^(s - 127)) and rounded to A's dtype for the tensor cores: exact for scales in its range."""
+        j = tl.arange(0, BLOCK_K // 2)
+        even = k0 + 2 * j
+        jmask = even < K
+        amask = valid[:, None] & jmask[None, :]
+        a_even = tl.load(a_ptr + a_row[:, None] + even[None, :], mask=amask, other=0.0)
+        a_odd = tl.load(a_ptr + a_row[:, None] + even[None, :] + 1, mask=amask, other=0.0)
+        wmask = jmask[:, None] & cmask[None, :]
+        row = cols[None, :].to(tl.int64)
+        code = tl.load(q_ptr + row * (K // 2) + (k0 // 2 + j)[:, None], mask=wmask, other=0).to(tl.int32)
+        scale = tl.load(s_ptr + row * (K // 32) + (even // 32)[:, None], mask=wmask, other=127)
+        factor = tl.exp2(scale.to(tl.float32) - (127.0 - 14.0))  # _e2m1_x2p14 leaves out 2^14
+        lo = (_e2m1_x2p14(code & 15) * factor).to(a_even.dtype)
+        hi = (_e2m1_x2p14(code >> 4) * factor).to(a_even.dtype)
+        return _mma(_mma(acc, a_even, lo, PRECISION, UPCAST), a_odd, hi, PRECISION, UPCAST)
+
+    @triton.jit
     def _block_rows(pairs_ptr, block, P, K_TOP, BLOCK_M: tl.constexpr):
         """(h rows, pair, valid, token) of a block's BLOCK_M rows."""
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -120,54 +153,73 @@ if triton is not None:
         return rows, pair, valid, tl.where(valid, pair // K_TOP, 0)
 
     @triton.jit
-    def _sorted_up_kernel(x_ptr, stride_x, w13_ptr, pairs_ptr, block_expert_ptr, h_ptr, P, E, K_TOP, D, I, beta,
-                          linear_beta, ACT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _sorted_up_kernel(x_ptr, stride_x, w13_ptr, s13_ptr, pairs_ptr, block_expert_ptr, h_ptr, P, E, K_TOP, D, I,
+                          beta, linear_beta, ACT: tl.constexpr, MXFP4: tl.constexpr, PRECISION: tl.constexpr,
+                          UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         block = tl.program_id(0)
         e = tl.load(block_expert_ptr + block)
         if e < E:
             rows, pair, valid, tok = _block_rows(pairs_ptr, block, P, K_TOP, BLOCK_M)
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             cmask = cols < I
-            w = w13_ptr + e.to(tl.int64) * 2 * I * D
+            a_row = tok.to(tl.int64) * stride_x
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, D, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                kmask = ks < D
-                a = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_x + ks[None, :],
-                            mask=valid[:, None] & kmask[None, :], other=0.0)
-                wmask = kmask[:, None] & cmask[None, :]
-                wg = tl.load(w + cols[None, :] * D + ks[:, None], mask=wmask, other=0.0)  # [BLOCK_K, BLOCK_N]
-                wu = tl.load(w + (cols[None, :] + I) * D + ks[:, None], mask=wmask, other=0.0)
-                acc_g = _mma(acc_g, a, wg, PRECISION, UPCAST)
-                acc_u = _mma(acc_u, a, wu, PRECISION, UPCAST)
+            if MXFP4:
+                q = w13_ptr + e.to(tl.int64) * 2 * I * (D // 2)
+                sc = s13_ptr + e.to(tl.int64) * 2 * I * (D // 32)
+                for k0 in range(0, D, BLOCK_K):
+                    acc_g = _mxfp4_step(acc_g, x_ptr, a_row, valid, q, sc, cols, cmask, k0, D, PRECISION, UPCAST,
+                                        BLOCK_K)
+                    acc_u = _mxfp4_step(acc_u, x_ptr, a_row, valid, q, sc, cols + I, cmask, k0, D, PRECISION, UPCAST,
+                                        BLOCK_K)
+            else:
+                w = w13_ptr + e.to(tl.int64) * 2 * I * D
+                for k0 in range(0, D, BLOCK_K):
+                    acc_g = _dense_step(acc_g, x_ptr, a_row, valid, w, cols, cmask, k0, D, PRECISION, UPCAST, BLOCK_K)
+                    acc_u = _dense_step(acc_u, x_ptr, a_row, valid, w, cols + I, cmask, k0, D, PRECISION, UPCAST,
+                                        BLOCK_K)
             h = _glu(acc_g, acc_u, beta, linear_beta, ACT)
             tl.store(h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], h.to(h_ptr.dtype.element_ty),
                      mask=valid[:, None] & cmask[None, :])
 
     @triton.jit
-    def _sorted_down_kernel(h_ptr, w2_ptr, pairs_ptr, block_expert_ptr, wts_ptr, out_ptr, P, E, K_TOP, I, DO,
-                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+    def _sorted_down_kernel(h_ptr, w2_ptr, s2_ptr, pairs_ptr, block_expert_ptr, wts_ptr, out_ptr, P, E, K_TOP, I, DO,
+                            MXFP4: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         block = tl.program_id(0)
         e = tl.load(block_expert_ptr + block)
         if e < E:
             rows, pair, valid, tok = _block_rows(pairs_ptr, block, P, K_TOP, BLOCK_M)
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             cmask = cols < DO
-            w = w2_ptr + e.to(tl.int64) * DO * I
+            a_row = rows.to(tl.int64) * I
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                kmask = ks < I
-                a = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + ks[None, :], mask=valid[:, None] & kmask[None, :],
-                            other=0.0)
-                wt = tl.load(w + cols[None, :] * I + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-                acc = _mma(acc, a, wt, PRECISION, UPCAST)
+            if MXFP4:
+                q = w2_ptr + e.to(tl.int64) * DO * (I // 2)
+                sc = s2_ptr + e.to(tl.int64) * DO * (I // 32)
+                for k0 in range(0, I, BLOCK_K):
+                    acc = _mxfp4_step(acc, h_ptr, a_row, valid, q, sc, cols, cmask, k0, I, PRECISION, UPCAST, BLOCK_K)
+            else:
+                w = w2_ptr + e.to(tl.int64) * DO * I
+                for k0 in range(0, I, BLOCK_K):
+                    acc = _dense_step(acc, h_ptr, a_row, valid, w, cols, cmask, k0, I, PRECISION, UPCAST, BLOCK_K)
             weight = tl.load(wts_ptr + pair, mask=valid, other=0.0).to(tl.float32)
             tl.store(out_ptr + pair[:, None].to(tl.int64) * DO + cols[None, :], acc * weight[:, None],
                      mask=valid[:, None] & cmask[None, :])
+
+
+def check_launch(launch: SortedLaunch, quantized: bool = False) -> None:
+    """ValueError naming the field: tile sizes are powers of two >= 16 (tl.dot's least), and with MXFP4 weights the K
+    steps >= 32 (each is two dots over half of it)."""
+    for field, value in launch._asdict().items():
+        if field in ("num_warps", "num_stages"):
+            if value < 1:
+                raise ValueError(f"moe_experts_sorted: launch {field}={value} < 1")
+            continue
+        least = 32 if quantized and field.endswith("_k") else 16
+        if value < least or value & (value - 1):
+            raise ValueError(f"moe_experts_sorted: launch {field}={value} is not a power of two >= {least}")
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,34 +255,39 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 
 def moe_experts_sorted(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta,
-                       launch: SortedLaunch = DEFAULT_LAUNCH):
-    """moe_experts_loop's result (x [N, D]; w13 [E, 2I, D]; w2 [E, Do, I], dense) by the four launches of the module
-    doc. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
+                       launch: SortedLaunch = DEFAULT_LAUNCH, w13_scale=None, w2_scale=None):
+    """moe_experts_loop's result (x [N, D]; w13 [E, 2I, D]; w2 [E, Do, I]) by the four launches of the module doc.
+    With w13_scale / w2_scale the weights are MXFP4 (codes [E, 2I, D/2] / [E, Do, I/2], E8M0 scales [E, 2I, D/32] /
+    [E, Do, I/32]: model_def.ops.mxfp4), decoded in the kernels' registers. CUDA tensors, or CPU tensors under
+    TRITON_INTERPRET=1."""
     if triton is None:
         raise RuntimeError("moe_experts_sorted: triton is not installed")
+    quantized = w13_scale is not None
+    check_launch(launch, quantized)
     n, k = topk_ids.shape
-    num_experts, inter, do = w13.shape[0], w2.shape[2], w2.shape[1]
+    num_experts = w13.shape[0]
+    do, inter = w2.shape[1], w2.shape[2] * (2 if quantized else 1)
     out = torch.empty(n, do, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
     if x.stride(-1) != 1:
         x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
+    s13, s2 = (w13_scale.contiguous(), w2_scale.contiguous()) if quantized else (w13, w2)  # unread when dense
     pairs, block_expert = align(topk_ids, num_experts, launch.block_m)
     blocks = block_expert.numel()
     h = torch.empty(blocks * launch.block_m, inter, dtype=x.dtype, device=x.device)
     rows = torch.empty(n * k, do, dtype=torch.float32, device=x.device)
     precision = "ieee" if torch.float32 in (x.dtype, w13.dtype) else "tf32"
-    upcast = _INTERPRETED or precision == "ieee"
-    pipeline = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    common = {"MXFP4": quantized, "PRECISION": precision, "UPCAST": _INTERPRETED or precision == "ieee",
+              "BLOCK_M": launch.block_m, "num_warps": launch.num_warps, "num_stages": launch.num_stages}
     _sorted_up_kernel[(blocks, triton.cdiv(inter, launch.up_n))](
-        x, x.stride(0), w13, pairs, block_expert, h, n * k, num_experts, k, x.shape[1], inter, float(beta),
-        float(linear_beta), ACT=ACTS[act], PRECISION=precision, UPCAST=upcast, BLOCK_M=launch.block_m, BLOCK_N=launch.up_n,
-        BLOCK_K=launch.up_k, **pipeline)
+        x, x.stride(0), w13, s13, pairs, block_expert, h, n * k, num_experts, k, x.shape[1], inter, float(beta),
+        float(linear_beta), ACT=ACTS[act], BLOCK_N=launch.up_n, BLOCK_K=launch.up_k, **common)
     weights = topk_weights.reshape(-1)
     if not weights.is_contiguous():
         weights = weights.contiguous()
     _sorted_down_kernel[(blocks, triton.cdiv(do, launch.down_n))](
-        h, w2, pairs, block_expert, weights, rows, n * k, num_experts, k, inter, do, PRECISION=precision, UPCAST=upcast,
-        BLOCK_M=launch.block_m, BLOCK_N=launch.down_n, BLOCK_K=launch.down_k, **pipeline)
+        h, w2, s2, pairs, block_expert, weights, rows, n * k, num_experts, k, inter, do, BLOCK_N=launch.down_n,
+        BLOCK_K=launch.down_k, **common)
     return rows.view(n, k, do).sum(1).to(x.dtype)

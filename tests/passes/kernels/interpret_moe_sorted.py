@@ -11,6 +11,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import torch  # noqa: E402
 
+from k3compile.model_def.ops import mxfp4  # noqa: E402
 from k3compile.model_def.ops.moe_math import moe_experts_loop  # noqa: E402
 from k3compile.passes.kernels import moe_sorted  # noqa: E402
 from interpreted import TOL, rel_err, run_cases  # noqa: E402  (this folder is sys.path[0] when run as a script)
@@ -50,6 +51,24 @@ def experts_case(n, k, e, d, inter, do, act, dtype, skewed=False, launch=SMALL):
     return rel_err(got, want), 2 * TOL[dtype]
 
 
+def mxfp4_case(n, k, e, d, inter, do, act, dtype, launch=SMALL._replace(up_k=32, down_k=32)):
+    """MXFP4 experts (mxfp4.quantize's codes, scales spread over 2^-3..2^3 so that every group's exponent differs)
+    against the loop on their exact dequantization."""
+    ids, wts = routing(n, k, e)
+    x = torch.randn(n, d, generator=GEN).to(dtype)
+    w13 = torch.randn(e, 2 * inter, d, generator=GEN) * 2.0 ** torch.randint(-3, 4, (e, 2 * inter, d // 32),
+                                                                           generator=GEN).repeat_interleave(32, -1)
+    w2 = torch.randn(e, do, inter, generator=GEN) * 2.0 ** torch.randint(-3, 4, (e, do, inter // 32),
+                                                                       generator=GEN).repeat_interleave(32, -1)
+    (q13, s13), (q2, s2) = mxfp4.quantize(w13 / d ** 0.5), mxfp4.quantize(w2 / inter ** 0.5)
+    got = moe_sorted.moe_experts_sorted(x, ids, wts, q13, q2, act, 4.0, 25.0, launch=launch, w13_scale=s13,
+                                        w2_scale=s2)
+    want = moe_experts_loop(x.float(), ids, wts, mxfp4.dequantize(q13, s13), mxfp4.dequantize(q2, s2), act, 4.0, 25.0)
+    if got.shape != want.shape or got.dtype != dtype:
+        return float("inf"), 0.0
+    return rel_err(got, want), 2 * TOL[dtype]
+
+
 def cases():
     for n, k, e, m in ((1, 2, 8, 16), (5, 3, 4, 16), (7, 2, 40, 16), (40, 2, 3, 16), (33, 4, 9, 32)):
         yield f"align n {n} k {k} E {e} M {m}", lambda a=(n, k, e, m): align_case(*a)
@@ -60,6 +79,10 @@ def cases():
             yield f"{act} {dtype} 9 tokens", lambda a=act, t=dtype: experts_case(9, 3, 6, 40, 24, 36, a, t)
             yield f"{act} {dtype} skewed 24 tokens", lambda a=act, t=dtype: experts_case(24, 2, 5, 32, 16, 48, a, t,
                                                                                          skewed=True)
+    for act, dtype in (("situ", torch.bfloat16), ("silu", torch.float32)):
+        yield f"mxfp4 {act} {dtype} 9 tokens", lambda a=act, t=dtype: mxfp4_case(9, 3, 6, 96, 64, 40, a, t)
+        yield f"mxfp4 {act} {dtype} K step 64", lambda a=act, t=dtype: mxfp4_case(
+            5, 2, 4, 128, 96, 64, a, t, launch=SMALL._replace(up_k=64, down_k=64))
     yield "bf16 default launch", lambda: experts_case(6, 2, 4, 128, 64, 64, "situ", torch.bfloat16,
                                                       launch=moe_sorted.SortedLaunch(num_stages=1))
 

@@ -23,6 +23,16 @@ def test_max_blocks_bounds_every_routing(pairs, experts, block_m):
     assert moe_sorted.max_blocks(pairs, experts, block_m) >= -(-pairs // block_m)  # one expert takes all
 
 
+def test_bad_launches_are_refused_by_name():
+    moe_sorted.check_launch(moe_sorted.DEFAULT_LAUNCH, quantized=True)
+    for launch, quantized, message in ((moe_sorted.SortedLaunch(block_m=8), False, "block_m=8"),
+                                       (moe_sorted.SortedLaunch(up_n=48), False, "up_n=48"),
+                                       (moe_sorted.SortedLaunch(down_k=16), True, "down_k=16 .* >= 32"),
+                                       (moe_sorted.SortedLaunch(num_stages=0), False, "num_stages=0")):
+        with pytest.raises(ValueError, match=message):
+            moe_sorted.check_launch(launch, quantized)
+
+
 def test_align_reference_is_a_stable_sort_by_expert():
     ids = torch.tensor([[3, 0], [0, 2], [3, 1]])
     pairs, block_expert = moe_sorted.align_reference(ids, 4, 16)
@@ -62,6 +72,20 @@ def test_cuda_experts_match_reference_at_model_shapes(name, tokens):
     bf16_ops = moe_experts_loop(x, ids, wts, w13, w2, act, 4.0, 25.0)  # the unfused path's own bf16 error
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert _rel(got, want) <= max(1e-2, 1.5 * _rel(bf16_ops, want))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["k3-mini-6b", "kimi-linear-48b"])
+def test_cuda_mxfp4_experts_match_their_dequantization(name):
+    from k3compile.model_def.ops import mxfp4
+    w13, w2, k, act = _layer(name, seed=5)
+    (q13, s13), (q2, s2) = mxfp4.quantize(w13.float()), mxfp4.quantize(w2.float())
+    ids, wts = moe_decode.random_routing(64, w13.shape[0], k, "cuda", seed=5)
+    x = torch.randn(64, w13.shape[2], device="cuda").bfloat16()
+    got = moe_sorted.moe_experts_sorted(x, ids, wts, q13, q2, act, 4.0, 25.0, w13_scale=s13, w2_scale=s2)
+    want = moe_experts_loop(x.float(), ids, wts, mxfp4.dequantize(q13, s13), mxfp4.dequantize(q2, s2), act, 4.0, 25.0)
+    assert _rel(got, want) <= 1e-2
 
 
 @pytest.mark.gpu
