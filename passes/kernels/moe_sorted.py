@@ -231,8 +231,10 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    _align_kernel[(1,)](ids, pairs, block_expert, p, num_experts, blocks, BLOCK_M=block_m,
-                        BLOCK_E=max(16, triton.next_power_of_2(num_experts)), CHUNK=32, num_warps=4)
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    # [CHUNK, BLOCK_E] one-hot tiles: at most 8k elements (64 registers a thread), K3's 896 experts at 8 pairs a step
+    _align_kernel[(1,)](ids, pairs, block_expert, p, num_experts, blocks, BLOCK_M=block_m, BLOCK_E=block_e,
+                        CHUNK=max(4, min(32, 8192 // block_e)), num_warps=4)
     return pairs, block_expert
 
 

@@ -73,6 +73,7 @@ def cases():
     for n, k, e, m in ((1, 2, 8, 16), (5, 3, 4, 16), (7, 2, 40, 16), (40, 2, 3, 16), (33, 4, 9, 32)):
         yield f"align n {n} k {k} E {e} M {m}", lambda a=(n, k, e, m): align_case(*a)
     yield "align skewed 50 x 4 of 12 experts", lambda: align_case(50, 4, 12, 16, skewed=True)
+    yield "align 9 x 16 of K3's 896 experts (chunks of 8)", lambda: align_case(9, 16, 896, 16)
     for act in ("situ", "silu"):
         for dtype in (torch.float32, torch.bfloat16):
             yield f"{act} {dtype} 1 token", lambda a=act, t=dtype: experts_case(1, 2, 8, 40, 24, 36, a, t)
