@@ -99,9 +99,11 @@ class FusedMoEDecodeConfig(PassConfig):
     # 2.113 ms; 48B batch 8 6.938 ms either way
     latent_prewait: bool = True
     # from the crossover on, the routed experts by kernels/moe_sorted.py (align + two M-tiled tl.dot kernels + the
-    # weighted sum: each expert's weights read once, the GLU in the up kernel's registers) instead of
-    # torch._grouped_mm and its ATen chain; the build-time crossover is measured against the same path
-    grouped_sorted: bool = False
+    # weighted sum: each expert's weights read once, the GLU in the up kernel's registers, MXFP4 decoded in them)
+    # instead of torch._grouped_mm and its ATen chain; the build-time crossover is measured against the same path.
+    # On since session 16 (traces/h200_s16, one run each, pinned gate held): batch 64 k3-mini-6b 10.627 -> 7.455 ms,
+    # 48B 28.879 -> 20.872 ms; batch 1 and 8 unchanged (the crossover stays above 8: k3-mini 32, 48B 16)
+    grouped_sorted: bool = True
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
 

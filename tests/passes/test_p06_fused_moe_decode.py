@@ -25,8 +25,8 @@ BEFORE = ("p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused
 FUSED = torch.ops.k3.fused_moe_decode.default
 
 
-# the three PDL release options (on by default) off: the op keeps the arguments it had before them
-RELEASES_OFF = {"early_release": False, "down_early_release": False, "latent_prewait": False}
+# the three PDL release options and grouped_sorted (on by default) off: the op keeps the arguments it had before them
+RELEASES_OFF = {"early_release": False, "down_early_release": False, "latent_prewait": False, "grouped_sorted": False}
 
 
 def _after_p1_p4(gm):
@@ -289,12 +289,14 @@ def test_up_launch_goes_into_the_op_after_the_l2_options():
                           ({**off, "up_launch": "32x256x4"}, (None, True, True, [32, 256, 4])),
                           ({**off, "up_launch": "16X512x8", "shared_l2_prefetch": False},
                            (None, False, True, [16, 512, 8])),
-                          ({}, (None, True, True, None, False, True, True, True)),  # the three releases: defaults
-                          ({"down_early_release": False, "latent_prewait": False}, (None, True, True, None, False, True)),
-                          ({"latent_prewait": False}, (None, True, True, None, False, True, True)),
-                          ({"down_early_release": False}, (None, True, True, None, False, True, False, True)),
-                          ({"use_pdl": False}, (None, True, True)),
-                          ({"use_pdl": False}, (None, True, True))):  # a release point needs PDL
+                          ({}, (None, True, True, None, False, True, True, True, True)),  # releases + sorted: defaults
+                          ({"down_early_release": False, "latent_prewait": False, "grouped_sorted": False},
+                           (None, True, True, None, False, True)),
+                          ({"latent_prewait": False, "grouped_sorted": False}, (None, True, True, None, False, True, True)),
+                          ({"down_early_release": False, "grouped_sorted": False},
+                           (None, True, True, None, False, True, False, True)),
+                          ({"use_pdl": False}, (None, True, True, None, False, False, False, False, True)),
+                          ({"use_pdl": False, "grouped_sorted": False}, (None, True, True))):  # releases need PDL
         gm = graph_after("kimi-linear-tiny", "decode", passes=BEFORE)
         assert run_pass(gm, P6, **options) == 5
         assert all(tuple(n.args[19:]) == tail for n in _fused_nodes(gm)), options
@@ -354,9 +356,11 @@ def test_latent_prewait_is_the_latent_ops_last_argument():
     before = _after_p1_p4(captured)
     x = randomized_inputs(step_inputs(m, "decode"), 6)
     want = run_graph(before, x)
-    for options, tail in (({"latent_prewait": False, "down_early_release": False}, (None, True, True, None, False, True)),
-                          ({"down_early_release": False}, (None, True, True, None, False, True, False, True)),
-                          ({}, (None, True, True, None, False, True, True, True))):  # both on: the defaults
+    for options, tail in (({"latent_prewait": False, "down_early_release": False, "grouped_sorted": False},
+                           (None, True, True, None, False, True)),
+                          ({"down_early_release": False, "grouped_sorted": False},
+                           (None, True, True, None, False, True, False, True)),
+                          ({"grouped_sorted": False}, (None, True, True, None, False, True, True, True))):  # both on
         gm = _after_p1_p4(snapshot(captured))
         assert run_pass(gm, P6, **options) == 2
         fused = _fused_nodes(gm)
@@ -390,14 +394,15 @@ def test_crossover_measurement_gets_the_layers_latent_tail_and_shared_width(monk
 
 
 def test_grouped_sorted_is_the_ops_last_argument():
-    """grouped_sorted (the sorted M-tiled experts above the crossover, kernels/moe_sorted.py) becomes the op's argument
-    27 behind latent_prewait; off, a node keeps its old arguments. On CPU the op is the reference either way."""
+    """grouped_sorted (the sorted M-tiled experts above the crossover, kernels/moe_sorted.py; on by default since
+    traces/h200_s16) becomes the op's argument 27 behind latent_prewait; off, a node keeps its old arguments. On CPU
+    the op is the reference either way."""
     m = _k3_mini_like()
     captured = capture_step(m, "decode")
     x = randomized_inputs(step_inputs(m, "decode"), 7)
     want = run_graph(_after_p1_p4(captured), x)
-    for options, tail in (({}, (None, True, True, None, False, True, True, True)),
-                          ({"grouped_sorted": True}, (None, True, True, None, False, True, True, True, True)),
+    for options, tail in (({"grouped_sorted": False}, (None, True, True, None, False, True, True, True)),
+                          ({}, (None, True, True, None, False, True, True, True, True)),  # on by default
                           ({**RELEASES_OFF, "grouped_sorted": True},
                            (None, True, True, None, False, False, False, False, True))):
         gm = _after_p1_p4(snapshot(captured))
