@@ -7,7 +7,8 @@ uniformly random routing (moe_decode.random_routing). Every arm is timed from a 
 Per batch: the whole op (fused = GEMV kernels, grouped = torch path, sorted = grouped_sorted) in µs, and the routed
 experts alone (experts_grouped / experts_sorted, plus SortedLaunch variants), with the bytes of the experts the
 routing hit and the bandwidth that implies; at batch 64 the op with the experts in MXFP4 (grouped = dequantize all,
-then the grouped GEMM; sorted = decoded in the kernels). Writes sorted16.md / sorted16.json to OUT (argv[1]); argv[2]: batches.
+then the grouped GEMM; sorted = decoded in the kernels). Writes sorted16.md / sorted16.json to OUT (argv[1]);
+argv[2]: batches.
 """
 from __future__ import annotations
 

@@ -6,22 +6,23 @@ sort, the gathers, the GLU (12 ATen kernels for SiTU) and the weighted sum as se
 128 rows for experts that see ~2-8 tokens (traces/h200_s15: ~24% of the MoE bytes' roofline at k3-mini-6b, ~49% at
 Kimi-Linear-48B). Here the same work is four launches (the fused-MoE design of vLLM and TensorRT-LLM, in our code):
 
-  align  `_align_kernel`, one program: the (token, choice) pairs p = t k + s sorted by expert, each expert's run padded
-         to a multiple of BLOCK_M. pairs[b BLOCK_M + r] = the pair in row r of block b, or P (= N k, a padding row);
-         block_expert[b] = block b's expert, E past the last block. The grid of the next two kernels is static
-         (CUDA graphs): max_blocks(P, E, BLOCK_M) blocks, and a program whose block has no expert returns at once.
-  up     `_sorted_up_kernel`, one program per (block, column block of I): x's rows of the block's pairs (a gather)
-         times the expert's gate and up rows, both by tl.dot over D in fp32, the GLU in registers; h [blocks BLOCK_M,
-         I] in x's dtype (the reference rounds the activation to it as well).
-  down   `_sorted_down_kernel`, one program per (block, column block of Do): h's rows times the expert's W2 block,
-         times the pair's routing weight, stored as the pair's fp32 row rows[p] ([P, Do]: each pair's own row, so no
-         atomics and the sum below is in a fixed order).
+  align  `_expert_align_kernel`, one program: the (token, choice) pairs p = t k + s sorted by expert, each
+         expert's run padded to a multiple of BLOCK_M. pairs[b BLOCK_M + r] = the pair in row r of block b, or P
+         (= N k, a padding row); block_expert[b] = block b's expert, E past the last block. The grid of the next two
+         kernels is static (CUDA graphs): max_blocks(P, E, BLOCK_M) blocks; a block without an expert returns at once.
+  up     `_expert_sorted_up_kernel`, one program per (block, column block of I): x's rows of the block's pairs (a
+         gather) times the expert's gate and up rows, both by tl.dot over D in fp32, the GLU in registers; h
+         [blocks BLOCK_M, I] in x's dtype (the reference rounds the activation to it as well).
+  down   `_expert_sorted_down_kernel`, one program per (block, column block of Do): h's rows times the expert's W2
+         block, times the pair's routing weight, stored as the pair's fp32 row rows[p] ([P, Do]: each pair's own
+         row, so no atomics and the sum below is in a fixed order).
   sum    rows.view(N, k, Do).sum(1) in fp32, cast to x's dtype (one ATen kernel).
 
 `moe_experts_sorted` has `model_def.ops.moe_math.moe_experts_loop`'s contract (its exact reference); P6's op runs it
 as its grouped path when the pass option `grouped_sorted` is on (kernels.moe_decode.fused_moe_grouped). Weights in
-bf16 or MXFP4 (decoded in registers: E2M1 x E8M0, each code byte's two inputs as two half-K dots). Under TRITON_INTERPRET=1 (set before this
-module is imported) the kernels run on CPU tensors (tests/passes/kernels/interpret_moe_sorted.py).
+bf16 or MXFP4 (decoded in registers: E2M1 x E8M0, each code byte's two inputs as two half-K dots). Under
+TRITON_INTERPRET=1 (set before this module is imported) the kernels run on CPU tensors
+(tests/passes/kernels/interpret_moe_sorted.py).
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ DEFAULT_LAUNCH = SortedLaunch()
 
 
 def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
-    """Most blocks the align step can produce: sum_e ceil(c_e / M) <= P / M + (experts hit) <= cdiv(P, M) + min(E, P)."""
+    """Most blocks the align step can produce: sum_e ceil(c_e / M) <= P / M + experts hit <= cdiv(P, M) + min(E, P)."""
     return -(-pairs // block_m) + min(num_experts, pairs)
 
 
@@ -63,7 +64,7 @@ if triton is not None:
     from .moe_decode import _e2m1_x2p14, _glu  # the GEMV kernels' SiLU / SiTU-GLU and E2M1 decode, shared
 
     @triton.jit
-    def _align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, P, E, MAX_BLOCKS, BLOCK_M: tl.constexpr,
+    def _expert_align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, P, E, MAX_BLOCKS, BLOCK_M: tl.constexpr,
                       BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
         """One program. Per-expert counts, then each pair's rank among the earlier pairs of its expert (a running
         count per expert, chunk by chunk), its row = the expert's first block x BLOCK_M + rank; then every block's
@@ -153,9 +154,10 @@ if triton is not None:
         return rows, pair, valid, tl.where(valid, pair // K_TOP, 0)
 
     @triton.jit
-    def _sorted_up_kernel(x_ptr, stride_x, w13_ptr, s13_ptr, pairs_ptr, block_expert_ptr, h_ptr, P, E, K_TOP, D, I,
-                          beta, linear_beta, ACT: tl.constexpr, MXFP4: tl.constexpr, PRECISION: tl.constexpr,
-                          UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _expert_sorted_up_kernel(x_ptr, stride_x, w13_ptr, s13_ptr, pairs_ptr, block_expert_ptr, h_ptr, P, E, K_TOP,
+                                 D, I, beta, linear_beta, ACT: tl.constexpr, MXFP4: tl.constexpr,
+                                 PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         block = tl.program_id(0)
         e = tl.load(block_expert_ptr + block)
         if e < E:
@@ -184,9 +186,10 @@ if triton is not None:
                      mask=valid[:, None] & cmask[None, :])
 
     @triton.jit
-    def _sorted_down_kernel(h_ptr, w2_ptr, s2_ptr, pairs_ptr, block_expert_ptr, wts_ptr, out_ptr, P, E, K_TOP, I, DO,
-                            MXFP4: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _expert_sorted_down_kernel(h_ptr, w2_ptr, s2_ptr, pairs_ptr, block_expert_ptr, wts_ptr, out_ptr, P, E,
+                                   K_TOP, I, DO, MXFP4: tl.constexpr, PRECISION: tl.constexpr,
+                                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_K: tl.constexpr):
         block = tl.program_id(0)
         e = tl.load(block_expert_ptr + block)
         if e < E:
@@ -223,7 +226,7 @@ def check_launch(launch: SortedLaunch, quantized: bool = False) -> None:
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pairs [max_blocks * block_m] int32, block_expert [max_blocks] int32) by `_align_kernel` (module doc)."""
+    """(pairs [max_blocks * block_m] int32, block_expert [max_blocks] int32) by `_expert_align_kernel` (module doc)."""
     p = topk_ids.numel()
     blocks = max_blocks(p, num_experts, block_m)
     pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=topk_ids.device)
@@ -233,7 +236,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
         ids = ids.contiguous()
     block_e = max(16, triton.next_power_of_2(num_experts))
     # [CHUNK, BLOCK_E] one-hot tiles: at most 8k elements (64 registers a thread), K3's 896 experts at 8 pairs a step
-    _align_kernel[(1,)](ids, pairs, block_expert, p, num_experts, blocks, BLOCK_M=block_m, BLOCK_E=block_e,
+    _expert_align_kernel[(1,)](ids, pairs, block_expert, p, num_experts, blocks, BLOCK_M=block_m, BLOCK_E=block_e,
                         CHUNK=max(4, min(32, 8192 // block_e)), num_warps=4)
     return pairs, block_expert
 
@@ -283,13 +286,13 @@ def moe_experts_sorted(x, topk_ids, topk_weights, w13, w2, act, beta, linear_bet
     precision = "ieee" if torch.float32 in (x.dtype, w13.dtype) else "tf32"
     common = {"MXFP4": quantized, "PRECISION": precision, "UPCAST": _INTERPRETED or precision == "ieee",
               "BLOCK_M": launch.block_m, "num_warps": launch.num_warps, "num_stages": launch.num_stages}
-    _sorted_up_kernel[(blocks, triton.cdiv(inter, launch.up_n))](
+    _expert_sorted_up_kernel[(blocks, triton.cdiv(inter, launch.up_n))](
         x, x.stride(0), w13, s13, pairs, block_expert, h, n * k, num_experts, k, x.shape[1], inter, float(beta),
         float(linear_beta), ACT=ACTS[act], BLOCK_N=launch.up_n, BLOCK_K=launch.up_k, **common)
     weights = topk_weights.reshape(-1)
     if not weights.is_contiguous():
         weights = weights.contiguous()
-    _sorted_down_kernel[(blocks, triton.cdiv(do, launch.down_n))](
+    _expert_sorted_down_kernel[(blocks, triton.cdiv(do, launch.down_n))](
         h, w2, s2, pairs, block_expert, weights, rows, n * k, num_experts, k, inter, do, BLOCK_N=launch.down_n,
         BLOCK_K=launch.down_k, **common)
     return rows.view(n, k, do).sum(1).to(x.dtype)

@@ -292,7 +292,8 @@ def test_up_launch_goes_into_the_op_after_the_l2_options():
                           ({}, (None, True, True, None, False, True, True, True, True)),  # releases + sorted: defaults
                           ({"down_early_release": False, "latent_prewait": False, "grouped_sorted": False},
                            (None, True, True, None, False, True)),
-                          ({"latent_prewait": False, "grouped_sorted": False}, (None, True, True, None, False, True, True)),
+                          ({"latent_prewait": False, "grouped_sorted": False},
+                           (None, True, True, None, False, True, True)),
                           ({"down_early_release": False, "grouped_sorted": False},
                            (None, True, True, None, False, True, False, True)),
                           ({"use_pdl": False}, (None, True, True, None, False, False, False, False, True)),

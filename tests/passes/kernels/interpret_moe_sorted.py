@@ -89,7 +89,7 @@ def cases():
 
 
 def main() -> int:
-    assert type(moe_sorted._sorted_up_kernel).__name__ == "InterpretedFunction", "interpreter not active"
+    assert type(moe_sorted._expert_sorted_up_kernel).__name__ == "InterpretedFunction", "interpreter not active"
     return run_cases(cases())
 
 
