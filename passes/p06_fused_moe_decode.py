@@ -35,7 +35,8 @@ a layer whose tail deviates from these forms keeps that tail in ATen and fuses w
 A layer whose matched shapes the op's argument check refuses is left unfused (never an error), and
 counted in the config's `skipped_layers`.
 
-`crossover` is the batch from which the op runs the grouped-GEMM path instead of the GEMVs. Config
+`crossover` is the batch from which the op runs the grouped path instead of the GEMVs (`grouped_sorted`, the default:
+kernels/moe_sorted.py's sorted M-tiled experts; off: torch._grouped_mm). Config
 `crossover_batch` None (default) = decided at build time: measured on the first matched layer's
 weights and tail (latent up-projection and norm, shared expert) when they are on CUDA (kernels.moe_decode.measure_crossover: both paths timed from CUDA
 graphs at batch 1..256), else CPU_CROSSOVER. The pass writes the value it used back into its config,
