@@ -20,7 +20,7 @@ into the layer's input GEMM):
 and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
 act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps, use_pdl, shared_w13[, down_split[,
 shared_l2_prefetch[, down_l2_prefetch[, up_launch[, flag_deps, early_release[, down_early_release[,
-latent_prewait[, grouped_sorted]]]]]]]])`: the
+latent_prewait[, grouped_sorted[, sorted_finish]]]]]]]]])`: the
 trailing options only up to the last one set (a node of an engine built before them has the same arguments as then;
 the op's flag_deps is never set by the pass: it is there, False, only ahead of early_release).
 
@@ -105,6 +105,9 @@ class FusedMoEDecodeConfig(PassConfig):
     # On since session 16 (traces/h200_s16, one run each, pinned gate held): batch 64 k3-mini-6b 10.627 -> 7.455 ms,
     # 48B 28.879 -> 20.872 ms; batch 1 and 8 unchanged (the crossover stays above 8: k3-mini 32, 48B 16)
     grouped_sorted: bool = True
+    # with grouped_sorted: the pairs' sum and a latent MoE's RMSNorm in one kernel (moe_sorted._expert_finish_kernel)
+    # instead of ATen's sum, cast and ~7-kernel norm chain. Off until a ladder --variant measures it
+    sorted_finish: bool = False
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
 
@@ -306,7 +309,8 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
         crossover, timings = moe_decode.measure_crossover(
             w13, w2, *scales, shared_w2=shared_w2, top_k=top_k, act=act, beta=beta, linear_beta=linear_beta,
             dtype=dtype, shared_glu=shared_glu, latent_up_w=latent[0], latent_norm_w=latent[1], latent_eps=latent[2],
-            shared_w13=shared_w13, grouped_sorted=bool(config.grouped_sorted))
+            shared_w13=shared_w13, grouped_sorted=bool(config.grouped_sorted),
+            sorted_finish=bool(config.sorted_finish and config.grouped_sorted))
         summary = ", ".join(f"{n}: {t['fused_us']}/{t['grouped_us']} us" for n, t in timings.items())
         config.crossover_source = (f"measured on {torch.cuda.get_device_name(w13.device)} "
                                    f"(batch: fused/grouped per layer) {summary}")
@@ -319,12 +323,13 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
 
 def _launch_options(config: FusedMoEDecodeConfig) -> tuple:
     """The op's trailing launch options (down_split, shared_l2_prefetch, down_l2_prefetch, up_launch, flag_deps
-    (always False), early_release, down_early_release, latent_prewait, grouped_sorted), cut after the last one that
-    differs from the op's default: unset, a node keeps the arguments it had before the options existed."""
+    (always False), early_release, down_early_release, latent_prewait, grouped_sorted, sorted_finish), cut after the
+    last one that differs from the op's default: unset, a node keeps the arguments it had before the options
+    existed."""
     options = [config.down_split_values(), bool(config.shared_l2_prefetch), bool(config.down_l2_prefetch),
                config.up_launch_values(), False, bool(config.early_release and config.use_pdl),
                bool(config.down_early_release and config.use_pdl), bool(config.latent_prewait and config.use_pdl),
-               bool(config.grouped_sorted)]
+               bool(config.grouped_sorted), bool(config.sorted_finish and config.grouped_sorted)]
     while options and options[-1] in (None, False):
         options.pop()
     return tuple(options)

@@ -374,5 +374,13 @@ try:  # the sorted M-tiled experts above P6's crossover (kernels/moe_sorted.py):
         return lambda: moe_sorted.moe_experts_sorted(_randn(batch, 2304), ids, wts, w13, w2, "silu", 4.0, 25.0,
                                                      w13_scale=s13, w2_scale=s2)
     CASES += [("moe sorted 48b MXFP4 batch 64", sorted_mxfp4_case(64))]
+
+    def sorted_finish_case(batch, norm):
+        e, i, d = 96, 512, 1024
+        w13, w2, x = torch.empty(e, 2 * i, d, dtype=BF), torch.empty(e, d, i, dtype=BF), _randn(batch, d)
+        ids, wts = moe_decode.random_routing(batch, e, 8, "cpu", seed=1)
+        return lambda: moe_sorted.moe_experts_sorted(x, ids, wts, w13, w2, "situ", 4.0, 25.0, finish=True,
+                                                     norm_w=_randn(d) if norm else None)
+    CASES += [(f"moe sorted mini batch 64, finish, norm {_n}", sorted_finish_case(64, _n)) for _n in (False, True)]
 except ImportError:
     pass

@@ -4,11 +4,11 @@ path they replace (torch._grouped_mm + ATen) and the GEMV kernels (issue 9, sess
 Shapes: one MoE layer of k3-mini-6b (E=96, top-8, latent 1024, I=512, SiTU, latent RMSNorm + up-projection to 2048,
 shared expert) and of kimi-linear-48b (E=256, top-8, D=2304, I=1024, SiLU, shared expert), random bf16 weights,
 uniformly random routing (moe_decode.random_routing). Every arm is timed from a CUDA graph (graph_timing.replay_us).
-Per batch: the whole op (fused = GEMV kernels, grouped = torch path, sorted = grouped_sorted) in µs, and the routed
-experts alone (experts_grouped / experts_sorted, plus SortedLaunch variants), with the bytes of the experts the
-routing hit and the bandwidth that implies; at batch 64 the op with the experts in MXFP4 (grouped = dequantize all,
-then the grouped GEMM; sorted = decoded in the kernels). Writes sorted16.md / sorted16.json to OUT (argv[1]);
-argv[2]: batches.
+Per batch: the whole op (fused = GEMV kernels, grouped = torch path, sorted = grouped_sorted, + finish =
+sorted_finish) in µs, and the routed experts alone (experts_grouped / experts_sorted, plus SortedLaunch variants),
+with the bytes of the experts the routing hit and the bandwidth that implies; at batch 64 the op with the experts in
+MXFP4 (grouped = dequantize all, then the grouped GEMM; sorted = decoded in the kernels). Writes sorted16.md /
+sorted16.json to OUT (argv[1]); argv[2]: batches.
 """
 from __future__ import annotations
 
@@ -55,9 +55,10 @@ def main() -> int:
     out = sys.argv[1] if len(sys.argv) > 1 else "."
     batches = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "8,16,32,64,128,256").split(",")]
     os.makedirs(out, exist_ok=True)
-    rows, lines = [], ["| model | batch | experts hit | MB | fused us | grouped us | sorted us | experts grouped | "
+    rows, lines = [], ["| model | batch | experts hit | MB | fused us | grouped us | sorted us | sorted + finish us | "
+                       "experts grouped | "
                        + " | ".join(f"sorted {v}" for v in VARIANTS) + " |",
-                       "|---" * (8 + len(VARIANTS)) + "|"]
+                       "|---" * (9 + len(VARIANTS)) + "|"]
     for name in ("k3-mini-6b", "kimi-linear-48b"):
         cfg, w13, w2, shared_w2, latent, act = layer(name)
         k = cfg.num_experts_per_token
@@ -72,6 +73,8 @@ def main() -> int:
                 row["fused_us"] = replay_us([lambda: moe_decode.fused_moe_triton(*args)])
                 row["grouped_us"] = replay_us([lambda: moe_decode.fused_moe_grouped(*args)])
                 row["sorted_us"] = replay_us([lambda: moe_decode.fused_moe_grouped(*args, grouped_sorted=True)])
+                row["sorted_finish_us"] = replay_us(
+                    [lambda: moe_decode.fused_moe_grouped(*args, grouped_sorted=True, sorted_finish=True)])
                 row["experts_grouped_us"] = replay_us(
                     [lambda: moe_experts_grouped(x, ids, wts, w13, w2, act, 4.0, 25.0)])
                 for v, launch in VARIANTS.items():
@@ -93,7 +96,7 @@ def main() -> int:
                       f"sorted {row['mxfp4_sorted_us']:.1f} us", flush=True)
             rows.append(row)
             cells = [name, n, hit, row["mb"]] + [row[c] for c in ("fused_us", "grouped_us", "sorted_us",
-                                                                  "experts_grouped_us")]
+                                                                  "sorted_finish_us", "experts_grouped_us")]
             cells += [row[f"sorted {v}"] for v in VARIANTS]
             lines.append("| " + " | ".join(f"{c:.1f}" if isinstance(c, float) else str(c) for c in cells) + " |")
             print(lines[-1], flush=True)

@@ -9,13 +9,16 @@
 #      interleaved with engine-after and gated by the pinned accuracy gate; PART=48b: the 48B ladder at batch 64 only
 #      (skips 1 and 2)
 #   run: bash tools/gpu_sorted16.sh  (carry .whl/);  PART=48b TL=300 bash tools/gpu_sorted16.sh
+#   next A/B (sorted_finish, off by default): VARIANTS="finish:p06_fused_moe_decode.sorted_finish=true" bash ...
 # Back in $OUT: sorted16.md / .json, ladder_*.{md,json,png}, call.log, logs.tar (tests.log, bench.log, ladder.log)
 source tools/gpu_setup.sh
 T0=$SECONDS
 say() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/call.log; }
 mkdir -p $OUT/logs
 PART=${PART:-mini}
-V=(--variant "sorted:p06_fused_moe_decode.grouped_sorted=true")
+# session 16 ran the arm v-sorted (grouped_sorted=true, the default since); VARIANTS (space-separated NAME:P.O=V,...)
+# replaces it, e.g. VARIANTS="finish:p06_fused_moe_decode.sorted_finish=true" for the next A/B
+V=(); for v in ${VARIANTS:-sorted:p06_fused_moe_decode.grouped_sorted=true}; do V+=(--variant "$v"); done
 if [ "$PART" = mini ]; then
   run_gpu_tests ${TEST_EACH:-150} "tests/passes/kernels/test_moe_sorted.py::" "tests/passes/test_p06_fused_moe_decode.py::cuda"
   timeout ${BENCH_TL:-150} python3 tools/bench_moe_sorted.py $OUT ${BENCH_BATCHES:-16,32,64,128,256} > $OUT/logs/bench.log 2>&1

@@ -215,16 +215,20 @@ def fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_s
 
 def fused_moe_grouped(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scale=None, shared_in=None,
                       shared_up=None, shared_w2=None, act="silu", beta=4.0, linear_beta=25.0, latent_up_w=None,
-                      latent_norm_w=None, latent_eps=1e-5, shared_w13=None, grouped_sorted=False):
+                      latent_norm_w=None, latent_eps=1e-5, shared_w13=None, grouped_sorted=False,
+                      sorted_finish=False):
     """Above the crossover on CUDA: the routed experts by kernels.moe_sorted (grouped_sorted: four launches, each
-    expert's weights read once, MXFP4 decoded in them), else grouped GEMM (sm90, bf16) or the gather path on weights
-    dequantized first; latent tail and shared expert in torch."""
+    expert's weights read once, MXFP4 decoded in them; sorted_finish: its sum and the latent RMSNorm in one kernel),
+    else grouped GEMM (sm90, bf16) or the gather path on weights dequantized first; the rest of the latent tail and
+    the shared expert in torch."""
     shared_in, shared_up = _shared_gate_up(x, shared_in, shared_up, shared_w13)
     if grouped_sorted and triton is not None:
         from .moe_sorted import moe_experts_sorted  # here: moe_sorted imports this module's GLU
+        norm_in_kernel = sorted_finish and latent_up_w is not None and latent_norm_w is not None
         y = moe_experts_sorted(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta, w13_scale=w13_scale,
-                               w2_scale=w2_scale)  # MXFP4 decoded in its kernels
-        y = _latent(y, latent_up_w, latent_norm_w, latent_eps)
+                               w2_scale=w2_scale, finish=sorted_finish,  # MXFP4 decoded in its kernels
+                               norm_w=latent_norm_w if norm_in_kernel else None, eps=latent_eps)
+        y = _latent(y, latent_up_w, None if norm_in_kernel else latent_norm_w, latent_eps)
         from . import glu_act as glu_kernel  # here: it imports this module's GLU
         # the shared expert's GLU as one kernel (k3.glu_act, P17's; SiTU is 12 ATen kernels), rounded as glu_act
         return _shared(y, shared_in, shared_up, shared_w2, act, beta, linear_beta, glu=glu_kernel.glu_act)
@@ -1305,13 +1309,14 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      down_l2_prefetch: bool = False, up_launch: list[int] | None = None,
                      flag_deps: bool = False, early_release: bool = False,
                      down_early_release: bool = False, latent_prewait: bool = False,
-                     grouped_sorted: bool = False) -> torch.Tensor:
+                     grouped_sorted: bool = False, sorted_finish: bool = False) -> torch.Tensor:
     """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc.
     down_split: kernel B''s launch (SplitConfig's fields, prefetch as 0/1) at every batch below the crossover,
     instead of split_config()'s per-shape choice (P6's down_split option; the CPU reference ignores it).
     shared_l2_prefetch / down_l2_prefetch / up_launch / flag_deps / early_release / down_early_release /
     latent_prewait: fused_moe_triton's options of the same names (P6's; same values). grouped_sorted: from the
-    crossover on, the routed experts by kernels.moe_sorted instead of torch._grouped_mm (P6's option)."""
+    crossover on, the routed experts by kernels.moe_sorted instead of torch._grouped_mm; sorted_finish: its sum and
+    latent RMSNorm in one kernel (P6's options of the same names)."""
     return fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
 
@@ -1322,12 +1327,12 @@ def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
                            shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
                            early_release=False, down_early_release=False, latent_prewait=False,
-                           grouped_sorted=False):
+                           grouped_sorted=False, sorted_finish=False):
     args = (x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
             linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
     if triton is None or x.shape[0] >= crossover:
         with torch.cuda.device(x.device):
-            return fused_moe_grouped(*args, grouped_sorted=grouped_sorted)
+            return fused_moe_grouped(*args, grouped_sorted=grouped_sorted, sorted_finish=sorted_finish)
     split = None if down_split is None else split_from_list(down_split)
     with torch.cuda.device(x.device):  # Triton launches on the current device
         return fused_moe_triton(*args, use_pdl=use_pdl, split=split, shared_l2_prefetch=shared_l2_prefetch,
@@ -1342,7 +1347,7 @@ def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
                            shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
                            early_release=False, down_early_release=False, latent_prewait=False,
-                           grouped_sorted=False):
+                           grouped_sorted=False, sorted_finish=False):
     _, _, _, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                     shared_w2, act, latent_up_w, latent_norm_w, shared_w13)
     return x.new_empty(x.shape[0], out_width)
@@ -1385,17 +1390,20 @@ def crossover_case(n: int, w13, w2, w13_scale, w2_scale, shared_w2, shared_glu: 
 def measure_crossover(w13, w2, w13_scale=None, w2_scale=None, shared_w2=None, top_k: int = 8, act: str = "silu",
                       beta: float = 4.0, linear_beta: float = 25.0, dtype=torch.bfloat16,
                       batches=CROSSOVER_BATCHES, shared_glu: bool = True, latent_up_w=None, latent_norm_w=None,
-                      latent_eps: float = 1e-5, shared_w13=None, grouped_sorted: bool = False) -> tuple[int, dict]:
+                      latent_eps: float = 1e-5, shared_w13=None, grouped_sorted: bool = False,
+                      sorted_finish: bool = False) -> tuple[int, dict]:
     """Smallest batch in `batches` at which the grouped path is at least as fast as the GEMV kernels,
     timed on this layer's weights (CUDA) with the same tail the layer's op has (latent up-projection and
     norm, shared expert with or without its GLU, its gate/up in the op with shared_w13); NO_CROSSOVER if it
-    never is. grouped_sorted: the grouped path the op will run (kernels.moe_sorted). Returns (crossover, timings µs)."""
+    never is. grouped_sorted / sorted_finish: the grouped path the op will run (kernels.moe_sorted). Returns
+    (crossover, timings µs)."""
     timings = {}
     for n in batches:
         args = crossover_case(n, w13, w2, w13_scale, w2_scale, shared_w2, shared_glu, top_k, act, beta,
                               linear_beta, dtype, latent_up_w, latent_norm_w, latent_eps, shared_w13)
         fused = _time_us(lambda: fused_moe_triton(*args))
-        grouped = _time_us(lambda: fused_moe_grouped(*args, grouped_sorted=grouped_sorted))
+        grouped = _time_us(lambda: fused_moe_grouped(*args, grouped_sorted=grouped_sorted,
+                                                     sorted_finish=sorted_finish))
         timings[n] = {"fused_us": round(fused, 2), "grouped_us": round(grouped, 2)}
         if grouped <= fused:
             return n, timings

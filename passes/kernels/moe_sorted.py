@@ -16,7 +16,9 @@ Kimi-Linear-48B). Here the same work is four launches (the fused-MoE design of v
   down   `_expert_sorted_down_kernel`, one program per (block, column block of Do): h's rows times the expert's W2
          block, times the pair's routing weight, stored as the pair's fp32 row rows[p] ([P, Do]: each pair's own
          row, so no atomics and the sum below is in a fixed order).
-  sum    rows.view(N, k, Do).sum(1) in fp32, cast to x's dtype (one ATen kernel).
+  sum    rows.view(N, k, Do).sum(1) in fp32, cast to x's dtype (ATen); or (`finish`, P6's `sorted_finish`)
+         `_expert_finish_kernel`, one program per token: the same sum and rounding, and for a latent MoE K3's
+         RMSNorm of it in the same kernel (the ATen chain is ~7 kernels a layer).
 
 `moe_experts_sorted` has `model_def.ops.moe_math.moe_experts_loop`'s contract (its exact reference); P6's op runs it
 as its grouped path when the pass option `grouped_sorted` is on (kernels.moe_decode.fused_moe_grouped). Weights in
@@ -212,6 +214,30 @@ if triton is not None:
                      mask=valid[:, None] & cmask[None, :])
 
 
+if triton is not None:
+
+    @triton.jit
+    def _expert_finish_kernel(rows_ptr, out_ptr, norm_w_ptr, K_TOP, DO, eps, NORM: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        """One program per token: the sum of its K_TOP pair rows (fp32, in choice order), rounded to the output dtype
+        as the routed sum is; with NORM, then K3's latent RMSNorm with the roundings of model_def's RMSNorm
+        (normalized row rounded, times the weight, rounded)."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < DO
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in range(K_TOP):
+            acc += tl.load(rows_ptr + (t * K_TOP + s) * DO + cols, mask=mask, other=0.0)
+        y = acc.to(out_ptr.dtype.element_ty)
+        if NORM:
+            yf = y.to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(yf * yf, axis=0) / DO + eps)
+            normed = (yf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+            w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y = (normed * w).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t * DO + cols, y, mask=mask)
+
+
 def check_launch(launch: SortedLaunch, quantized: bool = False) -> None:
     """ValueError naming the field: tile sizes are powers of two >= 16 (tl.dot's least), and with MXFP4 weights the K
     steps >= 32 (each is two dots over half of it)."""
@@ -260,11 +286,14 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 
 def moe_experts_sorted(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta,
-                       launch: SortedLaunch = DEFAULT_LAUNCH, w13_scale=None, w2_scale=None):
+                       launch: SortedLaunch = DEFAULT_LAUNCH, w13_scale=None, w2_scale=None, finish: bool = False,
+                       norm_w=None, eps: float = 1e-5):
     """moe_experts_loop's result (x [N, D]; w13 [E, 2I, D]; w2 [E, Do, I]) by the four launches of the module doc.
     With w13_scale / w2_scale the weights are MXFP4 (codes [E, 2I, D/2] / [E, Do, I/2], E8M0 scales [E, 2I, D/32] /
-    [E, Do, I/32]: model_def.ops.mxfp4), decoded in the kernels' registers. CUDA tensors, or CPU tensors under
-    TRITON_INTERPRET=1."""
+    [E, Do, I/32]: model_def.ops.mxfp4), decoded in the kernels' registers. finish: the sum by
+    `_expert_finish_kernel` instead of ATen's sum and cast, and with norm_w [Do] K3's latent RMSNorm (eps) in the
+    same kernel: the result is then RMSNorm(the routed sum), as model_def rounds it. CUDA tensors, or CPU tensors
+    under TRITON_INTERPRET=1."""
     if triton is None:
         raise RuntimeError("moe_experts_sorted: triton is not installed")
     quantized = w13_scale is not None
@@ -295,4 +324,10 @@ def moe_experts_sorted(x, topk_ids, topk_weights, w13, w2, act, beta, linear_bet
     _expert_sorted_down_kernel[(blocks, triton.cdiv(do, launch.down_n))](
         h, w2, s2, pairs, block_expert, weights, rows, n * k, num_experts, k, inter, do, BLOCK_N=launch.down_n,
         BLOCK_K=launch.down_k, **common)
-    return rows.view(n, k, do).sum(1).to(x.dtype)
+    if not finish:
+        if norm_w is not None:
+            raise ValueError("moe_experts_sorted: norm_w needs finish=True (the norm runs in the finish kernel)")
+        return rows.view(n, k, do).sum(1).to(x.dtype)
+    _expert_finish_kernel[(n,)](rows, out, norm_w if norm_w is not None else rows, k, do, float(eps),
+                                NORM=norm_w is not None, BLOCK=triton.next_power_of_2(do), num_warps=4)
+    return out

@@ -380,7 +380,8 @@ def test_crossover_measurement_gets_the_layers_latent_tail_and_shared_width(monk
 
     def reference(*args, **kwargs):
         calls.append(args)
-        sorted_flags.extend(kwargs.values())
+        if kwargs:
+            sorted_flags.append(kwargs)
         return moe_decode.fused_moe_reference(*args)
     monkeypatch.setattr(moe_decode, "fused_moe_triton", reference)
     monkeypatch.setattr(moe_decode, "fused_moe_grouped", reference)
@@ -390,7 +391,7 @@ def test_crossover_measurement_gets_the_layers_latent_tail_and_shared_width(monk
         dtype=torch.float32, batches=(1, 4), latent_up_w=moe.routed_expert_up_proj.weight,
         latent_norm_w=moe.routed_expert_norm.weight, latent_eps=m.config.rms_norm_eps, grouped_sorted=True)
     assert crossover == 1 and list(timings) == [1] and len(calls) == 2
-    assert sorted_flags == [True]  # the grouped path is timed as the op will run it
+    assert sorted_flags == [{"grouped_sorted": True, "sorted_finish": False}]  # timed as the op will run it
     assert reference(*calls[0]).shape == (1, m.config.hidden_size)
 
 
@@ -405,7 +406,10 @@ def test_grouped_sorted_is_the_ops_last_argument():
     for options, tail in (({"grouped_sorted": False}, (None, True, True, None, False, True, True, True)),
                           ({}, (None, True, True, None, False, True, True, True, True)),  # on by default
                           ({**RELEASES_OFF, "grouped_sorted": True},
-                           (None, True, True, None, False, False, False, False, True))):
+                           (None, True, True, None, False, False, False, False, True)),
+                          ({"sorted_finish": True}, (None, True, True, None, False, True, True, True, True, True)),
+                          ({"sorted_finish": True, "grouped_sorted": False},  # finish needs the sorted path
+                           (None, True, True, None, False, True, True, True))):
         gm = _after_p1_p4(snapshot(captured))
         assert run_pass(gm, P6, **options) == 2
         assert all(tuple(n.args[19:]) == tail for n in _fused_nodes(gm)), options
@@ -442,16 +446,20 @@ def test_k3_mini_like_on_cuda_measures_and_fuses():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_k3_mini_like_on_cuda_runs_the_sorted_experts_above_the_crossover():
     """grouped_sorted with crossover 1: every decode batch takes kernels/moe_sorted.py (+ the latent tail and the
-    shared expert's k3.glu_act); the step matches the unpassed graph in bf16."""
+    shared expert's k3.glu_act), with and without sorted_finish; the step matches the unpassed graph in bf16."""
     m = _k3_mini_like()
     gpu = build_model(m.config)
     gpu.load_state_dict(m.state_dict())
     gpu = gpu.to("cuda", torch.bfloat16)
-    gm, before = _after_p1_p4(capture_step(gpu, "decode")), _after_p1_p4(capture_step(gpu, "decode"))
-    assert run_pass(gm, P6, crossover_batch=1, grouped_sorted=True) == 2
-    assert all(n.args[13] == 1 and n.args[-1] is True for n in _fused_nodes(gm))
+    before = _after_p1_p4(capture_step(gpu, "decode"))
     x = [t.cuda() if isinstance(t, torch.Tensor) else t for t in randomized_inputs(step_inputs(gpu, "decode"), 8)]
-    assert_same_step(run_graph(gm, x), run_graph(before, x), BF16_TOL, "sorted experts on CUDA vs unpassed graph")
+    want = run_graph(before, x)
+    for finish in (False, True):  # sorted_finish: the sum and the latent RMSNorm in one kernel
+        gm = _after_p1_p4(capture_step(gpu, "decode"))
+        assert run_pass(gm, P6, crossover_batch=1, grouped_sorted=True, sorted_finish=finish) == 2
+        assert all(n.args[13] == 1 and n.args[27] is True and n.args[28:] == ((True,) if finish else ())
+                   for n in _fused_nodes(gm))
+        assert_same_step(run_graph(gm, x), want, BF16_TOL, f"sorted experts (finish {finish}) on CUDA vs unpassed")
 
 
 @pytest.mark.gpu

@@ -69,6 +69,25 @@ def mxfp4_case(n, k, e, d, inter, do, act, dtype, launch=SMALL._replace(up_k=32,
     return rel_err(got, want), 2 * TOL[dtype]
 
 
+def finish_case(n, k, e, d, inter, do, dtype, norm):
+    """finish=True: the finish kernel's sum (and K3's latent RMSNorm with model_def's roundings) against the loop's
+    fp32 result, summed, rounded and normalized the same way."""
+    ids, wts = routing(n, k, e)
+    x = torch.randn(n, d, generator=GEN).to(dtype)
+    w13 = (torch.randn(e, 2 * inter, d, generator=GEN) / d ** 0.5).to(dtype)
+    w2 = (torch.randn(e, do, inter, generator=GEN) / inter ** 0.5).to(dtype)
+    norm_w = (1 + 0.2 * torch.randn(do, generator=GEN)).to(dtype) if norm else None
+    got = moe_sorted.moe_experts_sorted(x, ids, wts, w13, w2, "situ", 4.0, 25.0, launch=SMALL, finish=True,
+                                        norm_w=norm_w, eps=1e-6)
+    want = moe_experts_loop(x.float(), ids, wts, w13.float(), w2.float(), "situ", 4.0, 25.0).to(dtype)
+    if norm:
+        uf = want.float()
+        want = norm_w * (uf * torch.rsqrt(uf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    if got.shape != want.shape or got.dtype != dtype:
+        return float("inf"), 0.0
+    return rel_err(got, want), 2 * TOL[dtype]
+
+
 def cases():
     for n, k, e, m in ((1, 2, 8, 16), (5, 3, 4, 16), (7, 2, 40, 16), (40, 2, 3, 16), (33, 4, 9, 32)):
         yield f"align n {n} k {k} E {e} M {m}", lambda a=(n, k, e, m): align_case(*a)
@@ -84,6 +103,9 @@ def cases():
         yield f"mxfp4 {act} {dtype} 9 tokens", lambda a=act, t=dtype: mxfp4_case(9, 3, 6, 96, 64, 40, a, t)
         yield f"mxfp4 {act} {dtype} K step 64", lambda a=act, t=dtype: mxfp4_case(
             5, 2, 4, 128, 96, 64, a, t, launch=SMALL._replace(up_k=64, down_k=64))
+    for dtype in (torch.float32, torch.bfloat16):
+        for norm in (False, True):
+            yield f"finish {dtype} norm {norm}", lambda t=dtype, m=norm: finish_case(7, 3, 5, 32, 16, 40, t, m)
     yield "bf16 default launch", lambda: experts_case(6, 2, 4, 128, 64, 64, "situ", torch.bfloat16,
                                                       launch=moe_sorted.SortedLaunch(num_stages=1))
 

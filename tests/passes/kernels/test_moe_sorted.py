@@ -125,9 +125,12 @@ def test_op_above_crossover_runs_the_sorted_experts_with_the_latent_tail():
     args = list(moe_decode.crossover_case(64, w13, w2, None, None, shared_w2, True, k, act, 4.0, 25.0,
                                           torch.bfloat16, up, norm, 1e-5))
     op = torch.ops.k3.fused_moe_decode.default
-    got = op(*args[:13], 16, *args[13:16], False, None, None, False, False, None, False, False, False, False, True)
+    options = (False, None, None, False, False, None, False, False, False, False, True)  # ... grouped_sorted
+    got = op(*args[:13], 16, *args[13:16], *options)
+    finished = op(*args[:13], 16, *args[13:16], *options, True)  # sorted_finish: sum + latent RMSNorm in one kernel
     grouped = op(*args[:13], 16, *args[13:16])
     fp32 = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
     fp32[2] = args[2]
     want = moe_decode.fused_moe_reference(*fp32[:13], *fp32[13:16])
     assert _rel(got, want) <= max(1e-2, 1.5 * _rel(grouped, want))
+    assert _rel(finished, want) <= max(1e-2, 1.5 * _rel(grouped, want))
