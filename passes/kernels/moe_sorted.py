@@ -67,7 +67,7 @@ if triton is not None:
 
     @triton.jit
     def _expert_align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, P, E, MAX_BLOCKS, BLOCK_M: tl.constexpr,
-                      BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+                             BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
         """One program. Per-expert counts, then each pair's rank among the earlier pairs of its expert (a running
         count per expert, chunk by chunk), its row = the expert's first block x BLOCK_M + rank; then every block's
         expert and its padding rows. Experts are compared against a [CHUNK, BLOCK_E] one-hot (no gathers from
