@@ -20,7 +20,7 @@ into the layer's input GEMM):
 and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
 act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps, use_pdl, shared_w13[, down_split[,
 shared_l2_prefetch[, down_l2_prefetch[, up_launch[, flag_deps, early_release[, down_early_release[,
-latent_prewait[, grouped_sorted[, sorted_finish]]]]]]]]])`: the
+latent_prewait[, grouped_sorted[, sorted_finish[, routed_l2_prefetch]]]]]]]]]])`: the
 trailing options only up to the last one set (a node of an engine built before them has the same arguments as then;
 the op's flag_deps is never set by the pass: it is there, False, only ahead of early_release).
 
@@ -108,6 +108,9 @@ class FusedMoEDecodeConfig(PassConfig):
     # with grouped_sorted: the pairs' sum and a latent MoE's RMSNorm in one kernel (moe_sorted._expert_finish_kernel)
     # instead of ATen's sum, cast and ~7-kernel norm chain. Off until a ladder --variant measures it
     sorted_finish: bool = False
+    # with PDL, at batch 1, kernel B''s routed slots ask L2 for their W2 rows (experts chosen two kernels back) before
+    # their gdc_wait, while kernel A streams (A releases B' early): same bits. Off until a ladder --variant measures it
+    routed_l2_prefetch: bool = False
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
 
@@ -323,13 +326,14 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
 
 def _launch_options(config: FusedMoEDecodeConfig) -> tuple:
     """The op's trailing launch options (down_split, shared_l2_prefetch, down_l2_prefetch, up_launch, flag_deps
-    (always False), early_release, down_early_release, latent_prewait, grouped_sorted, sorted_finish), cut after the
-    last one that differs from the op's default: unset, a node keeps the arguments it had before the options
-    existed."""
+    (always False), early_release, down_early_release, latent_prewait, grouped_sorted, sorted_finish,
+    routed_l2_prefetch), cut after the last one that differs from the op's default: unset, a node keeps the arguments
+    it had before the options existed."""
     options = [config.down_split_values(), bool(config.shared_l2_prefetch), bool(config.down_l2_prefetch),
                config.up_launch_values(), False, bool(config.early_release and config.use_pdl),
                bool(config.down_early_release and config.use_pdl), bool(config.latent_prewait and config.use_pdl),
-               bool(config.grouped_sorted), bool(config.sorted_finish and config.grouped_sorted)]
+               bool(config.grouped_sorted), bool(config.sorted_finish and config.grouped_sorted),
+               bool(config.routed_l2_prefetch and config.use_pdl)]
     while options and options[-1] in (None, False):
         options.pop()
     return tuple(options)

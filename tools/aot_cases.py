@@ -291,6 +291,12 @@ if "target_programs" in gemv.rows_configs.__code__.co_varnames:  # P8's rows_pro
             CASES += [(f"gemv rows k3-mini N={_n} rows_programs {_p} {c[:3]}", gemv_case(1, _n, 2048, *c))
                       for c in gemv.rows_configs(_n, 2048, _p)]
 
+if "routed_l2_prefetch" in moe_decode.fused_moe_triton.__code__.co_varnames:  # P6's routed_l2_prefetch (B' routed)
+    _rel = dict(early_release=True, down_early_release=True, routed_l2_prefetch=True)
+    CASES += [("moe mini batch 1, routed L2 prefetch in B'", moe_mini(1, latent_prewait=True, **_rel)),
+              ("moe 48B batch 1, routed L2 prefetch in B'", moe(1, True, shared_l2_prefetch=True,
+                                                                down_l2_prefetch=True, **_rel))]
+
 if "latent_prewait" in moe_decode.fused_moe_triton.__code__.co_varnames:  # P6's latent_prewait (tools/gpu_mini13.sh)
     for _b in (1, 8):  # batch 1: C's W_up tile before the wait too (one K step); 8: the shared expert only
         CASES += [(f"moe mini batch {_b}, latent_prewait + early releases",

@@ -598,7 +598,8 @@ if triton is not None:
                                   SHARED_L2_PREFETCH: tl.constexpr = False, PIECES: tl.constexpr = 128,
                                   FLAGS: tl.constexpr = False,
                                   FLAG_SHARED: tl.constexpr = False, SPIN: tl.constexpr = True,
-                                  FLAG_STRIDE: tl.constexpr = 32, EARLY: tl.constexpr = False):
+                                  FLAG_STRIDE: tl.constexpr = 32, EARLY: tl.constexpr = False,
+                                  ROUTED_L2_PREFETCH: tl.constexpr = False):
         # FLAGS (flag_deps): the routed slots (and, FLAG_SHARED, the shared slot: hs from kernel A) wait for their
         # own K chunk of h (_await_h) instead of all of kernel A (gdc_wait)
         PARTS: tl.constexpr = SLOTS * KSPLIT
@@ -632,6 +633,11 @@ if triton is not None:
             weight = tl.load(wts_ptr + pair).to(tl.float32)
             k_lo, k_hi = _chunk(ks, I, KSPLIT, BLOCK_K)
             counter = flags_ptr + (pair * KSPLIT + ks) * FLAG_STRIDE
+            if ROUTED_L2_PREFETCH:  # (PDL, dense) the slot's W2 rows of this chunk asked of L2 before the wait
+                elem_w: tl.constexpr = w2_ptr.dtype.element_ty.primitive_bitwidth // 8
+                c0 = (group - token * blocks) * BLOCK_N
+                l2_prefetch.prefetch_rows_l2(w2_ptr + expert * DO * I + c0 * I + k_lo, tl.minimum(DO - c0, BLOCK_N),
+                                             tl.maximum(k_hi - k_lo, 0) * elem_w, I * elem_w, PIECES)
             if MXFP4:  # h in kernel A's MXFP4 order (each group of 32: even inputs, then odd)
                 _wait_input(counter, k_hi - k_lo, blocks, USE_PDL, FLAGS, SPIN, EARLY and not FLAGS)
                 acc2 = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
@@ -1122,7 +1128,8 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
                      split: SplitConfig | None = None, shared_l2_prefetch: bool = False,
                      down_l2_prefetch: bool = False, up_launch: tuple[int, int, int] | None = None,
                      flag_deps: bool = False, early_release: bool = False,
-                     down_early_release: bool = False, latent_prewait: bool = False, latent_tail=None):
+                     down_early_release: bool = False, latent_prewait: bool = False, latent_tail=None,
+                     routed_l2_prefetch: bool = False):
     """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n / block_k
     / num_warps override the tile rule's choice for every kernel (tests, tile sweeps). use_pdl: launch with
     programmatic dependent launch where available (sm90+, Triton >= 3.4; ignored elsewhere). designs: (up,
@@ -1141,6 +1148,8 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     down_early_release: the same for B' (split design, without flag_deps) and the kernel after the op.
     latent_prewait (latent MoE): kernel C runs the shared expert's down-projection, and where one K step covers the
     latent row loads its W_up tile, before its gdc_wait; only the routed part waits for B''s u (same bits).
+    routed_l2_prefetch: with PDL, B' (split, dense)'s routed slots ask L2 for their W2 rows (the experts the router
+    chose, two kernels back) before the wait, while kernel A streams (same bits).
     latent_tail (latent MoE): a callable (grid, kernel C's arguments, its constexprs and launch options, launch) that
     launches kernel C in its stead and whose result this function returns (kernels.moe_out_norm: C with the next
     AttnRes norm as its last program's tail); None: C as above, the output returned."""
@@ -1218,6 +1227,7 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     # slower (traces/h200_s10/call4: 7.619 vs 7.090 ms with fold in both)
     shared_l2_prefetch = shared_l2_prefetch and n <= L2_PREFETCH_MAX_TOKENS
     down_l2_prefetch = down_l2_prefetch and n <= L2_PREFETCH_MAX_TOKENS
+    routed_l2_prefetch = routed_l2_prefetch and n <= L2_PREFETCH_MAX_TOKENS
     first, prefetch_a = shared_l2_launch(shared_l2_prefetch and slot_a, pdl, sw13, width)
     if first:
         grid_a = grid_a[::-1]  # (column blocks, tokens + pairs): the shared slot's programs launch first
@@ -1251,6 +1261,8 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
         prefetch_b = (down_l2_prefetch and shared_in_b and pdl
                       and l2_prefetch.region_ok(sw2, shared_width * sw2.element_size()))
         b_opts = dict(SHARED_L2_PREFETCH=True, PIECES=32 * warps) if prefetch_b else {}
+        if routed_l2_prefetch and pdl and not quantized and l2_prefetch.region_ok(w2, inter * w2.element_size()):
+            b_opts.update(ROUTED_L2_PREFETCH=True, PIECES=32 * warps)
         if flags:
             b_opts.update(FLAGS=True, FLAG_SHARED=slot_a, SPIN=_SPIN, FLAG_STRIDE=FLAG_STRIDE)
         elif pdl and down_early_release:
@@ -1309,14 +1321,15 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      down_l2_prefetch: bool = False, up_launch: list[int] | None = None,
                      flag_deps: bool = False, early_release: bool = False,
                      down_early_release: bool = False, latent_prewait: bool = False,
-                     grouped_sorted: bool = False, sorted_finish: bool = False) -> torch.Tensor:
+                     grouped_sorted: bool = False, sorted_finish: bool = False,
+                     routed_l2_prefetch: bool = False) -> torch.Tensor:
     """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc.
     down_split: kernel B''s launch (SplitConfig's fields, prefetch as 0/1) at every batch below the crossover,
     instead of split_config()'s per-shape choice (P6's down_split option; the CPU reference ignores it).
     shared_l2_prefetch / down_l2_prefetch / up_launch / flag_deps / early_release / down_early_release /
     latent_prewait: fused_moe_triton's options of the same names (P6's; same values). grouped_sorted: from the
     crossover on, the routed experts by kernels.moe_sorted instead of torch._grouped_mm; sorted_finish: its sum and
-    latent RMSNorm in one kernel (P6's options of the same names)."""
+    latent RMSNorm in one kernel; routed_l2_prefetch: fused_moe_triton's (P6's options of the same names)."""
     return fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
 
@@ -1327,7 +1340,7 @@ def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
                            shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
                            early_release=False, down_early_release=False, latent_prewait=False,
-                           grouped_sorted=False, sorted_finish=False):
+                           grouped_sorted=False, sorted_finish=False, routed_l2_prefetch=False):
     args = (x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
             linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
     if triton is None or x.shape[0] >= crossover:
@@ -1338,7 +1351,7 @@ def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
         return fused_moe_triton(*args, use_pdl=use_pdl, split=split, shared_l2_prefetch=shared_l2_prefetch,
                                 down_l2_prefetch=down_l2_prefetch, up_launch=up_launch, flag_deps=flag_deps,
                                 early_release=early_release, down_early_release=down_early_release,
-                                latent_prewait=latent_prewait)
+                                latent_prewait=latent_prewait, routed_l2_prefetch=routed_l2_prefetch)
 
 
 @fused_moe_decode.register_fake
@@ -1347,7 +1360,7 @@ def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
                            shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
                            early_release=False, down_early_release=False, latent_prewait=False,
-                           grouped_sorted=False, sorted_finish=False):
+                           grouped_sorted=False, sorted_finish=False, routed_l2_prefetch=False):
     _, _, _, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                     shared_w2, act, latent_up_w, latent_norm_w, shared_w13)
     return x.new_empty(x.shape[0], out_width)

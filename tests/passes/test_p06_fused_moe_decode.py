@@ -397,8 +397,9 @@ def test_crossover_measurement_gets_the_layers_latent_tail_and_shared_width(monk
 
 def test_grouped_sorted_is_the_ops_last_argument():
     """grouped_sorted (the sorted M-tiled experts above the crossover, kernels/moe_sorted.py; on by default since
-    traces/h200_s16) becomes the op's argument 27 behind latent_prewait; off, a node keeps its old arguments. On CPU
-    the op is the reference either way."""
+    traces/h200_s16) becomes the op's argument 27 behind latent_prewait, sorted_finish 28 (only with it) and
+    routed_l2_prefetch 29 (only with PDL); off, a node keeps its old arguments. On CPU the op is the reference
+    whatever they say."""
     m = _k3_mini_like()
     captured = capture_step(m, "decode")
     x = randomized_inputs(step_inputs(m, "decode"), 7)
@@ -409,7 +410,11 @@ def test_grouped_sorted_is_the_ops_last_argument():
                            (None, True, True, None, False, False, False, False, True)),
                           ({"sorted_finish": True}, (None, True, True, None, False, True, True, True, True, True)),
                           ({"sorted_finish": True, "grouped_sorted": False},  # finish needs the sorted path
-                           (None, True, True, None, False, True, True, True))):
+                           (None, True, True, None, False, True, True, True)),
+                          ({"routed_l2_prefetch": True},  # B''s routed W2 rows to L2 before its wait (PDL)
+                           (None, True, True, None, False, True, True, True, True, False, True)),
+                          ({"routed_l2_prefetch": True, "use_pdl": False},
+                           (None, True, True, None, False, False, False, False, True))):
         gm = _after_p1_p4(snapshot(captured))
         assert run_pass(gm, P6, **options) == 2
         assert all(tuple(n.args[19:]) == tail for n in _fused_nodes(gm)), options

@@ -366,6 +366,36 @@ def test_cuda_latent_prewait_gives_the_same_bits_at_the_k3_mini_shape(n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["k3-mini-6b", "kimi-linear-48b"])
+def test_cuda_routed_l2_prefetch_gives_the_same_bits(name):
+    """routed_l2_prefetch (B''s routed slots ask L2 for their W2 rows before gdc_wait) at batch 1 with today's
+    releases, eager and in a CUDA graph behind another kernel: bit-identical to the option off."""
+    cfg = get_preset(name)
+    lat = cfg.latent_size or cfg.hidden_size
+    p = _cuda_problem(1, 900, e=cfg.num_experts, k=cfg.num_experts_per_token, d=lat, i=cfg.moe_intermediate_size,
+                      do=lat, s=cfg.moe_intermediate_size)
+    args = _op_args(p, "situ", 1 << 30)
+    releases = dict(use_pdl=True, early_release=True, down_early_release=True)
+    off = moe_decode.fused_moe_triton(*args[:13], **releases)
+    on = moe_decode.fused_moe_triton(*args[:13], **releases, routed_l2_prefetch=True)
+    torch.cuda.synchronize()
+    assert torch.equal(on, off)
+    scratch = torch.empty(1 << 22, device="cuda")
+    graphs = []
+    for prefetch in (False, True):
+        def step(prefetch=prefetch):
+            scratch.mul_(0.5)
+            return FUSED(*args, None, None, 1e-5, True, None, None, True, True, None, False, True, True, False, False,
+                         False, prefetch) * 1.0
+        graphs.append(_graphed(step))
+    for graph, _ in graphs:
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphs[0][1], graphs[1][1]) and torch.equal(graphs[0][1], off)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_crossover_measurement_returns_a_tried_batch():
     shape = _shape_48b()
     p = _cuda_problem(1, 0, **shape)
