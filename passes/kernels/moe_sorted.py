@@ -55,6 +55,15 @@ class SortedLaunch(NamedTuple):
 
 
 DEFAULT_LAUNCH = SortedLaunch()
+WIDE_LAUNCH = SortedLaunch(block_m=32)
+WIDE_FROM_PAIRS_PER_EXPERT = 16
+
+
+def sorted_launch(pairs: int, num_experts: int) -> SortedLaunch:
+    """The launch for P pairs over E experts: 32-row blocks once the mean expert holds >= 16 pairs, else 16. From one
+    MoE layer on the H200 (traces/h200_s16/call1/sorted16.md, experts alone, µs, m16 / m32): k3-mini-6b batch 256
+    (21 pairs an expert) 229.2 / 212.4; batch 64 (5.3) 128.2 / 133.3; 48B batch 256 (8) 1034.1 / 1038.9."""
+    return WIDE_LAUNCH if pairs >= WIDE_FROM_PAIRS_PER_EXPERT * num_experts else DEFAULT_LAUNCH
 
 
 def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
@@ -286,19 +295,20 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 
 def moe_experts_sorted(x, topk_ids, topk_weights, w13, w2, act, beta, linear_beta,
-                       launch: SortedLaunch = DEFAULT_LAUNCH, w13_scale=None, w2_scale=None, finish: bool = False,
+                       launch: SortedLaunch | None = None, w13_scale=None, w2_scale=None, finish: bool = False,
                        norm_w=None, eps: float = 1e-5):
     """moe_experts_loop's result (x [N, D]; w13 [E, 2I, D]; w2 [E, Do, I]) by the four launches of the module doc.
     With w13_scale / w2_scale the weights are MXFP4 (codes [E, 2I, D/2] / [E, Do, I/2], E8M0 scales [E, 2I, D/32] /
-    [E, Do, I/32]: model_def.ops.mxfp4), decoded in the kernels' registers. finish: the sum by
-    `_expert_finish_kernel` instead of ATen's sum and cast, and with norm_w [Do] K3's latent RMSNorm (eps) in the
-    same kernel: the result is then RMSNorm(the routed sum), as model_def rounds it. CUDA tensors, or CPU tensors
-    under TRITON_INTERPRET=1."""
+    [E, Do, I/32]: model_def.ops.mxfp4), decoded in the kernels' registers. launch: None = sorted_launch's rule.
+    finish: the sum by `_expert_finish_kernel` instead of ATen's sum and cast, and with norm_w [Do] K3's latent
+    RMSNorm (eps) in the same kernel: the result is then RMSNorm(the routed sum), as model_def rounds it. CUDA
+    tensors, or CPU tensors under TRITON_INTERPRET=1."""
     if triton is None:
         raise RuntimeError("moe_experts_sorted: triton is not installed")
     quantized = w13_scale is not None
-    check_launch(launch, quantized)
     n, k = topk_ids.shape
+    launch = launch or sorted_launch(n * k, w13.shape[0])
+    check_launch(launch, quantized)
     num_experts = w13.shape[0]
     do, inter = w2.shape[1], w2.shape[2] * (2 if quantized else 1)
     out = torch.empty(n, do, dtype=x.dtype, device=x.device)

@@ -33,6 +33,14 @@ def test_bad_launches_are_refused_by_name():
             moe_sorted.check_launch(launch, quantized)
 
 
+def test_launch_rule_widens_blocks_only_for_crowded_experts():
+    """32-row blocks from 16 pairs an expert on (k3-mini-6b batch 256 in session 16's sweep), 16 below."""
+    assert moe_sorted.sorted_launch(256 * 8, 96).block_m == 32  # 21 pairs an expert
+    assert moe_sorted.sorted_launch(64 * 8, 96).block_m == 16
+    assert moe_sorted.sorted_launch(256 * 8, 256).block_m == 16  # 48B batch 256: 8 an expert
+    assert moe_sorted.sorted_launch(1, 8) == moe_sorted.DEFAULT_LAUNCH
+
+
 def test_align_reference_is_a_stable_sort_by_expert():
     ids = torch.tensor([[3, 0], [0, 2], [3, 1]])
     pairs, block_expert = moe_sorted.align_reference(ids, 4, 16)
