@@ -54,10 +54,11 @@ SHAPES = {"k3-mini-6b": (96, 8, 1024, 512, 1024, "situ"), "kimi-linear-48b": (25
 
 
 def _layer(name, seed=0):
+    """Random bf16 expert weights made on the GPU (the 48B layer's 3.6 GB take seconds to make on the host)."""
     e, k, d, inter, do, act = SHAPES[name]
-    gen = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(e, 2 * inter, d, generator=gen) / d ** 0.5).bfloat16().cuda()
-    w2 = (torch.randn(e, do, inter, generator=gen) / inter ** 0.5).bfloat16().cuda()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = (torch.randn(e, 2 * inter, d, generator=gen, device="cuda") / d ** 0.5).bfloat16()
+    w2 = (torch.randn(e, do, inter, generator=gen, device="cuda") / inter ** 0.5).bfloat16()
     return w13, w2, k, act
 
 
@@ -126,10 +127,10 @@ def test_op_above_crossover_runs_the_sorted_experts_with_the_latent_tail():
     """P6's op with grouped_sorted at a batch above its crossover (k3-mini-6b's latent tail and shared expert):
     the same result as the op's grouped path within bf16 tolerance of the fp32 reference."""
     w13, w2, k, act = _layer("k3-mini-6b", seed=4)
-    gen = torch.Generator().manual_seed(4)
-    up = (torch.randn(2048, 1024, generator=gen) / 32).bfloat16().cuda()
-    norm = (1 + 0.1 * torch.randn(1024, generator=gen)).bfloat16().cuda()
-    shared_w2 = (torch.randn(2048, 1024, generator=gen) / 32).bfloat16().cuda()
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    up = (torch.randn(2048, 1024, generator=gen, device="cuda") / 32).bfloat16()
+    norm = (1 + 0.1 * torch.randn(1024, generator=gen, device="cuda")).bfloat16()
+    shared_w2 = (torch.randn(2048, 1024, generator=gen, device="cuda") / 32).bfloat16()
     args = list(moe_decode.crossover_case(64, w13, w2, None, None, shared_w2, True, k, act, 4.0, 25.0,
                                           torch.bfloat16, up, norm, 1e-5))
     op = torch.ops.k3.fused_moe_decode.default
