@@ -165,6 +165,26 @@ if triton is not None:
         return rows, pair, valid, tl.where(valid, pair // K_TOP, 0)
 
     @triton.jit
+    def _expert_weights(w_ptr, s_ptr, e, R, K, MXFP4: tl.constexpr):
+        """Expert e's [R, K] weight: its dense rows, or its MXFP4 codes [R, K/2] and scales [R, K/32] (s_ptr unread
+        when dense)."""
+        if MXFP4:
+            w, s = w_ptr + e.to(tl.int64) * R * (K // 2), s_ptr + e.to(tl.int64) * R * (K // 32)
+        else:
+            w, s = w_ptr + e.to(tl.int64) * R * K, s_ptr
+        return w, s
+
+    @triton.jit
+    def _k_step(acc, a_ptr, a_row, valid, w_ptr, s_ptr, cols, cmask, k0, K, MXFP4: tl.constexpr,
+                PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One K step of acc + A @ W[cols].T in either weight format (_dense_step / _mxfp4_step)."""
+        if MXFP4:  # constexpr: only the taken branch is compiled (an early return would compile both)
+            acc = _mxfp4_step(acc, a_ptr, a_row, valid, w_ptr, s_ptr, cols, cmask, k0, K, PRECISION, UPCAST, BLOCK_K)
+        else:
+            acc = _dense_step(acc, a_ptr, a_row, valid, w_ptr, cols, cmask, k0, K, PRECISION, UPCAST, BLOCK_K)
+        return acc
+
+    @triton.jit
     def _expert_sorted_up_kernel(x_ptr, stride_x, w13_ptr, s13_ptr, pairs_ptr, block_expert_ptr, h_ptr, P, E, K_TOP,
                                  D, I, beta, linear_beta, ACT: tl.constexpr, MXFP4: tl.constexpr,
                                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -176,22 +196,14 @@ if triton is not None:
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             cmask = cols < I
             a_row = tok.to(tl.int64) * stride_x
+            w, sc = _expert_weights(w13_ptr, s13_ptr, e, 2 * I, D, MXFP4)
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            if MXFP4:
-                q = w13_ptr + e.to(tl.int64) * 2 * I * (D // 2)
-                sc = s13_ptr + e.to(tl.int64) * 2 * I * (D // 32)
-                for k0 in range(0, D, BLOCK_K):
-                    acc_g = _mxfp4_step(acc_g, x_ptr, a_row, valid, q, sc, cols, cmask, k0, D, PRECISION, UPCAST,
-                                        BLOCK_K)
-                    acc_u = _mxfp4_step(acc_u, x_ptr, a_row, valid, q, sc, cols + I, cmask, k0, D, PRECISION, UPCAST,
-                                        BLOCK_K)
-            else:
-                w = w13_ptr + e.to(tl.int64) * 2 * I * D
-                for k0 in range(0, D, BLOCK_K):
-                    acc_g = _dense_step(acc_g, x_ptr, a_row, valid, w, cols, cmask, k0, D, PRECISION, UPCAST, BLOCK_K)
-                    acc_u = _dense_step(acc_u, x_ptr, a_row, valid, w, cols + I, cmask, k0, D, PRECISION, UPCAST,
-                                        BLOCK_K)
+            for k0 in range(0, D, BLOCK_K):  # gate rows [0, I), up rows [I, 2I), both at each K step
+                acc_g = _k_step(acc_g, x_ptr, a_row, valid, w, sc, cols, cmask, k0, D, MXFP4, PRECISION, UPCAST,
+                                BLOCK_K)
+                acc_u = _k_step(acc_u, x_ptr, a_row, valid, w, sc, cols + I, cmask, k0, D, MXFP4, PRECISION, UPCAST,
+                                BLOCK_K)
             h = _glu(acc_g, acc_u, beta, linear_beta, ACT)
             tl.store(h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], h.to(h_ptr.dtype.element_ty),
                      mask=valid[:, None] & cmask[None, :])
@@ -207,23 +219,14 @@ if triton is not None:
             rows, pair, valid, tok = _block_rows(pairs_ptr, block, P, K_TOP, BLOCK_M)
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             cmask = cols < DO
-            a_row = rows.to(tl.int64) * I
+            w, sc = _expert_weights(w2_ptr, s2_ptr, e, DO, I, MXFP4)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            if MXFP4:
-                q = w2_ptr + e.to(tl.int64) * DO * (I // 2)
-                sc = s2_ptr + e.to(tl.int64) * DO * (I // 32)
-                for k0 in range(0, I, BLOCK_K):
-                    acc = _mxfp4_step(acc, h_ptr, a_row, valid, q, sc, cols, cmask, k0, I, PRECISION, UPCAST, BLOCK_K)
-            else:
-                w = w2_ptr + e.to(tl.int64) * DO * I
-                for k0 in range(0, I, BLOCK_K):
-                    acc = _dense_step(acc, h_ptr, a_row, valid, w, cols, cmask, k0, I, PRECISION, UPCAST, BLOCK_K)
+            for k0 in range(0, I, BLOCK_K):
+                acc = _k_step(acc, h_ptr, rows.to(tl.int64) * I, valid, w, sc, cols, cmask, k0, I, MXFP4, PRECISION,
+                              UPCAST, BLOCK_K)
             weight = tl.load(wts_ptr + pair, mask=valid, other=0.0).to(tl.float32)
             tl.store(out_ptr + pair[:, None].to(tl.int64) * DO + cols[None, :], acc * weight[:, None],
                      mask=valid[:, None] & cmask[None, :])
-
-
-if triton is not None:
 
     @triton.jit
     def _expert_finish_kernel(rows_ptr, out_ptr, norm_w_ptr, K_TOP, DO, eps, NORM: tl.constexpr,
