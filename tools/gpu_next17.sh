@@ -24,6 +24,7 @@ for model in k3-mini-6b $([ "${MORE:-0}" = 1 ] && echo kimi-linear-48b); do
   say "ladder $model: exit $?"
   cp $OUT/l/ladder_*.json $OUT/l/ladder_*.md $OUT/l/ladder_*.png $OUT/ 2>/dev/null
   grep -E "^\| (r04|r16|v-)|^- v-" $OUT/l/ladder_*.md | head -8
+  (cd $OUT/l && tar cf $OUT/traces_$model.tar traces/*r16*_bs1.* 2>/dev/null)  # `k3compile report` on CPU
   rm -rf $OUT/l
 done
 (cd $OUT && tar cf logs.tar logs && rm -rf logs)
