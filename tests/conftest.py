@@ -25,6 +25,7 @@ SHARED_WORKER = {
         "p05_fused_kda_decode", "p06_fused_moe_decode", "p07_attn_res_norm", "p07_moe_out_norm", "p07_norm_route",
         "p08_small_m_gemm",
         "p08_small_m_norm_gemv",
+        "p08_small_m_route_gemv",
         "p09_all_reduce_norm", "p11_copy_elision", "p12_moe_finalize_all_reduce", "p13_latent_up_column",
         "p15_mla_decode", "p16_kda_verify_inputs", "p17_dense_glu", "p18_short_conv_merge", "parallel_pipeline")) + (
         "tests/k3compile/engine/test_verify_graph.py",),  # k3-tiny's verify graph, as P16's tests

@@ -356,6 +356,21 @@ def route_launch(batch, shape="48b", tail="rounds", target_programs=norm_route.T
                                                 pdl=True, tail=tail, target_programs=target_programs)
 
 
+def route_front_case(batch, tail="bitonic"):
+    """norm_route_gemv's launch at k3-mini-6b (D=2048, a 4-row AttnRes bank, E=96 top-8, front rows 2048: latent
+    1024 + shared gate/up 2 x 512): the router's programs plus the front GEMV's (pass p08_small_m_route_gemv)."""
+    dim = 2048
+    bank, x, delta = [_randn(batch, dim) for _ in range(4)], _randn(batch, dim), _randn(batch, dim)
+    query, w = _randn(dim, dtype=torch.float32), torch.ones(dim, dtype=BF)
+    router, bias, front = _randn(96, dim), torch.zeros(96), _randn(2048, dim)
+    return lambda: norm_route.norm_route_triton(bank, x, delta, query, w, 1e-6, 1e-6, bias, router, 8, True, 2.446,
+                                                pdl=True, tail=tail, front_weight=front)
+
+
+if "front_weight" in norm_route.norm_route_triton.__code__.co_varnames:
+    CASES += [(f"norm_route_gemv mini batch {_b}", route_front_case(_b)) for _b in (1, 8)]
+
+
 if "tail" in norm_route.norm_route_triton.__code__.co_varnames:  # route11: every launch tools/bench_route11.py times
     from bench_route11 import ARMS as _ROUTE11_ARMS
     CASES += [(f"norm_route {_s} batch {_b}, {_name}", route_launch(_b, _s, **_arm))

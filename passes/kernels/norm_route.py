@@ -28,14 +28,26 @@ picks the last program's routing (routing.ROUTE_TAILS: "rounds", the op's defaul
 row and no wait on the counter reset; "bitonic", lean with a tl.topk network instead of k argmax rounds),
 `target_programs` the grid's size (default_blocks). Every choice gives the same h, p and ids, and the same weights up to the order of the k-sum.
 
+`torch.ops.k3.norm_route_gemv(<norm_route's arguments, tail and target_programs included>, w, <k3.gemv's
+configuration: max_m .. upper>, fused_max_tokens) -> (h, p, topk_weights, topk_ids, y)` (pass p08_small_m_route_gemv)
+is that op followed by `y = k3.gemv(h, w, None, ...)`, the K3 MoE's front GEMV (its latent down-projection and the
+shared expert's gate/up on h). Where the fused kernel runs (and T <= fused_max_tokens), the same launch has
+cdiv(NF, BLOCK_F) more programs per token after the expert blocks: each loads its [BLOCK_F, D] rows of w before its
+wait, recomputes h as the router's programs do and stores its rows of y (fp32 sums of the bf16 products, rounded
+once: k3.gemv's product up to the order of the sum). So the router's routing tail and the front GEMV run side by
+side, and the graph loses one launch per MoE layer. Elsewhere the op is exactly the two ops.
+
 Testing without a GPU: TRITON_INTERPRET=1 in the environment before this module is imported makes
 `norm_route_triton` run on CPU tensors (tests/passes/kernels/interpret_norm_route.py).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import attn_res_norm as arn
+from . import gemv as _gemv  # noqa: F401  (registers torch.ops.k3.gemv, norm_route_gemv's second half)
 from . import routing
 from .arrivals import arrival_counters
 from .pdl import pdl_for
@@ -79,28 +91,15 @@ if triton is not None:
     from .routing import _store_logits_and_route
 
     @triton.jit
-    def _norm_route_kernel(
-        b0, b1, b2, b3, b4, b5, b6, b7,
-        x_ptr, delta_ptr, query_ptr, norm_w_ptr, h_ptr, p_ptr,
-        router_w_ptr, bias_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr,
-        D, res_eps, norm_eps, scaling,
-        NUM_BANK: tl.constexpr, BANK_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DELTA: tl.constexpr,
-        USE_PDL: tl.constexpr,
-        NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, EXPERT_BLOCKS: tl.constexpr,
-        GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
-        TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-        GROUPS_PAD: tl.constexpr, GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr, TAIL: tl.constexpr,
-    ):
-        block = tl.program_id(0)
-        token = tl.program_id(1).to(tl.int64)
+    def _normed_row(b0, b1, b2, b3, b4, b5, b6, b7, x_ptr, delta_ptr, query_ptr, norm_w_ptr, h_ptr, p_ptr, block,
+                    token, D, res_eps, norm_eps, NUM_BANK: tl.constexpr, BANK_PAD: tl.constexpr,
+                    BLOCK_D: tl.constexpr, HAS_DELTA: tl.constexpr, USE_PDL: tl.constexpr):
+        """The token's h (in h_ptr's dtype, [BLOCK_D]): every program recomputes it from the same inputs, so all
+        get the same bits; the block-0 program stores h and p. Waits for the previous kernel first (PDL), and
+        releases the next one once its inputs are read; the caller loads its static weight tile before."""
         cols = tl.arange(0, BLOCK_D)
         m = cols < D
         base = token * D + cols  # every [N, D] tensor is contiguous (the wrapper makes sure)
-        e = block * BLOCK_E + tl.arange(0, BLOCK_E)
-        e_ok = e < NUM_EXPERTS
-        # static weights first: with PDL these loads overlap the previous kernel's tail
-        wr = tl.load(router_w_ptr + e[:, None].to(tl.int64) * D + cols[None, :],
-                     mask=e_ok[:, None] & m[None, :], other=0.0)
         nw = tl.load(norm_w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         if NUM_BANK > 0:
             q = tl.load(query_ptr + cols, mask=m, other=0.0).to(tl.float32)
@@ -121,6 +120,69 @@ if triton is not None:
             mix = p.to(tl.float32)
         h = _rms_norm_row(mix, p, nw, D, norm_eps, h_ptr.dtype.element_ty)
         tl.store(h_ptr + base, h, mask=owner)
+        return h
+
+    @triton.jit
+    def _norm_route_kernel(
+        b0, b1, b2, b3, b4, b5, b6, b7,
+        x_ptr, delta_ptr, query_ptr, norm_w_ptr, h_ptr, p_ptr,
+        router_w_ptr, bias_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr, front_w_ptr, front_y_ptr,
+        D, NF, res_eps, norm_eps, scaling,
+        NUM_BANK: tl.constexpr, BANK_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DELTA: tl.constexpr,
+        USE_PDL: tl.constexpr,
+        NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, EXPERT_BLOCKS: tl.constexpr,
+        GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+        TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+        GROUPS_PAD: tl.constexpr, GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr, TAIL: tl.constexpr,
+        BLOCK_F: tl.constexpr,
+    ):
+        # grid (EXPERT_BLOCKS + front blocks, token): the router's expert blocks, then (norm_route_gemv only, BLOCK_F
+        # > 0) the front GEMV's row blocks. Without a front the kernel is the router's code alone (no branch).
+        block = tl.program_id(0)
+        token = tl.program_id(1).to(tl.int64)
+        if BLOCK_F == 0:
+            _router_program(b0, b1, b2, b3, b4, b5, b6, b7, x_ptr, delta_ptr, query_ptr, norm_w_ptr, h_ptr, p_ptr,
+                            router_w_ptr, bias_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr, block, token, D,
+                            res_eps, norm_eps, scaling, NUM_BANK, BANK_PAD, BLOCK_D, HAS_DELTA, USE_PDL, NUM_EXPERTS,
+                            BLOCK_E, EXPERT_BLOCKS, GROUP_SIZE, NUM_GROUPS, TOPK_GROUP, TOP_K, RENORMALIZE,
+                            GROUPS_PAD, GROUP_SIZE_PAD, TOP_K_PAD, TAIL)
+        elif block < EXPERT_BLOCKS:
+            _router_program(b0, b1, b2, b3, b4, b5, b6, b7, x_ptr, delta_ptr, query_ptr, norm_w_ptr, h_ptr, p_ptr,
+                            router_w_ptr, bias_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr, block, token, D,
+                            res_eps, norm_eps, scaling, NUM_BANK, BANK_PAD, BLOCK_D, HAS_DELTA, USE_PDL, NUM_EXPERTS,
+                            BLOCK_E, EXPERT_BLOCKS, GROUP_SIZE, NUM_GROUPS, TOPK_GROUP, TOP_K, RENORMALIZE,
+                            GROUPS_PAD, GROUP_SIZE_PAD, TOP_K_PAD, TAIL)
+        else:
+            cols = tl.arange(0, BLOCK_D)
+            f = (block - EXPERT_BLOCKS) * BLOCK_F + tl.arange(0, BLOCK_F)
+            f_ok = f < NF
+            # the whole [BLOCK_F, D] weight slice is static: in flight before the wait, as the router's tile
+            wf = tl.load(front_w_ptr + f[:, None].to(tl.int64) * D + cols[None, :],
+                         mask=f_ok[:, None] & (cols < D)[None, :], other=0.0)
+            h = _normed_row(b0, b1, b2, b3, b4, b5, b6, b7, x_ptr, delta_ptr, query_ptr, norm_w_ptr, h_ptr, p_ptr,
+                            block, token, D, res_eps, norm_eps, NUM_BANK, BANK_PAD, BLOCK_D, HAS_DELTA, USE_PDL)
+            # k3.gemv's product: fp32 sums of the 16-bit products, rounded once to the output dtype
+            y = tl.sum(wf.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+            tl.store(front_y_ptr + token * NF + f, y.to(front_y_ptr.dtype.element_ty), mask=f_ok)
+
+    @triton.jit
+    def _router_program(b0, b1, b2, b3, b4, b5, b6, b7, x_ptr, delta_ptr, query_ptr, norm_w_ptr, h_ptr, p_ptr,
+                        router_w_ptr, bias_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr, block, token, D,
+                        res_eps, norm_eps, scaling, NUM_BANK: tl.constexpr, BANK_PAD: tl.constexpr,
+                        BLOCK_D: tl.constexpr, HAS_DELTA: tl.constexpr, USE_PDL: tl.constexpr,
+                        NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, EXPERT_BLOCKS: tl.constexpr,
+                        GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                        TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, GROUPS_PAD: tl.constexpr,
+                        GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr, TAIL: tl.constexpr):
+        """One expert block of the token's router: its rows' fp32 logits, and the routing if it arrives last."""
+        cols = tl.arange(0, BLOCK_D)
+        e = block * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_ok = e < NUM_EXPERTS
+        # static weights first: with PDL these loads overlap the previous kernel's tail
+        wr = tl.load(router_w_ptr + e[:, None].to(tl.int64) * D + cols[None, :],
+                     mask=e_ok[:, None] & (cols < D)[None, :], other=0.0)
+        h = _normed_row(b0, b1, b2, b3, b4, b5, b6, b7, x_ptr, delta_ptr, query_ptr, norm_w_ptr, h_ptr, p_ptr,
+                        block, token, D, res_eps, norm_eps, NUM_BANK, BANK_PAD, BLOCK_D, HAS_DELTA, USE_PDL)
         # the router reads h.float() (the graph's cast) and W.float(): fp32 multiply-adds, no TF32
         logits = tl.sum(wr.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
         _store_logits_and_route(logits, e, e_ok, token, logits_ptr, arrivals_ptr, bias_ptr, weights_ptr, ids_ptr,
@@ -156,12 +218,17 @@ def default_blocks(num_tokens: int, num_experts: int, dim: int, num_bank: int,
 def norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight, top_k,
                       renormalize, scaling, num_expert_group=1, topk_group=1, pdl: bool = False,
                       block_e: int | None = None, num_warps: int | None = None, tail: str = "rounds",
-                      target_programs: int = TARGET_PROGRAMS):
+                      target_programs: int = TARGET_PROGRAMS, front_weight: torch.Tensor | None = None,
+                      front_block: int | None = None):
     """Launch the fused kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1): (h, p, weights, ids).
     block_e / num_warps override `default_blocks` (benchmarks), target_programs is its target (P7's option).
     tail: the last-arriving program's routing tail, a key of routing.ROUTE_TAILS (P7's tail option; every tail
-    gives the same ids and weights)."""
+    gives the same ids and weights). front_weight [NF, D] (norm_route_gemv): the same launch also computes
+    y = h @ front_weight.T in more programs of front_block rows (default `front_rows`) and returns (h, p, weights,
+    ids, y); the router's programs and outputs are the same as without it."""
     check_args(bank, x, delta, query, norm_weight, bias, router_weight, top_k, num_expert_group, topk_group)
+    if front_weight is not None:
+        check_front(x, norm_weight, front_weight)
     if triton is None:
         raise RuntimeError("norm_route: triton is not installed")
     tail_code = routing.tail_code(tail)
@@ -178,8 +245,10 @@ def norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bia
     p = torch.empty_like(x)
     weights = torch.empty(n, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(n, top_k, dtype=torch.int64, device=x.device)
+    nf = 0 if front_weight is None else front_weight.shape[0]
+    y = None if front_weight is None else torch.empty(n, nf, dtype=front_weight.dtype, device=x.device)
     if n == 0:
-        return h, p, weights, ids
+        return (h, p, weights, ids) if y is None else (h, p, weights, ids, y)
     be, nw = default_blocks(n, num_experts, d, len(bank), target_programs)
     be, nw = block_e or be, num_warps or nw
     if be & (be - 1):
@@ -190,15 +259,37 @@ def norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bia
     pdl = pdl_for(pdl, x)
     extra = {"launch_pdl": True} if pdl else {}
     rows = bank + [x] * (arn.MAX_BANK - len(bank))  # unused pointer slots: any valid tensor
-    _norm_route_kernel[(expert_blocks, n)](
+    bf = 0 if y is None else (front_block or front_rows(d, nf))
+    if bf & (bf - 1):
+        raise ValueError(f"norm_route kernel: front_block ({bf}) must be a power of two")
+    front_blocks = 0 if y is None else triton.cdiv(nf, bf)  # bf 0: the router's kernel alone
+    _norm_route_kernel[(expert_blocks + front_blocks, n)](
         *rows, x, delta, query.contiguous() if query is not None else norm_weight, norm_weight.contiguous(), h, p,
         router_weight.contiguous(), bias.contiguous(), logits, arrivals, weights, ids,
-        d, float(res_eps), float(norm_eps), float(scaling),
+        h if y is None else front_weight.contiguous(), h if y is None else y,  # no front: unused pointer slots
+        d, nf, float(res_eps), float(norm_eps), float(scaling),
         NUM_BANK=len(bank), BANK_PAD=triton.next_power_of_2(max(len(bank), 1)), BLOCK_D=triton.next_power_of_2(d),
         HAS_DELTA=delta is not x, USE_PDL=pdl, NUM_EXPERTS=num_experts, BLOCK_E=be, EXPERT_BLOCKS=expert_blocks,
         **routing._route_constants(num_experts, top_k, renormalize, num_expert_group, topk_group), TAIL=tail_code,
-        num_warps=nw, **extra)
-    return h, p, weights, ids
+        BLOCK_F=bf, num_warps=nw, **extra)
+    return (h, p, weights, ids) if y is None else (h, p, weights, ids, y)
+
+
+def front_rows(dim: int, rows: int) -> int:
+    """Rows of the front weight per program: the [rows, D] tile the router's programs hold (MAX_TILE elements),
+    at most the weight's rows rounded up to a power of two."""
+    return max(1, min(MAX_TILE // triton.next_power_of_2(dim), triton.next_power_of_2(max(rows, 1))))
+
+
+def check_front(x: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor) -> None:
+    """Raise ValueError naming what is wrong with a front weight for h = norm(x): [NF, D] in h's dtype."""
+    if w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"norm_route_gemv: the front weight must be [N, D = {x.shape[1]}], got {tuple(w.shape)}")
+    if w.dtype != arn._out_dtype(x, norm_weight):
+        raise ValueError(f"norm_route_gemv: the front weight ({w.dtype}) and h "
+                         f"({arn._out_dtype(x, norm_weight)}) must share a dtype")
+    if w.device != x.device:
+        raise ValueError(f"norm_route_gemv: the front weight is on {w.device}, x on {x.device}")
 
 
 # --------------------------------------------------------------------------- the k3 op
@@ -239,3 +330,71 @@ def _norm_route_fake(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl,
     n = x.shape[0]
     return (x.new_empty(x.shape, dtype=arn._out_dtype(x, norm_weight)), torch.empty_like(x),
             x.new_empty(n, top_k, dtype=torch.float32), x.new_empty(n, top_k, dtype=torch.int64))
+
+
+# --------------------------------------------------------------------------- the op with the MoE front GEMV
+
+@torch.library.custom_op("k3::norm_route_gemv", mutates_args=())
+def norm_route_gemv(bank: list[torch.Tensor], x: torch.Tensor, delta: torch.Tensor | None,
+                    query: torch.Tensor | None, norm_weight: torch.Tensor, res_eps: float, norm_eps: float, pdl: bool,
+                    bias: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool, scaling: float,
+                    num_expert_group: int, topk_group: int, max_tokens: int, tail: str, target_programs: int,
+                    w: torch.Tensor, max_m: int, block_n: int, block_k: int, split_k: int, design: int,
+                    gemv_pdl: bool, num_warps: int, l2_prefetch_kb: int, early_release: bool,
+                    upper: Optional[list[int]], fused_max_tokens: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, p, topk_weights, topk_ids, y): k3::norm_route, then k3::gemv(h, w, None, max_m .. upper) -- the K3 MoE's
+    front GEMV (latent down-projection and shared gate/up) on the normed row. CPU, and CUDA above
+    min(max_tokens, FUSED_MAX_TOKENS, fused_max_tokens) tokens or where the kernel does not take the shapes, run
+    exactly those two ops; otherwise one launch of `_norm_route_kernel` whose extra programs compute y (pass
+    p08_small_m_route_gemv)."""
+    return _route_then_gemv(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
+                            renormalize, scaling, num_expert_group, topk_group, max_tokens, tail, target_programs, w,
+                            max_m, block_n, block_k, split_k, design, gemv_pdl, num_warps, l2_prefetch_kb,
+                            early_release, upper, fused_max_tokens)
+
+
+def _route_then_gemv(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
+                     renormalize, scaling, num_expert_group, topk_group, max_tokens, tail, target_programs, w, max_m,
+                     block_n, block_k, split_k, design, gemv_pdl, num_warps, l2_prefetch_kb, early_release, upper,
+                     fused_max_tokens):
+    """The two ops the fused one replaces, on whichever device x is (the reference, and CUDA's fallback)."""
+    check_front(x, norm_weight, w)
+    if fused_max_tokens < 0:
+        raise ValueError(f"norm_route_gemv: fused_max_tokens must be >= 0, got {fused_max_tokens}")
+    h, p, weights, ids = torch.ops.k3.norm_route(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias,
+                                                 router_weight, top_k, renormalize, scaling, num_expert_group,
+                                                 topk_group, max_tokens, tail, target_programs)
+    y = torch.ops.k3.gemv(h, w, None, max_m, block_n, block_k, split_k, design, gemv_pdl, num_warps, l2_prefetch_kb,
+                          early_release, upper)
+    return h, p, weights, ids, y
+
+
+@norm_route_gemv.register_kernel("cuda")
+def _norm_route_gemv_cuda(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
+                          renormalize, scaling, num_expert_group, topk_group, max_tokens, tail, target_programs, w,
+                          max_m, block_n, block_k, split_k, design, gemv_pdl, num_warps, l2_prefetch_kb,
+                          early_release, upper, fused_max_tokens):
+    with torch.cuda.device(x.device):  # Triton launches on the current device
+        if (x.shape[0] <= min(max_tokens, FUSED_MAX_TOKENS, fused_max_tokens)
+                and kernel_supports([r.contiguous() for r in bank], x.contiguous(), router_weight, top_k)):
+            check_front(x, norm_weight, w)
+            return norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight,
+                                     top_k, renormalize, scaling, num_expert_group, topk_group, pdl=pdl, tail=tail,
+                                     target_programs=target_programs or TARGET_PROGRAMS, front_weight=w)
+    return _route_then_gemv(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
+                            renormalize, scaling, num_expert_group, topk_group, max_tokens, tail, target_programs, w,
+                            max_m, block_n, block_k, split_k, design, gemv_pdl, num_warps, l2_prefetch_kb,
+                            early_release, upper, fused_max_tokens)
+
+
+@norm_route_gemv.register_fake
+def _norm_route_gemv_fake(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
+                          renormalize, scaling, num_expert_group, topk_group, max_tokens, tail, target_programs, w,
+                          max_m, block_n, block_k, split_k, design, gemv_pdl, num_warps, l2_prefetch_kb,
+                          early_release, upper, fused_max_tokens):
+    check_front(x, norm_weight, w)
+    h, p, weights, ids = _norm_route_fake(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias,
+                                          router_weight, top_k, renormalize, scaling, num_expert_group, topk_group,
+                                          max_tokens, tail, target_programs)
+    return h, p, weights, ids, x.new_empty(x.shape[0], w.shape[0], dtype=w.dtype)

@@ -14,6 +14,8 @@ Exact-logit cases (router rows with one nonzero: every logit is one product, the
 values repeat, so many choice scores tie exactly) check every tail's ids bit-equal to the reference (ties to the
 lower expert index, groups too; where the reference's own sigmoid split an exact tie, the kernel's lower index) and
 its weights to the reference within 1e-6.
+With a front weight (norm_route_gemv's launch, pass p08_small_m_route_gemv): the same h, p and routing bit for bit, and
+y = h @ W_f.T within one 16-bit rounding, for two front tilings.
 Prints one line per failing case and exits 1 if any failed.
 """
 import os
@@ -153,11 +155,49 @@ def check(name, bank, x, delta, query, nw, bias, w, k, renorm, scale, groups, to
     return 2 + check_tails(name, args, dict(block_e=block_e), (h, p, weights, ids), failures)
 
 
+def check_front(name, bank, x, delta, query, nw, bias, w, k, renorm, scale, groups, topk_group, block_e, failures):
+    """norm_route_gemv's launch (the router's programs plus the front GEMV's): h, p, weights and ids bit-equal to the
+    launch without the front; y = h @ W_f.T within one 16-bit rounding of the fp32 product of the kernel's own h,
+    element by element, for the default rows per program and a ragged 4-row tile."""
+    route = (k, renorm, scale, groups, topk_group)
+    gen = torch.Generator().manual_seed(x.shape[0] * 7 + x.shape[1])
+    wf = torch.randn(40, x.shape[1], generator=gen).to(x.dtype)  # 40 rows: 10 blocks of 4, or one padded tile
+    base = norm_route.norm_route_triton(bank, x, delta, query, nw, 1e-5, 1e-6, bias, w, *route, block_e=block_e)
+    n = 0
+    for front_block in (None, 4):
+        for launch in range(2):
+            out = norm_route.norm_route_triton(bank, x, delta, query, nw, 1e-5, 1e-6, bias, w, *route,
+                                               block_e=block_e, front_weight=wf, front_block=front_block)
+            n += 1
+            tag = f"front {name} block {front_block} launch {launch}"
+            if len(out) != 5 or not all(torch.equal(a, b) for a, b in zip(out[:4], base)):
+                failures.append(f"{tag}: h, p, weights or ids differ from the launch without the front")
+                continue
+            y = out[4]
+            if y.shape != (x.shape[0], 40) or y.dtype != x.dtype:
+                failures.append(f"{tag}: y is {tuple(y.shape)} {y.dtype}")
+                continue
+            if x.shape[0]:
+                want = out[0].float() @ wf.float().t()
+                # each element within one 16-bit rounding of the fp32 product (the interpreter truncates: < 2^-7
+                # of the value), plus the fp32 sums' order (1e-5 of the largest)
+                ulp = 0.0 if x.dtype == torch.float32 else 2.0 ** -7
+                excess = (y.float() - want).abs() - ulp * want.abs() - 1e-5 * want.abs().max()
+                if excess.max().item() > 0:
+                    failures.append(f"{tag}: y off the fp32 product by more than one rounding "
+                                    f"(by {excess.max().item():.2e} at worst)")
+            counters = arrivals.current(x.device, norm_route.ARRIVALS_OWNER)
+            if counters is not None and counters.any():
+                failures.append(f"{tag}: arrival counters not zeroed again")
+    return n
+
+
 def main() -> int:
     assert type(norm_route._norm_route_kernel).__name__ == "InterpretedFunction", "interpreter not active"
     failures, n = [], 0
     for case in cases():
         n += check(*case, failures)
+        n += check_front(*case, failures)
     for case in exact_cases():
         n += check_exact(*case, failures)
     return report(failures, n)
