@@ -8,7 +8,7 @@ Matched (after P7's norm_route and P8, in any graph that has both: token steps w
                    h read by nothing else; W a weight (get_attr); no bias c
 
 and replaced by `h, p, w, ids, y = k3.norm_route_gemv(<norm_route's arguments, its launch options spelled out>, W,
-<the gemv's configuration, defaults spelled out>, max_tokens)`. In K3 the gemv is the MoE's front: the routed experts'
+<the gemv's configuration, defaults spelled out>, max_tokens[, front_block])`. In K3 the gemv is the MoE's front: the routed experts'
 latent down-projection merged (P1) with the shared expert's gate/up, all on the normed row. The fused kernel runs at
 T <= min(max_tokens, the router kernel's limit); above, the pair (bit-identical to the graph before the pass), as on
 CPU. Kimi Linear's MoE has no front GEMV (its shared gate/up is a slot of P6's kernel A): 0 matches there.
@@ -46,11 +46,18 @@ class RouteGemvConfig(PassConfig):
     enabled: bool = False  # not measured on the device yet
     # tokens up to which the fused kernel runs (the router kernel's own limit caps it); above, the pair
     max_tokens: int = _kernel.FUSED_MAX_TOKENS
+    # the front GEMV's weight rows per program (a power of two up to MAX_FRONT_BLOCK); 0: the kernel's default
+    # (norm_route.front_rows: the router's register tile, 8 rows at D = 2048). Results do not depend on it.
+    front_block: int = 0
 
     def validate(self) -> None:
         if not 0 <= self.max_tokens <= _kernel.FUSED_MAX_TOKENS:
             raise PassConfigError(f"p08_small_m_route_gemv.max_tokens must be in 0..{_kernel.FUSED_MAX_TOKENS}, "
                                   f"got {self.max_tokens}")
+        try:
+            _kernel.check_front_launch(self.max_tokens, self.front_block)
+        except ValueError as err:
+            raise PassConfigError(f"p08_small_m_route_gemv.front_block: {err}") from None
 
 
 def _match(route: Node):
@@ -87,7 +94,8 @@ def route_gemv(gm: GraphModule, config: RouteGemvConfig) -> int:
         if w.op == "get_attr" and list(g.nodes).index(w) > list(g.nodes).index(route):
             route.prepend(w)  # a weight read: it may move before the fused node
         with g.inserting_before(route):
-            fused = g.call_function(FUSED, (*route_args, w, *gemv_args, config.max_tokens))
+            launch = (config.front_block,) if config.front_block else ()  # unset: the schema's default
+            fused = g.call_function(FUSED, (*route_args, w, *gemv_args, config.max_tokens, *launch))
             items = [g.call_function(operator.getitem, (fused, i)) for i in range(5)]
         for n in [fused, *items]:
             set_meta_val(n, fake_mode)

@@ -356,7 +356,7 @@ def route_launch(batch, shape="48b", tail="rounds", target_programs=norm_route.T
                                                 pdl=True, tail=tail, target_programs=target_programs)
 
 
-def route_front_case(batch, tail="bitonic"):
+def route_front_case(batch, tail="bitonic", front_block=None):
     """norm_route_gemv's launch at k3-mini-6b (D=2048, a 4-row AttnRes bank, E=96 top-8, front rows 2048: latent
     1024 + shared gate/up 2 x 512): the router's programs plus the front GEMV's (pass p08_small_m_route_gemv)."""
     dim = 2048
@@ -364,11 +364,12 @@ def route_front_case(batch, tail="bitonic"):
     query, w = _randn(dim, dtype=torch.float32), torch.ones(dim, dtype=BF)
     router, bias, front = _randn(96, dim), torch.zeros(96), _randn(2048, dim)
     return lambda: norm_route.norm_route_triton(bank, x, delta, query, w, 1e-6, 1e-6, bias, router, 8, True, 2.446,
-                                                pdl=True, tail=tail, front_weight=front)
+                                                pdl=True, tail=tail, front_weight=front, front_block=front_block)
 
 
 if "front_weight" in norm_route.norm_route_triton.__code__.co_varnames:
     CASES += [(f"norm_route_gemv mini batch {_b}", route_front_case(_b)) for _b in (1, 8)]
+    CASES += [(f"norm_route_gemv mini batch 1, front_block {_f}", route_front_case(1, front_block=_f)) for _f in (4, 16)]
 
 
 if "tail" in norm_route.norm_route_triton.__code__.co_varnames:  # route11: every launch tools/bench_route11.py times

@@ -29,7 +29,7 @@ row and no wait on the counter reset; "bitonic", lean with a tl.topk network ins
 `target_programs` the grid's size (default_blocks). Every choice gives the same h, p and ids, and the same weights up to the order of the k-sum.
 
 `torch.ops.k3.norm_route_gemv(<norm_route's arguments, tail and target_programs included>, w, <k3.gemv's
-configuration: max_m .. upper>, fused_max_tokens) -> (h, p, topk_weights, topk_ids, y)` (pass p08_small_m_route_gemv)
+configuration: max_m .. upper>, fused_max_tokens, front_block=0) -> (h, p, topk_weights, topk_ids, y)` (pass p08_small_m_route_gemv)
 is that op followed by `y = k3.gemv(h, w, None, ...)`, the K3 MoE's front GEMV (its latent down-projection and the
 shared expert's gate/up on h). Where the fused kernel runs (and T <= fused_max_tokens), the same launch has
 cdiv(NF, BLOCK_F) more programs per token after the expert blocks: each loads its [BLOCK_F, D] rows of w before its
@@ -62,6 +62,7 @@ ARRIVALS_OWNER = "norm_route"  # this kernel's own arrival counters (arrivals.py
 TARGET_PROGRAMS = 128  # as P4's absorbed kernel: enough programs to keep the SMs reading W at batch 1
 MAX_BLOCK_E = 16
 MAX_TILE = 16384  # router-weight elements of one program's [BLOCK_E, BLOCK_D] tile, held in registers
+MAX_FRONT_BLOCK = 64  # norm_route_gemv's rows per program at most (a [64, D] tile already spills at D=2048)
 FUSED_MAX_TOKENS = 8  # above, today's pair: at 48B batch 16 the fused kernel lost (12.6 vs 11.7 us, H200 sweep)
 
 
@@ -281,6 +282,15 @@ def front_rows(dim: int, rows: int) -> int:
     return max(1, min(MAX_TILE // triton.next_power_of_2(dim), triton.next_power_of_2(max(rows, 1))))
 
 
+def check_front_launch(fused_max_tokens: int, front_block: int) -> None:
+    """Raise ValueError naming a bad launch option of norm_route_gemv."""
+    if fused_max_tokens < 0:
+        raise ValueError(f"norm_route_gemv: fused_max_tokens must be >= 0, got {fused_max_tokens}")
+    if front_block < 0 or front_block & (front_block - 1) or front_block > MAX_FRONT_BLOCK:
+        raise ValueError(f"norm_route_gemv: front_block must be 0 (default) or a power of two up to "
+                         f"{MAX_FRONT_BLOCK}, got {front_block}")
+
+
 def check_front(x: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor) -> None:
     """Raise ValueError naming what is wrong with a front weight for h = norm(x): [NF, D] in h's dtype."""
     if w.dim() != 2 or w.shape[1] != x.shape[1]:
@@ -341,27 +351,27 @@ def norm_route_gemv(bank: list[torch.Tensor], x: torch.Tensor, delta: torch.Tens
                     num_expert_group: int, topk_group: int, max_tokens: int, tail: str, target_programs: int,
                     w: torch.Tensor, max_m: int, block_n: int, block_k: int, split_k: int, design: int,
                     gemv_pdl: bool, num_warps: int, l2_prefetch_kb: int, early_release: bool,
-                    upper: Optional[list[int]], fused_max_tokens: int
+                    upper: Optional[list[int]], fused_max_tokens: int, front_block: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h, p, topk_weights, topk_ids, y): k3::norm_route, then k3::gemv(h, w, None, max_m .. upper) -- the K3 MoE's
     front GEMV (latent down-projection and shared gate/up) on the normed row. CPU, and CUDA above
     min(max_tokens, FUSED_MAX_TOKENS, fused_max_tokens) tokens or where the kernel does not take the shapes, run
     exactly those two ops; otherwise one launch of `_norm_route_kernel` whose extra programs compute y (pass
-    p08_small_m_route_gemv)."""
+    p08_small_m_route_gemv). front_block: the front's rows per program (a power of two; 0: `front_rows`), which does
+    not change the results."""
     return _route_then_gemv(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
                             renormalize, scaling, num_expert_group, topk_group, max_tokens, tail, target_programs, w,
                             max_m, block_n, block_k, split_k, design, gemv_pdl, num_warps, l2_prefetch_kb,
-                            early_release, upper, fused_max_tokens)
+                            early_release, upper, fused_max_tokens, front_block)
 
 
 def _route_then_gemv(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
                      renormalize, scaling, num_expert_group, topk_group, max_tokens, tail, target_programs, w, max_m,
                      block_n, block_k, split_k, design, gemv_pdl, num_warps, l2_prefetch_kb, early_release, upper,
-                     fused_max_tokens):
+                     fused_max_tokens, front_block=0):
     """The two ops the fused one replaces, on whichever device x is (the reference, and CUDA's fallback)."""
     check_front(x, norm_weight, w)
-    if fused_max_tokens < 0:
-        raise ValueError(f"norm_route_gemv: fused_max_tokens must be >= 0, got {fused_max_tokens}")
+    check_front_launch(fused_max_tokens, front_block)
     h, p, weights, ids = torch.ops.k3.norm_route(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias,
                                                  router_weight, top_k, renormalize, scaling, num_expert_group,
                                                  topk_group, max_tokens, tail, target_programs)
@@ -374,26 +384,29 @@ def _route_then_gemv(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl,
 def _norm_route_gemv_cuda(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
                           renormalize, scaling, num_expert_group, topk_group, max_tokens, tail, target_programs, w,
                           max_m, block_n, block_k, split_k, design, gemv_pdl, num_warps, l2_prefetch_kb,
-                          early_release, upper, fused_max_tokens):
+                          early_release, upper, fused_max_tokens, front_block=0):
     with torch.cuda.device(x.device):  # Triton launches on the current device
         if (x.shape[0] <= min(max_tokens, FUSED_MAX_TOKENS, fused_max_tokens)
                 and kernel_supports([r.contiguous() for r in bank], x.contiguous(), router_weight, top_k)):
             check_front(x, norm_weight, w)
+            check_front_launch(fused_max_tokens, front_block)
             return norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight,
                                      top_k, renormalize, scaling, num_expert_group, topk_group, pdl=pdl, tail=tail,
-                                     target_programs=target_programs or TARGET_PROGRAMS, front_weight=w)
+                                     target_programs=target_programs or TARGET_PROGRAMS, front_weight=w,
+                                     front_block=front_block or None)
     return _route_then_gemv(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
                             renormalize, scaling, num_expert_group, topk_group, max_tokens, tail, target_programs, w,
                             max_m, block_n, block_k, split_k, design, gemv_pdl, num_warps, l2_prefetch_kb,
-                            early_release, upper, fused_max_tokens)
+                            early_release, upper, fused_max_tokens, front_block)
 
 
 @norm_route_gemv.register_fake
 def _norm_route_gemv_fake(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
                           renormalize, scaling, num_expert_group, topk_group, max_tokens, tail, target_programs, w,
                           max_m, block_n, block_k, split_k, design, gemv_pdl, num_warps, l2_prefetch_kb,
-                          early_release, upper, fused_max_tokens):
+                          early_release, upper, fused_max_tokens, front_block=0):
     check_front(x, norm_weight, w)
+    check_front_launch(fused_max_tokens, front_block)
     h, p, weights, ids = _norm_route_fake(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias,
                                           router_weight, top_k, renormalize, scaling, num_expert_group, topk_group,
                                           max_tokens, tail, target_programs)

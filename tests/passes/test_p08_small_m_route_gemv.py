@@ -69,7 +69,7 @@ def test_one_fused_node_per_moe_front(name):
         assert tuple(node.args[19:19 + len(gemv_args) - 2]) == tuple(gemv_args[2:])  # max_m ..., as P8 tuned them
         weight = getattr(gm, node.args[18].target)
         assert tuple(node.args[20:23]) == gv.default_config(*weight.shape)  # P8's choice="gemv" configuration
-        assert node.args[29] == nr.FUSED_MAX_TOKENS  # the pass's max_tokens, its default
+        assert node.args[29] == nr.FUSED_MAX_TOKENS and len(node.args) == 30  # max_tokens; front_block unset
         assert {u.target for u in node.users} == {operator.getitem}
         assert 0 not in {u.args[1] for u in node.users}  # h: its one reader was the gemv
         assert 4 in {u.args[1] for u in node.users}
@@ -103,6 +103,14 @@ def test_off_by_default_after_p8_and_switchable():
     assert P in pipeline_from_flags(pass_opts=[f"{P}.enabled=true"]).enabled_passes()
     with pytest.raises(PassConfigError, match="max_tokens"):
         get_pass(P).config_cls(max_tokens=nr.FUSED_MAX_TOKENS + 1).validate()
+    with pytest.raises(PassConfigError, match="front_block"):
+        get_pass(P).config_cls(front_block=12).validate()
+
+
+def test_front_block_option_reaches_the_node():
+    gm = _after_p8("k3-tiny")
+    assert run_pass(gm, P, front_block=4) == _expected("k3-tiny")
+    assert {n.args[30] for n in gm.graph.nodes if n.target == FUSED} == {4}
 
 
 def _args(gen, n=3, d=32, experts=16, nf=24, bank_rows=2):
@@ -136,6 +144,7 @@ def test_op_is_the_composition_and_one_node():
     (lambda a: a.__setitem__(18, torch.zeros(24, 32)), "share a dtype"),
     (lambda a: a.__setitem__(29, -1), "fused_max_tokens"),
     (lambda a: a.__setitem__(19, 17), "max_m"),
+    (lambda a: a.append(3), "front_block"),
 ])
 def test_bad_arguments_raise_clear_errors(change, message):
     args = list(_args(torch.Generator().manual_seed(1)))
@@ -186,3 +195,4 @@ def test_cuda_kernel_at_the_k3_mini_shape_in_a_graph_with_pdl(tokens):
     torch.cuda.synchronize()
     check(out)
     check(FUSED(*route, *gemv, 0))  # the pair
+    check(FUSED(*route, *gemv, 8, 32))  # another front tiling (the pass's front_block option)
