@@ -8,10 +8,11 @@ Matched (after P7's norm_route and P8, in any graph that has both: token steps w
                    h read by nothing else; W a weight (get_attr); no bias c
 
 and replaced by `h, p, w, ids, y = k3.norm_route_gemv(<norm_route's arguments, its launch options spelled out>, W,
-<the gemv's configuration, defaults spelled out>, max_tokens[, front_block])`. In K3 the gemv is the MoE's front: the routed experts'
-latent down-projection merged (P1) with the shared expert's gate/up, all on the normed row. The fused kernel runs at
-T <= min(max_tokens, the router kernel's limit); above, the pair (bit-identical to the graph before the pass), as on
-CPU. Kimi Linear's MoE has no front GEMV (its shared gate/up is a slot of P6's kernel A): 0 matches there.
+<the gemv's configuration, defaults spelled out>, max_tokens[, front_block])`. In K3 the gemv is the MoE's front: the
+routed experts' latent down-projection merged (P1) with the shared expert's gate/up, all on the normed row. The
+fused kernel runs at T <= min(max_tokens, the router kernel's limit); above, the pair (bit-identical to the graph
+before the pass), as on CPU. Kimi Linear's MoE has no front GEMV (its shared gate/up is a slot of P6's kernel A): 0
+matches there.
 
 Why: the front GEMV is a separate launch between the router and P6's kernel A, although the router's programs
 already recompute h; as more programs of the router's launch it streams its weights beside the routing tail

@@ -29,13 +29,14 @@ row and no wait on the counter reset; "bitonic", lean with a tl.topk network ins
 `target_programs` the grid's size (default_blocks). Every choice gives the same h, p and ids, and the same weights up to the order of the k-sum.
 
 `torch.ops.k3.norm_route_gemv(<norm_route's arguments, tail and target_programs included>, w, <k3.gemv's
-configuration: max_m .. upper>, fused_max_tokens, front_block=0) -> (h, p, topk_weights, topk_ids, y)` (pass p08_small_m_route_gemv)
-is that op followed by `y = k3.gemv(h, w, None, ...)`, the K3 MoE's front GEMV (its latent down-projection and the
-shared expert's gate/up on h). Where the fused kernel runs (and T <= fused_max_tokens), the same launch has
-cdiv(NF, BLOCK_F) more programs per token after the expert blocks: each loads its [BLOCK_F, D] rows of w before its
-wait, recomputes h as the router's programs do and stores its rows of y (fp32 sums of the bf16 products, rounded
-once: k3.gemv's product up to the order of the sum). So the router's routing tail and the front GEMV run side by
-side, and the graph loses one launch per MoE layer. Elsewhere the op is exactly the two ops.
+configuration: max_m .. upper>, fused_max_tokens, front_block=0) -> (h, p, topk_weights, topk_ids, y)`
+(pass p08_small_m_route_gemv) is that op followed by `y = k3.gemv(h, w, None, ...)`, the K3 MoE's front GEMV (its
+latent down-projection and the shared expert's gate/up on h). Where the fused kernel runs (and T <=
+fused_max_tokens), the same launch has cdiv(NF, BLOCK_F) more programs per token after the expert blocks: each loads
+its [BLOCK_F, D] rows of w before its wait, recomputes h as the router's programs do and stores its rows of y (fp32
+sums of the bf16 products, rounded once: k3.gemv's product up to the order of the sum). So the router's routing
+tail and the front GEMV run side by side, and the graph loses one launch per MoE layer. Elsewhere the op is exactly
+the two ops. Without a front (BLOCK_F 0) the kernel is the router's code alone, as before the op existed.
 
 Testing without a GPU: TRITON_INTERPRET=1 in the environment before this module is imported makes
 `norm_route_triton` run on CPU tensors (tests/passes/kernels/interpret_norm_route.py).
