@@ -49,6 +49,23 @@ def graph_after(name: str, mode: str, dtype: torch.dtype = torch.float32, passes
     return snapshot(_passed(name, mode, dtype, tuple(passes)))
 
 
+UP_TO_P7 = ("p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing", "p05_fused_kda_decode",
+            "p06_fused_moe_decode", "p07_attn_res_norm", "p07_norm_route")  # the passes before P8 (defaults)
+
+
+@functools.lru_cache(maxsize=None)
+def _after_p8(name: str, mode: str, choice: str):
+    gm = graph_after(name, mode, torch.bfloat16, UP_TO_P7)
+    run_pass(gm, "p08_small_m_gemm", choice=choice)
+    return gm
+
+
+def graph_after_p8(name: str, mode: str = "decode", choice: str = "gemv"):
+    """A private copy of the bf16 graph after P1-P7 and P8 with `choice` (run once per graph and process): what the
+    passes after P8 that fold into k3.gemv nodes match on."""
+    return snapshot(_after_p8(name, mode, choice))
+
+
 def run_pass(gm, name: str, **options) -> int:
     spec = get_pass(name)
     cfg = spec.config_cls(**options)

@@ -3,7 +3,6 @@ k3.gemv (every non-router norm of Kimi-Linear; only layer 0's bank-free norm of 
 configuration; nothing without k3.gemv; numerics exactly those of the graph before the pass on CPU (the same
 references) and close to eager; the op's checks and registration; the kernel under the interpreter; on CUDA the
 kernel at the 48B in_proj shape under a CUDA graph with PDL."""
-import functools
 import operator
 
 import pytest
@@ -13,31 +12,16 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from k3compile.passes.kernels import arrivals
 from k3compile.passes.kernels import gemv as gv
 from k3compile.passes.kernels import norm_gemv as ng
-from k3compile.passes.manager import snapshot
 from k3compile.passes.pipeline import PipelineConfig, pipeline_from_flags
 from k3compile.passes.registry import PassConfigError, get_pass
 
-from .helpers import MODELS, assert_as_before_and_close_to_eager, graph_after, layer_counts, model, op_counts, \
-    rel_err, run_pass
+from .helpers import MODELS, assert_as_before_and_close_to_eager, graph_after_p8, layer_counts, model, \
+    op_counts, rel_err, run_pass
 
 P = "p08_small_m_norm_gemv"
-BEFORE = ("p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing", "p05_fused_kda_decode",
-          "p06_fused_moe_decode", "p07_attn_res_norm", "p07_norm_route")
 FUSED = torch.ops.k3.norm_gemv.default
 NORM = torch.ops.k3.attn_res_norm.default
 GEMV = torch.ops.k3.gemv.default
-
-
-@functools.lru_cache(maxsize=None)
-def _after_p8_once(name, mode, choice):
-    gm = graph_after(name, mode, torch.bfloat16, BEFORE)
-    run_pass(gm, "p08_small_m_gemm", choice=choice)
-    return gm
-
-
-def _after_p8(name, mode="decode", choice="gemv"):
-    """A private copy of the bf16 graph after P1-P8 (the passes run once per graph and session)."""
-    return snapshot(_after_p8_once(name, mode, choice))
 
 
 def _expected(name) -> int:
@@ -49,7 +33,7 @@ def _expected(name) -> int:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_one_fused_node_per_norm_feeding_a_gemv(name):
-    gm = _after_p8(name)
+    gm = graph_after_p8(name)
     before = op_counts(gm)
     want = _expected(name)
     assert want == {"k3-tiny": 1, "kimi-linear-tiny": 8}[name]
@@ -76,7 +60,7 @@ def test_one_fused_node_per_norm_feeding_a_gemv(name):
 @pytest.mark.parametrize("name,mode,choice", [("kimi-linear-tiny", "decode", "cublas"),
                                               ("kimi-linear-tiny", "prefill", "gemv")])
 def test_graphs_without_gemv_are_left_alone(name, mode, choice):
-    gm = _after_p8(name, mode, choice)
+    gm = graph_after_p8(name, mode, choice)
     assert op_counts(gm)[GEMV] == 0
     code = gm.code
     assert run_pass(gm, P) == 0 and gm.code == code
@@ -84,8 +68,8 @@ def test_graphs_without_gemv_are_left_alone(name, mode, choice):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_numerics_equal_the_graph_before_and_close_to_eager(name):
-    before = _after_p8(name)
-    gm = _after_p8(name)
+    before = graph_after_p8(name)
+    gm = graph_after_p8(name)
     assert run_pass(gm, P) == _expected(name)
     assert_as_before_and_close_to_eager(gm, before, name, seeds=(1,))  # same references on CPU
 

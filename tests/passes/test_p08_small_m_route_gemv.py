@@ -3,7 +3,6 @@ router's norm + the MoE front GEMV on its h), carrying both ops' arguments; none
 without k3.gemv; numerics exactly those of the graph before the pass on CPU (the same ops) and close to eager; the
 op's checks and registration; the kernel under the interpreter (tests/passes/kernels/interpret_norm_route.py); on
 CUDA the kernel at k3-mini-6b's shape under a CUDA graph with PDL."""
-import functools
 import operator
 
 import pytest
@@ -13,31 +12,16 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from k3compile.passes.kernels import arrivals
 from k3compile.passes.kernels import gemv as gv
 from k3compile.passes.kernels import norm_route as nr
-from k3compile.passes.manager import snapshot
 from k3compile.passes.pipeline import PipelineConfig, pipeline_from_flags
 from k3compile.passes.registry import PassConfigError, get_pass
 
-from .helpers import MODELS, assert_as_before_and_close_to_eager, graph_after, layer_counts, model, op_counts, \
-    rel_err, run_pass
+from .helpers import MODELS, assert_as_before_and_close_to_eager, graph_after_p8, layer_counts, model, \
+    op_counts, rel_err, run_pass
 
 P = "p08_small_m_route_gemv"
-BEFORE = ("p01_gemm_merge", "p02_noop_views", "p03_casts_copies_dce", "p04_fused_routing", "p05_fused_kda_decode",
-          "p06_fused_moe_decode", "p07_attn_res_norm", "p07_norm_route")
 FUSED = torch.ops.k3.norm_route_gemv.default
 ROUTE = torch.ops.k3.norm_route.default
 GEMV = torch.ops.k3.gemv.default
-
-
-@functools.lru_cache(maxsize=None)
-def _after_p8_once(name, mode, choice):
-    gm = graph_after(name, mode, torch.bfloat16, BEFORE)
-    run_pass(gm, "p08_small_m_gemm", choice=choice)
-    return gm
-
-
-def _after_p8(name, mode="decode", choice="gemv"):
-    """A private copy of the bf16 graph after P1-P8 (the passes run once per graph and session)."""
-    return snapshot(_after_p8_once(name, mode, choice))
 
 
 def _expected(name) -> int:
@@ -48,7 +32,7 @@ def _expected(name) -> int:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_one_fused_node_per_moe_front(name):
-    gm = _after_p8(name)
+    gm = graph_after_p8(name)
     before = op_counts(gm)
     want = _expected(name)
     assert want == {"k3-tiny": 8, "kimi-linear-tiny": 0}[name]
@@ -79,7 +63,7 @@ def test_one_fused_node_per_moe_front(name):
 
 @pytest.mark.parametrize("name,mode,choice", [("k3-tiny", "decode", "cublas"), ("k3-tiny", "prefill", "gemv")])
 def test_graphs_without_gemv_or_router_are_left_alone(name, mode, choice):
-    gm = _after_p8(name, mode, choice)
+    gm = graph_after_p8(name, mode, choice)
     assert op_counts(gm)[GEMV] == 0 or op_counts(gm)[ROUTE] == 0
     code = gm.code
     assert run_pass(gm, P) == 0 and gm.code == code
@@ -87,8 +71,8 @@ def test_graphs_without_gemv_or_router_are_left_alone(name, mode, choice):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_numerics_equal_the_graph_before_and_close_to_eager(name):
-    before = _after_p8(name)
-    gm = _after_p8(name)
+    before = graph_after_p8(name)
+    gm = graph_after_p8(name)
     assert run_pass(gm, P) == _expected(name)
     assert_as_before_and_close_to_eager(gm, before, name, seeds=(1,))  # the same ops on CPU
 
@@ -108,7 +92,7 @@ def test_off_by_default_after_p8_and_switchable():
 
 
 def test_front_block_option_reaches_the_node():
-    gm = _after_p8("k3-tiny")
+    gm = graph_after_p8("k3-tiny")
     assert run_pass(gm, P, front_block=4) == _expected("k3-tiny")
     assert {n.args[30] for n in gm.graph.nodes if n.target == FUSED} == {4}
 
