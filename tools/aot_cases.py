@@ -369,7 +369,7 @@ def route_front_case(batch, tail="bitonic", front_block=None):
 
 if "front_weight" in norm_route.norm_route_triton.__code__.co_varnames:
     CASES += [(f"norm_route_gemv mini batch {_b}", route_front_case(_b)) for _b in (1, 8)]
-    CASES += [(f"norm_route_gemv mini batch 1, front_block {_f}", route_front_case(1, front_block=_f)) for _f in (4, 16)]
+    CASES += [(f"norm_route_gemv mini batch 1, front_block {_f}", route_front_case(1, front_block=_f)) for _f in (4, 8)]
 
 
 if "tail" in norm_route.norm_route_triton.__code__.co_varnames:  # route11: every launch tools/bench_route11.py times

@@ -5,7 +5,7 @@
 #              k3-mini-6b at batch 8 and 64 with v-finish (P6's sorted_finish; acts at 64) and v-front (pass
 #              p08_small_m_route_gemv: the MoE front GEMV in the norm_route launch; acts up to batch 8)
 #   PART=mini  the GPU tests of tests/passes (4 workers, one file per worker, TESTS_TL, default 230 s), then
-#              k3-mini-6b at batch 1 with v-front, v-front16 (16 front rows a program) and v-rpf
+#              k3-mini-6b at batch 1 with v-front (16 front rows a program), v-front8 (8 rows) and v-rpf
 # Back in $OUT: ladder_<model>_bf16.{md,json,png} per ladder (renamed with the part's tag), traces_<model>.tar
 # (engine-after's batch-1 trace, for `k3compile report` on CPU), call.log, logs.tar
 source tools/gpu_setup.sh
@@ -15,7 +15,7 @@ say() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/call.log; }
 RPF="rpf:p06_fused_moe_decode.routed_l2_prefetch=true"
 FIN="finish:p06_fused_moe_decode.sorted_finish=true"
 FRONT="front:p08_small_m_route_gemv.enabled=true"
-FRONT16="front16:p08_small_m_route_gemv.enabled=true,p08_small_m_route_gemv.front_block=16"  # 128 programs, not 256
+FRONT8="front8:p08_small_m_route_gemv.enabled=true,p08_small_m_route_gemv.front_block=8"  # 256 front programs, not 128
 ladder() {  # tag, model, batches, time budget (s), variants...
   local tag=$1 model=$2 batches=$3 budget=$4; shift 4
   local V=(); for v in "$@"; do V+=(--variant "$v"); done
@@ -35,7 +35,7 @@ case ${PART:-mini} in
     timeout ${TESTS_TL:-230} python3 -m pytest -q -m gpu -n 4 --dist loadfile -p no:cacheprovider tests/passes \
       > $OUT/logs/tests.log 2>&1
     say "tests/passes (gpu): exit $?"; tail -3 $OUT/logs/tests.log; grep -E "^FAILED|^ERROR" $OUT/logs/tests.log | head -20
-    ladder mini1 k3-mini-6b 1 ${T6:-230} "$FRONT" "$FRONT16" "$RPF" ;;
+    ladder mini1 k3-mini-6b 1 ${T6:-230} "$FRONT" "$FRONT8" "$RPF" ;;
 esac
 (cd $OUT && tar cf logs.tar logs && rm -rf logs)
 say "done"; ls -la $OUT

@@ -278,9 +278,12 @@ def norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bia
 
 
 def front_rows(dim: int, rows: int) -> int:
-    """Rows of the front weight per program: the [rows, D] tile the router's programs hold (MAX_TILE elements),
-    at most the weight's rows rounded up to a power of two."""
-    return max(1, min(MAX_TILE // triton.next_power_of_2(dim), triton.next_power_of_2(max(rows, 1))))
+    """Rows of the front weight per program: a [rows, D] tile of 2 * MAX_TILE elements (16 rows at D = 2048), at most
+    the weight's rows rounded up to a power of two. Why twice the router's tile: the launch's register count is the
+    larger branch's, and at k3-mini-6b (4 warps, ptxas for sm_90a from Triton 3.9's PTX) 8 rows took 249 registers a
+    thread (2 programs an SM: 96 router + 256 front programs are 1.3 waves on 132 SMs), 16 rows 255 with 50 bytes of
+    spill (224 programs, one wave), 4 rows 167 (3 an SM, 608 programs: 1.5 waves). To be measured (gpu_s17.sh)."""
+    return max(1, min(2 * MAX_TILE // triton.next_power_of_2(dim), triton.next_power_of_2(max(rows, 1))))
 
 
 def check_front_launch(fused_max_tokens: int, front_block: int) -> None:
