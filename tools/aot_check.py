@@ -9,12 +9,16 @@ computed (the launchers' results are garbage): this checks compilation only.
     python tools/aot_check.py            # every case below; exit 1 if any kernel fails to compile
     python tools/aot_check.py gemv mla   # only the cases whose name contains one of the words
     python tools/aot_check.py --ptx DIR moe   # also write each compiled kernel's PTX to DIR (to grep it)
+    python tools/aot_check.py --regs route    # also each kernel's registers a thread and spills (ptxas -v, sm_90a)
 Run it under the Triton the GPU box has (e.g. a venv with triton==3.6.0) as well as the local one.
 """
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
 
 import torch
@@ -28,6 +32,7 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "launch_pdl")
 compiled: list[str] = []
 ptx_dir: str | None = None  # --ptx DIR: where each compiled kernel's PTX goes (case index, kernel name)
+report_regs = False  # --regs: run ptxas -v on each kernel's PTX
 
 
 def _sig(value) -> str:
@@ -65,18 +70,47 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                             options=options)
     compiled.append(self.fn.__name__)
+    if report_regs:
+        compiled[-1] += f" ({ptxas_usage(kernel.asm['ptx'])})"
     if ptx_dir is not None:
         with open(os.path.join(ptx_dir, f"{len(compiled):03d}_{self.fn.__name__}.ptx"), "w") as f:
             f.write(kernel.asm["ptx"])
     return None
 
 
+def ptxas_usage(ptx: str) -> str:
+    """'R registers, S bytes spilled' from the ptxas that Triton bundles. Its PTX ISA can be older than the PTX Triton
+    writes (Triton 3.9: PTX 9.4, its ptxas 8.8): then the .version line is lowered to the one ptxas names and it runs
+    again; the kernels use no newer instruction (one that did fails here, named)."""
+    from triton.backends.nvidia import compiler as nv
+    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        for _ in range(2):
+            with open(src, "w") as f:
+                f.write(ptx)
+            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                                 capture_output=True, text=True)
+            text = out.stdout + out.stderr
+            older = re.search(r"Unsupported \.version \S+; current version is '([0-9.]+)'", text)
+            if not older:
+                break
+            ptx = re.sub(r"^\.version \S+", f".version {older[1]}", ptx, count=1, flags=re.M)
+    regs, spill = re.search(r"Used (\d+) registers", text), re.search(r"(\d+) bytes spill stores", text)
+    if not regs:
+        return "ptxas: " + (text.strip().splitlines() or ["no output"])[0]
+    return f"{regs[1]} registers, {spill[1] if spill else 0} bytes spilled"
+
+
 def main() -> int:
     JITFunction.run = _compile_only
     sys.path.insert(0, "tools")
     from aot_cases import CASES  # the launcher calls, one per kernel path
-    global ptx_dir
+    global ptx_dir, report_regs
     words = sys.argv[1:]
+    if "--regs" in words:
+        report_regs = True
+        words.remove("--regs")
     if words[:1] == ["--ptx"]:
         if len(words) < 2:
             sys.exit("aot_check: --ptx needs a folder")
