@@ -6,6 +6,9 @@
 #              p08_small_m_route_gemv: the MoE front GEMV in the norm_route launch; acts up to batch 8)
 #   PART=mini  the GPU tests of tests/passes (4 workers, one file per worker, TESTS_TL, default 230 s), then
 #              k3-mini-6b at batch 1 with v-front (16 front rows a program), v-front8 (8 rows) and v-rpf
+#   PART=one   (needs the H200's memory; for a session that may get one call only, ~400 s warm) the GPU tests that
+#              changed since they last ran on a GPU (TESTS_TL, default 150 s), then k3-mini-6b at batch 1 with v-front,
+#              v-front8 and v-rpf, then the 48B at batch 1 with v-rpf
 # Back in $OUT: ladder_<model>_bf16.{md,json,png} per ladder (renamed with the part's tag), traces_<model>.tar
 # (engine-after's batch-1 trace, for `k3compile report` on CPU), call.log, logs.tar
 source tools/gpu_setup.sh
@@ -36,6 +39,14 @@ case ${PART:-mini} in
       > $OUT/logs/tests.log 2>&1
     say "tests/passes (gpu): exit $?"; tail -3 $OUT/logs/tests.log; grep -E "^FAILED|^ERROR" $OUT/logs/tests.log | head -20
     ladder mini1 k3-mini-6b 1 ${T6:-230} "$FRONT" "$FRONT8" "$RPF" ;;
+  one)
+    timeout ${TESTS_TL:-150} python3 -m pytest -q -m gpu -n 4 --dist loadfile -p no:cacheprovider \
+      tests/passes/kernels/test_moe_sorted.py tests/passes/test_p08_small_m_route_gemv.py \
+      tests/passes/test_p07_norm_route.py "tests/passes/kernels/test_moe_decode.py::test_cuda_routed_l2_prefetch_gives_the_same_bits" \
+      tests/passes/test_p06_fused_moe_decode.py -k "cuda" > $OUT/logs/tests.log 2>&1
+    say "changed GPU tests: exit $?"; tail -3 $OUT/logs/tests.log; grep -E "^FAILED|^ERROR" $OUT/logs/tests.log | head -20
+    ladder mini1 k3-mini-6b 1 ${T6:-150} "$FRONT" "$FRONT8" "$RPF"
+    ladder 48b1 kimi-linear-48b 1 ${T48:-150} "$RPF" ;;
 esac
 (cd $OUT && tar cf logs.tar logs && rm -rf logs)
 say "done"; ls -la $OUT
