@@ -12,7 +12,7 @@ and replaced by `h, p, w, ids, y = k3.norm_route_gemv(<norm_route's arguments, i
 routed experts' latent down-projection merged (P1) with the shared expert's gate/up, all on the normed row. The
 fused kernel runs at T <= min(max_tokens, the router kernel's limit); above, the pair (bit-identical to the graph
 before the pass), as on CPU. Kimi Linear's MoE has no front GEMV (its shared gate/up is a slot of P6's kernel A): 0
-matches there.
+matches there; tensor-parallel ranks have no norm_route (their norm reads an all-reduce: P9's), 0 too.
 
 Why: the front GEMV is a separate launch between the router and P6's kernel A, although the router's programs
 already recompute h; as more programs of the router's launch it streams its weights beside the routing tail
