@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from k3compile.report.attribution import attribute
 from k3compile.report.categories import CATEGORIES, classify
 from k3compile.report.critical_path import CLASSES, CriticalPath, critical_path
+from k3compile.report.occupancy import LaunchShape, launch_shapes
 from k3compile.report.roofline import RooflineReport, analyze_roofline
 from k3compile.report.steps import DEFAULT_STEP_PATTERN, Segmentation, StepEvents, segment
 from k3compile.report.trace import KERNEL, MEMCPY, MEMSET, Event, Trace, is_graph_launch
@@ -113,6 +114,7 @@ class Report:
     critical_paths: list[CriticalPath] = field(default_factory=list)
     critical_path_mean: dict[str, float] = field(default_factory=dict)  # class -> us, and "total"
     kernels_per_step: dict[str, float] = field(default_factory=dict)  # GPU event name -> count per step (--diff)
+    launch_shapes: list[LaunchShape] = field(default_factory=list)  # grid vs the GPU's residency, top N by time
 
 
 def by_category(events: list[Event]) -> dict[str, CategoryStats]:
@@ -300,6 +302,7 @@ def analyze(trace: Trace, step_pattern: str = DEFAULT_STEP_PATTERN, top: int = 1
                            "nodes": len(r.nodes)} for r in refs],
         roofline=roofline, critical_paths=paths, critical_path_mean=cp_mean,
         kernels_per_step=_names_per_step(seg),
+        launch_shapes=launch_shapes([e for se in seg.steps for e in se.gpu], trace.metadata)[:top],
     )
 
 

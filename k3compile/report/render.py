@@ -115,6 +115,15 @@ def _gpu_sections(report: Report, labels: list[str]) -> list[str]:
                 "event before it on its stream; under PDL a kernel starts, and waits, while its predecessor runs)"]
     out += _names_table(report.top_kernels)
 
+    if report.launch_shapes:
+        out += ["", "Launch shapes by GPU time: blocks an SM holds at once (from registers, shared memory, threads; the "
+                    "binding one named) and the waves the grid needs on the device's SMs (> 1: the last blocks wait "
+                    "for the first to finish)"]
+        rows = [[str(i + 1), x.blocks, x.threads, x.registers, x.shared_bytes, x.resident_per_sm, x.limited_by,
+                 x.waves, x.launches, x.mean_us, _shorten(x.name)] for i, x in enumerate(report.launch_shapes)]
+        out += _table(["#", "blocks", "threads", "regs", "smem B", "per SM", "bound by", "waves", "count", "mean us",
+                       "name"], rows, ("bound by", "name"))
+
     out += ["", "GPU work per step by the top-level op that launched it (eager traces; a CUDA graph "
                 "replay is one row)"]
     rows = [[_shorten(o.op), _count(o.kernels), _count(o.copies), o.gpu_us, _pct(o.share)]

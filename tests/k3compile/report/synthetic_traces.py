@@ -17,6 +17,7 @@ class TraceBuilder:
         ]
         self._next_corr = 100
         self.extra: dict = {}  # more top-level keys (the "k3compile" node table)
+        self.device_properties: dict = {}  # more of device 0's deviceProperties (numSms, ...)
 
     def annotation(self, name: str, ts: float, dur: float) -> None:
         self.events.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": self.CPU_PID,
@@ -44,8 +45,9 @@ class TraceBuilder:
         return corr
 
     def gpu(self, name: str, corr: int, ts: float, dur: float, stream: int = 7, device: int = 0,
-            cat: str = "kernel") -> None:
-        args = {"device": device, "stream": stream}
+            cat: str = "kernel", launch: dict | None = None) -> None:
+        """launch: the profiler's launch args of a kernel ("grid", "block", "registers per thread", ...)."""
+        args = {"device": device, "stream": stream, **(launch or {})}
         if self.with_correlation_args:
             args["correlation"] = corr
         self.events.append({"ph": "X", "cat": cat, "name": name, "pid": device, "tid": stream,
@@ -60,7 +62,7 @@ class TraceBuilder:
         return corr
 
     def doc(self) -> dict:
-        return {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H200"}],
+        return {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H200", **self.device_properties}],
                 "displayTimeUnit": "ms", "traceEvents": self.events, **self.extra}
 
     def write(self, path, gz: bool = False):
