@@ -242,6 +242,13 @@ def getitem_outputs(node: Node) -> dict:
     return out
 
 
+def args_with_defaults(node: Node) -> tuple:
+    """A call node's positional args with the trailing ones it leaves out spelled as its op schema's defaults
+    (a node made before an op grew an argument keeps the shorter form)."""
+    schema = node.target._schema.arguments
+    return tuple(node.args) + tuple(a.default_value for a in schema[len(node.args):])
+
+
 def is_call(node, *targets) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 

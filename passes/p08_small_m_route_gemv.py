@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_utils import fake_mode_of, getitem_outputs, is_call, set_meta_val
+from .graph_utils import args_with_defaults, fake_mode_of, getitem_outputs, is_call, set_meta_val
 from .kernels import gemv as _gemv  # noqa: F401  (registers torch.ops.k3.gemv)
 from .kernels import norm_route as _kernel
 from .registry import PassConfig, PassConfigError, register_pass
@@ -36,10 +36,6 @@ NORM_ROUTE = torch.ops.k3.norm_route.default
 GEMV = torch.ops.k3.gemv.default
 FUSED = torch.ops.k3.norm_route_gemv.default
 
-# k3.gemv's arguments after (x, w, c) with their schema defaults, and norm_route's launch options (tail,
-# target_programs): a node may leave trailing defaults out, the fused node spells them all
-GEMV_DEFAULTS = (None, None, None, None, 0, False, 4, 0, False, None)  # max_m .. upper (the first four required)
-ROUTE_OPTION_DEFAULTS = ("rounds", 0)
 
 
 @dataclass
@@ -83,17 +79,18 @@ def route_gemv(gm: GraphModule, config: RouteGemvConfig) -> int:
     """k3.norm_route + the k3.gemv on its h -> one k3.norm_route_gemv."""
     g = gm.graph
     matches, fake_mode = 0, None
+    order = {n: i for i, n in enumerate(g.nodes)}  # moved weight reads only go earlier: still a valid test
     for route in [n for n in g.nodes if is_call(n, NORM_ROUTE)]:
         m = _match(route)
         if m is None:
             continue
         gemv, outs = m
         fake_mode = fake_mode or fake_mode_of(gm)
-        route_args = tuple(route.args) + ROUTE_OPTION_DEFAULTS[len(route.args) - 16:]
         w = gemv.args[1]
-        gemv_args = tuple(gemv.args[3:]) + GEMV_DEFAULTS[len(gemv.args) - 3:]
-        if w.op == "get_attr" and list(g.nodes).index(w) > list(g.nodes).index(route):
+        if order[w] > order[route]:
             route.prepend(w)  # a weight read: it may move before the fused node
+        # both ops' trailing defaults spelled out (tail, target_programs; max_m .. upper): the fused op takes all
+        route_args, gemv_args = args_with_defaults(route), args_with_defaults(gemv)[3:]
         with g.inserting_before(route):
             launch = (config.front_block,) if config.front_block else ()  # unset: the schema's default
             fused = g.call_function(FUSED, (*route_args, w, *gemv_args, config.max_tokens, *launch))

@@ -321,13 +321,19 @@ def norm_route(bank: list[torch.Tensor], x: torch.Tensor, delta: torch.Tensor | 
                                 renormalize, scaling, num_expert_group, topk_group)
 
 
+def _fused_applies(bank, x, router_weight, top_k, max_tokens: int) -> bool:
+    """Whether CUDA runs the fused kernel for this call: at most min(max_tokens, FUSED_MAX_TOKENS) tokens, and shapes
+    the kernel takes."""
+    return (x.shape[0] <= min(max_tokens, FUSED_MAX_TOKENS)
+            and kernel_supports([r.contiguous() for r in bank], x.contiguous(), router_weight, top_k))
+
+
 @norm_route.register_kernel("cuda")
 def _norm_route_cuda(bank, x, delta, query, norm_weight, res_eps, norm_eps, pdl, bias, router_weight, top_k,
                      renormalize, scaling, num_expert_group, topk_group, max_tokens, tail="rounds", target_programs=0):
     route = (top_k, renormalize, scaling, num_expert_group, topk_group)
     with torch.cuda.device(x.device):  # Triton launches on the current device
-        if x.shape[0] <= min(max_tokens, FUSED_MAX_TOKENS) and kernel_supports([r.contiguous() for r in bank], x.contiguous(),
-                                                        router_weight, top_k):
+        if _fused_applies(bank, x, router_weight, top_k, max_tokens):
             return norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight,
                                      *route, pdl=pdl, tail=tail, target_programs=target_programs or TARGET_PROGRAMS)
         # today's pair: P7's kernel with h's fp32 copy, then the router GEMM (cuBLAS) and the routing kernel
@@ -390,8 +396,7 @@ def _norm_route_gemv_cuda(bank, x, delta, query, norm_weight, res_eps, norm_eps,
                           max_m, block_n, block_k, split_k, design, gemv_pdl, num_warps, l2_prefetch_kb,
                           early_release, upper, fused_max_tokens, front_block=0):
     with torch.cuda.device(x.device):  # Triton launches on the current device
-        if (x.shape[0] <= min(max_tokens, FUSED_MAX_TOKENS, fused_max_tokens)
-                and kernel_supports([r.contiguous() for r in bank], x.contiguous(), router_weight, top_k)):
+        if _fused_applies(bank, x, router_weight, top_k, min(max_tokens, fused_max_tokens)):
             check_front(x, norm_weight, w)
             check_front_launch(fused_max_tokens, front_block)
             return norm_route_triton(bank, x, delta, query, norm_weight, res_eps, norm_eps, bias, router_weight,
