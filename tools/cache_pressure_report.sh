@@ -299,3 +299,17 @@ if [[ " $PHASES " == *" s14_unified "* ]]; then
         --out "$OUT/s14_unified_${spec%%:*}" > "$OUT/s14_unified_${spec%%:*}.log" 2>&1
   done
 fi
+if [[ " $PHASES " == *" s18_unified "* ]]; then
+  # session 18: every policy (none, end, every_chunk, sparse, valued) on the unified arena with today's code, seeds 1-3,
+  # at the split report's budgets: the goal table on the memory `serve` would default to, and `sparse` against
+  # `valued` there. One process per trace (tot: per budget), then one merged report.
+  pids=(); parts=()
+  for spec in agent:65536,16384,8192 tot_fork:65536,16384,8192 tot:65536 tot:16384 tot:4096; do
+    name=s18_unified_${spec%%:*}; [[ ${spec%%:*} == tot ]] && name=${name}_${spec##*:}
+    $BENCH --unified --traces ${spec%%:*} --seeds 1,2,3 --budgets-kib ${spec##*:} \
+        --policies "none;end;every_chunk;sparse;valued" --out "$OUT/$name" > "$OUT/$name.log" 2>&1 &
+    pids+=($!); parts+=("'$OUT/$name'")
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  $PY -c "from k3compile.bench.cache_pressure import merge; print(merge([$(IFS=,; echo "${parts[*]}")], '$OUT/s18_unified'))"
+fi

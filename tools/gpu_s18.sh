@@ -5,6 +5,8 @@
 #   PART=48b   (needs the H200's memory) gpu_s17's 48b part, then the 48B batch-1 attributed profile (PROF48=0: skip)
 #   PART=mini  gpu_s17's mini part (GPU tests of tests/passes, k3-mini-6b batch 1 with v-front, v-front8, v-rpf),
 #              then the k3-mini-6b batch-1 attributed profile
+#   PART=one   (H200; if one call is all that comes) gpu_s17's one part (changed GPU tests, k3-mini-6b and the 48B at
+#              batch 1 with the arms), then the k3-mini-6b profile; e.g. TESTS_TL=120 T6=140 T48=150 PROF_TL=90
 # Back in $OUT: as gpu_s17.sh, plus profile_<model>_bs1.json.gz and logs/profile_<model>.log.
 set -u
 PART=${PART:-mini}
@@ -19,5 +21,6 @@ profile() {  # model, time limit (s)
 case $PART in
   48b) [ "${PROF48:-1}" = 1 ] && profile kimi-linear-48b ${PROF_TL:-150} ;;
   mini) profile k3-mini-6b ${PROF_TL:-120} ;;
+  one) profile k3-mini-6b ${PROF_TL:-90} ;;
 esac
 ls -la $OUT
