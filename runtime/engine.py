@@ -8,8 +8,11 @@
     engine.generate([ids_a, ids_b], SamplingParams(max_new_tokens=8))   # offline convenience
 
 Memory. A byte budget (`memory_bytes`; without it sized from the device after the weights are
-loaded, `mem_fraction_static`, runtime/memory/sizing.py) becomes split pools (`state_fraction` of it
-for KDA state slots, the rest KV pages) or, with `enable_unified_memory`, one arena both kinds share.
+loaded, `mem_fraction_static`, runtime/memory/sizing.py) becomes one arena KV pages and KDA state
+slots share (the default) or, with `enable_unified_memory=False` or a `state_fraction`, split pools
+(`state_fraction` of it for state slots, the rest KV pages: SGLang's layout). The arena is the default
+because it never lost to split pools on issue 15's traces, for any cache policy, and won up to 2.3x the
+hit tokens and 4x lower TTFT where memory is tight (traces/cache_pressure/README.md, "Session 18").
 `memory_summary()` says what was sized.
 
 Engines. With `engine_dir` the engine directory is opened by `open_engine` (k3compile/engine): its
@@ -99,7 +102,7 @@ class EngineArgs:
     memory_bytes: int | None = None  # None: sized from the device (mem_fraction_static)
     mem_fraction_static: float | None = None  # None: sizing.DEFAULT_MEM_FRACTION_STATIC
     state_fraction: float | None = None  # split pools only; None: DEFAULT_STATE_FRACTION
-    enable_unified_memory: bool = False
+    enable_unified_memory: bool | None = None  # None: the unified arena unless state_fraction asks for split pools
     enable_prefix_cache: bool = True
     overlap: bool | None = None  # None: on for CUDA devices (the launch is asynchronous there)
     track_interval: int = 256
@@ -192,6 +195,9 @@ def _check_args(args: EngineArgs, have_model: bool) -> None:
         raise ValueError(f"memory_bytes must be positive, got {args.memory_bytes}")
     if args.state_fraction is not None and not 0.0 < args.state_fraction < 1.0:
         raise ValueError(f"state_fraction must be in (0, 1), got {args.state_fraction}")
+    if args.state_fraction is not None and args.enable_unified_memory:
+        raise ValueError("state_fraction sizes split pools; the unified arena has no fixed state share "
+                         "(give one of enable_unified_memory and state_fraction)")
     if args.decode_reserve_ratio is not None and not 0.0 <= args.decode_reserve_ratio <= 1.0:
         raise ValueError(f"decode_reserve_ratio must be in [0, 1], got {args.decode_reserve_ratio}")
     if args.max_context is not None and args.max_context < 2:
@@ -339,13 +345,14 @@ class LLMEngine:
 
     @staticmethod
     def _settle_args(args: EngineArgs, provider) -> EngineArgs:
-        """Fill what the args leave open from the provider: an Engine brings the page size, decode
-        buckets and dtype it was built with."""
+        """Fill what the args leave open: the memory kind (the unified arena unless a state share asks for
+        split pools); from the provider, the page size, decode buckets and dtype an Engine was built with."""
         def first(*values):
             return next((v for v in values if v is not None), None)
 
         return replace(
-            args, page_size=first(args.page_size, getattr(provider, "page_size", None), DEFAULT_PAGE_SIZE),
+            args, enable_unified_memory=first(args.enable_unified_memory, args.state_fraction is None),
+            page_size=first(args.page_size, getattr(provider, "page_size", None), DEFAULT_PAGE_SIZE),
             cuda_graph_buckets=first(args.cuda_graph_buckets, getattr(provider, "decode_buckets", None)),
             dtype=first(args.dtype, DTYPE_NAMES.get(getattr(provider, "dtype", None)), DEFAULT_DTYPE))
 

@@ -29,7 +29,8 @@ ROOTS=${2:-24}
 PHASES=${3:-tune report}
 export OMP_NUM_THREADS=1
 PY=${PYTHON:-.venv/bin/python}
-BENCH="$PY -m k3compile.cli bench cache-pressure --roots $ROOTS --duration 90"
+# --split-pools: every phase before s18 ran on split pools, then the bench default (a later --unified wins)
+BENCH="$PY -m k3compile.cli bench cache-pressure --split-pools --roots $ROOTS --duration 90"
 if [[ " $PHASES " == *" tune "* ]]; then
   # tuning (seed 0 only): value weight and per-path cap at the two tighter budgets
   $BENCH --seeds 0 --budgets-kib 16384,8192 --out "$OUT/tune_seed0" \

@@ -64,7 +64,10 @@ def register(sub, name: str = "cache-pressure", help: str = "cache policies on r
                         "~100x cheaper); model: run the model")
     p.add_argument("--byte-ratio", default="tiny", choices=["tiny", "k3", "k3-mini"],
                    help="with --forward cost: state slot / KV page bytes of k3-tiny, K3 (TP 8) or k3-mini-6b")
-    p.add_argument("--unified", action="store_true", help="one unified arena instead of split pools")
+    p.add_argument("--unified", action="store_true", default=None,
+                   help="one unified arena (the engine's default unless --state-fraction is given)")
+    p.add_argument("--split-pools", dest="unified", action="store_false", default=None,
+                   help="split pools at --state-fraction (default: SGLang's share) instead of the unified arena")
     p.add_argument("--state-fraction", type=float, default=None,
                    help="split pools: the budget's share for state slots (default: SGLang's, DEFAULT_STATE_FRACTION); "
                         "issue 15's best split in hindsight is a sweep of this")
@@ -114,8 +117,9 @@ def run_one(args, model, policy, roots, budget: int) -> dict:
     wall = time.perf_counter() - t0
     row = summarize_replay(engine, r, args.page_size)
     engine.close()
-    row.update(budget_bytes=budget, wall_seconds=wall, unified=bool(args.unified),
-               state_fraction=None if args.unified else (getattr(args, "state_fraction", None) or DEFAULT_STATE_FRACTION))
+    unified = engine.args.enable_unified_memory  # settled by the engine (None asks for its default)
+    row.update(budget_bytes=budget, wall_seconds=wall, unified=unified,
+               state_fraction=None if unified else (getattr(args, "state_fraction", None) or DEFAULT_STATE_FRACTION))
     return row
 
 
@@ -136,6 +140,11 @@ def run(args) -> int:
             raise ValueError(f"unknown trace {t!r}; known: {', '.join(PRESETS)}")
     seeds, budgets = _ints(args.seeds, "--seeds"), [b << 10 for b in _ints(args.budgets_kib, "--budgets-kib")]
     policies = [parse_policy(p) for p in split_policies(args.policies)]
+    state_fraction = getattr(args, "state_fraction", None)
+    if args.unified and state_fraction is not None:
+        raise ValueError("--state-fraction sizes split pools; it does not go with --unified")
+    if args.unified is None:  # the engine's default memory (runtime/engine.py)
+        args.unified = state_fraction is None
     if args.forward == "model":
         if args.byte_ratio != "tiny":
             raise ValueError("--byte-ratio scales the stand-in model's state; the real forward uses the model's own")

@@ -23,6 +23,8 @@ from .spec_flags import add_spec_flags, spec_kwargs
 
 
 def register(sub) -> None:
+    from k3compile.runtime.cache_policy import POLICIES as CACHE_POLICIES
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     p.add_argument("model_positional", metavar="MODEL|ENGINE_DIR", nargs="?", default=None,
                    help="preset name, checkpoint directory, or engine directory (has engine.json)")
@@ -55,10 +57,18 @@ def register(sub) -> None:
                    default=None, help="share of the GPU's memory for weights + KV + state (SGLang's name; vLLM's "
                    "--gpu-memory-utilization is the same flag here); on CPU the share of available RAM "
                    "(default: 0.85)")
-    p.add_argument("--enable-unified-memory", action="store_true",
-                   help="one arena for KV pages and state slots instead of split pools")
+    p.add_argument("--enable-unified-memory", dest="enable_unified_memory", action="store_true", default=None,
+                   help="one arena for KV pages and state slots (the default unless --mamba-full-memory-ratio is "
+                   "given)")
+    p.add_argument("--disable-unified-memory", dest="enable_unified_memory", action="store_false", default=None,
+                   help="split pools: a fixed share for KDA state slots, the rest KV pages (SGLang's layout)")
     p.add_argument("--mamba-full-memory-ratio", type=float, default=None,
-                   help="split pools only: state : KV memory ratio, as in SGLang (default 0.9, i.e. 47%% to state)")
+                   help="split pools (giving it picks them): state : KV memory ratio, as in SGLang (default 0.9, "
+                   "i.e. 47%% to state)")
+    p.add_argument("--cache-policy", default="sparse", choices=list(CACHE_POLICIES),
+                   help="which KDA states the prefix cache keeps and evicts (runtime/cache_policy.py): sparse "
+                   "(chunk states at branch points and prompt tails, the default), valued (the same, evicted by "
+                   "recompute saved per byte: fewer bytes), every_chunk, end, none")
     p.add_argument("--disable-prefix-cache", action="store_true", help="no radix cache / KDA checkpoints")
     p.add_argument("--overlap", dest="overlap", action="store_true", default=True,
                    help="prepare and launch batch N+1 while batch N runs (the default)")
@@ -112,6 +122,7 @@ def engine_args(args):
                   state_fraction=None if args.mamba_full_memory_ratio is None
                   else state_fraction_from_ratio(args.mamba_full_memory_ratio),
                   enable_prefix_cache=not args.disable_prefix_cache, overlap=args.overlap,
+                  cache_policy=getattr(args, "cache_policy", "sparse"),
                   mixed_batches=getattr(args, "mixed_batches", True),
                   max_context=args.max_context, mem_fraction_static=args.mem_fraction_static,
                   dtype=args.dtype,   # dtype None: fp32 for a model, the engine's own for an engine

@@ -100,14 +100,15 @@ def test_abort_frees_everything(model, prompts, overlap, stage):
 
 
 def test_running_limit_follows_the_state_pool(model):
-    engine = make_engine(model, memory_bytes=4_000_000)
+    split = dict(enable_unified_memory=False)
+    engine = make_engine(model, memory_bytes=4_000_000, **split)
     slots = engine.memory.inner.total_slots
     assert engine.scheduler.cfg.max_running == slots // MAX_TRANSIENT_SLOTS
     assert engine.metrics()["max_running"] == slots // MAX_TRANSIENT_SLOTS
-    no_cache = make_engine(model, memory_bytes=4_000_000, enable_prefix_cache=False)
+    no_cache = make_engine(model, memory_bytes=4_000_000, enable_prefix_cache=False, **split)
     assert no_cache.scheduler.cfg.max_running == no_cache.memory.inner.total_slots
     # the running limit holds under load
-    many = make_engine(model, memory_bytes=400_000, chunk_size=16)
+    many = make_engine(model, memory_bytes=400_000, chunk_size=16, **split)
     limit = many.scheduler.cfg.max_running
     rng = random.Random(23)
     for i in range(limit + 3):
@@ -141,7 +142,9 @@ def test_bad_requests_are_refused_with_clear_errors(model):
     (dict(page_size=0), "page_size must be a positive int"),
     (dict(cache_policy="most"), "unknown cache policy"),
     (dict(checkpoint_interval=48), "checkpoint_interval 48"),
-    (dict(memory_bytes=50_000), "too small"),
+    (dict(memory_bytes=50_000), "leave room for 0 tokens"),  # the unified arena (default)
+    (dict(memory_bytes=50_000, enable_unified_memory=False), "too small"),
+    (dict(enable_unified_memory=True, state_fraction=0.5), "state_fraction sizes split pools"),
     (dict(max_context=10**6), "does not fit the memory"),
     (dict(dtype="fp8"), "dtype must be one of"),
 ])

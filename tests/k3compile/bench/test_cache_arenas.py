@@ -64,7 +64,7 @@ def test_state_fraction_sizes_the_split_pools_and_is_recorded():
                      agent_steps=(2, 3), tool_result=(4, 8), agent_answer=(2, 4), seed=5)
     roots, model = make_trace(spec), StandInModel()
     base = ("--chunk-size", "64", "--track-interval", "64")
-    default = run_one(args_for(*base), model, parse_policy("valued"), roots, 2 << 20)
+    default = run_one(args_for(*base, "--split-pools"), model, parse_policy("valued"), roots, 2 << 20)
     small = run_one(args_for(*base, "--state-fraction", "0.1"), model, parse_policy("valued"), roots, 2 << 20)
     unified = run_one(args_for(*base, "--unified"), model, parse_policy("valued"), roots, 2 << 20)
     assert default["state_fraction"] == DEFAULT_STATE_FRACTION and small["state_fraction"] == 0.1

@@ -166,7 +166,7 @@ def test_min_state_curve_is_the_lp_and_below_every_assignment(t, frac):
     exact = min((sum(o[d] for o, d in zip(truth, ch)) for ch in itertools.product(*[list(o) for o in truth])
                  if sum(ch) >= target - 1e-9), default=INF)
     lp = curve.at(target)
-    assert lp <= exact + 1e-9
+    assert lp <= exact + 1e-6  # the slack `exact` allows the target (1e-9 in gain) can be worth more in cost
     assert lp == pytest.approx(mckp_lp(brute, target), abs=1e-6)
     assert tangent_bound(curve.tangents(3), target) <= lp + 1e-9  # thinned: still a lower bound
     assert tangent_bound(curve.tangents(10 ** 6), target) == pytest.approx(lp, abs=1e-6)

@@ -125,3 +125,27 @@ def test_sglang_memory_ratio_flag_sets_the_split():
     assert e.state_fraction == 0.75 and not e.enable_unified_memory
     assert engine_args(parse("k3-tiny")).state_fraction is None  # engine default: SGLang's 0.9
     assert abs(DEFAULT_STATE_FRACTION - 0.9 / 1.9) < 1e-12
+
+
+def test_memory_kind_and_cache_policy_flags():
+    """The unified arena unless split pools are asked for (--disable-unified-memory, or SGLang's ratio flag);
+    both kinds at once is one clear error; --cache-policy reaches the engine."""
+    from k3compile.runtime.engine import LLMEngine
+
+    def kind(*argv):
+        engine = LLMEngine(serve.engine_args(parse("k3-tiny", "--memory-bytes", "2000000", *argv)))
+        try:
+            summary = engine.memory_summary()
+            return "unified" if "one unified arena" in summary else "split" if "split pools" in summary else summary, \
+                engine.policy.name
+        finally:
+            engine.close()
+
+    assert kind() == ("unified", "sparse")
+    assert kind("--enable-unified-memory", "--cache-policy", "valued") == ("unified", "valued")
+    assert kind("--disable-unified-memory") == ("split", "sparse")
+    assert kind("--mamba-full-memory-ratio", "0.5") == ("split", "sparse")
+    with pytest.raises(ValueError, match="state_fraction sizes split pools"):
+        kind("--enable-unified-memory", "--mamba-full-memory-ratio", "0.5")
+    with pytest.raises(SystemExit):
+        parse("k3-tiny", "--cache-policy", "most")

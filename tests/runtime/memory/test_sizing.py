@@ -39,16 +39,22 @@ def test_bad_fractions_are_refused(bad):
         pool_budget("cpu", bad)
 
 
-def test_engine_sizes_its_pools_and_says_so(monkeypatch):
+@pytest.mark.parametrize("unified", [None, False])
+def test_engine_sizes_its_pools_and_says_so(monkeypatch, unified):
     from k3compile.runtime.engine import EngineArgs, LLMEngine
 
     monkeypatch.setattr(sizing, "available_ram_bytes", lambda: 40 << 20)
-    engine = LLMEngine(EngineArgs(model="k3-tiny", mem_fraction_static=0.5))
+    engine = LLMEngine(EngineArgs(model="k3-tiny", mem_fraction_static=0.5, enable_unified_memory=unified))
     assert engine.budget.bytes == 20 << 20
     summary = engine.memory_summary()
     assert "20 MiB" in summary and "tokens of KV" in summary and "state slots" in summary
     mem = engine.memory
-    pool_bytes = (mem.num_free_pages() + mem.num_used_pages()) * mem.spec.page_bytes(16) + \
-        (mem.num_free_slots() + mem.num_used_slots()) * mem.spec.slot_bytes
+    if unified is None:  # the default: one arena, which pages and slots both count whole
+        assert "one unified arena" in summary
+        pool_bytes = mem.inner.arena_bytes
+    else:
+        assert "split pools" in summary
+        pool_bytes = (mem.num_free_pages() + mem.num_used_pages()) * mem.spec.page_bytes(16) + \
+            (mem.num_free_slots() + mem.num_used_slots()) * mem.spec.slot_bytes
     assert 0.9 * (20 << 20) <= pool_bytes <= 20 << 20
     engine.close()
