@@ -34,7 +34,7 @@ def _frames(names) -> str:
     return found[0] if found else "?"
 
 
-def record(trace: str, kib: int, policy: str, seed: int):
+def record(trace: str, kib: int, policy: str, seed: int, unified=None):
     """(bench row, per-serial records, lookups at the end) for one replay."""
     recs: dict[int, dict] = {}
     end = {}
@@ -57,7 +57,7 @@ def record(trace: str, kib: int, policy: str, seed: int):
 
         cache.add_checkpoint_listener(on)
 
-    _, row = replay_listening(trace, kib, policy, seed, listen)
+    _, row = replay_listening(trace, kib, policy, seed, listen, unified=unified)
     return row, recs, end["cache"].stats().lookups
 
 
@@ -81,7 +81,7 @@ def summarize(recs: dict, last: int) -> list[tuple]:
 def main() -> int:
     ap = replay_arguments(__doc__.splitlines()[0], "valued")
     a = ap.parse_args()
-    row, recs, last = record(a.trace, a.kib, a.policy, a.seed)
+    row, recs, last = record(a.trace, a.kib, a.policy, a.seed, unified=a.unified)
     print({k: row[k] for k in ("hit_rate", "fraction_of_bound", "checkpoint_bytes_mean", "checkpoints_stored",
                                "repeats_hit", "repeats", "stems_hit", "stems")})
     rows = summarize(recs, last)

@@ -36,7 +36,7 @@ def _caller() -> str:
     return "/".join(names)
 
 
-def record(trace: str, kib: int, policy: str, seed: int):
+def record(trace: str, kib: int, policy: str, seed: int, unified=None):
     """(roots, bench row, checkpoint events, lookups by query) for one replay."""
     events, lookups = [], {}  # events: (lookup, "store"/"drop", serial, depth, hits, branch, caller)
 
@@ -54,14 +54,14 @@ def record(trace: str, kib: int, policy: str, seed: int):
         lookups.setdefault(radix.as_token_tuple(token_ids), []).append((cache.stats().lookups, r.cached_len,
                                                                          r.kv_match_len))
 
-    roots, row = replay_listening(trace, kib, policy, seed, listen, on_match)
+    roots, row = replay_listening(trace, kib, policy, seed, listen, on_match, unified=unified)
     return roots, row, events, lookups
 
 
 def main() -> int:
     ap = replay_arguments(__doc__.splitlines()[0], "valued or valued:protect_shared=0")
     a = ap.parse_args()
-    roots, row, events, lookups = record(a.trace, a.kib, a.policy, a.seed)
+    roots, row, events, lookups = record(a.trace, a.kib, a.policy, a.seed, unified=a.unified)
     print({k: row[k] for k in ("hit_rate", "fraction_of_bound", "repeats_hit", "repeats", "stems_hit", "stems")})
     stack = [r.req for r in roots]
     while stack:

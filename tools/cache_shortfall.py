@@ -29,7 +29,7 @@ from k3compile.bench.cache_replay import PageTrie  # noqa: E402
 from k3compile.runtime.cache import radix  # noqa: E402
 
 
-def shortfall(trace: str, kib: int, policy: str, seed: int, page_size: int = 16):
+def shortfall(trace: str, kib: int, policy: str, seed: int, page_size: int = 16, unified=None):
     """(bench row, per-prompt records: tid, tags, prompt length, bound, KV matched, hit)."""
     lookups: dict[tuple, list] = {}
     captured = {}
@@ -44,7 +44,7 @@ def shortfall(trace: str, kib: int, policy: str, seed: int, page_size: int = 16)
 
     cache_replay.replay = replay_capture
     try:
-        _, row = replay_listening(trace, kib, policy, seed, lambda cache: None, on_match)
+        _, row = replay_listening(trace, kib, policy, seed, lambda cache: None, on_match, unified=unified)
     finally:
         cache_replay.replay = real_replay
     r, trie, out = captured["r"], PageTrie(page_size), []
@@ -65,7 +65,7 @@ def main() -> int:
     ap = replay_arguments(__doc__.splitlines()[0], "valued or sparse")
     ap.add_argument("--top", type=int, default=12, help="largest single losses to list")
     a = ap.parse_args()
-    row, recs = shortfall(a.trace, a.kib, a.policy, a.seed)
+    row, recs = shortfall(a.trace, a.kib, a.policy, a.seed, unified=a.unified)
     bound = sum(x["bound"] for x in recs)
     hit = sum(x["hit"] for x in recs)
     kv_lost = sum(x["bound"] - x["kv"] for x in recs)

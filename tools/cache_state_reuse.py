@@ -35,13 +35,15 @@ def replay_arguments(description: str, policy_example: str) -> argparse.Argument
     ap.add_argument("kib", type=int, help="memory budget in KiB")
     ap.add_argument("policy", help=f"a policy as bench cache takes it, e.g. {policy_example}")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--split-pools", dest="unified", action="store_false", default=None,
+                    help="split pools at SGLang's share (default: the engine's, the unified arena)")
     return ap
 
 
-def replay_listening(trace: str, kib: int, policy: str, seed: int, on_cache, on_match=None):
-    """Replay one (trace, budget, policy, seed) like `bench cache-pressure` (24 roots over 90 s,
-    split pools, the stand-in forward), calling `on_cache(cache)` when the engine builds its
-    HybridRadixCache (to add checkpoint listeners from its birth) and `on_match(cache, tokens,
+def replay_listening(trace: str, kib: int, policy: str, seed: int, on_cache, on_match=None, unified=None):
+    """Replay one (trace, budget, policy, seed) like `bench cache-pressure` (24 roots over 90 s, the
+    engine's default memory unless `unified` says, the stand-in forward), calling `on_cache(cache)` when the
+    engine builds its HybridRadixCache (to add checkpoint listeners from its birth) and `on_match(cache, tokens,
     result)` after every lookup. Returns (roots, bench row)."""
     init, match = radix.HybridRadixCache.__init__, radix.HybridRadixCache.match
 
@@ -58,7 +60,7 @@ def replay_listening(trace: str, kib: int, policy: str, seed: int, on_cache, on_
     radix.HybridRadixCache.__init__, radix.HybridRadixCache.match = init_rec, match_rec
     try:
         args = SimpleNamespace(model="k3-tiny", dtype="fp32", device="cpu", forward="cost", page_size=16,
-                               chunk_size=None, track_interval=None, max_batch_tokens=2048, unified=False,
+                               chunk_size=None, track_interval=None, max_batch_tokens=2048, unified=unified,
                                step_ms=10.0, token_ms=0.05)
         roots = make_trace(TraceSpec(mix=PRESETS[trace], roots=24, duration=90, seed=seed))
         row = cp.run_one(args, StandInModel("k3-tiny", "tiny", 16), parse_policy(policy), roots, kib << 10)
@@ -67,7 +69,7 @@ def replay_listening(trace: str, kib: int, policy: str, seed: int, on_cache, on_
     return roots, row
 
 
-def record(trace: str, kib: int, policy: str, seed: int) -> tuple[dict, dict]:
+def record(trace: str, kib: int, policy: str, seed: int, unified=None) -> tuple[dict, dict]:
     """Per stored checkpoint (by its serial): the lookup count at its store and at every hit
     (HybridRadixCache.add_checkpoint_listener on the engine's cache), and the bench row."""
     rec = {}
@@ -83,7 +85,7 @@ def record(trace: str, kib: int, policy: str, seed: int) -> tuple[dict, dict]:
 
         cache.add_checkpoint_listener(on)
 
-    _, row = replay_listening(trace, kib, policy, seed, listen)
+    _, row = replay_listening(trace, kib, policy, seed, listen, unified=unified)
     return rec, row
 
 
@@ -91,7 +93,7 @@ def main() -> int:
     ap = replay_arguments(__doc__.splitlines()[0], "valued or valued:ttl=0")
     ap.add_argument("--out", default="bench_out")
     a = ap.parse_args()
-    rec, row = record(a.trace, a.kib, a.policy, a.seed)
+    rec, row = record(a.trace, a.kib, a.policy, a.seed, unified=a.unified)
     print({k: row[k] for k in ("hit_rate", "kv_only_bound", "checkpoint_bytes_mean", "checkpoints_stored",
                                "repeats_hit", "repeats", "stems_hit", "stems")})
     os.makedirs(a.out, exist_ok=True)
