@@ -1,7 +1,7 @@
 """What every memory manager offers the runtime: state slots and KV pages, plus the views steps read.
 
-Two implementations: `SplitPools` (two separately sized pools, SGLang-style ratio) and
-`UnifiedArena` (`--enable-unified-memory`: one buffer, state from one end, KV from the other).
+Two implementations: `UnifiedArena` (the default: one buffer, state from one end, KV from the other) and
+`SplitPools` (two separately sized pools, SGLang-style ratio: `--disable-unified-memory`).
 Index 0 of each kind is reserved as a padding sink for CUDA-graph dummy requests and is never
 handed out.
 """

@@ -1,4 +1,4 @@
-"""One byte arena for KDA state slots and MLA KV pages (`--enable-unified-memory`).
+"""One byte arena for KDA state slots and MLA KV pages (the default memory; `--disable-unified-memory` for split pools).
 
 State slots (`slot_bytes` each) grow up from the low end, KV pages (`page_bytes` each) grow down
 from the high end; the bytes between the two bands are the only free region, so capacity follows
