@@ -174,6 +174,14 @@ def _rank_source(args: EngineArgs):
     return None
 
 
+def unified_memory(enable_unified_memory: bool | None, state_fraction: float | None) -> bool:
+    """The memory kind EngineArgs ask for: the unified arena unless a state share asks for split pools."""
+    if enable_unified_memory and state_fraction is not None:
+        raise ValueError("state_fraction sizes split pools; the unified arena has no fixed state share "
+                         "(give one of enable_unified_memory and state_fraction)")
+    return state_fraction is None if enable_unified_memory is None else enable_unified_memory
+
+
 def _check_args(args: EngineArgs, have_model: bool) -> None:
     if args.dtype is not None and args.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
@@ -195,9 +203,7 @@ def _check_args(args: EngineArgs, have_model: bool) -> None:
         raise ValueError(f"memory_bytes must be positive, got {args.memory_bytes}")
     if args.state_fraction is not None and not 0.0 < args.state_fraction < 1.0:
         raise ValueError(f"state_fraction must be in (0, 1), got {args.state_fraction}")
-    if args.state_fraction is not None and args.enable_unified_memory:
-        raise ValueError("state_fraction sizes split pools; the unified arena has no fixed state share "
-                         "(give one of enable_unified_memory and state_fraction)")
+    unified_memory(args.enable_unified_memory, args.state_fraction)
     if args.decode_reserve_ratio is not None and not 0.0 <= args.decode_reserve_ratio <= 1.0:
         raise ValueError(f"decode_reserve_ratio must be in [0, 1], got {args.decode_reserve_ratio}")
     if args.max_context is not None and args.max_context < 2:
@@ -351,7 +357,7 @@ class LLMEngine:
             return next((v for v in values if v is not None), None)
 
         return replace(
-            args, enable_unified_memory=first(args.enable_unified_memory, args.state_fraction is None),
+            args, enable_unified_memory=unified_memory(args.enable_unified_memory, args.state_fraction),
             page_size=first(args.page_size, getattr(provider, "page_size", None), DEFAULT_PAGE_SIZE),
             cuda_graph_buckets=first(args.cuda_graph_buckets, getattr(provider, "decode_buckets", None)),
             dtype=first(args.dtype, DTYPE_NAMES.get(getattr(provider, "dtype", None)), DEFAULT_DTYPE))

@@ -128,6 +128,7 @@ def run(args) -> int:
 
     from k3compile.info import DTYPES
     from k3compile.model_def.loader import load_model
+    from k3compile.runtime.engine import unified_memory
 
     from .cache import parse_policy, split_policies
     from .cache_replay import StandInModel
@@ -140,11 +141,7 @@ def run(args) -> int:
             raise ValueError(f"unknown trace {t!r}; known: {', '.join(PRESETS)}")
     seeds, budgets = _ints(args.seeds, "--seeds"), [b << 10 for b in _ints(args.budgets_kib, "--budgets-kib")]
     policies = [parse_policy(p) for p in split_policies(args.policies)]
-    state_fraction = getattr(args, "state_fraction", None)
-    if args.unified and state_fraction is not None:
-        raise ValueError("--state-fraction sizes split pools; it does not go with --unified")
-    if args.unified is None:  # the engine's default memory (runtime/engine.py)
-        args.unified = state_fraction is None
+    args.unified = unified_memory(args.unified, getattr(args, "state_fraction", None))  # as the engine settles it
     if args.forward == "model":
         if args.byte_ratio != "tiny":
             raise ValueError("--byte-ratio scales the stand-in model's state; the real forward uses the model's own")

@@ -155,17 +155,26 @@ if triton is not None:
                             BLOCK_E, EXPERT_BLOCKS, GROUP_SIZE, NUM_GROUPS, TOPK_GROUP, TOP_K, RENORMALIZE,
                             GROUPS_PAD, GROUP_SIZE_PAD, TOP_K_PAD, TAIL)
         else:
-            cols = tl.arange(0, BLOCK_D)
             f = (block - EXPERT_BLOCKS) * BLOCK_F + tl.arange(0, BLOCK_F)
             f_ok = f < NF
-            # the whole [BLOCK_F, D] weight slice is static: in flight before the wait, as the router's tile
-            wf = tl.load(front_w_ptr + f[:, None].to(tl.int64) * D + cols[None, :],
-                         mask=f_ok[:, None] & (cols < D)[None, :], other=0.0)
-            h = _normed_row(b0, b1, b2, b3, b4, b5, b6, b7, x_ptr, delta_ptr, query_ptr, norm_w_ptr, h_ptr, p_ptr,
-                            block, token, D, res_eps, norm_eps, NUM_BANK, BANK_PAD, BLOCK_D, HAS_DELTA, USE_PDL)
+            y = _rows_times_h(front_w_ptr, f, f_ok, b0, b1, b2, b3, b4, b5, b6, b7, x_ptr, delta_ptr, query_ptr,
+                              norm_w_ptr, h_ptr, p_ptr, block, token, D, res_eps, norm_eps, NUM_BANK, BANK_PAD, BLOCK_D,
+                              HAS_DELTA, USE_PDL)
             # k3.gemv's product: fp32 sums of the 16-bit products, rounded once to the output dtype
-            y = tl.sum(wf.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
             tl.store(front_y_ptr + token * NF + f, y.to(front_y_ptr.dtype.element_ty), mask=f_ok)
+
+    @triton.jit
+    def _rows_times_h(w_ptr, rows, rows_ok, b0, b1, b2, b3, b4, b5, b6, b7, x_ptr, delta_ptr, query_ptr, norm_w_ptr,
+                      h_ptr, p_ptr, block, token, D, res_eps, norm_eps, NUM_BANK: tl.constexpr,
+                      BANK_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DELTA: tl.constexpr, USE_PDL: tl.constexpr):
+        """W[rows] . h in fp32 (the 16-bit products summed in fp32, no TF32), h from `_normed_row`. W's [rows, D]
+        tile is static, so it loads first: with PDL these loads overlap the previous kernel's tail."""
+        cols = tl.arange(0, BLOCK_D)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * D + cols[None, :],
+                    mask=rows_ok[:, None] & (cols < D)[None, :], other=0.0)
+        h = _normed_row(b0, b1, b2, b3, b4, b5, b6, b7, x_ptr, delta_ptr, query_ptr, norm_w_ptr, h_ptr, p_ptr,
+                        block, token, D, res_eps, norm_eps, NUM_BANK, BANK_PAD, BLOCK_D, HAS_DELTA, USE_PDL)
+        return tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
 
     @triton.jit
     def _router_program(b0, b1, b2, b3, b4, b5, b6, b7, x_ptr, delta_ptr, query_ptr, norm_w_ptr, h_ptr, p_ptr,
@@ -177,16 +186,12 @@ if triton is not None:
                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, GROUPS_PAD: tl.constexpr,
                         GROUP_SIZE_PAD: tl.constexpr, TOP_K_PAD: tl.constexpr, TAIL: tl.constexpr):
         """One expert block of the token's router: its rows' fp32 logits, and the routing if it arrives last."""
-        cols = tl.arange(0, BLOCK_D)
         e = block * BLOCK_E + tl.arange(0, BLOCK_E)
         e_ok = e < NUM_EXPERTS
-        # static weights first: with PDL these loads overlap the previous kernel's tail
-        wr = tl.load(router_w_ptr + e[:, None].to(tl.int64) * D + cols[None, :],
-                     mask=e_ok[:, None] & (cols < D)[None, :], other=0.0)
-        h = _normed_row(b0, b1, b2, b3, b4, b5, b6, b7, x_ptr, delta_ptr, query_ptr, norm_w_ptr, h_ptr, p_ptr,
-                        block, token, D, res_eps, norm_eps, NUM_BANK, BANK_PAD, BLOCK_D, HAS_DELTA, USE_PDL)
         # the router reads h.float() (the graph's cast) and W.float(): fp32 multiply-adds, no TF32
-        logits = tl.sum(wr.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+        logits = _rows_times_h(router_w_ptr, e, e_ok, b0, b1, b2, b3, b4, b5, b6, b7, x_ptr, delta_ptr, query_ptr,
+                               norm_w_ptr, h_ptr, p_ptr, block, token, D, res_eps, norm_eps, NUM_BANK, BANK_PAD,
+                               BLOCK_D, HAS_DELTA, USE_PDL)
         _store_logits_and_route(logits, e, e_ok, token, logits_ptr, arrivals_ptr, bias_ptr, weights_ptr, ids_ptr,
                                 scaling, NUM_EXPERTS, EXPERT_BLOCKS, GROUP_SIZE, NUM_GROUPS, TOPK_GROUP, TOP_K,
                                 RENORMALIZE, GROUPS_PAD, GROUP_SIZE_PAD, TOP_K_PAD, TAIL)
