@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import k3compile
 from k3compile.capture import capture_step, step_args
@@ -77,6 +79,19 @@ def run_pass(gm, name: str, **options) -> int:
 
 def op_counts(gm) -> collections.Counter:
     return collections.Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+
+
+def assert_pass_leaves_alone(gm, name: str) -> None:
+    """The pass matches nothing in gm and leaves its code as it was."""
+    code = gm.code
+    assert run_pass(gm, name) == 0 and gm.code == code
+
+
+def assert_one_graph_node(op, args) -> None:
+    """A symbolic trace of op(*args) is one call of op (its outputs read through getitem)."""
+    gm = make_fx(lambda *a: op(*a), tracing_mode="symbolic")(*args)
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    assert calls == [op]
 
 
 # ----------------------------------------------------------------------------- expected counts
