@@ -5,14 +5,30 @@
 #              `one` list, TESTS_TL), the 48B ladder at batch 1 with v-rpf (T48), the 48B batch-1 attributed profile
 #              (tools/profile_engine_step.py, PROF_TL) for `k3compile report` on CPU
 #   PART=mini  (H100 or H200) as gpu_s18.sh's mini: GPU tests of tests/passes, k3-mini-6b batch 1 with v-front,
-#              v-front8, v-rpf, then the k3-mini-6b attributed profile
+#              v-front8, v-rpf, then the k3-mini-6b attributed profile; then `chain` below
+#   PART=chain (H100 or H200, ~150 s) the GEMV-chain kernel's GPU tests and tools/bench_gemv_chain.py (CHAIN_TL): what a
+#              GEMV -> GEMV launch boundary costs against an in-kernel dependency (the megakernel question)
+# Every part ends with `chain` when CHAIN=1 (the default for mini and h200a).
 set -u
 PART=${PART:-h200a}
-if [ "$PART" = mini ]; then exec env PART=mini bash tools/gpu_s18.sh; fi
 source tools/gpu_setup.sh
 mkdir -p $OUT/logs
 T0=$SECONDS
 say() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/call.log; }
+chain() {
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/passes/kernels/test_gemv_chain.py \
+    > $OUT/logs/tests_chain.log 2>&1
+  say "gemv chain GPU tests: exit $?"; tail -2 $OUT/logs/tests_chain.log
+  timeout ${CHAIN_TL:-120} python3 tools/bench_gemv_chain.py --rows ${CHAIN_ROWS:-1} --out $OUT/gemv_chain.md \
+    > $OUT/logs/bench_chain.log 2>&1
+  say "bench_gemv_chain: exit $?"; grep -E "^- " $OUT/gemv_chain.md
+}
+if [ "$PART" = chain ]; then chain; (cd $OUT && tar cf logs.tar logs && rm -rf logs); exit 0; fi
+if [ "$PART" = mini ]; then
+  PART=mini bash tools/gpu_s18.sh
+  mkdir -p $OUT/logs; [ "${CHAIN:-1}" = 1 ] && chain
+  (cd $OUT && tar rf logs.tar logs 2>/dev/null || tar cf logs.tar logs; rm -rf logs); exit 0
+fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee -a $OUT/call.log
 timeout ${TESTS_TL:-120} python3 -m pytest -q -m gpu -n 4 --dist loadfile -p no:cacheprovider \
   tests/passes/kernels/test_moe_sorted.py tests/passes/test_p08_small_m_route_gemv.py \
@@ -30,5 +46,6 @@ rm -rf $OUT/l
 timeout ${PROF_TL:-150} python3 tools/profile_engine_step.py --model kimi-linear-48b --dtype bf16 --batch 1 \
   --context 512 --out $OUT/profile_kimi-linear-48b_bs1.json.gz > $OUT/logs/profile_48b.log 2>&1
 say "profile 48b: exit $?"; tail -3 $OUT/logs/profile_48b.log
+[ "${CHAIN:-1}" = 1 ] && chain
 (cd $OUT && tar cf logs.tar logs && rm -rf logs)
 say "done"; ls -la $OUT
