@@ -13,8 +13,8 @@ counter), and tickets, not program ids, name the work, in stage order: tickets [
 stage s-1 have published (a done counter per stage: release after the tile's stores, acquire in the wait), then
 reads y_{s-1} (through L2: `.cg`) and streams the rest of its weights. A program waits only on lower tickets, which
 belong to programs that have already started, so every wait ends whatever order the GPU starts programs in (fixed
-program ids would let a waiting program hold the SM its producer needs). The last program to finish zeroes the
-counters, so a CUDA graph replays the launch with no memset. Under TRITON_INTERPRET=1 programs run one after another
+program ids would let a waiting program hold the SM its producer needs). The counters count up across launches (launch
+e waits for (e + 1) x the tile counts), so a CUDA graph replays the launch with no memset and no reset. Under TRITON_INTERPRET=1 programs run one after another
 in ticket order, so no wait ever spins.
 
 Arithmetic: each tile is the rows design of kernels/gemv.py with one K split (a [BLOCK_N, BLOCK_K] weight tile times
@@ -69,8 +69,13 @@ if triton is not None:
     @triton.jit
     def _gemv_chain_kernel(w_ptr, act_ptr, meta_ptr, prefix_ptr, ctr_ptr, M, act_row,
                            S: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # ctr: [ticket, finished, done_1 .. done_S], zero between launches
-        t = tl.atomic_add(ctr_ptr, 1, sem="relaxed")
+        # ctr (int64): [ticket, done_1 .. done_S], counting up across launches: launch e (0, 1, ...) hands out tickets
+        # [e * total, (e + 1) * total) and leaves done_s at (e + 1) * T_s, so nothing is reset (a CUDA graph replays
+        # the launch with no memset; replays on one stream never overlap)
+        total = tl.load(prefix_ptr + S)
+        ticket = tl.atomic_add(ctr_ptr, 1, sem="relaxed")
+        epoch = ticket // total
+        t = (ticket - epoch * total).to(tl.int32)
         stage = t * 0
         for s in tl.static_range(1, S):  # the stage whose ticket range holds t
             stage += (t >= tl.load(prefix_ptr + s)).to(stage.dtype)
@@ -91,9 +96,11 @@ if triton is not None:
         # the first weight tile loads before the wait: it does not depend on the previous stage
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk[None, :] < k), other=0.0)
         if stage > 0:
-            need = first - tl.load(prefix_ptr + stage - 1)  # the previous stage's tile count
-            while tl.atomic_add(ctr_ptr + 2 + stage - 1, 0, sem="acquire") < need:
+            done = ctr_ptr + 1 + stage - 1
+            need = (epoch + 1) * (first - tl.load(prefix_ptr + stage - 1))  # the previous stage, this launch
+            while tl.load(done, volatile=True) < need:  # plain reads while spinning: no RMW traffic on the counter
                 pass
+            tl.atomic_add(done, 0, sem="acquire")  # then one acquire, ordering the reads of x after it
             tl.debug_barrier()
 
         x_rows = act_ptr + rm[:, None, None] * act_row + x_off
@@ -113,15 +120,7 @@ if triton is not None:
         y_ptrs = act_ptr + rm[:, None] * act_row + y_off + rn[None, :]
         tl.store(y_ptrs, acc.to(act_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
         tl.debug_barrier()  # every thread's stores precede the publication
-        tl.atomic_add(ctr_ptr + 2 + stage, 1, sem="release")
-
-        total = tl.load(prefix_ptr + S)
-        finished = tl.atomic_add(ctr_ptr + 1, 1, sem="acq_rel")
-        if finished == total - 1:  # everyone has taken a ticket and published: zero for the next launch
-            tl.atomic_xchg(ctr_ptr, 0)
-            tl.atomic_xchg(ctr_ptr + 1, 0)
-            for s in tl.static_range(S):
-                tl.atomic_xchg(ctr_ptr + 2 + s, 0)
+        tl.atomic_add(ctr_ptr + 1 + stage, 1, sem="release")
 
 
 class GemvChain:
@@ -157,7 +156,7 @@ class GemvChain:
             raise ValueError(f"gemv_chain: {w_off} weights / {self.act.numel()} activations: offsets are int32")
         self.meta = torch.tensor(meta, dtype=torch.int32, device=dev)
         self.prefix = torch.tensor(prefix, dtype=torch.int32, device=dev)
-        self.counters = torch.zeros(2 + len(weights), dtype=torch.int32, device=dev)
+        self.counters = torch.zeros(1 + len(weights), dtype=torch.int64, device=dev)
         self.tiles = prefix[-1]
         cols = [0]
         for width in widths:

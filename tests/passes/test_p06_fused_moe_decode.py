@@ -506,7 +506,8 @@ def test_kimi_like_on_cuda_with_up_launch():
     off = RELEASES_OFF
     for options, tail in (({**off, "up_launch": "16x64x4"}, ()), ({**off, "up_launch": "32x64x8"}, ()),
                           ({**off, "up_launch": "16x64x4", "early_release": True}, (False, True)),
-                          ({"up_launch": "16x64x4"}, (False, True, True, True))):  # the three releases' defaults
+                          # the defaults: the three releases, and the sorted experts above the crossover (bd3bf3d)
+                          ({"up_launch": "16x64x4"}, (False, True, True, True, True))):
         gm = _after_p1_p4(capture_step(gpu, "decode"))
         assert run_pass(gm, P6, use_pdl=True, crossover_batch=1 << 20, **options) == 2
         assert all(tuple(n.args[22]) == tuple(int(v) for v in options["up_launch"].split("x"))

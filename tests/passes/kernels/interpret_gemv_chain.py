@@ -34,10 +34,12 @@ for name, m, widths, bn, bk in cases():
     x = torch.randn(m, widths[0], generator=gen).bfloat16()
     chain = GemvChain(weights, m, block_n=bn, block_k=bk)
     chain.input.copy_(x)
-    for rep in range(2):  # twice: the counters must be back at zero after a launch
+    tiles = [int(b - a) for a, b in zip(chain.prefix[:-1], chain.prefix[1:])]
+    for rep in range(2):  # twice: the second launch waits for the counts the first one left, doubled
         chain.launch()
-        if int(chain.counters.abs().sum()) != 0:
-            failures.append(f"{name} (launch {rep + 1}): counters not reset: {chain.counters.tolist()}")
+        want_ctr = [(rep + 1) * chain.tiles] + [(rep + 1) * t for t in tiles]
+        if chain.counters.tolist() != want_ctr:
+            failures.append(f"{name} (launch {rep + 1}): counters {chain.counters.tolist()}, want {want_ctr}")
         # each stage against the exact product of the kernel's own previous output (and, from there, aten's bf16 mm)
         prev = x
         for s, (w, got) in enumerate(zip(weights, chain.outputs)):

@@ -1,6 +1,6 @@
 """The GEMV-chain kernel (passes/kernels/gemv_chain.py: S dependent GEMVs in one launch, tiles ordered by tickets)
 against separate GEMMs: under the Triton interpreter on CPU, and on CUDA at k3-mini-6b's shapes, replayed from a
-CUDA graph (the counters must come back to zero, the waits must end)."""
+CUDA graph (the waits must end, replay after replay)."""
 import pytest
 import torch
 
@@ -56,7 +56,7 @@ def test_cuda_chain_in_a_graph_matches_separate_gemms(widths, block_n, block_k):
         chain.input.copy_(torch.randn(1, widths[0], generator=gen, device="cuda").bfloat16())
         graph.replay()
         torch.cuda.synchronize()
-        assert int(chain.counters.abs().sum()) == 0
+        assert int(chain.counters[0]) % chain.tiles == 0  # whole launches only: every ticket was taken
         prev = chain.input.clone()
         for w, got in zip(ws, chain.outputs):
             exact = prev.double() @ w.double().t()
