@@ -109,7 +109,8 @@ class FusedMoEDecodeConfig(PassConfig):
     # instead of ATen's sum, cast and ~7-kernel norm chain. Off until a ladder --variant measures it
     sorted_finish: bool = False
     # with PDL, at batch 1, kernel B''s routed slots ask L2 for their W2 rows (experts chosen two kernels back) before
-    # their gdc_wait, while kernel A streams (A releases B' early): same bits. Off until a ladder --variant measures it
+    # their gdc_wait, while kernel A streams (A releases B' early): same bits. Off: k3-mini-6b batch 1 2.6% slower
+    # (traces/h200_s19/call2, H100: 1.953 -> 2.004 ms); the 48B arm has not run
     routed_l2_prefetch: bool = False
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)

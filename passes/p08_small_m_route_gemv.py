@@ -40,7 +40,7 @@ FUSED = torch.ops.k3.norm_route_gemv.default
 
 @dataclass
 class RouteGemvConfig(PassConfig):
-    enabled: bool = False  # not measured on the device yet
+    enabled: bool = False  # off: k3-mini-6b batch 1 25% slower (traces/h200_s19/call2, H100: 1.953 -> 2.447 ms)
     # tokens up to which the fused kernel runs (the router kernel's own limit caps it); above, the pair
     max_tokens: int = _kernel.FUSED_MAX_TOKENS
     # the front GEMV's weight rows per program (a power of two up to MAX_FRONT_BLOCK); 0: the kernel's default
