@@ -408,12 +408,13 @@ except ImportError:
     pass
 
 
-def _gemv_chain(m, widths, block_n, block_k):
+def _gemv_chain(m, widths, block_n, block_k, backoff_ns=0):
     from k3compile.passes.kernels.gemv_chain import GemvChain
     return lambda: GemvChain([_randn(widths[i + 1], widths[i]) for i in range(len(widths) - 1)], m, block_n,
-                             block_k, num_warps=4 if m == 1 else 8).launch()
+                             block_k, num_warps=4 if m == 1 else 8, backoff_ns=backoff_ns).launch()
 
 
 # tools/bench_gemv_chain.py's launches: S dependent GEMVs in one launch (tickets, in-kernel waits)
 CASES += [(f"gemv chain k3-mini 2048 x8 M={m} {bn}x{bk}", _gemv_chain(m, (2048,) * 9, bn, bk))
           for m in (1, 4) for bn, bk in ((4, 1024), (8, 512), (16, 256))]
+CASES += [("gemv chain k3-mini 2048 x8 M=1 4x1024 sleeps", _gemv_chain(1, (2048,) * 9, 4, 1024, 128))]

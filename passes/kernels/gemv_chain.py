@@ -68,7 +68,8 @@ if triton is not None:
 
     @triton.jit
     def _gemv_chain_kernel(w_ptr, act_ptr, meta_ptr, prefix_ptr, ctr_ptr, M, act_row,
-                           S: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           S: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BACKOFF_NS: tl.constexpr = 0):
         # ctr (int64): [ticket, done_1 .. done_S], counting up across launches: launch e (0, 1, ...) hands out tickets
         # [e * total, (e + 1) * total) and leaves done_s at (e + 1) * T_s, so nothing is reset (a CUDA graph replays
         # the launch with no memset; replays on one stream never overlap)
@@ -99,7 +100,9 @@ if triton is not None:
             done = ctr_ptr + 1 + stage - 1
             need = (epoch + 1) * (first - tl.load(prefix_ptr + stage - 1))  # the previous stage, this launch
             while tl.load(done, volatile=True) < need:  # plain reads while spinning: no RMW traffic on the counter
-                pass
+                if BACKOFF_NS > 0:  # sleep between reads: fewer issue slots and L2 requests taken from the producers
+                    tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,n", [BACKOFF_NS],
+                                              dtype=tl.int32, is_pure=False, pack=1)
             tl.atomic_add(done, 0, sem="acquire")  # then one acquire, ordering the reads of x after it
             tl.debug_barrier()
 
@@ -126,11 +129,12 @@ if triton is not None:
 class GemvChain:
     """S GEMVs chained in one launch on static buffers: set `input`, call `launch()`, read `outputs`.
 
-    block_n: output columns per tile (a power of two); block_k: the K step (a power of two >= 16). The weights are
+    block_n: output columns per tile (a power of two); block_k: the K step (a power of two >= 16); backoff_ns: a
+    waiting tile sleeps this long between reads of the counter (CUDA only: `nanosleep`; 0 spins). The weights are
     copied into one flat buffer (an experiment's layout: an engine would pass its own tensors)."""
 
     def __init__(self, weights: list[torch.Tensor], m: int, block_n: int = 4, block_k: int = 1024,
-                 num_warps: int = 4):
+                 num_warps: int = 4, backoff_ns: int = 0):
         if triton is None:
             raise RuntimeError("gemv_chain: triton is not installed")
         for name, v, least in (("block_n", block_n, 1), ("block_k", block_k, 16)):
@@ -141,7 +145,10 @@ class GemvChain:
             raise ValueError("gemv_chain: needs at least one weight")
         dev, dtype = w0.device, w0.dtype
         check_chain(torch.empty(m, w0.shape[1], dtype=dtype, device=dev), weights)
+        if not 0 <= backoff_ns < 2 ** 20:
+            raise ValueError(f"gemv_chain: backoff_ns must be in 0..2^20, got {backoff_ns}")
         self.m, self.block_n, self.block_k, self.num_warps = m, block_n, block_k, num_warps
+        self.backoff_ns = backoff_ns
         widths = [w0.shape[1]] + [w.shape[0] for w in weights]
         self.act = torch.zeros(m, sum(widths), dtype=dtype, device=dev)
         self.flat = torch.cat([w.contiguous().reshape(-1) for w in weights])
@@ -169,5 +176,5 @@ class GemvChain:
         _gemv_chain_kernel[(self.tiles,)](
             self.flat, self.act, self.meta, self.prefix, self.counters, self.m, self.act.stride(0),
             S=len(self.outputs), M_PAD=triton.next_power_of_2(self.m), BLOCK_N=self.block_n, BLOCK_K=self.block_k,
-            num_warps=self.num_warps)
+            BACKOFF_NS=self.backoff_ns, num_warps=self.num_warps)
         return self.outputs[-1]

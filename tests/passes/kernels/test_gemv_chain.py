@@ -37,17 +37,18 @@ def test_reference_is_the_chain_of_mms():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("widths, block_n, block_k", [
-    ((2048,) * 9, 4, 1024),             # eight k3-mini o_proj-sized stages (8.4 MB each)
-    ((2048, 4096, 2048, 4096, 2048), 4, 1024),
-    ((2048, 3072, 2048), 16, 256),
+@pytest.mark.parametrize("widths, block_n, block_k, backoff_ns", [
+    ((2048,) * 9, 4, 1024, 0),             # eight k3-mini o_proj-sized stages (8.4 MB each)
+    ((2048,) * 9, 4, 1024, 128),           # the same, waiting tiles sleeping between reads
+    ((2048, 4096, 2048, 4096, 2048), 4, 1024, 0),
+    ((2048, 3072, 2048), 16, 256, 0),
 ])
-def test_cuda_chain_in_a_graph_matches_separate_gemms(widths, block_n, block_k):
+def test_cuda_chain_in_a_graph_matches_separate_gemms(widths, block_n, block_k, backoff_ns):
     from k3compile.passes.kernels.gemv_chain import GemvChain
     gen = torch.Generator(device="cuda").manual_seed(0)
     ws = [(torch.randn(widths[i + 1], widths[i], generator=gen, device="cuda") / widths[i] ** 0.5).bfloat16()
           for i in range(len(widths) - 1)]
-    chain = GemvChain(ws, 1, block_n=block_n, block_k=block_k)
+    chain = GemvChain(ws, 1, block_n=block_n, block_k=block_k, backoff_ns=backoff_ns)
     chain.launch()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
