@@ -64,3 +64,25 @@ def test_cuda_chain_in_a_graph_matches_separate_gemms(widths, block_n, block_k, 
             err = float((got.double() - exact).abs().max() / exact.abs().max())
             assert err <= 1e-2, f"replay {seed}: rel err {err:.3g}"
             prev = got.clone()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"block_n": 3}, "block_n must be a power of two"),
+    ({"block_k": 8}, "block_k must be a power of two >= 16"),
+    ({"backoff_ns": -1}, "backoff_ns must be in"),
+])
+def test_bad_launches_are_refused_with_the_reason(kwargs, match):
+    pytest.importorskip("triton")
+    from k3compile.passes.kernels.gemv_chain import GemvChain
+    with pytest.raises(ValueError, match=match):
+        GemvChain([torch.zeros(16, 32, dtype=torch.bfloat16)], 1, **kwargs)
+
+
+def test_chain_buffers_lay_out_every_stage():
+    pytest.importorskip("triton")
+    from k3compile.passes.kernels.gemv_chain import GemvChain
+    chain = GemvChain([torch.zeros(24, 32, dtype=torch.bfloat16), torch.zeros(40, 24, dtype=torch.bfloat16)], 2,
+                      block_n=8, block_k=16)
+    assert chain.input.shape == (2, 32) and [tuple(o.shape) for o in chain.outputs] == [(2, 24), (2, 40)]
+    assert chain.prefix.tolist() == [0, 3, 8] and chain.tiles == 8  # ceil(24 / 8), then ceil(40 / 8) tiles
+    assert chain.meta.tolist() == [0, 24, 32, 0, 32, 24 * 32, 40, 24, 32, 56]
