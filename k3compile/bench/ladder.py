@@ -48,7 +48,7 @@ import sys
 import time
 
 from .accuracy_gate import CALIBRATION_MARGIN, CALIBRATION_PROBE, DEFAULT_GATE_STEPS
-from .decode import DecodeBench, add_step_bench_args, check_step_bench_args, markdown_header
+from .decode import DecodeBench, add_step_bench_args, check_step_bench_args, markdown_header, reps_mark
 from .hf_arm import HF_ARM
 
 # the passes that made the engine before issue 9's kernels: the "engine-before" anchor
@@ -487,7 +487,8 @@ def render_ladder_markdown(doc: dict) -> str:
             else:
                 n = r.get("kernels_per_step") if cuda else r.get("cpu_ops_per_step")
                 per_layer = r.get("kernels_per_layer") if cuda else r.get("cpu_ops_per_layer")
-                cells += [f"{r['median_ms']:.3f} ({r['p10_ms']:.3f}–{r['p90_ms']:.3f})",
+                cells += [f"{r['median_ms']:.3f} ({r['p10_ms']:.3f}–{r['p90_ms']:.3f})"
+                          f"{reps_mark(r, doc['protocol']['reps'])}",
                           "–" if n is None else f"{n:g}", "–" if per_layer is None else f"{per_layer:.1f}",
                           f"{r['roofline_pct']:.1f}"]
         lines.append(f"| {arm} | {', '.join(names.get(arm, []))} | " + " | ".join(cells) + " |")

@@ -207,3 +207,30 @@ def test_the_timings_are_written_before_the_profiles(main, tmp_path, monkeypatch
     assert set(rows) == {"eager", "engine"}
     assert all(r["status"] == "ok" and len(r["samples_ms"]) == 2 and r["median_ms"] > 0 for r in rows.values())
     assert "kernels_per_step" not in rows["engine"]  # no profile was taken
+
+
+def test_arms_set_up_after_the_budget_still_get_one_repetition(main, tmp_path, monkeypatch):
+    """Set-up that spends the time budget (session 19: 20 arms set up in 149 of 150 s on a cold H100, then no arm
+    timed) leaves the arms set up with one repetition each, marked as cut short; an arm not yet set up is skipped."""
+    from k3compile.bench import decode, decode_arms
+
+    spent = {"now": False}
+    eager = decode_arms.ARMS["eager"]
+
+    def slow_set_up(ctx, batch):  # an arm whose set-up (a cold Triton compile) uses up the budget
+        spent["now"] = True
+        return eager.make(ctx, batch)
+    monkeypatch.setitem(decode_arms.ARMS, "compile-reduce-overhead",
+                        decode_arms.Arm("compile-reduce-overhead", "a slow set-up", None, slow_set_up))
+    monkeypatch.setattr(decode.DecodeBench, "out_of_time", lambda self: spent["now"])
+    out = tmp_path / "out"
+    assert main(["bench", "decode", "--model", "k3-tiny", "--batch", "1", "--steps", "2", "--warmup", "1",
+                 "--reps", "3", "--context", "16", "--dtype", "fp32", "--device", "cpu", "--copy-gib", "0.01",
+                 "--arms", "eager,compile-reduce-overhead,engine", "--out", str(out)]) == 0
+    doc = json.load(open(out / "decode_k3-tiny_fp32.json"))
+    rows = {r["arm"]: r for r in doc["results"]}
+    for arm in ("eager", "compile-reduce-overhead"):
+        assert rows[arm]["status"] == "ok" and len(rows[arm]["samples_ms"]) == 1 and rows[arm]["median_ms"] > 0
+    assert rows["engine"]["status"] == "skipped" and "before this arm was set up" in rows["engine"]["reason"]
+    assert doc["protocol"]["fewest_reps_timed"] == 1 and doc["protocol"]["meets_benchmarks_md"] is False
+    assert "[1 of 3 reps]" in (out / "decode_k3-tiny_fp32.md").read_text()
