@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Session 19's device calls (issue 9), each < 10 min warm; carry .whl/. Session 17/18's arms, reordered so that the
 # first H200 call brings what decides the 48B batch-1 goal:
-#   PART=h200a (needs the H200's memory, ~480 s warm) the GPU tests changed since they last ran on a GPU (gpu_s17's
-#              `one` list, TESTS_TL), the 48B ladder at batch 1 with v-rpf (T48), the 48B batch-1 attributed profile
+#   PART=h200a (needs the H200's memory, ~480 s warm) the GPU tests changed since they last ran on a GPU (TESTS_TL),
+#              the 48B ladder at batch 1 with v-rpf (T48), the 48B batch-1 attributed profile
 #              (tools/profile_engine_step.py, PROF_TL) for `k3compile report` on CPU
-#   PART=mini  (H100 or H200) as gpu_s18.sh's mini: GPU tests of tests/passes, k3-mini-6b batch 1 with v-front,
-#              v-front8, v-rpf, then the k3-mini-6b attributed profile; then `chain` below
+#   PART=mini  (H100 or H200, ~400 s warm) GPU tests of tests/passes (TESTS_TL), k3-mini-6b batch 1 with v-b16 (P6
+#              down_split 16x512x4: kernel B' in 512 programs, one wave at 4 an SM, instead of 1,024 in 1.94 waves --
+#              traces/h200_s19/call1's profile), then `chain` below. (Session 19 ran gpu_s18.sh's mini here: v-front and
+#              v-rpf lost, traces/h200_s19/call2.)
 #   PART=chain (H100 or H200, ~150 s) the GEMV-chain kernel's GPU tests and tools/bench_gemv_chain.py (CHAIN_TL): what a
 #              GEMV -> GEMV launch boundary costs against an in-kernel dependency (the megakernel question)
 # Every part ends with `chain` when CHAIN=1 (the default for mini and h200a).
@@ -25,15 +27,25 @@ chain() {
 }
 if [ "$PART" = chain ]; then chain; (cd $OUT && tar cf logs.tar logs && rm -rf logs); exit 0; fi
 if [ "$PART" = mini ]; then
-  PART=mini bash tools/gpu_s18.sh
-  mkdir -p $OUT/logs; [ "${CHAIN:-1}" = 1 ] && chain
-  (cd $OUT && tar rf logs.tar logs 2>/dev/null || tar cf logs.tar logs; rm -rf logs); exit 0
+  timeout ${TESTS_TL:-200} python3 -m pytest -q -m gpu -n 4 --dist loadfile -p no:cacheprovider -rf tests/passes \
+    > $OUT/logs/tests.log 2>&1
+  say "tests/passes (gpu): exit $?"; tail -2 $OUT/logs/tests.log; grep -E "^FAILED|^ERROR" $OUT/logs/tests.log | head
+  T=${T6:-200}
+  timeout $((T + 40)) k3compile bench ladder --model k3-mini-6b --dtype bf16 --batch 1 --context 512 --device cuda \
+    --quick --time-budget $T --variant "b16:p06_fused_moe_decode.down_split=16x512x4" --out $OUT/l \
+    > $OUT/logs/ladder_mini1.log 2>&1
+  say "ladder mini1: exit $?"
+  for f in $OUT/l/ladder_*.{md,json,png}; do [ -f "$f" ] && cp "$f" "$OUT/mini1_$(basename $f)"; done
+  grep -E "^\| (r04|r16|v-)|^- v-" $OUT/l/ladder_*.md | head -8; rm -rf $OUT/l
+  [ "${CHAIN:-1}" = 1 ] && chain
+  (cd $OUT && tar cf logs.tar logs && rm -rf logs); exit 0
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee -a $OUT/call.log
-timeout ${TESTS_TL:-120} python3 -m pytest -q -m gpu -n 4 --dist loadfile -p no:cacheprovider \
-  tests/passes/kernels/test_moe_sorted.py tests/passes/test_p08_small_m_route_gemv.py \
-  tests/passes/test_p07_norm_route.py "tests/passes/kernels/test_moe_decode.py::test_cuda_routed_l2_prefetch_gives_the_same_bits" \
-  tests/passes/test_p06_fused_moe_decode.py -k "cuda" > $OUT/logs/tests.log 2>&1
+# the GPU tests changed since they last ran on a GPU (session 19's H100 ran all of tests/passes: 241 passed; these two
+# were fixed after it)
+timeout ${TESTS_TL:-120} python3 -m pytest -q -m gpu -n 2 --dist loadfile -p no:cacheprovider \
+  tests/passes/kernels/test_moe_sorted.py "tests/passes/test_p06_fused_moe_decode.py::test_kimi_like_on_cuda_with_up_launch" \
+  > $OUT/logs/tests.log 2>&1
 say "changed GPU tests: exit $?"; tail -3 $OUT/logs/tests.log; grep -E "^FAILED|^ERROR" $OUT/logs/tests.log | head -20
 T=${T48:-150}
 timeout $((T + 40)) k3compile bench ladder --model kimi-linear-48b --dtype bf16 --batch 1 --context 512 \
