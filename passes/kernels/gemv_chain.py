@@ -13,9 +13,14 @@ counter), and tickets, not program ids, name the work, in stage order: tickets [
 stage s-1 have published (a done counter per stage: release after the tile's stores, acquire in the wait), then
 reads y_{s-1} (through L2: `.cg`) and streams the rest of its weights. A program waits only on lower tickets, which
 belong to programs that have already started, so every wait ends whatever order the GPU starts programs in (fixed
-program ids would let a waiting program hold the SM its producer needs). The counters count up across launches (launch
-e waits for (e + 1) x the tile counts), so a CUDA graph replays the launch with no memset and no reset. Under TRITON_INTERPRET=1 programs run one after another
-in ticket order, so no wait ever spins.
+program ids would let a waiting program hold the SM its producer needs). The counters count up across launches
+(launch e waits for (e + 1) x the tile counts), so a CUDA graph replays the launch with no memset and no reset. A
+waiting tile reads the counter with plain volatile loads (optionally sleeping `backoff_ns` between them) and takes one
+acquire once it is satisfied. Under TRITON_INTERPRET=1 programs run one after another in ticket order, so no wait
+ever spins.
+
+Measured (traces/h200_s19/call1, H100, M = 1): the first form of this kernel, which polled with atomics and reset its
+counters through a finish counter, was 2.6-2.9x slower than separate launches with PDL; this form has not run yet.
 
 Arithmetic: each tile is the rows design of kernels/gemv.py with one K split (a [BLOCK_N, BLOCK_K] weight tile times
 every x row in registers, fp32 products summed in place, reduced once, rounded to the dtype), so each stage equals
