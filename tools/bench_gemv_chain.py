@@ -12,8 +12,9 @@ rotated past L2, passes/kernels/graph_timing.py):
   chain     one launch of passes/kernels/gemv_chain.py (tiles ordered by tickets; a tile waits for the previous
             stage's tiles after loading its first weight tile)
   chain-sleep  the same, the waiting tiles sleeping BACKOFF_NS between reads of the counter
-for a few tile widths (4 warps at M = 1, 8 at M = 4, both arms); the saving per boundary = (best sep-pdl - best chain of either kind) / (S - 1), and each arm's share of the
-same-run copy bandwidth. The chain's outputs are checked against the separate launches' (relative error).
+for a few tile widths (4 warps at M = 1, 8 at M = 4, every arm); the saving per boundary = (best sep-pdl - best
+chain of either kind) / (S - 1), and each arm's share of the same-run copy bandwidth. The chain's outputs are checked
+against the separate launches' (relative error).
 """
 from __future__ import annotations
 
