@@ -10,7 +10,10 @@
 #              v-rpf lost, traces/h200_s19/call2.)
 #   PART=chain (H100 or H200, ~150 s) the GEMV-chain kernel's GPU tests and tools/bench_gemv_chain.py (CHAIN_TL): what a
 #              GEMV -> GEMV launch boundary costs against an in-kernel dependency (the megakernel question)
-# Every part ends with `chain` when CHAIN=1 (the default for mini and h200a).
+#   PART=h100_48b (an 80 GB card, ~450 s warm) the 48B shape's first 12 layers (bench --layers 12: 9 KDA + 3 MLA
+#              layers, ~44 GB, the 48B's own kernels; the whole model does not fit): ladder at batch 1 and 8 with v-rpf
+#              (T48), then its batch-1 attributed profile (PROF_TL); no chain
+# Every part but h100_48b ends with `chain` when CHAIN=1 (the default).
 set -u
 PART=${PART:-h200a}
 source tools/gpu_setup.sh
@@ -26,6 +29,19 @@ chain() {
   say "bench_gemv_chain: exit $?"; grep -E "^- " $OUT/gemv_chain.md
 }
 if [ "$PART" = chain ]; then chain; (cd $OUT && tar cf logs.tar logs && rm -rf logs); exit 0; fi
+if [ "$PART" = h100_48b ]; then
+  T=${T48:-220}
+  timeout $((T + 40)) k3compile bench ladder --model kimi-linear-48b --layers 12 --dtype bf16 --batch 1,8 \
+    --context 512 --device cuda --quick --time-budget $T --variant "rpf:p06_fused_moe_decode.routed_l2_prefetch=true" \
+    --out $OUT/l > $OUT/logs/ladder_48b12.log 2>&1
+  say "ladder 48b-12l: exit $?"
+  for f in $OUT/l/ladder_*.{md,json,png}; do [ -f "$f" ] && cp "$f" "$OUT/48b12_$(basename $f)"; done
+  grep -E "^\| (r04|r16|v-)|^- v-" $OUT/l/ladder_*.md | head -8; rm -rf $OUT/l
+  timeout ${PROF_TL:-120} python3 tools/profile_engine_step.py --model kimi-linear-48b --layers 12 --dtype bf16 \
+    --batch 1 --context 512 --out $OUT/profile_kimi-linear-48b-12l_bs1.json.gz > $OUT/logs/profile_48b12.log 2>&1
+  say "profile 48b-12l: exit $?"; tail -2 $OUT/logs/profile_48b12.log
+  (cd $OUT && tar cf logs.tar logs && rm -rf logs); exit 0
+fi
 if [ "$PART" = mini ]; then
   timeout ${TESTS_TL:-200} python3 -m pytest -q -m gpu -n 4 --dist loadfile -p no:cacheprovider -rf tests/passes \
     > $OUT/logs/tests.log 2>&1

@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--no-passes", action="store_true", help="profile the captured graph without passes")
+    p.add_argument("--layers", type=int, default=None,
+                   help="only the preset's first N layers (bench --layers: the 48B shape on an 80 GB card)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True, help="trace path (.json or .json.gz)")
     a = p.parse_args(argv)
@@ -36,7 +38,7 @@ def main(argv=None) -> int:
     from k3compile.engine.profiling import AttributionRun, profile_steps
     from k3compile.model_def.batch import ForwardBatch
     from k3compile.model_def.cache import CacheTensors
-    from k3compile.model_def.loader import load_model
+    from k3compile.bench.decode import load_bench_model
     from k3compile.passes.pipeline import PipelineConfig
     from k3compile.runtime.executor import Executor
 
@@ -55,7 +57,9 @@ def main(argv=None) -> int:
         graph = engine.graphs["decode"]
     else:
         log(f"loading {a.model} ({a.dtype}) on {device}")
-        model = load_model(a.model, dtype=dtype, device=device, progress=False)
+        # as the benches load it: a full-size preset (kimi-linear-48b) gets random weights on CUDA, which load_model
+        # refuses (it builds those on the meta device only)
+        model = load_bench_model(a.model, dtype, device, 0, a.layers)
         graphs, _ = compile_graphs(model, None if a.no_passes else PipelineConfig.default(), ("decode",), log=log)
         graph, config, page = graphs["decode"], model.config, 16
         engine = Engine(config, graphs, dtype, page_size=page)

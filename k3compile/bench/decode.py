@@ -76,6 +76,10 @@ def add_step_bench_args(p) -> None:
                    help="page-table capacity of the executor arms' CUDA graphs: bench = --context (default); served "
                         "= the context `serve` gives the engine by default (the model's, capped at 32768). The MLA "
                         "decode kernel's split count follows it, so 'served' times the launches `serve` replays")
+    p.add_argument("--layers", type=int, default=None,
+                   help="build only the first N decoder layers of a preset (random weights): a full-size shape's own "
+                        "kernels on a card too small for the whole model (the 48B shape on an 80 GB H100); timings, "
+                        "kernel counts and the roofline are those of the shorter step, named <preset>-<N>l")
     p.add_argument("--compile-budget", type=float, default=None,
                    help="seconds of torch.compile time (all compile arms and batch sizes together); a compile "
                         "that would start after it is spent, or that the previous one says would overrun it, "
@@ -101,7 +105,36 @@ def check_step_bench_args(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
+    if getattr(args, "layers", None) is not None:
+        if getattr(args, "engine", None):
+            raise ConfigError("--layers builds a shorter model from a preset; an --engine is built already")
+        truncated_preset(args.model, args.layers)  # the ConfigError names what is wrong
     return batches, device
+
+
+def truncated_preset(name: str, layers: int):
+    """The preset's config with only its first `layers` decoder layers (same layer kinds in the same order), named
+    <preset>-<layers>l; ConfigError for a checkpoint (its weights name every layer) or a count out of range."""
+    import dataclasses
+
+    from k3compile.model_def.config import PRESETS, ConfigError, get_preset, validate
+
+    if name not in PRESETS:
+        raise ConfigError(f"--layers takes a preset ({', '.join(PRESETS)}), got '{name}'")
+    cfg = get_preset(name)
+    if not 1 <= layers <= cfg.num_hidden_layers:
+        raise ConfigError(f"--layers must be in 1..{cfg.num_hidden_layers} for '{name}', got {layers}")
+    if layers == cfg.num_hidden_layers:
+        return cfg
+    missing = sorted(set(cfg.layer_types) - set(cfg.layer_types[:layers]))
+    if missing:  # a step without one kind of layer is another model (and a pool without pages or slots)
+        first = min(cfg.layer_types.index(kind) for kind in missing) + 1
+        raise ConfigError(f"--layers {layers} keeps no {'/'.join(k.upper() for k in missing)} layer of '{name}' "
+                          f"(the first is layer {first}): use --layers >= {first}")
+    cfg = dataclasses.replace(cfg, name=f"{cfg.name}-{layers}l", num_hidden_layers=layers,
+                              layer_types=cfg.layer_types[:layers])
+    validate(cfg)
+    return cfg
 
 
 def _parse_ints(text: str, what: str) -> list[int]:
@@ -206,7 +239,7 @@ class DecodeBench:
         # a preset engine's weights came from its build seed: the model arms use the same weights
         seed = self.engine.manifest.get("build", {}).get("seed", a.seed) if self.engine is not None else a.seed
         self.log(f"loading {source} ({a.dtype}) on {self.device}")
-        self.model = load_bench_model(source, self.dtype, self.device, seed)
+        self.model = load_bench_model(source, self.dtype, self.device, seed, getattr(a, "layers", None))
         self.model_name = self.model.config.name
         torch.manual_seed(a.seed)
 
@@ -477,20 +510,21 @@ class DecodeBench:
             f.write(render_markdown(doc))
 
 
-def load_bench_model(source: str, dtype, device, seed: int):
+def load_bench_model(source: str, dtype, device, seed: int, layers: int | None = None):
     """The model a bench times: `load_model`, except that a full-size preset (kimi-linear-48b, k3), which
     `load_model` only builds on the meta device, gets random weights on a CUDA device: benches measure
-    shapes, and random bf16 weights at the real shape move the same bytes as a checkpoint."""
+    shapes, and random bf16 weights at the real shape move the same bytes as a checkpoint. `layers`: only the
+    preset's first layers (`truncated_preset`), random weights."""
     from k3compile.model_def.config import META_ONLY_PRESETS, ConfigError, get_preset
     from k3compile.model_def.init import init_random
     from k3compile.model_def.loader import build_model, load_model
 
-    if source not in META_ONLY_PRESETS:
+    if source not in META_ONLY_PRESETS and layers is None:
         return load_model(source, dtype=dtype, device=device, seed=seed, progress=False)
-    if device.type != "cuda":
+    if source in META_ONLY_PRESETS and device.type != "cuda":
         raise ConfigError(f"preset '{source}' is full size: benches build it with random weights on a CUDA "
                           f"device only (got --device {device.type})")
-    model = build_model(get_preset(source), dtype, device)
+    model = build_model(get_preset(source) if layers is None else truncated_preset(source, layers), dtype, device)
     init_random(model, seed)
     return model
 

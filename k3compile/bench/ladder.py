@@ -297,6 +297,8 @@ class LadderBench(DecodeBench):
         try:  # refuse here what the process would refuse after its imports (or fill the host's memory with)
             if a.model in META_ONLY_PRESETS and self.device.type != "cuda":
                 raise ConfigError(f"preset '{a.model}' is full size: its transformers copy is built on CUDA only")
+            if getattr(a, "layers", None) is not None:
+                raise ConfigError("--layers: the transformers anchor runs the whole model only")
             hf_config(a.model)
         except ConfigError as e:
             self.hf = {"results": [], "error": str(e)}

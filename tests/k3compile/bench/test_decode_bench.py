@@ -234,3 +234,39 @@ def test_arms_set_up_after_the_budget_still_get_one_repetition(main, tmp_path, m
     assert rows["engine"]["status"] == "skipped" and "before this arm was set up" in rows["engine"]["reason"]
     assert doc["protocol"]["fewest_reps_timed"] == 1 and doc["protocol"]["meets_benchmarks_md"] is False
     assert "[1 of 3 reps]" in (out / "decode_k3-tiny_fp32.md").read_text()
+
+
+def test_layers_times_a_presets_first_layers(main, tmp_path):
+    """--layers N builds only a preset's first N layers (the 48B shape's own kernels on an 80 GB card): the results
+    are named <preset>-<N>l and count that many layers' bytes."""
+    out = tmp_path / "out"
+    args = ["bench", "decode", "--model", "k3-tiny", "--batch", "1", "--steps", "2", "--warmup", "1", "--reps", "1",
+            "--context", "16", "--dtype", "fp32", "--device", "cpu", "--copy-gib", "0.01", "--arms", "eager,engine"]
+    assert main(args + ["--out", str(out)]) == 0
+    assert main(args + ["--layers", "5", "--out", str(out)]) == 0
+    whole = json.load(open(out / "decode_k3-tiny_fp32.json"))
+    short = json.load(open(out / "decode_k3-tiny-5l_fp32.json"))
+    assert short["config"]["model"] == "k3-tiny-5l"
+    assert all(r["status"] == "ok" for r in short["results"])
+    dense = [d["dense_weights"] for d in (whole["bytes_per_step"]["1"], short["bytes_per_step"]["1"])]
+    assert dense[1] < dense[0]  # fewer layers' weights
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--layers", "0"], "--layers must be in 1..9"),
+    (["--layers", "10"], "--layers must be in 1..9"),
+    (["--layers", "3"], "--layers 3 keeps no MLA layer of 'k3-tiny' (the first is layer 4): use --layers >= 4"),
+])
+def test_bad_layers_are_refused(main, tmp_path, capsys, extra, match):
+    assert main(["bench", "decode", "--model", "k3-tiny", "--device", "cpu", "--out", str(tmp_path)] + extra) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_layers_refuses_a_checkpoint():
+    from k3compile.bench.decode import truncated_preset
+    from k3compile.model_def.config import ConfigError
+    with pytest.raises(ConfigError, match="--layers takes a preset"):
+        truncated_preset("checkpoints/spec-tiny/target", 2)
+    cfg = truncated_preset("kimi-linear-48b", 14)  # meta-only preset: the config alone
+    assert (cfg.name, cfg.num_hidden_layers) == ("kimi-linear-48b-14l", 14)
+    assert cfg.layer_types == ("kda",) * 3 + ("mla",) + ("kda",) * 3 + ("mla",) + ("kda",) * 3 + ("mla",) + ("kda",) * 2
