@@ -11,7 +11,7 @@
 #   PART=chain (H100 or H200, ~150 s) the GEMV-chain kernel's GPU tests and tools/bench_gemv_chain.py (CHAIN_TL): what a
 #              GEMV -> GEMV launch boundary costs against an in-kernel dependency (the megakernel question)
 #   PART=h100_48b (an 80 GB card, ~450 s warm) the 48B shape's first 12 layers (bench --layers 12: 9 KDA + 3 MLA
-#              layers, ~44 GB, the 48B's own kernels; the whole model does not fit): ladder at batch 1 and 8 with v-rpf
+#              layers, 42.6 GB of weights, the 48B's own kernels; the whole model does not fit): ladder at batch 1 and 8 with v-rpf
 #              (T48), then its batch-1 attributed profile (PROF_TL); no chain
 # Every part but h100_48b ends with `chain` when CHAIN=1 (the default).
 set -u
