@@ -122,7 +122,7 @@ def engine_args(args):
                   state_fraction=None if args.mamba_full_memory_ratio is None
                   else state_fraction_from_ratio(args.mamba_full_memory_ratio),
                   enable_prefix_cache=not args.disable_prefix_cache, overlap=args.overlap,
-                  cache_policy=getattr(args, "cache_policy", "sparse"),
+                  cache_policy=getattr(args, "cache_policy", EngineArgs.cache_policy),
                   mixed_batches=getattr(args, "mixed_batches", True),
                   max_context=args.max_context, mem_fraction_static=args.mem_fraction_static,
                   dtype=args.dtype,   # dtype None: fp32 for a model, the engine's own for an engine

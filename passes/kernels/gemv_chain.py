@@ -31,6 +31,8 @@ Layout: the weights of all stages in one flat buffer and the activations in one 
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from .gemv import ROWS_MAX_M
@@ -145,36 +147,29 @@ class GemvChain:
         for name, v, least in (("block_n", block_n, 1), ("block_k", block_k, 16)):
             if v < least or v & (v - 1):
                 raise ValueError(f"gemv_chain: {name} must be a power of two >= {least}, got {v}")
-        w0 = weights[0] if weights else None
-        if w0 is None:
+        if not weights:
             raise ValueError("gemv_chain: needs at least one weight")
-        dev, dtype = w0.device, w0.dtype
-        check_chain(torch.empty(m, w0.shape[1], dtype=dtype, device=dev), weights)
+        dev, dtype = weights[0].device, weights[0].dtype
+        check_chain(torch.empty(m, weights[0].shape[1], dtype=dtype, device=dev), weights)
         if not 0 <= backoff_ns < 2 ** 20:
             raise ValueError(f"gemv_chain: backoff_ns must be in 0..2^20, got {backoff_ns}")
         self.m, self.block_n, self.block_k, self.num_warps = m, block_n, block_k, num_warps
         self.backoff_ns = backoff_ns
-        widths = [w0.shape[1]] + [w.shape[0] for w in weights]
-        self.act = torch.zeros(m, sum(widths), dtype=dtype, device=dev)
+        # activation columns: the input, then each stage's output; stage i reads cols[i]: and writes cols[i + 1]:
+        cols = list(accumulate([weights[0].shape[1]] + [w.shape[0] for w in weights], initial=0))
+        w_offs = list(accumulate((w.numel() for w in weights), initial=0))
+        prefix = list(accumulate((-(-w.shape[0] // block_n) for w in weights), initial=0))  # tiles before stage i
+        if w_offs[-1] >= 2 ** 31 or m * cols[-1] >= 2 ** 31:
+            raise ValueError(f"gemv_chain: {w_offs[-1]} weights / {m * cols[-1]} activations: offsets are int32")
+        self.act = torch.zeros(m, cols[-1], dtype=dtype, device=dev)
         self.flat = torch.cat([w.contiguous().reshape(-1) for w in weights])
-        meta, w_off, a_off, prefix = [], 0, 0, [0]
-        for w in weights:
-            n, k = w.shape
-            meta += [w_off, n, k, a_off, a_off + k]
-            w_off += n * k
-            a_off += k
-            prefix.append(prefix[-1] + -(-n // block_n))
-        if w_off >= 2 ** 31 or self.act.numel() >= 2 ** 31:
-            raise ValueError(f"gemv_chain: {w_off} weights / {self.act.numel()} activations: offsets are int32")
+        meta = [v for i, w in enumerate(weights) for v in (w_offs[i], *w.shape, cols[i], cols[i + 1])]
         self.meta = torch.tensor(meta, dtype=torch.int32, device=dev)
         self.prefix = torch.tensor(prefix, dtype=torch.int32, device=dev)
         self.counters = torch.zeros(1 + len(weights), dtype=torch.int64, device=dev)
         self.tiles = prefix[-1]
-        cols = [0]
-        for width in widths:
-            cols.append(cols[-1] + width)
         self.input = self.act[:, cols[0]:cols[1]]
-        self.outputs = [self.act[:, cols[i]:cols[i + 1]] for i in range(1, len(widths))]
+        self.outputs = [self.act[:, cols[i]:cols[i + 1]] for i in range(1, len(cols) - 1)]
 
     def launch(self) -> torch.Tensor:
         """Run every stage once (reads `input`, writes `outputs`); returns the last output."""
