@@ -47,7 +47,7 @@ if [ "$PART" = h100_48b ]; then
   (cd $OUT && tar cf logs.tar logs && rm -rf logs); exit 0
 fi
 if [ "$PART" = mini ]; then
-  timeout ${TESTS_TL:-230} python3 -m pytest -q -rP -m gpu -n 4 --dist loadfile -p no:cacheprovider -rf tests/passes \
+  timeout ${TESTS_TL:-230} python3 -m pytest -q -rfP -m gpu -n 4 --dist loadfile -p no:cacheprovider tests/passes \
     $TRAINED_TEST > $OUT/logs/tests.log 2>&1
   say "tests/passes (gpu): exit $?"; tail -2 $OUT/logs/tests.log; grep -a "greedy tokens agreeing" $OUT/logs/tests.log; grep -E "^FAILED|^ERROR" $OUT/logs/tests.log | head
   T=${T6:-200}
