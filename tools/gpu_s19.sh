@@ -13,7 +13,10 @@
 #   PART=h100_48b (an 80 GB card, ~450 s warm) the 48B shape's first 12 layers (bench --layers 12: 9 KDA + 3 MLA
 #              layers, 42.6 GB of weights, the 48B's own kernels; the whole model does not fit): ladder at batch 1 and 8 with v-rpf
 #              (T48), then its batch-1 attributed profile (PROF_TL); no chain
-# Every part but h100_48b ends with `chain` when CHAIN=1 (the default).
+#   PART=goal48 (needs the H200's memory, ~300 s warm; session 20) the 48B batch 1 and 8 at the full protocol (bench
+#              decode: graphs / engine / engine-served, 5 x 200 steps): the decisive figure for issue 9's 70% cell.
+#              Run it first on an H200.
+# Every part but h100_48b and goal48 ends with `chain` when CHAIN=1 (the default).
 # Session 20 (no device lent) added TRAINED_TEST to the test runs of h200a and mini: the bf16 engine's greedy tokens on
 # CUDA against the eager model's on the trained k3-tiny (issue 9, Deliver 3, with the kernels; its line "greedy tokens
 # agreeing ..." lands in logs/tests.log).
@@ -33,6 +36,19 @@ chain() {
   say "bench_gemv_chain: exit $?"; grep -E "^- " $OUT/gemv_chain.md
 }
 if [ "$PART" = chain ]; then chain; (cd $OUT && tar cf logs.tar logs && rm -rf logs); exit 0; fi
+if [ "$PART" = goal48 ]; then
+  # issue 9's headline cell at the full docs/BENCHMARKS.md protocol (every 48B figure so far is a --quick smoke run,
+  # 40 steps a repetition: 69.7-70.9% across sessions 13-16): graphs / engine / engine-served, 20 warm-up steps,
+  # 5 x 200 timed steps, interleaved, roofline and kernel counts in the same run
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee -a $OUT/call.log
+  timeout ${GOAL_TL:-420} k3compile bench decode --model kimi-linear-48b --dtype bf16 --batch 1,8 --context 512 \
+    --device cuda --arms graphs,engine,engine-served --time-budget $((${GOAL_TL:-420} - 40)) --out $OUT/d \
+    > $OUT/logs/decode_48b.log 2>&1
+  say "decode 48b (full protocol): exit $?"
+  for f in $OUT/d/decode_*.{md,json}; do [ -f "$f" ] && cp "$f" "$OUT/goal48_$(basename $f)"; done
+  grep -E "^\| (graphs|engine)|roofline|^- " $OUT/goal48_decode_*.md | head -20; rm -rf $OUT/d
+  (cd $OUT && tar cf logs.tar logs && rm -rf logs); exit 0
+fi
 if [ "$PART" = h100_48b ]; then
   T=${T48:-220}
   timeout $((T + 40)) k3compile bench ladder --model kimi-linear-48b --layers 12 --dtype bf16 --batch 1,8 \
