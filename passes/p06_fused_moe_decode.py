@@ -52,7 +52,7 @@ from torch.fx import GraphModule, Node
 from .gemm_columns import column_block, drop_column_blocks, record_merge, source_name
 from .graph_utils import (add_constant, attr_tensor, drop_unused_constants, erase_if_dead, fake_mode_of, is_call,
                           replace_uses, set_meta_val, val_of)
-from .kernels import moe_decode  # registers torch.ops.k3.fused_moe_decode; split_from_list checks down_split
+from .kernels import moe_decode, moe_launch  # registers torch.ops.k3.fused_moe_decode; split_from_list checks down_split
 from .patterns import NoMatch, is_cast, match_rms_norm
 from .registry import PassConfig, PassConfigError, register_pass
 
@@ -72,7 +72,7 @@ class FusedMoEDecodeConfig(PassConfig):
     # the interpreter included, the op runs exactly as without: kernels.pdl.pdl_for)
     use_pdl: bool = True
     # kernel B''s launch at every GEMV batch, "BLOCK_N x BLOCK_K x num_warps x K chunks x prefetch (0/1)" (e.g.
-    # "64x128x4x2x1"), instead of kernels.moe_decode.SPLIT_TUNED's per-shape entry; None: the table (A/B arms)
+    # "64x128x4x2x1"), instead of kernels.moe_launch.SPLIT_TUNED's per-shape entry; None: the table (A/B arms)
     down_split: str | None = None
     # kernel A's shared slot first in its launch order and, with PDL, asking L2 for its static gate/up rows before
     # it waits for the router kernel (moe_decode.fused_moe_triton's shared_l2_prefetch). 48B batch 1, whole engine
@@ -81,7 +81,7 @@ class FusedMoEDecodeConfig(PassConfig):
     # the same for kernel B''s shared slot (its W2 rows, before it waits for kernel A)
     down_l2_prefetch: bool = True
     # kernel A's launch at every GEMV batch, "BLOCK_N x BLOCK_K x num_warps" (e.g. "32x256x4"), either design, instead
-    # of kernels.moe_decode.ROWS_TUNED / the rules (A/B arms for tools/bench_moe11.py's winners); None: the tables
+    # of kernels.moe_launch.ROWS_TUNED / the rules (A/B arms for tools/bench_moe11.py's winners); None: the tables
     up_launch: str | None = None
     # (the op's flag_deps, fine-grained A -> B' counters, is not a pass option: at one MoE layer it gained nothing
     # (36.91 vs 36.75 us) and a whole 48B engine with it and the 8-warp kernel A never came back from its set-up,
@@ -128,7 +128,7 @@ class FusedMoEDecodeConfig(PassConfig):
             return None
         try:
             values = [int(v) for v in str(self.down_split).lower().split("x")]
-            moe_decode.split_from_list(values)
+            moe_launch.split_from_list(values)
         except ValueError as exc:
             raise PassConfigError(f"p06_fused_moe_decode: down_split {self.down_split!r} is not "
                                   f"BLOCK_NxBLOCK_Kxnum_warps[xK_chunks[xprefetch 0/1]] ({exc})") from None
@@ -139,7 +139,7 @@ class FusedMoEDecodeConfig(PassConfig):
         if self.up_launch is None:
             return None
         try:
-            return list(moe_decode.check_up_launch(str(self.up_launch).lower().split("x")))
+            return list(moe_launch.check_up_launch(str(self.up_launch).lower().split("x")))
         except ValueError as exc:
             raise PassConfigError(f"p06_fused_moe_decode: up_launch {self.up_launch!r} is not "
                                   f"BLOCK_NxBLOCK_Kxnum_warps ({exc})") from None

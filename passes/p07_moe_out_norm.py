@@ -45,7 +45,7 @@ LATENT_UP_W = 14  # fused_moe_decode's latent_up_w argument
 class MoeOutNormConfig(PassConfig):
     # off until measured on the device (tools/gpu_mini14.sh: k3-mini-6b ladder, batch 1)
     enabled: bool = False
-    # kernel C's warps when it carries the norm's tail (0: the latent launch's own, moe_decode.latent_config); the
+    # kernel C's warps when it carries the norm's tail (0: the latent launch's own, moe_launch.latent_config); the
     # tail's [bank rows, D] fp32 tile is spread over them (k3-mini: 8 x 2048, 128 a thread at 4 warps)
     num_warps: int = 0
     # kernel C's output columns per program with the tail (0: the latent launch's own, 4 at k3-mini batch 1: 512

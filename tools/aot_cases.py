@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-from k3compile.passes.kernels import gemv, kda_decode, mla_absorb, mla_decode, moe_decode, norm_gemv, norm_route, pdl
+from k3compile.passes.kernels import (gemv, kda_decode, mla_absorb, mla_decode, moe_decode, moe_launch, norm_gemv,
+                                      norm_route, pdl)
 from k3compile.passes.kernels import attn_res_norm as arn
 from k3compile.passes.kernels import glu_act
 
@@ -206,15 +207,15 @@ CASES = [
 if "shared_w13" in moe_decode.fused_moe_triton.__code__.co_varnames:
     CASES += [("moe 48B batch 1, shared slot in A", moe(1, True))]
 if hasattr(moe_decode, "SPLIT_CANDIDATES"):  # every kernel B' launch tools/bench_moe9.py tries (PDL on)
-    CASES += [(f"moe 48B batch 1, B' {tuple(c)}", moe(1, True, c)) for c in moe_decode.SPLIT_CANDIDATES]
-    CASES += [("moe 48B batch 8, B' (64, 128, 4, 2, True)", moe(8, True, moe_decode.SplitConfig(64, 128, 4, 2, True))),
-              ("moe 48B MXFP4 batch 1, B' (16, 256, 4, 4, True)", moe_mxfp4(1, moe_decode.SplitConfig(16, 256, 4, 4, True)))]
+    CASES += [(f"moe 48B batch 1, B' {tuple(c)}", moe(1, True, c)) for c in moe_launch.SPLIT_CANDIDATES]
+    CASES += [("moe 48B batch 8, B' (64, 128, 4, 2, True)", moe(8, True, moe_launch.SplitConfig(64, 128, 4, 2, True))),
+              ("moe 48B MXFP4 batch 1, B' (16, 256, 4, 4, True)", moe_mxfp4(1, moe_launch.SplitConfig(16, 256, 4, 4, True)))]
 if "shared_l2_prefetch" in moe_decode.fused_moe_triton.__code__.co_varnames:  # P6's L2 prefetch options (moepf10)
     _pf = dict(shared_l2_prefetch=True, down_l2_prefetch=True)
     CASES += [("moe 48B batch 1, shared slot first + L2 prefetch in A and B'", moe(1, True, **_pf)),
               ("moe 48B batch 8, shared slot first + L2 prefetch in A and B'", moe(8, True, **_pf)),
               ("moe 48B batch 2, B' (64, 128, 4, 2, False) + L2 prefetch in A and B'",
-               moe(2, True, moe_decode.SplitConfig(64, 128, 4, 2, False), **_pf)),
+               moe(2, True, moe_launch.SplitConfig(64, 128, 4, 2, False), **_pf)),
               ("moe 48B batch 1, tiles A: shared slot first + L2 prefetch",
                lambda: _moe_tiles_shared(1, shared_l2_prefetch=True, down_l2_prefetch=True))]
 CASES += [("moe 48B batch 1, early release (rows A + shared slot first)",
@@ -260,7 +261,7 @@ def moe_mini(batch, rows=None, split=None, latent=None, **options):
     (w13, w2), x = _mini_experts(), _randn(batch, lat)
     ids, wts = moe_decode.random_routing(batch, e, k, "cpu", seed=1)
     g, u, sw2, upw, nw = _randn(batch, s), _randn(batch, s), _randn(d, s), _randn(d, lat), _randn(lat)
-    entries = [(moe_decode.ROWS_TUNED, ("up", batch * k, i, lat), rows), (moe_decode.LATENT_TUNED, (batch, d, lat, s),
+    entries = [(moe_launch.ROWS_TUNED, ("up", batch * k, i, lat), rows), (moe_launch.LATENT_TUNED, (batch, d, lat, s),
                                                                            latent)]
 
     def run():
@@ -280,10 +281,10 @@ def moe_mini(batch, rows=None, split=None, latent=None, **options):
 if hasattr(moe_decode, "LATENT_CANDIDATES"):  # every launch tools/bench_moe10mini.py tries (k3-mini-6b, PDL on)
     for _b in (1, 8):
         CASES += [(f"moe mini batch {_b} (today's launches)", moe_mini(_b))]
-        CASES += [(f"moe mini batch {_b}, A {c}", moe_mini(_b, rows=c)) for c in moe_decode.ROWS_CANDIDATES]
+        CASES += [(f"moe mini batch {_b}, A {c}", moe_mini(_b, rows=c)) for c in moe_launch.ROWS_CANDIDATES]
         CASES += [(f"moe mini batch {_b}, B' {tuple(c)}", moe_mini(_b, split=c))
-                  for c in moe_decode.LATENT_SPLIT_CANDIDATES]
-        CASES += [(f"moe mini batch {_b}, C {tuple(c)}", moe_mini(_b, latent=c)) for c in moe_decode.LATENT_CANDIDATES]
+                  for c in moe_launch.LATENT_SPLIT_CANDIDATES]
+        CASES += [(f"moe mini batch {_b}, C {tuple(c)}", moe_mini(_b, latent=c)) for c in moe_launch.LATENT_CANDIDATES]
 
 if "target_programs" in gemv.rows_configs.__code__.co_varnames:  # P8's rows_programs candidates, k3-mini shapes
     for _n in (2048, 8336):
@@ -337,12 +338,12 @@ if "flag_deps" in moe_decode.fused_moe_triton.__code__.co_varnames:  # tools/ben
     _p6 = dict(shared_l2_prefetch=True, down_l2_prefetch=True)  # as P6 emits the op
     for _b in (1, 8):
         CASES += [(f"moe 48B batch {_b}, A {c}", moe(_b, True, up_launch=c, **_p6))
-                  for c in moe_decode.FULL_ROWS_CANDIDATES]
+                  for c in moe_launch.FULL_ROWS_CANDIDATES]
         CASES += [(f"moe 48B batch {_b}, flag_deps", moe(_b, True, flag_deps=True, **_p6))]
         CASES += [(f"moe 48B batch {_b}, flag_deps B' {tuple(c)}", moe(_b, True, c, flag_deps=True, **_p6))
-                  for c in moe_decode.FLAG_SPLIT_CANDIDATES]
+                  for c in moe_launch.FLAG_SPLIT_CANDIDATES]
     CASES += [("moe 48B MXFP4 batch 1, flag_deps (tiles A, B' 2 chunks)",
-               lambda: _moe_tiles_shared(1, split=moe_decode.SplitConfig(4, 512, 4, 2), flag_deps=True))]
+               lambda: _moe_tiles_shared(1, split=moe_launch.SplitConfig(4, 512, 4, 2), flag_deps=True))]
 
 
 def route_launch(batch, shape="48b", tail="rounds", target_programs=norm_route.TARGET_PROGRAMS):

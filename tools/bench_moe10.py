@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from k3compile.passes.kernels import moe_decode, norm_route
+from k3compile.passes.kernels import moe_decode, moe_launch, norm_route
 from k3compile.passes.kernels.graph_timing import replay_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,14 +45,14 @@ ARMS = {"off": (False, False, True), "A order": (True, False, False), "A prefetc
 
 @contextlib.contextmanager
 def a_prefetch_allowed(allowed: bool):
-    """For the "A order" arm: kernel A's shared slot first, its prefetch off (moe_decode.shared_l2_launch)."""
-    saved = moe_decode.shared_l2_launch
+    """For the "A order" arm: kernel A's shared slot first, its prefetch off (moe_launch.shared_l2_launch)."""
+    saved = moe_launch.shared_l2_launch
     if not allowed:
-        moe_decode.shared_l2_launch = lambda asked, pdl, w, width: (asked, False)
+        moe_launch.shared_l2_launch = lambda asked, pdl, w, width: (asked, False)
     try:
         yield
     finally:
-        moe_decode.shared_l2_launch = saved
+        moe_launch.shared_l2_launch = saved
 
 
 def route_sets(spec, n: int, gen) -> list[dict]:

@@ -9,7 +9,7 @@ harness: different random routings, x and shared inputs, each with its own copy 
 W2), so a replay does not find the previous call's weights in L2. The sweep itself is tools/bench_moe_sweep.py's.
 
 Arms per batch: "today" (the launches moe_decode picks as committed), then one kernel varied at a time over
-moe_decode.ROWS_CANDIDATES (A), LATENT_SPLIT_CANDIDATES (B'), LATENT_CANDIDATES (C), then "combo": each kernel's
+moe_launch.ROWS_CANDIDATES (A), LATENT_SPLIT_CANDIDATES (B'), LATENT_CANDIDATES (C), then "combo": each kernel's
 fastest launch (op µs) together. A's and B''s launches go in through the op's up_launch / split arguments, C's through
 its table (a LATENT_TUNED entry set for the call).
 
@@ -30,7 +30,7 @@ import sys
 import torch
 
 from k3compile.model_def.config import get_preset
-from k3compile.passes.kernels import moe_decode
+from k3compile.passes.kernels import moe_decode, moe_launch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe_sweep import ROUTINGS, Shape, sweep  # noqa: E402
@@ -81,15 +81,15 @@ class MiniLatent(Shape):
         """The launches the op makes as committed (no bench override)."""
         kk = self.keys(n)
         kernel, pairs, rows, width = kk["A"]
-        return {"A": moe_decode.rows_config(pairs, rows, pairs, kernel, width),
-                "B": moe_decode.split_config(*kk["B"]), "C": moe_decode.latent_config(*kk["C"])}
+        return {"A": moe_launch.rows_config(pairs, rows, pairs, kernel, width),
+                "B": moe_launch.split_config(*kk["B"]), "C": moe_launch.latent_config(*kk["C"])}
 
     def arms(self, n, best):
         """Each candidate of one kernel with the other two as today."""
         base = {key: list(v) for key, v in self.today(n).items()}
         out = []
-        for kernel, cands in (("A", moe_decode.ROWS_CANDIDATES), ("B", moe_decode.LATENT_SPLIT_CANDIDATES),
-                              ("C", moe_decode.LATENT_CANDIDATES)):
+        for kernel, cands in (("A", moe_launch.ROWS_CANDIDATES), ("B", moe_launch.LATENT_SPLIT_CANDIDATES),
+                              ("C", moe_launch.LATENT_CANDIDATES)):
             out += [(kernel, dict(base, **{kernel: list(c)})) for c in cands if list(c) != base[kernel]]
         return out
 
@@ -97,31 +97,31 @@ class MiniLatent(Shape):
     def latent_table(self, n, launch):
         """LATENT_TUNED holds `launch` (kernel C) for this shape while the op runs (C has no launch argument)."""
         key = self.keys(n)["C"]
-        saved = moe_decode.LATENT_TUNED.get(key)
-        moe_decode.LATENT_TUNED[key] = moe_decode.LatentConfig(*launch)
+        saved = moe_launch.LATENT_TUNED.get(key)
+        moe_launch.LATENT_TUNED[key] = moe_launch.LatentConfig(*launch)
         try:
             yield
         finally:
-            moe_decode.LATENT_TUNED.pop(key)
+            moe_launch.LATENT_TUNED.pop(key)
             if saved is not None:
-                moe_decode.LATENT_TUNED[key] = saved
+                moe_launch.LATENT_TUNED[key] = saved
 
     def run(self, n, kw, launches):
         with self.latent_table(n, launches["C"]):
             return moe_decode.fused_moe_triton(**kw, use_pdl=True, designs=("rows", "split"),
-                                               up_launch=launches["A"], split=moe_decode.SplitConfig(*launches["B"]))
+                                               up_launch=launches["A"], split=moe_launch.SplitConfig(*launches["B"]))
 
     def entries(self, n, launches) -> list[str]:
         """The python table entries (moe_decode.py) that make `launches` the default at batch n."""
         kk, base, lines = self.keys(n), self.today(n), super().entries(n, launches)
         if tuple(launches["C"]) != tuple(base["C"]):
-            lines.append(f"LATENT_TUNED: {kk['C']!r}: {moe_decode.LatentConfig(*launches['C'])!r},")
+            lines.append(f"LATENT_TUNED: {kk['C']!r}: {moe_launch.LatentConfig(*launches['C'])!r},")
         return lines
 
 
 def main(out_dir: str, budget_s: float) -> None:
-    if moe_decode.kernel_designs(1, False) != ("rows", "split"):
-        print(f"note: kernel_designs(1) is {moe_decode.kernel_designs(1, False)}; this sweep runs rows + split")
+    if moe_launch.kernel_designs(1, False) != ("rows", "split"):
+        print(f"note: kernel_designs(1) is {moe_launch.kernel_designs(1, False)}; this sweep runs rows + split")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     sweep(MiniLatent(gen), out_dir, budget_s)
 

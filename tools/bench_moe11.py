@@ -8,7 +8,7 @@ and per-set copies of the shared expert's weights), so a replay does not find th
 
 Launch keys: "A" kernel A's (BLOCK_N, BLOCK_K, warps), "B" B''s SplitConfig (BLOCK_N, BLOCK_K, warps, K chunks,
 prefetch), "F" flag_deps (0/1). Arms per batch (tools/bench_moe_sweep.py's harness): today; an earlier batch's winning
-values first; A over moe_decode.FULL_ROWS_CANDIDATES; F on at today's B', then with FLAG_SPLIT_CANDIDATES (K chunks:
+values first; A over moe_launch.FULL_ROWS_CANDIDATES; F on at today's B', then with FLAG_SPLIT_CANDIDATES (K chunks:
 a B' program waits for part of its h row); B over SPLIT_CANDIDATES; then the combination of each key's fastest value.
 A and B' go in through the op's up_launch / split arguments (what P6's up_launch / down_split options pass).
 
@@ -25,7 +25,7 @@ import sys
 import torch
 
 from k3compile.model_def.config import get_preset
-from k3compile.passes.kernels import moe_decode
+from k3compile.passes.kernels import moe_decode, moe_launch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe_sweep import ROUTINGS, Shape, sweep  # noqa: E402
@@ -73,7 +73,7 @@ class FullWidth(Shape):
     def today(self, n) -> dict:
         kk = self.keys(n)
         kernel, pairs, rows, width = kk["A"]
-        return {"A": moe_decode.rows_config(pairs, rows, pairs, kernel, width), "B": moe_decode.split_config(*kk["B"]),
+        return {"A": moe_launch.rows_config(pairs, rows, pairs, kernel, width), "B": moe_launch.split_config(*kk["B"]),
                 "F": 0}
 
     def arms(self, n, best):
@@ -81,15 +81,15 @@ class FullWidth(Shape):
         earlier = [b["best"]["launches"] for b in best]  # what earlier batches picked: tried first here
         first = [(f"{key} (batch {b['batch']})", dict(base, **{key: w[key]}, **({"B": w["B"]} if key == "F" else {})))
                  for b, w in zip(best, earlier) for key in ("A", "F") if w[key] != base[key]]
-        out = [("A", dict(base, A=list(c))) for c in moe_decode.FULL_ROWS_CANDIDATES if list(c) != base["A"]]
+        out = [("A", dict(base, A=list(c))) for c in moe_launch.FULL_ROWS_CANDIDATES if list(c) != base["A"]]
         out += [("F", dict(base, F=1))]
-        out += [("F", dict(base, F=1, B=list(c))) for c in moe_decode.FLAG_SPLIT_CANDIDATES if list(c) != base["B"]]
-        out += [("B", dict(base, B=list(c))) for c in moe_decode.SPLIT_CANDIDATES if list(c) != base["B"]]
+        out += [("F", dict(base, F=1, B=list(c))) for c in moe_launch.FLAG_SPLIT_CANDIDATES if list(c) != base["B"]]
+        out += [("B", dict(base, B=list(c))) for c in moe_launch.SPLIT_CANDIDATES if list(c) != base["B"]]
         return first + [arm for arm in out if all(arm[1] != f[1] for f in first)]
 
     def run(self, n, kw, launches):
         return moe_decode.fused_moe_triton(**kw, use_pdl=True, shared_l2_prefetch=True, down_l2_prefetch=True,
-                                           up_launch=launches["A"], split=moe_decode.SplitConfig(*launches["B"]),
+                                           up_launch=launches["A"], split=moe_launch.SplitConfig(*launches["B"]),
                                            flag_deps=bool(launches["F"]))
 
     def entries(self, n, launches) -> list[str]:
@@ -131,7 +131,7 @@ def ladder_variants(out_dir: str) -> list[str]:
 
 
 def main(out_dir: str, budget_s: float, batches) -> None:
-    if any(moe_decode.kernel_designs(n, False) != ("rows", "split") for n in batches):
+    if any(moe_launch.kernel_designs(n, False) != ("rows", "split") for n in batches):
         print("note: kernel_designs is not (rows, split) at every swept batch; the engine runs those designs")
     shape = FullWidth(torch.Generator(device=DEVICE).manual_seed(0))
     sweep(shape, out_dir, budget_s, batches)

@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from k3compile.passes.kernels import moe_decode
+from k3compile.passes.kernels import moe_decode, moe_launch
 from k3compile.passes.kernels.graph_timing import replay_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -68,8 +68,8 @@ def problem(spec, n, quant, gen):
 def bench_designs(spec, quant, bandwidth, gen, rows):
     for n in BATCHES:
         sets, refs, nbytes = problem(spec, n, quant, gen)
-        up = moe_decode.kernel_designs(n, quant)[0]
-        for down in moe_decode.DOWN_DESIGNS:
+        up = moe_launch.kernel_designs(n, quant)[0]
+        for down in moe_launch.DOWN_DESIGNS:
             if quant and down == "rows":
                 continue
             for pdl in (False, True):
@@ -80,7 +80,7 @@ def bench_designs(spec, quant, bandwidth, gen, rows):
                           for (a, kw), ref in zip(sets, refs))
                 total = sum(nbytes.values())
                 row = dict(shape=spec["name"], experts="mxfp4" if quant else "bf16", batch=n, up=up, down=down,
-                           default=moe_decode.kernel_designs(n, quant) == (up, down), pdl=pdl,
+                           default=moe_launch.kernel_designs(n, quant) == (up, down), pdl=pdl,
                            op_us=round(op_us, 2), op_pct=round(100 * total / op_us / 1e3 / bandwidth, 1),
                            rel_err=err, kernels=kernel_rows(nbytes, times, bandwidth))
                 rows.append(row)
@@ -90,18 +90,18 @@ def bench_designs(spec, quant, bandwidth, gen, rows):
 def split_sweep(spec, quant, bandwidth, gen, out):
     for n in (1, 8):
         sets, _, nbytes = problem(spec, n, quant, gen)
-        up = moe_decode.kernel_designs(n, quant)[0]
+        up = moe_launch.kernel_designs(n, quant)[0]
         key = ("split", n * (spec["k"] + 1), spec["d_out"], spec["i"], quant)
-        rule = moe_decode.gemv_config(*key)
-        saved = moe_decode.TUNED.get(key)
+        rule = moe_launch.gemv_config(*key)
+        saved = moe_launch.TUNED.get(key)
         for cfg in SPLIT_SWEEP:
-            moe_decode.TUNED[key] = cfg
+            moe_launch.TUNED[key] = cfg
             try:
                 us = kernel_times(Cycle(sets, designs=(up, "split")), iters=3 * ROUTINGS)["_expert_down_kernel"]
             finally:
-                moe_decode.TUNED.pop(key)
+                moe_launch.TUNED.pop(key)
                 if saved is not None:
-                    moe_decode.TUNED[key] = saved
+                    moe_launch.TUNED[key] = saved
             pct = 100 * nbytes["_expert_down_kernel"] / us / 1e3 / bandwidth
             out.append(dict(experts="mxfp4" if quant else "bf16", batch=n, config=list(cfg), rule=list(rule),
                             us=round(us, 2), pct=round(pct, 1)))

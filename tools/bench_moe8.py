@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from k3compile.passes.kernels import moe_decode
+from k3compile.passes.kernels import moe_decode, moe_launch
 from k3compile.passes.kernels.graph_timing import replay_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -110,7 +110,7 @@ def main(out_dir: str) -> None:
                     row = dict(batch=n, arm="new" if fused else "today", pdl=pdl, op_us=round(op_us, 2),
                                op_pct=round(100 * nbytes / op_us / 1e3 / bandwidth, 1), mbytes=round(nbytes / 1e6, 1),
                                kernels_per_call=len(raw), kernel_us=kernel_table(raw), rel_err=err,
-                               designs=list(moe_decode.kernel_designs(n, False)))
+                               designs=list(moe_launch.kernel_designs(n, False)))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             save(out_dir, bw, bandwidth, rows)

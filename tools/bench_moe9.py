@@ -2,8 +2,8 @@
 
 Shape: one MoE layer of Kimi-Linear-48B (E=256, top-8, D=2304, I=1024, one shared expert Is=1024, SiLU), bf16
 experts, batch 1, 2, 4, 8; the op as the engine runs it (kernel A with the shared slot, shared_w13; kernel B'
-"split"), PDL on. Arms: "today" = B''s launch from moe_decode.split_config (SPLIT_TUNED / the tile rule as
-committed) and each SplitConfig of moe_decode.SPLIT_CANDIDATES (BLOCK_N, BLOCK_K, num_warps, K chunks per slot,
+"split"), PDL on. Arms: "today" = B''s launch from moe_launch.split_config (SPLIT_TUNED / the tile rule as
+committed) and each SplitConfig of moe_launch.SPLIT_CANDIDATES (BLOCK_N, BLOCK_K, num_warps, K chunks per slot,
 prefetch of the next W2 tile). Each timed call cycles over ROUTINGS argument sets (bench_moe8's harness:
 different random routings and x, each with its own copy of the shared weights), so a replay does not find the
 previous call's weights in L2.
@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from k3compile.passes.kernels import moe_decode
+from k3compile.passes.kernels import moe_decode, moe_launch
 from k3compile.passes.kernels.graph_timing import replay_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -57,11 +57,11 @@ def down_bytes(spec, sets) -> float:
                for _, ids, _, _, _ in sets) / len(sets)
 
 
-def arms(n: int, spec) -> list[tuple[str, moe_decode.SplitConfig]]:
+def arms(n: int, spec) -> list[tuple[str, moe_launch.SplitConfig]]:
     """("today", split_config's choice), then every candidate that differs from it."""
     key = (n * (spec["k"] + 1), spec["d_out"], spec["i"], False)
-    today = moe_decode.split_config(*key)
-    return [("today", today)] + [("cand", c) for c in moe_decode.SPLIT_CANDIDATES if tuple(c) != tuple(today)]
+    today = moe_launch.split_config(*key)
+    return [("today", today)] + [("cand", c) for c in moe_launch.SPLIT_CANDIDATES if tuple(c) != tuple(today)]
 
 
 def main(out_dir: str) -> None:

@@ -32,7 +32,7 @@ import torch
 from k3compile.bench.timing import copy_bandwidth
 from k3compile.model_def.config import get_preset
 from k3compile.model_def.ops import mxfp4
-from k3compile.passes.kernels import moe_decode
+from k3compile.passes.kernels import moe_decode, moe_launch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_kernels_before  # noqa: E402
@@ -156,18 +156,18 @@ def tile_sweep(spec, bandwidth, gen) -> list[dict]:
             name = f"_expert_{kernel}_kernel"
             key = (kernel, n * spec["k"], spec["i"], spec["d_in"], quant) if kernel == "up" else \
                 (kernel, n, spec["d_in"], spec["i"], quant)
-            rule = moe_decode.gemv_config(*key, top_k=spec["k"])
-            saved = moe_decode.TUNED.get(key)
+            rule = moe_launch.gemv_config(*key, top_k=spec["k"])
+            saved = moe_launch.TUNED.get(key)
             for cfg in configs:
                 bn, bk, warps = cfg
-                moe_decode.TUNED[key] = (bn, bk, warps)
+                moe_launch.TUNED[key] = (bn, bk, warps)
                 try:
                     us = kernel_times(lambda: moe_decode.fused_moe_triton(*args, **kw, designs=("tiles", "tiles")),
                                       iters=10)[name]
                 finally:
-                    moe_decode.TUNED.pop(key)
+                    moe_launch.TUNED.pop(key)
                     if saved is not None:
-                        moe_decode.TUNED[key] = saved
+                        moe_launch.TUNED[key] = saved
                 out.append(dict(experts="mxfp4" if quant else "bf16", batch=n, kernel=kernel,
                                 config=[bn, bk, warps], rule=list(rule), us=round(us, 2),
                                 pct=round(100 * nbytes[name] / us / 1e3 / bandwidth, 1)))

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from k3compile.passes.kernels import moe_decode
+from k3compile.passes.kernels import moe_decode, moe_launch
 from k3compile.passes.kernels.graph_timing import replay_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -90,7 +90,7 @@ class Shape:
         if tuple(launches["A"]) != tuple(base["A"]):
             lines.append(f"ROWS_TUNED: {kk['A']!r}: {tuple(launches['A'])!r},")
         if tuple(launches["B"]) != tuple(base["B"]):
-            lines.append(f"SPLIT_TUNED: {kk['B']!r}: {moe_decode.SplitConfig(*launches['B'])!r},")
+            lines.append(f"SPLIT_TUNED: {kk['B']!r}: {moe_launch.SplitConfig(*launches['B'])!r},")
         return lines
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 9, k3-mini-6b latent MoE launch sweep (helper mini10): one device call, <= 120 s.
 #   1. tools/bench_moe10mini.py: k3-mini-6b MoE layer bf16 (latent path, shared expert in kernel C), batch 1, 8, 2, 4,
-#      PDL on: today's launches vs moe_decode.ROWS_CANDIDATES (kernel A), LATENT_SPLIT_CANDIDATES (B'),
+#      PDL on: today's launches vs moe_launch.ROWS_CANDIDATES (kernel A), LATENT_SPLIT_CANDIDATES (B'),
 #      LATENT_CANDIDATES (C), one kernel at a time, then the best combination; op µs (CUDA-graph replays over 4 cycled
 #      routings + weight copies), kernel µs and % of the same-run copy bandwidth, rel err; per batch the fastest arm
 #      and the ROWS_TUNED / SPLIT_TUNED / LATENT_TUNED entries that make it the default

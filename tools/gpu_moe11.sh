@@ -2,7 +2,7 @@
 # Issue 9, helper moe11: Kimi-Linear-48B MoE at batch 1 and 8 (one device call, ~150 s: sweep <= 100 s, tests <= 60 s;
 # PART=sweep or PART=tests runs one half).
 #   1. tools/bench_moe11.py: one 48B MoE layer as P6 emits it (shared slot in A, L2 options on, PDL on), batch 1 then 8:
-#      today's launches vs kernel A over moe_decode.FULL_ROWS_CANDIDATES, flag_deps on (today's B', then B' with K
+#      today's launches vs kernel A over moe_launch.FULL_ROWS_CANDIDATES, flag_deps on (today's B', then B' with K
 #      chunks: FLAG_SPLIT_CANDIDATES), B' over SPLIT_CANDIDATES, then each key's fastest value together; op µs
 #      (CUDA-graph replays over 4 cycled routings + shared-weight copies), kernel µs and % of the same-run copy
 #      bandwidth, rel err. Prints per batch the fastest arm, the ROWS_TUNED / SPLIT_TUNED entries and P6 options that

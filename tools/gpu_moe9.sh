@@ -2,7 +2,7 @@
 # Issue 9, kernel B' (the split down-projection) launch sweep (helper moe9): one device call that fits
 # gpu_call9a.sh's 110 s job limit (bench 68 s, tests 38 s).
 #   1. tools/bench_moe9.py: 48B MoE layer bf16, batch 1/2/4/8, the op as the engine runs it (A with the shared
-#      slot + B'), PDL on: today's B' launch vs each SplitConfig of moe_decode.SPLIT_CANDIDATES (tile, K chunks per
+#      slot + B'), PDL on: today's B' launch vs each SplitConfig of moe_launch.SPLIT_CANDIDATES (tile, K chunks per
 #      slot, prefetch); op µs from CUDA-graph replays over 4 cycled routings, A / B' µs, B' % of the same-run copy
 #      bandwidth, rel err; the fastest per batch and its SPLIT_TUNED entry -> $OUT/moe9.md, $OUT/moe9.json, bench.log
 #   2. the gpu-marked tests of B' at the 48B shape (K chunks, prefetch, PDL, CUDA-graph replay) and of P6's

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from . import attn_res_norm as arn
-from . import moe_decode
+from . import moe_decode, moe_launch
 from .arrivals import arrival_counters
 
 try:
@@ -158,7 +158,7 @@ class _NormTail:
         consts = dict(c_consts)
         if self.block_n:  # kernel C's launch for this column block (latent_config's K tiles for it)
             latent, shared = c_args[7], c_args[9]
-            launch_c = moe_decode.latent_config(n, d, latent, shared, block_n=self.block_n)
+            launch_c = moe_launch.latent_config(n, d, latent, shared, block_n=self.block_n)
             consts.update(BLOCK_N=launch_c.block_n, BLOCK_K=launch_c.block_k, BLOCK_KS=launch_c.block_ks,
                           PREWAIT_W=consts["PREWAIT"] and launch_c.block_k >= latent)
             grid = (grid[0], triton.cdiv(d, launch_c.block_n))
@@ -240,7 +240,7 @@ def _fused_moe_decode_norm_cuda(bank, residual, query, norm_weight, res_eps, nor
     bank_c = [r.contiguous() for r in bank]
     with torch.cuda.device(x.device):  # Triton launches on the current device
         if kernel_supports(bank_c, residual, x, latent_up_w, crossover):
-            split = None if down_split is None else moe_decode.split_from_list(down_split)
+            split = None if down_split is None else moe_launch.split_from_list(down_split)
             return fused_moe_norm_triton(
                 bank_c, residual, query, norm_weight, res_eps, norm_eps, x, topk_ids, topk_weights, w13, w2,
                 w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta, linear_beta, latent_up_w,

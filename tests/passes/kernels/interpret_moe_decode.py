@@ -13,7 +13,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch  # noqa: E402
 
 from k3compile.model_def.ops import mxfp4  # noqa: E402
-from k3compile.passes.kernels import moe_decode  # noqa: E402
+from k3compile.passes.kernels import moe_decode, moe_launch  # noqa: E402
 from interpreted import TOL, rel_err, report  # noqa: E402  (this script's folder is on sys.path)
 
 
@@ -101,7 +101,7 @@ def main() -> int:
         ref = ref.to(dtype)
         # designs None: kernel_designs' choice for this batch; dense weights also run every (up, down) pair of
         # designs, at the smallest tile (several K steps and masked rows: the cheapest run that covers them)
-        pairs = [] if "w13_scale" in kw else [(up, down) for up in moe_decode.DESIGNS for down in moe_decode.DESIGNS]
+        pairs = [] if "w13_scale" in kw else [(up, down) for up in moe_launch.DESIGNS for down in moe_launch.DESIGNS]
         # the smallest tile with every design pair (several K steps, masked rows) on every case; a middle tile
         # and the op's own tile rule (None) on the first case of each kind, and None on every dense case: the
         # interpreter runs each program in Python, and MXFP4 at the op's larger tiles costs 10-45 s a run

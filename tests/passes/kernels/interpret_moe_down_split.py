@@ -20,10 +20,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch  # noqa: E402
 
 from k3compile.model_def.ops import mxfp4  # noqa: E402
-from k3compile.passes.kernels import arrivals, moe_decode  # noqa: E402
+from k3compile.passes.kernels import arrivals, moe_decode, moe_launch  # noqa: E402
 from interpreted import TOL, rel_err, report  # noqa: E402  (this script's folder is on sys.path)
 
-SplitConfig = moe_decode.SplitConfig
+SplitConfig = moe_launch.SplitConfig
 
 
 

@@ -14,10 +14,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import torch  # noqa: E402
 
-from k3compile.passes.kernels import moe_decode  # noqa: E402
+from k3compile.passes.kernels import moe_decode, moe_launch  # noqa: E402
 from interpreted import TOL, rel_err, report  # noqa: E402  (this script's folder is on sys.path)
 
-SplitConfig, LatentConfig = moe_decode.SplitConfig, moe_decode.LatentConfig
+SplitConfig, LatentConfig = moe_launch.SplitConfig, moe_launch.LatentConfig
 
 
 def cases():
@@ -64,13 +64,13 @@ def main() -> int:
         n += 1
         ref = moe_decode.fused_moe_reference(**kw)
         for table, entries in tables.items():
-            getattr(moe_decode, table).update(entries)
+            getattr(moe_launch, table).update(entries)
         try:
             got = moe_decode.fused_moe_triton(**kw, designs=designs)
         finally:
             for table, entries in tables.items():
                 for key in entries:
-                    getattr(moe_decode, table).pop(key)
+                    getattr(moe_launch, table).pop(key)
         if got.shape != ref.shape:
             failures.append(f"{name}: got {list(got.shape)}, want {list(ref.shape)}")
             continue

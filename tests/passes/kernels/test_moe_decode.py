@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from k3compile.model_def.config import get_preset
 from k3compile.model_def.ops import mxfp4
 from k3compile.model_def.ops.moe_math import glu_act, moe_experts_loop
-from k3compile.passes.kernels import moe_decode
+from k3compile.passes.kernels import moe_decode, moe_launch
 from k3compile.passes.kernels.moe_decode import fused_moe_reference, random_routing
 
 from .interpreted import run_interpreted
@@ -124,19 +124,19 @@ def test_split_down_projection_under_interpreter_matches_reference_and_repeats_b
 
 def test_kernel_designs_follow_the_measured_rule_and_rows_refuses_mxfp4():
     # as measured on the H200 (the table in moe_decode.py): bf16/fp32 "rows" up, MXFP4 "tiles" up, "split" down
-    assert moe_decode.kernel_designs(1, False) == ("rows", "split")
-    assert moe_decode.kernel_designs(8, False) == ("rows", "split")
-    assert moe_decode.kernel_designs(64, True) == ("tiles", "split")
-    assert moe_decode.kernel_designs(0, False) == ("rows", "split")  # an empty batch takes the smallest entry
+    assert moe_launch.kernel_designs(1, False) == ("rows", "split")
+    assert moe_launch.kernel_designs(8, False) == ("rows", "split")
+    assert moe_launch.kernel_designs(64, True) == ("tiles", "split")
+    assert moe_launch.kernel_designs(0, False) == ("rows", "split")  # an empty batch takes the smallest entry
     # the tables are what the lead edits after measuring: an entry applies from its batch on
-    saved = dict(moe_decode.DENSE_DESIGNS)
+    saved = dict(moe_launch.DENSE_DESIGNS)
     try:
-        moe_decode.DENSE_DESIGNS.update({4: ("tiles", "tiles"), 8: ("rows", "rows")})
-        assert [moe_decode.kernel_designs(b, False) for b in (1, 3, 4, 7, 8)] == [
+        moe_launch.DENSE_DESIGNS.update({4: ("tiles", "tiles"), 8: ("rows", "rows")})
+        assert [moe_launch.kernel_designs(b, False) for b in (1, 3, 4, 7, 8)] == [
             ("rows", "split"), ("rows", "split"), ("tiles", "tiles"), ("tiles", "tiles"), ("rows", "rows")]
     finally:
-        moe_decode.DENSE_DESIGNS.clear()
-        moe_decode.DENSE_DESIGNS.update(saved)
+        moe_launch.DENSE_DESIGNS.clear()
+        moe_launch.DENSE_DESIGNS.update(saved)
     if moe_decode.triton is None:
         return
     p = _problem(n=2)
@@ -157,9 +157,9 @@ def test_split_launch_comes_from_the_table_and_bad_launches_raise():
     """Kernel B''s launch: SPLIT_TUNED's entry for a listed shape, else the tile rule with one K chunk and no
     prefetch; a bad SplitConfig is refused before anything launches."""
     key = (9, 2304, 1024, False)  # 48B, batch 1: 8 routed slots + the shared one
-    assert moe_decode.split_config(*key) == moe_decode.SPLIT_TUNED[key]
-    other = moe_decode.split_config(3, 48, 32, False)
-    assert tuple(other[:3]) == moe_decode.gemv_config("split", 3, 48, 32, False) and other[3:] == (1, False)
+    assert moe_launch.split_config(*key) == moe_launch.SPLIT_TUNED[key]
+    other = moe_launch.split_config(3, 48, 32, False)
+    assert tuple(other[:3]) == moe_launch.gemv_config("split", 3, 48, 32, False) and other[3:] == (1, False)
     p = _problem()
     for bad, message in (((64, 100, 4), "split block_k must be a power of two"), ((3, 128, 4), "split block_n"),
                          ((64, 128, 4, 0), "k_split must be >= 1"), ((64, 128, 6, 1), "split num_warps")):
@@ -181,7 +181,7 @@ class _Recorder:
 def test_l2_prefetch_options_reach_the_launches(monkeypatch):
     """shared_l2_prefetch: kernel A's grid transposed (shared slot first) whenever asked and the slot exists; its L2
     prefetch (PIECES = 32 x num_warps) only with PDL and 16-byte rows; down_l2_prefetch: B''s shared slot, likewise.
-    Off, and above moe_decode.L2_PREFETCH_MAX_TOKENS tokens: the launches are today's (no new constexprs). Kernels
+    Off, and above moe_launch.L2_PREFETCH_MAX_TOKENS tokens: the launches are today's (no new constexprs). Kernels
     replaced by recorders: launch arguments only."""
     launches = []
     for name in ("_expert_up_rows_kernel", "_expert_up_kernel", "_expert_down_split_kernel"):
@@ -212,7 +212,7 @@ def test_l2_prefetch_options_reach_the_launches(monkeypatch):
         a_grid, a_kw, b_kw = launch(up=up, shared_l2_prefetch=True, down_l2_prefetch=True)
         assert a_kw["SHARED_FIRST"] and a_kw["SHARED_L2_PREFETCH"] and a_kw["PIECES"] == 32 * a_kw["num_warps"]
         assert b_kw["SHARED_L2_PREFETCH"] and b_kw["PIECES"] == 32 * b_kw["num_warps"] and b_kw["launch_pdl"]
-    assert moe_decode.L2_PREFETCH_MAX_TOKENS == 1  # two tokens: both options asked for, today's launches
+    assert moe_launch.L2_PREFETCH_MAX_TOKENS == 1  # two tokens: both options asked for, today's launches
     a_grid, a_kw, b_kw = launch(n=2, shared_l2_prefetch=True, down_l2_prefetch=True)
     assert a_grid == launch(n=2)[0] and "SHARED_FIRST" not in a_kw and "SHARED_L2_PREFETCH" not in b_kw
     a_grid, a_kw, b_kw = launch(down_l2_prefetch=True)  # B' alone
@@ -315,7 +315,7 @@ def test_cuda_latent_tail_at_the_k3_mini_shape(quant, n):
     for crossover in (1 << 30, 1):
         got = FUSED(*_op_args(p, "situ", crossover, *scales), up_w, norm_w, 1e-5)
         assert got.shape == (n, d) and _rel(got, ref) < 1e-2, (crossover, _rel(got, ref))
-    for down in [d for d in moe_decode.DOWN_DESIGNS if not (quant and d == "rows")]:  # "rows": dense weights only
+    for down in [d for d in moe_launch.DOWN_DESIGNS if not (quant and d == "rows")]:  # "rows": dense weights only
         got = moe_decode.fused_moe_triton(*_op_args(p, "situ", 0, *scales)[:13], up_w, norm_w, 1e-5,
                                           designs=("tiles" if quant else "rows", down))
         assert _rel(got, ref) < 1e-2, (down, _rel(got, ref))
@@ -425,7 +425,7 @@ def test_cuda_pdl_and_other_tiles_at_the_48b_shape(n):
                                               block_n=block_n, num_warps=warps, use_pdl=True)
             assert _rel(got, ref) < 1e-2, (block_n, block_k, warps, quant, _rel(got, ref))
         # every (up, down) design pair, not only the one kernel_designs picks at this batch (dense weights)
-        for designs in ([] if quant else [(u, d) for u in moe_decode.DESIGNS for d in moe_decode.DOWN_DESIGNS]):
+        for designs in ([] if quant else [(u, d) for u in moe_launch.DESIGNS for d in moe_launch.DOWN_DESIGNS]):
             got = moe_decode.fused_moe_triton(*_op_args(q, "silu", 0, *scales)[:13], designs=designs)
             assert _rel(got, ref) < 1e-2, (designs, _rel(got, ref))
 
@@ -471,7 +471,7 @@ def test_cuda_split_launch_candidates_at_the_48b_shape(n):
     p, sw13 = _with_shared_w13(base, 500 + n)
     f32 = {key: (v.float() if v is not None and v.dtype == torch.bfloat16 else v) for key, v in p.items()}
     ref = fused_moe_reference(*_op_args(f32, "silu", 0)[:13], shared_w13=sw13.float())
-    for split in moe_decode.SPLIT_CANDIDATES:
+    for split in moe_launch.SPLIT_CANDIDATES:
         got, again = (moe_decode.fused_moe_triton(*_op_args(p, "silu", 0)[:13], shared_w13=sw13,
                                                   use_pdl=True, designs=("rows", "split"), split=split)
                       for _ in range(2))
@@ -484,7 +484,7 @@ def test_cuda_split_launch_candidates_at_the_48b_shape(n):
     q = dict(q, w13=w13p, w2=w2p)
     f32 = {key: (v.float() if v.dtype == torch.bfloat16 else v) for key, v in q.items()}
     ref = fused_moe_reference(*_op_args(f32, "silu", 0, w13s, w2s)[:13])
-    for split in (moe_decode.SplitConfig(4, 512, 4, 2), moe_decode.SplitConfig(16, 256, 4, 4, True)):
+    for split in (moe_launch.SplitConfig(4, 512, 4, 2), moe_launch.SplitConfig(16, 256, 4, 4, True)):
         got = moe_decode.fused_moe_triton(*_op_args(q, "silu", 0, w13s, w2s)[:13], use_pdl=True,
                                           designs=("tiles", "split"), split=split)
         assert _rel(got, ref) < 1e-2, ("mxfp4", split, _rel(got, ref))
@@ -544,7 +544,7 @@ def test_cuda_shared_slot_of_kernel_a_at_the_48b_shape(n):
         f32 = {key: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
                for key, v in q.items()}
         designs = [("tiles", d) for d in ("tiles", "split")] if quant else \
-            [(u, d) for u in moe_decode.DESIGNS for d in moe_decode.DOWN_DESIGNS]
+            [(u, d) for u in moe_launch.DESIGNS for d in moe_launch.DOWN_DESIGNS]
         for act in ("silu", "situ"):
             ref = fused_moe_reference(*_op_args(f32, act, 0, *scales)[:13], shared_w13=sw13.float())
             got = FUSED(*_op_args(q, act, 1 << 30, *scales), None, None, 1e-5, True, sw13)  # the op, PDL on
@@ -638,7 +638,7 @@ def test_cuda_flag_deps_at_the_48b_shape(n):
     opts = dict(shared_w13=sw13, use_pdl=True, shared_l2_prefetch=True, down_l2_prefetch=True)
     f32 = {key: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v) for key, v in p.items()}
     ref = fused_moe_reference(*_op_args(f32, "silu", 0)[:13], shared_w13=sw13.float())
-    for split, up in [(None, None), (None, (64, 128, 4))] + [(s, None) for s in moe_decode.FLAG_SPLIT_CANDIDATES]:
+    for split, up in [(None, None), (None, (64, 128, 4))] + [(s, None) for s in moe_launch.FLAG_SPLIT_CANDIDATES]:
         off = moe_decode.fused_moe_triton(*args, **opts, split=split, up_launch=up)
         for _ in range(3):
             on = moe_decode.fused_moe_triton(*args, **opts, split=split, up_launch=up, flag_deps=True)

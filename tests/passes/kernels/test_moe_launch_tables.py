@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from k3compile.model_def.config import get_preset
-from k3compile.passes.kernels import moe_decode
-from k3compile.passes.kernels.moe_decode import LatentConfig, SplitConfig, fused_moe_reference, random_routing
+from k3compile.passes.kernels import moe_decode, moe_launch
+from k3compile.passes.kernels.moe_decode import fused_moe_reference, random_routing
+from k3compile.passes.kernels.moe_launch import LatentConfig, SplitConfig
 
 from .interpreted import run_interpreted
 
@@ -53,18 +54,18 @@ def test_table_entries_are_the_launches_the_op_makes(monkeypatch):
     p = _latent_problem(n, k=k, lat=lat, i=i, d=d, s=s)
     # no entry: the rules (what the op launched before the tables existed)
     (grid_a, a), (grid_b, b), (grid_c, c) = _launches(monkeypatch, p)
-    bn, bk, warps = moe_decode.rows_config(n * k, i, n * k)
+    bn, bk, warps = moe_launch.rows_config(n * k, i, n * k)
     assert (grid_a, a["BLOCK_N"], a["BLOCK_K"], a["num_warps"]) == ((n * k, -(-i // bn)), bn, bk, warps)
-    rule_b = SplitConfig(*moe_decode.gemv_config("split", n * k, lat, i, False))
+    rule_b = SplitConfig(*moe_launch.gemv_config("split", n * k, lat, i, False))
     assert (b["BLOCK_N"], b["BLOCK_K"], b["num_warps"], b["KSPLIT"], b["PREFETCH"]) == rule_b
-    rule_c = moe_decode.gemv_config("latent", n, d, lat, False)
+    rule_c = moe_launch.gemv_config("latent", n, d, lat, False)
     assert (grid_c, c["BLOCK_N"], c["num_warps"]) == ((n, -(-d // rule_c[0])), rule_c[0], rule_c[2])
-    assert (c["BLOCK_K"], c["BLOCK_KS"]) == (moe_decode.shared_block_k(rule_c[0], lat),
-                                             moe_decode.shared_block_k(rule_c[0], s))
+    assert (c["BLOCK_K"], c["BLOCK_KS"]) == (moe_launch.shared_block_k(rule_c[0], lat),
+                                             moe_launch.shared_block_k(rule_c[0], s))
     # entries for this shape: exactly those launches (grids follow BLOCK_N)
-    monkeypatch.setitem(moe_decode.ROWS_TUNED, ("up", n * k, i, lat), (4, 64, 8))
-    monkeypatch.setitem(moe_decode.SPLIT_TUNED, (n * k, lat, i, False), SplitConfig(16, 32, 2, 2, True))
-    monkeypatch.setitem(moe_decode.LATENT_TUNED, (n, d, lat, s), LatentConfig(32, 64, 32, 8))
+    monkeypatch.setitem(moe_launch.ROWS_TUNED, ("up", n * k, i, lat), (4, 64, 8))
+    monkeypatch.setitem(moe_launch.SPLIT_TUNED, (n * k, lat, i, False), SplitConfig(16, 32, 2, 2, True))
+    monkeypatch.setitem(moe_launch.LATENT_TUNED, (n, d, lat, s), LatentConfig(32, 64, 32, 8))
     (grid_a, a), (grid_b, b), (grid_c, c) = _launches(monkeypatch, p)
     assert (grid_a, a["BLOCK_N"], a["BLOCK_K"], a["num_warps"]) == ((n * k, i // 4), 4, 64, 8)
     assert (grid_b, b["BLOCK_N"], b["BLOCK_K"], b["num_warps"], b["KSPLIT"], b["PREFETCH"]) == (
@@ -86,22 +87,22 @@ def test_k3_mini_launches_from_the_tables_and_bad_entries_raise(monkeypatch):
     table entries; the 48B layer's kernel A takes session 11's entries at batch 1 (8 warps) and 8 (16 x 256 tiles). A bad entry is refused with a message naming the field."""
     if moe_decode.triton is None:
         pytest.skip("needs triton")
-    assert moe_decode.rows_config(8, 512, 8, "up", 1024) == (8, 256, 4)
-    assert moe_decode.rows_config(64, 512, 64, "up", 1024) == (32, 128, 4)
-    assert moe_decode.split_config(8, 1024, 512, False) == SplitConfig(8, 512, 4)
-    assert moe_decode.latent_config(1, 2048, 1024, 1024) == LatentConfig(4, 1024, 1024, 4)
-    assert moe_decode.latent_config(8, 2048, 1024, 1024) == LatentConfig(32, 256, 256, 4)
-    assert moe_decode.rows_config(8, 1024, 8, "up", 2304) == (16, 256, 8)
-    assert moe_decode.rows_config(64, 1024, 64, "up", 2304) == (16, 256, 4)
-    assert sorted(key for key in moe_decode.ROWS_TUNED if key[3] == 2304) == [("up", 8, 1024, 2304),
+    assert moe_launch.rows_config(8, 512, 8, "up", 1024) == (8, 256, 4)
+    assert moe_launch.rows_config(64, 512, 64, "up", 1024) == (32, 128, 4)
+    assert moe_launch.split_config(8, 1024, 512, False) == SplitConfig(8, 512, 4)
+    assert moe_launch.latent_config(1, 2048, 1024, 1024) == LatentConfig(4, 1024, 1024, 4)
+    assert moe_launch.latent_config(8, 2048, 1024, 1024) == LatentConfig(32, 256, 256, 4)
+    assert moe_launch.rows_config(8, 1024, 8, "up", 2304) == (16, 256, 8)
+    assert moe_launch.rows_config(64, 1024, 64, "up", 2304) == (16, 256, 4)
+    assert sorted(key for key in moe_launch.ROWS_TUNED if key[3] == 2304) == [("up", 8, 1024, 2304),
                                                                               ("up", 64, 1024, 2304)]
-    assert moe_decode.latent_config(1, 2048, 1024, 1024, block_n=16) == LatentConfig(16, 512, 512, 4)
-    monkeypatch.setitem(moe_decode.LATENT_TUNED, (1, 2048, 1024, 1024), LatentConfig(8, 100, 64, 4))
+    assert moe_launch.latent_config(1, 2048, 1024, 1024, block_n=16) == LatentConfig(16, 512, 512, 4)
+    monkeypatch.setitem(moe_launch.LATENT_TUNED, (1, 2048, 1024, 1024), LatentConfig(8, 100, 64, 4))
     with pytest.raises(ValueError, match="latent block_k must be a power of two"):
-        moe_decode.latent_config(1, 2048, 1024, 1024)
-    monkeypatch.setitem(moe_decode.ROWS_TUNED, ("up", 8, 512, 1024), (8, 256, 3))
+        moe_launch.latent_config(1, 2048, 1024, 1024)
+    monkeypatch.setitem(moe_launch.ROWS_TUNED, ("up", 8, 512, 1024), (8, 256, 3))
     with pytest.raises(ValueError, match="rows num_warps must be a power of two"):
-        moe_decode.rows_config(8, 512, 8, "up", 1024)
+        moe_launch.rows_config(8, 512, 8, "up", 1024)
 
 
 @needs_triton
@@ -129,11 +130,11 @@ def test_up_launch_and_flag_deps_reach_the_launches(monkeypatch):
     moe_decode.fused_moe_triton(**full, designs=("rows", "tiles"), flag_deps=True)  # no B': nothing to wait per chunk
     assert "FLAGS" not in kernels["_expert_up_rows_kernel"].calls[-1][1]
     # B''s chunks: I = 32 in 3 chunks of one 32-wide tile (two empty), the shared Is = 48 in 3 chunks of 32 (BLOCK_KS)
-    assert moe_decode.flag_chunks(32, 48, 64, split, 32) == (32, 32)
-    assert moe_decode.flag_chunks(1024, 1024, 2304, SplitConfig(64, 128, 4, 2), 128) == (512, 512)
-    assert moe_decode.flag_chunks(1024, 0, 2304, SplitConfig(64, 128, 4), 128) == (1024, 1)
+    assert moe_launch.flag_chunks(32, 48, 64, split, 32) == (32, 32)
+    assert moe_launch.flag_chunks(1024, 1024, 2304, SplitConfig(64, 128, 4, 2), 128) == (512, 512)
+    assert moe_launch.flag_chunks(1024, 0, 2304, SplitConfig(64, 128, 4), 128) == (1024, 1)
     with pytest.raises(ValueError, match="flag_deps counts up to"):
-        moe_decode.flag_chunks(1 << 16, 0, 64, SplitConfig(64, 128, 4), 128)
+        moe_launch.flag_chunks(1 << 16, 0, 64, SplitConfig(64, 128, 4), 128)
     with pytest.raises(ValueError, match="up block_k must be a power of two"):
         moe_decode.fused_moe_triton(**full, up_launch=(4, 48, 4))
 
@@ -163,11 +164,11 @@ def test_cuda_every_k3_mini_launch_candidate_matches_reference(n):
                         seed=n)
     ref = fused_moe_reference(**{key: v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v
                                  for key, v in p.items()})
-    arms = [("A", c) for c in moe_decode.ROWS_CANDIDATES] + [("C", c) for c in moe_decode.LATENT_CANDIDATES]
-    arms += [("B", c) for c in moe_decode.LATENT_SPLIT_CANDIDATES]
+    arms = [("A", c) for c in moe_launch.ROWS_CANDIDATES] + [("C", c) for c in moe_launch.LATENT_CANDIDATES]
+    arms += [("B", c) for c in moe_launch.LATENT_SPLIT_CANDIDATES]
     for kernel, launch in arms:
-        table, key = {"A": (moe_decode.ROWS_TUNED, ("up", n * k, i, lat)),
-                      "C": (moe_decode.LATENT_TUNED, (n, d, lat, s)), "B": (None, None)}[kernel]
+        table, key = {"A": (moe_launch.ROWS_TUNED, ("up", n * k, i, lat)),
+                      "C": (moe_launch.LATENT_TUNED, (n, d, lat, s)), "B": (None, None)}[kernel]
         if table is not None:
             table[key] = launch
         try:
@@ -198,7 +199,7 @@ def test_cuda_every_48b_kernel_a_launch_candidate_matches_reference(n):
              shared_w13=randn(2 * i, d, scale=d ** -0.5), act="silu")
     ref = fused_moe_reference(**{key: v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v
                                  for key, v in p.items()})
-    for launch in moe_decode.FULL_ROWS_CANDIDATES:
+    for launch in moe_launch.FULL_ROWS_CANDIDATES:
         got = moe_decode.fused_moe_triton(**p, use_pdl=True, shared_l2_prefetch=True, down_l2_prefetch=True,
                                           up_launch=launch)
         assert got.shape == (n, d) and _rel(got, ref) < 1e-2, (launch, _rel(got, ref))
