@@ -409,13 +409,17 @@ except ImportError:
     pass
 
 
-def _gemv_chain(m, widths, block_n, block_k, backoff_ns=0):
+def _gemv_chain(m, widths, block_n, block_k, backoff_ns=0, persistent=False):
     from k3compile.passes.kernels.gemv_chain import GemvChain
     return lambda: GemvChain([_randn(widths[i + 1], widths[i]) for i in range(len(widths) - 1)], m, block_n,
-                             block_k, num_warps=4 if m == 1 else 8, backoff_ns=backoff_ns).launch()
+                             block_k, num_warps=4 if m == 1 else 8, backoff_ns=backoff_ns,
+                             persistent=persistent).launch()
 
 
 # tools/bench_gemv_chain.py's launches: S dependent GEMVs in one launch (tickets, in-kernel waits)
 CASES += [(f"gemv chain k3-mini 2048 x8 M={m} {bn}x{bk}", _gemv_chain(m, (2048,) * 9, bn, bk))
           for m in (1, 4) for bn, bk in ((4, 1024), (8, 512), (16, 256))]
 CASES += [("gemv chain k3-mini 2048 x8 M=1 4x1024 sleeps", _gemv_chain(1, (2048,) * 9, 4, 1024, 128))]
+CASES += [(f"gemv chain k3-mini 2048 x8 M={m} {bn}x{bk} persistent", _gemv_chain(m, (2048,) * 9, bn, bk, 0, True))
+          for m in (1, 4) for bn, bk in ((4, 1024), (2, 2048))]
+CASES += [(f"gemv chain k3-mini 2048 x8 M={m} 2x2048", _gemv_chain(m, (2048,) * 9, 2, 2048)) for m in (1, 4)]

@@ -12,9 +12,12 @@ rotated past L2, passes/kernels/graph_timing.py):
   chain     one launch of passes/kernels/gemv_chain.py (tiles ordered by tickets; a tile waits for the previous
             stage's tiles after loading its first weight tile)
   chain-sleep  the same, the waiting tiles sleeping BACKOFF_NS between reads of the counter
-for a few tile widths (4 warps at M = 1, 8 at M = 4, every arm); the saving per boundary = (best sep-pdl - best
-chain of either kind) / (S - 1), and each arm's share of the same-run copy bandwidth. The chain's outputs are checked
-against the separate launches' (relative error).
+  chain-pers   the persistent form: one program per SM walking its tiles in order (no ticket atomics, no program
+               started per tile)
+for a few tile widths (the last, K = 2048 a step, loads a 2048-wide stage's whole weight slice before its wait; 4
+warps at M = 1, 8 at M = 4, every arm); the saving per boundary = (best sep-pdl - best chain of any kind) / (S - 1),
+and each arm's share of the same-run copy bandwidth. The chain's outputs are checked against the separate launches'
+(relative error).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ CHAINS = {
     "k3-mini 2048<->4096 x4": (2048, 4096, 2048, 4096, 2048),
     "48B 2304<->4096 x4": (2304, 4096, 2304, 4096, 2304),
 }
-TILES = ((4, 1024), (8, 512), (16, 256))  # (block_n, block_k): 4096 weights a K step, as gemv's ROWS_TILE
+TILES = ((4, 1024), (8, 512), (16, 256), (2, 2048))  # (block_n, block_k): 4096 weights a K step, as gemv's ROWS_TILE
 BACKOFF_NS = 128  # chain-sleep: a waiting tile sleeps between reads of the counter
 
 
@@ -89,12 +92,16 @@ def main(argv=None) -> int:
                 chains = [GemvChain(ws, m, block_n=bn, block_k=bk, num_warps=warps_for(m)) for ws in sets]
                 sleepy = [GemvChain(ws, m, block_n=bn, block_k=bk, num_warps=warps_for(m), backoff_ns=BACKOFF_NS)
                           for ws in sets]
-                for ch, x in zip(chains + sleepy, xs + xs):
+                pers = [GemvChain(ws, m, block_n=bn, block_k=bk, num_warps=warps_for(m), persistent=True)
+                        for ws in sets]
+                for ch, x in zip(chains + sleepy + pers, xs * 3):
                     ch.input.copy_(x)
                 arms["chain"] = [ch.launch for ch in chains]
                 arms["chain-sleep"] = [ch.launch for ch in sleepy]
+                arms["chain-pers"] = [ch.launch for ch in pers]
                 ref = arms["sep-pdl" if pdl else "sep"][0]()
-                errs = {"chain": rel(chains[0].launch(), ref), "chain-sleep": rel(sleepy[0].launch(), ref)}
+                errs = {"chain": rel(chains[0].launch(), ref), "chain-sleep": rel(sleepy[0].launch(), ref),
+                        "chain-pers": rel(pers[0].launch(), ref)}
                 for arm, calls in arms.items():
                     us = replay_us(calls, a.reps)
                     best[arm] = min(best.get(arm, float("inf")), us)
@@ -102,13 +109,13 @@ def main(argv=None) -> int:
                     lines.append(f"| {name} | {m} | {nbytes / 1e6:.1f} | {arm} | {bn} x {bk} | {us:.2f} | {pct:.1f} | "
                                  + (f"{errs[arm]:.2e}" if arm in errs else "") + " |")
                     print(lines[-1], flush=True)
-                del chains, sleepy, arms
+                del chains, sleepy, pers, arms
             sep = best.get("sep-pdl", best["sep"])
-            chain = min(best["chain"], best["chain-sleep"])
+            chain = min(best["chain"], best["chain-sleep"], best["chain-pers"])
             summary.append(f"- {name}, M = {m}: best sep {best['sep']:.2f} µs, best sep-pdl "
                            f"{best.get('sep-pdl', float('nan')):.2f}, best chain {best['chain']:.2f}, with sleeps "
-                           f"{best['chain-sleep']:.2f}: saving per boundary {(sep - chain) / (len(shapes) - 1):.2f} µs "
-                           f"({len(shapes) - 1} boundaries)")
+                           f"{best['chain-sleep']:.2f}, persistent {best['chain-pers']:.2f}: saving per boundary "
+                           f"{(sep - chain) / (len(shapes) - 1):.2f} µs ({len(shapes) - 1} boundaries)")
             print(summary[-1], flush=True)
         del sets
         torch.cuda.empty_cache()

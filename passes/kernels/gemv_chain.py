@@ -19,6 +19,14 @@ waiting tile reads the counter with plain volatile loads (optionally sleeping `b
 acquire once it is satisfied. Under TRITON_INTERPRET=1 programs run one after another in ticket order, so no wait
 ever spins.
 
+The persistent form (`persistent=True`, session 20, not yet run on a GPU) asks whether what a tile costs beyond its
+bytes is the program started for it and its ticket atomic (thousands of programs on one counter address) rather
+than the wait: one program per SM takes tiles p, p + P, ... in ticket order, so there is no ticket counter, and its
+launch's epoch is the last stage's count that the previous launch left. Static tiles are safe only while every
+program is resident, which is why there is one program per SM. A program's own earlier tiles are done before its
+later ones, and the lowest unfinished tile never waits. P is at most every stage's tile count, so each program owns a
+tile of the last stage, and no launch finishes before each program has read its epoch.
+
 Measured (traces/h200_s19/call1, H100, M = 1): the first form of this kernel, which polled with atomics and reset its
 counters through a finish counter, was 2.6-2.9x slower than separate launches with PDL; this form has not run yet.
 
@@ -74,16 +82,10 @@ def check_chain(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
 if triton is not None:
 
     @triton.jit
-    def _gemv_chain_kernel(w_ptr, act_ptr, meta_ptr, prefix_ptr, ctr_ptr, M, act_row,
-                           S: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BACKOFF_NS: tl.constexpr = 0):
-        # ctr (int64): [ticket, done_1 .. done_S], counting up across launches: launch e (0, 1, ...) hands out tickets
-        # [e * total, (e + 1) * total) and leaves done_s at (e + 1) * T_s, so nothing is reset (a CUDA graph replays
-        # the launch with no memset; replays on one stream never overlap)
-        total = tl.load(prefix_ptr + S)
-        ticket = tl.atomic_add(ctr_ptr, 1, sem="relaxed")
-        epoch = ticket // total
-        t = (ticket - epoch * total).to(tl.int32)
+    def _chain_tile(w_ptr, act_ptr, meta_ptr, prefix_ptr, ctr_ptr, M, act_row, t, epoch, S: tl.constexpr,
+                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BACKOFF_NS: tl.constexpr):
+        """Tile t (a ticket less its launch's base) of launch `epoch`: wait for the previous stage, multiply,
+        publish."""
         stage = t * 0
         for s in tl.static_range(1, S):  # the stage whose ticket range holds t
             stage += (t >= tl.load(prefix_ptr + s)).to(stage.dtype)
@@ -132,16 +134,42 @@ if triton is not None:
         tl.debug_barrier()  # every thread's stores precede the publication
         tl.atomic_add(ctr_ptr + 1 + stage, 1, sem="release")
 
+    @triton.jit
+    def _gemv_chain_kernel(w_ptr, act_ptr, meta_ptr, prefix_ptr, ctr_ptr, M, act_row,
+                           S: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BACKOFF_NS: tl.constexpr = 0, PERSISTENT: tl.constexpr = False):
+        # ctr (int64): [ticket, done_1 .. done_S], counting up across launches: launch e (0, 1, ...) leaves done_s at
+        # (e + 1) * T_s (and, ticketed, hands out tickets [e * total, (e + 1) * total)), so nothing is reset (a CUDA
+        # graph replays the launch with no memset; replays on one stream never overlap)
+        total = tl.load(prefix_ptr + S)
+        if PERSISTENT:
+            # a fixed grid of co-resident programs, program p taking tiles p, p + P, ... in order; the launch's epoch
+            # is the last stage's count the previous launch left (no ticket atomics: GemvChain keeps P <= every stage's
+            # tile count, so no tile of the last stage can publish before every program has read it)
+            last = total - tl.load(prefix_ptr + S - 1)
+            epoch = tl.load(ctr_ptr + S, volatile=True) // last
+            for t in range(tl.program_id(0), total, tl.num_programs(0)):
+                _chain_tile(w_ptr, act_ptr, meta_ptr, prefix_ptr, ctr_ptr, M, act_row, t, epoch, S, M_PAD, BLOCK_N,
+                            BLOCK_K, BACKOFF_NS)
+        else:
+            ticket = tl.atomic_add(ctr_ptr, 1, sem="relaxed")
+            epoch = ticket // total
+            t = (ticket - epoch * total).to(tl.int32)
+            _chain_tile(w_ptr, act_ptr, meta_ptr, prefix_ptr, ctr_ptr, M, act_row, t, epoch, S, M_PAD, BLOCK_N,
+                        BLOCK_K, BACKOFF_NS)
+
 
 class GemvChain:
     """S GEMVs chained in one launch on static buffers: set `input`, call `launch()`, read `outputs`.
 
     block_n: output columns per tile (a power of two); block_k: the K step (a power of two >= 16); backoff_ns: a
-    waiting tile sleeps this long between reads of the counter (CUDA only: `nanosleep`; 0 spins). The weights are
+    waiting tile sleeps this long between reads of the counter (CUDA only: `nanosleep`; 0 spins); persistent: one
+    program per SM walks its tiles in order (no ticket atomics, no program started per tile) instead of a program
+    per tile taking a ticket. The weights are
     copied into one flat buffer (an experiment's layout: an engine would pass its own tensors)."""
 
     def __init__(self, weights: list[torch.Tensor], m: int, block_n: int = 4, block_k: int = 1024,
-                 num_warps: int = 4, backoff_ns: int = 0):
+                 num_warps: int = 4, backoff_ns: int = 0, persistent: bool = False):
         if triton is None:
             raise RuntimeError("gemv_chain: triton is not installed")
         for name, v, least in (("block_n", block_n, 1), ("block_k", block_k, 16)):
@@ -154,7 +182,7 @@ class GemvChain:
         if not 0 <= backoff_ns < 2 ** 20:
             raise ValueError(f"gemv_chain: backoff_ns must be in 0..2^20, got {backoff_ns}")
         self.m, self.block_n, self.block_k, self.num_warps = m, block_n, block_k, num_warps
-        self.backoff_ns = backoff_ns
+        self.backoff_ns, self.persistent = backoff_ns, persistent
         # activation columns: the input, then each stage's output; stage i reads cols[i]: and writes cols[i + 1]:
         cols = list(accumulate([weights[0].shape[1]] + [w.shape[0] for w in weights], initial=0))
         w_offs = list(accumulate((w.numel() for w in weights), initial=0))
@@ -168,13 +196,19 @@ class GemvChain:
         self.prefix = torch.tensor(prefix, dtype=torch.int32, device=dev)
         self.counters = torch.zeros(1 + len(weights), dtype=torch.int64, device=dev)
         self.tiles = prefix[-1]
+        # the persistent grid: every program must be resident at once (static tiles: a waiting program may hold the
+        # only slot its producer could use otherwise), so one per SM, and at most every stage's tile count (the epoch
+        # rule in the kernel); the interpreter runs programs one after another: one program, in ticket order
+        fewest = min(b - a for a, b in zip(prefix[:-1], prefix[1:]))
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        self.grid = min(sms, fewest) if persistent else self.tiles
         self.input = self.act[:, cols[0]:cols[1]]
         self.outputs = [self.act[:, cols[i]:cols[i + 1]] for i in range(1, len(cols) - 1)]
 
     def launch(self) -> torch.Tensor:
         """Run every stage once (reads `input`, writes `outputs`); returns the last output."""
-        _gemv_chain_kernel[(self.tiles,)](
+        _gemv_chain_kernel[(self.grid,)](
             self.flat, self.act, self.meta, self.prefix, self.counters, self.m, self.act.stride(0),
             S=len(self.outputs), M_PAD=triton.next_power_of_2(self.m), BLOCK_N=self.block_n, BLOCK_K=self.block_k,
-            BACKOFF_NS=self.backoff_ns, num_warps=self.num_warps)
+            BACKOFF_NS=self.backoff_ns, PERSISTENT=self.persistent, num_warps=self.num_warps)
         return self.outputs[-1]

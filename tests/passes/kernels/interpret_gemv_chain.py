@@ -28,16 +28,18 @@ def cases():
 
 gen = torch.Generator().manual_seed(0)
 failures, n = [], 0
-for name, m, widths, bn, bk in cases():
+for (name, m, widths, bn, bk), persistent in [(c, p) for c in cases() for p in (False, True)]:
     n += 1
+    name += " (persistent)" if persistent else ""
     weights = [torch.randn(widths[i + 1], widths[i], generator=gen).bfloat16() for i in range(len(widths) - 1)]
     x = torch.randn(m, widths[0], generator=gen).bfloat16()
-    chain = GemvChain(weights, m, block_n=bn, block_k=bk)
+    chain = GemvChain(weights, m, block_n=bn, block_k=bk, persistent=persistent)
     chain.input.copy_(x)
     tiles = [int(b - a) for a, b in zip(chain.prefix[:-1], chain.prefix[1:])]
-    for rep in range(2):  # twice: the second launch waits for the counts the first one left, doubled
+    for rep in range(3):  # the later launches wait for the counts the earlier ones left
         chain.launch()
-        want_ctr = [(rep + 1) * chain.tiles] + [(rep + 1) * t for t in tiles]
+        # the persistent form takes no tickets: its epoch comes from the last stage's count
+        want_ctr = [0 if persistent else (rep + 1) * chain.tiles] + [(rep + 1) * t for t in tiles]
         if chain.counters.tolist() != want_ctr:
             failures.append(f"{name} (launch {rep + 1}): counters {chain.counters.tolist()}, want {want_ctr}")
         # each stage against the exact product of the kernel's own previous output (and, from there, aten's bf16 mm)

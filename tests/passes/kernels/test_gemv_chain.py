@@ -37,18 +37,20 @@ def test_reference_is_the_chain_of_mms():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("widths, block_n, block_k, backoff_ns", [
-    ((2048,) * 9, 4, 1024, 0),             # eight k3-mini o_proj-sized stages (8.4 MB each)
-    ((2048,) * 9, 4, 1024, 128),           # the same, waiting tiles sleeping between reads
-    ((2048, 4096, 2048, 4096, 2048), 4, 1024, 0),
-    ((2048, 3072, 2048), 16, 256, 0),
+@pytest.mark.parametrize("widths, block_n, block_k, backoff_ns, persistent", [
+    ((2048,) * 9, 4, 1024, 0, False),             # eight k3-mini o_proj-sized stages (8.4 MB each)
+    ((2048,) * 9, 4, 1024, 128, False),           # the same, waiting tiles sleeping between reads
+    ((2048, 4096, 2048, 4096, 2048), 4, 1024, 0, False),
+    ((2048, 3072, 2048), 16, 256, 0, False),
+    ((2048,) * 9, 4, 1024, 0, True),              # one program per SM walking its tiles
+    ((2048, 4096, 2048, 4096, 2048), 2, 2048, 0, True),  # the whole K of a 2048-wide stage before the wait
 ])
-def test_cuda_chain_in_a_graph_matches_separate_gemms(widths, block_n, block_k, backoff_ns):
+def test_cuda_chain_in_a_graph_matches_separate_gemms(widths, block_n, block_k, backoff_ns, persistent):
     from k3compile.passes.kernels.gemv_chain import GemvChain
     gen = torch.Generator(device="cuda").manual_seed(0)
     ws = [(torch.randn(widths[i + 1], widths[i], generator=gen, device="cuda") / widths[i] ** 0.5).bfloat16()
           for i in range(len(widths) - 1)]
-    chain = GemvChain(ws, 1, block_n=block_n, block_k=block_k, backoff_ns=backoff_ns)
+    chain = GemvChain(ws, 1, block_n=block_n, block_k=block_k, backoff_ns=backoff_ns, persistent=persistent)
     chain.launch()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -57,7 +59,9 @@ def test_cuda_chain_in_a_graph_matches_separate_gemms(widths, block_n, block_k, 
         chain.input.copy_(torch.randn(1, widths[0], generator=gen, device="cuda").bfloat16())
         graph.replay()
         torch.cuda.synchronize()
-        assert int(chain.counters[0]) % chain.tiles == 0  # whole launches only: every ticket was taken
+        # whole launches only: every ticket was taken (the persistent form takes none), every stage counted
+        assert int(chain.counters[0]) % chain.tiles == 0
+        assert int(chain.counters[-1]) == (seed + 1) * (chain.tiles - int(chain.prefix[-2]))
         prev = chain.input.clone()
         for w, got in zip(ws, chain.outputs):
             exact = prev.double() @ w.double().t()
