@@ -1,13 +1,14 @@
 """Trace-guided reports: read a torch.profiler chrome trace, cut it into steps, and say where the
 GPU time goes (`k3compile report TRACE.json`).
 
-    trace.py       the trace as data (events, streams, launches) and its loader
+    trace.py       the trace as data (events, streams, launches, exclusive times) and its loader
     categories.py  kernel/op name → model part (GEMM, KDA, attention, MoE, …)
     steps.py       step ranges and which events belong to each step
     analysis.py    the numbers: per-category counts, launch gaps, busy time, top kernels (and the below)
     attribution.py which graph node / layer / pass launched each kernel (CUDA-graph replays included)
     critical_path.py  the chain of waits behind each step's end, split by kind
     roofline.py    per-node roofline against same-run peaks, per-layer table, next fusions
+    by_op.py       time over the floor per op, by exclusive time (what a PDL-overlapped step spends per op)
     diff.py        `--diff`: two reports compared
     render.py      text and JSON output;  html.py: `--html` (inline SVG plots)
     hta_check.py   `--hta`: HolisticTraceAnalysis's critical path on eager steps, as a cross-check

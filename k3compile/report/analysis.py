@@ -17,7 +17,7 @@ from k3compile.report.critical_path import CLASSES, CriticalPath, critical_path
 from k3compile.report.occupancy import LaunchShape, launch_shapes
 from k3compile.report.roofline import RooflineReport, analyze_roofline
 from k3compile.report.steps import DEFAULT_STEP_PATTERN, Segmentation, StepEvents, segment
-from k3compile.report.trace import KERNEL, MEMCPY, MEMSET, Event, Trace, is_graph_launch
+from k3compile.report.trace import KERNEL, MEMCPY, MEMSET, Event, Trace, exclusive_ns, is_graph_launch
 
 
 def _us(ns: int | float) -> float:
@@ -189,24 +189,6 @@ def step_report(se: StepEvents) -> StepReport:
         gap_largest_us=max((g.largest_us for g in gaps), default=0.0),
         cpu_ops=len(se.cpu_ops), cpu_ops_by_category=by_category(se.cpu_ops),
     )
-
-
-def exclusive_ns(events: list[Event]) -> dict[int, int]:
-    """id(event) -> the part of its duration after the latest end of the events that started before it on its
-    (device, stream): what it adds to the stream's busy time beyond its predecessors (PDL overlaps a kernel's start,
-    and its wait, with the kernel before it)."""
-    out: dict[int, int] = {}
-    by_stream: dict[tuple, list[Event]] = defaultdict(list)
-    for e in events:
-        by_stream[(e.device, e.stream)].append(e)
-    for evs in by_stream.values():
-        evs.sort(key=lambda e: (e.ts, e.end))
-        reached = None
-        for e in evs:
-            begin = e.ts if reached is None else max(e.ts, reached)
-            out[id(e)] = max(0, e.end - begin)
-            reached = e.end if reached is None else max(reached, e.end)
-    return out
 
 
 def top_by_total(events: list[Event], n: int) -> list[NameStats]:

@@ -162,6 +162,14 @@ def _analysis_sections(report: Report) -> list[str]:
             for r in rl.rows[:_TOP_NODES]]
     out += _table(["node", "op", "layer", "pass", "kernels", "us", "floor us", "roofline", "GB/s", "bound"],
                   rows, left=("op", "layer", "pass", "bound")) if rows else ["(no attributed kernels)"]
+    out += ["", "Time over the floor by op, per step (exclusive us: the kernels' time after the kernel before each "
+                "ended on its stream, summing to the busy time; under PDL a kernel starts, and waits, while its "
+                "predecessor runs, so `kernel us` counts waits, and overlap counts toward the earlier kernel); largest "
+                "excess first"]
+    rows = [[r.op.removeprefix("aten.").removesuffix(".default"), r.nodes, _count(r.launches_per_step), r.time_us,
+             r.exclusive_us, r.floor_us, r.excess_us, _pct(r.roofline), r.mbytes] for r in rl.by_op]
+    out += _table(["op", "nodes", "kernels", "kernel us", "exclusive us", "floor us", "excess us", "roofline", "MB"],
+                  rows, left=("op",)) if rows else ["(no attributed kernels)"]
     out += ["", "Per layer (per step)"]
     out += _table(["layer", "kernels", "us", "floor us", "roofline"],
                   [[r.layer, _count(r.kernels), r.time_us, r.floor_us, _pct(r.roofline)] for r in rl.layers])

@@ -1,5 +1,5 @@
-"""Per-node roofline, per-layer table and "next fusions", from attributed kernels and the node table's
-bytes and FLOPs.
+"""Per-node roofline, per-layer table, "next fusions" and the time over the floor by op (by_op.py), from attributed
+kernels and the node table's bytes and FLOPs.
 
 Peaks come from the same run: the profiling session times a large device copy (`k3.peak/copy`,
 bandwidth = bytes read + written / fastest copy) and a large bf16 GEMM (`k3.peak/gemm`), and their
@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from k3compile.report.attribution import TRACE_KEY, Attribution
+from k3compile.report.by_op import OpRow, by_op
 from k3compile.report.categories import ATTENTION, GEMM, KDA, MOE, classify
 from k3compile.report.trace import ANNOTATION, Event, Trace
 
@@ -79,6 +80,7 @@ class RooflineReport:
     rows: list[RooflineRow] = field(default_factory=list)
     layers: list[LayerRow] = field(default_factory=list)
     fusions: list[Fusion] = field(default_factory=list)
+    by_op: list[OpRow] = field(default_factory=list)  # time over the floor per op (by_op.py)
     attributed_us: float = 0.0     # per step
     unattributed_us: float = 0.0   # per step
     unattributed_kernels: float = 0.0
@@ -186,6 +188,7 @@ def analyze_roofline(trace: Trace, steps: list[list[Event]], attr: dict[Event, A
     rep.attributed_us = _us(sum(t for k, (_, t, _) in layers.items() if k != UNATTRIBUTED) / n)
     rep.unattributed_reasons = {k: _us(v / n) for k, v in sorted(reasons.items())}
     rep.fusions = next_fusions(steps, attr, bound_of, floor_of)
+    rep.by_op = by_op(steps, attr, floor_of)
     return rep
 
 

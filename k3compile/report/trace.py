@@ -17,6 +17,7 @@ import dataclasses
 import gzip
 import json
 import os
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,3 +221,21 @@ def _device_names(props: Any) -> dict[int, str]:
         if isinstance(p, dict) and _int_or_none(p.get("id")) is not None:
             names[int(p["id"])] = str(p.get("name", "?"))
     return names
+
+
+def exclusive_ns(events: list[Event]) -> dict[int, int]:
+    """id(event) -> the part of its duration after the latest end of the events that started before it on its
+    (device, stream): what it adds to the stream's busy time beyond its predecessors (PDL overlaps a kernel's start,
+    and its wait, with the kernel before it)."""
+    out: dict[int, int] = {}
+    by_stream: dict[tuple, list[Event]] = defaultdict(list)
+    for e in events:
+        by_stream[(e.device, e.stream)].append(e)
+    for evs in by_stream.values():
+        evs.sort(key=lambda e: (e.ts, e.end))
+        reached = None
+        for e in evs:
+            begin = e.ts if reached is None else max(e.ts, reached)
+            out[id(e)] = max(0, e.end - begin)
+            reached = e.end if reached is None else max(reached, e.end)
+    return out

@@ -2,10 +2,9 @@
 (see `two_step_decode`)."""
 import pytest
 
-from k3compile.report.analysis import (GRAPH_REPLAY, NO_OP, analyze, busy_time, exclusive_ns, launch_gaps,
-                                       top_by_total)
+from k3compile.report.analysis import GRAPH_REPLAY, NO_OP, analyze, busy_time, launch_gaps, top_by_total
 from k3compile.report.steps import FROM_ANNOTATIONS, FROM_PROFILER_STEPS, WHOLE_TRACE, segment
-from k3compile.report.trace import load_trace
+from k3compile.report.trace import exclusive_ns, load_trace
 from tests.k3compile.report.synthetic_traces import T0, TraceBuilder, two_step_decode
 
 

@@ -234,3 +234,35 @@ def test_hta_cross_check_on_eager_steps_and_skip_on_graph_replays(tmp_path, caps
     assert [s.skipped for s in hta_critical_paths(str(graph), analyze(load_trace(graph)))] == [SKIP_GRAPH]
     assert run([str(path), "--hta"]) == 0
     assert "HolisticTraceAnalysis critical path" in capsys.readouterr().out
+
+
+def test_by_op_splits_the_busy_time_over_the_floor_with_pdl_overlap():
+    """Two ops on one stream, the second launched under PDL: its kernel starts 2 µs before the first one ends. Its
+    exclusive time is what it adds after that end; the rows' exclusive times sum to the busy span."""
+    from k3compile.report.attribution import Attribution, NodeInfo
+    from k3compile.report.by_op import by_op
+    from k3compile.report.trace import Event
+
+    def kernel(name, ts_us, dur_us, stream=7):
+        return Event(name, "gpu", "kernel", int(ts_us * 1000), int(dur_us * 1000), 0, stream, device=0, stream=stream)
+
+    norm, gemv_a, gemv_b = (NodeInfo("norm_0", "k3.attn_res_norm.default", "L0", "p07", 1_000, 0),
+                            NodeInfo("gemv_0", "k3.gemv.default", "L0", "p08", 4_000_000, 0),
+                            NodeInfo("gemv_1", "k3.gemv.default", "L1", "p08", 4_000_000, 0))
+    steps, attr = [], {}
+    for step in range(2):  # two identical steps: rows are per step
+        t = 100 * step
+        evs = [kernel("norm", t, 4), kernel("gemv", t + 2, 6), kernel("gemv", t + 8, 5), kernel("stray", t + 20, 1)]
+        for ev, info in zip(evs, (norm, gemv_a, gemv_b)):
+            attr[ev] = Attribution(info)
+        attr[evs[3]] = Attribution(None, reason="outside")
+        steps.append(evs)
+    floors = {"norm_0": 1_000.0, "gemv_0": 3_000.0, "gemv_1": 4_500.0}  # ns per step
+    rows = {r.op: r for r in by_op(steps, attr, floors)}
+    assert list(rows) == ["k3.attn_res_norm.default", "k3.gemv.default"]  # ranked by excess: 3.0 > 1.5
+    g, n = rows["k3.gemv.default"], rows["k3.attn_res_norm.default"]
+    # gemv_0 runs 2-8 but adds only 4-8 after the norm; gemv_1 8-13
+    assert (g.nodes, g.launches_per_step, g.time_us, g.exclusive_us, g.floor_us, g.excess_us) == (2, 2, 11.0, 9.0,
+                                                                                                     7.5, 1.5)
+    assert (n.exclusive_us, n.excess_us, n.roofline, g.mbytes) == (4.0, 3.0, 0.25, 8.0)
+    assert n.exclusive_us + g.exclusive_us == 13.0  # the attributed kernels' busy span, 0-13
