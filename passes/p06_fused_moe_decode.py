@@ -20,7 +20,7 @@ into the layer's input GEMM):
 and replaced by `k3.fused_moe_decode(z, ids, weights, w13|codes, w2|codes, scales..., shared...,
 act, beta, linear_beta, crossover, latent_up_w, latent_norm_w, latent_eps, use_pdl, shared_w13[, down_split[,
 shared_l2_prefetch[, down_l2_prefetch[, up_launch[, flag_deps, early_release[, down_early_release[,
-latent_prewait[, grouped_sorted[, sorted_finish[, routed_l2_prefetch]]]]]]]]]])`: the
+latent_prewait[, grouped_sorted[, sorted_finish[, routed_l2_prefetch[, up_prewait]]]]]]]]]]])`: the
 trailing options only up to the last one set (a node of an engine built before them has the same arguments as then;
 the op's flag_deps is never set by the pass: it is there, False, only ahead of early_release).
 
@@ -112,6 +112,12 @@ class FusedMoEDecodeConfig(PassConfig):
     # their gdc_wait, while kernel A streams (A releases B' early): same bits. Off: k3-mini-6b batch 1 2.6% slower
     # (traces/h200_s19/call2, H100: 1.953 -> 2.004 ms); the 48B arm has not run
     routed_l2_prefetch: bool = False
+    # with PDL, a latent MoE's kernel A (its "rows" design) reads its expert and loads its first K step of gate and up
+    # rows before gdc_wait. The router ran two kernels back, before the front GEMV that makes A's input, so the ids
+    # are final once A's programs run; only x waits (same bits). It pays only if A's programs are resident while the
+    # front GEMV streams: P8's early_release=moe_inputs releases them. Off until a ladder --variant measures the pair
+    # (session 20: traces/h200_s19/call1's profile puts kernel A 4.5 us a layer over its floor at k3-mini-6b batch 1)
+    up_prewait: bool = False
     crossover_source: str = ""  # filled by the pass: where crossover_batch came from
     skipped_layers: int = 0  # filled by the pass: MoE layers whose matched shapes the op refuses (left unfused)
 
@@ -328,13 +334,13 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
 def _launch_options(config: FusedMoEDecodeConfig) -> tuple:
     """The op's trailing launch options (down_split, shared_l2_prefetch, down_l2_prefetch, up_launch, flag_deps
     (always False), early_release, down_early_release, latent_prewait, grouped_sorted, sorted_finish,
-    routed_l2_prefetch), cut after the last one that differs from the op's default: unset, a node keeps the arguments
+    routed_l2_prefetch, up_prewait), cut after the last one that differs from the op's default: unset, a node keeps the arguments
     it had before the options existed."""
     options = [config.down_split_values(), bool(config.shared_l2_prefetch), bool(config.down_l2_prefetch),
                config.up_launch_values(), False, bool(config.early_release and config.use_pdl),
                bool(config.down_early_release and config.use_pdl), bool(config.latent_prewait and config.use_pdl),
                bool(config.grouped_sorted), bool(config.sorted_finish and config.grouped_sorted),
-               bool(config.routed_l2_prefetch and config.use_pdl)]
+               bool(config.routed_l2_prefetch and config.use_pdl), bool(config.up_prewait and config.use_pdl)]
     while options and options[-1] in (None, False):
         options.pop()
     return tuple(options)

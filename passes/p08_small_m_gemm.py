@@ -57,8 +57,9 @@ from .registry import PassConfig, PassConfigError, register_pass
 aten = torch.ops.aten
 CHOICES = ("auto", "gemv", "cublas")
 TIMINGS = ("pdl_chain", "alone")
-EARLY_RELEASE = ("none", "all", "except_kda_inputs")
+EARLY_RELEASE = ("none", "all", "except_kda_inputs", "moe_inputs")
 _FUSED_KDA = torch.ops.k3.fused_kda_decode.default
+_FUSED_MOE = ("k3.fused_moe_decode.default", "k3.fused_moe_decode_norm.default")  # P6's op, P7's with the norm
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
 DOT_WARPS = 4
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -90,9 +91,10 @@ class SmallMGemmConfig(PassConfig):
     # kernels/l2_prefetch.py); 0: none. Not timed by the measurement above (its chain is GEMVs back to back).
     l2_prefetch_mb: int = 0
     # with PDL, an emitted kernel releases the next one right after its wait, not after its K loop (kernels/gemv.py),
-    # so the next kernel loads its weights while the GEMV streams: "none", "all", or "except_kda_inputs" (not the
+    # so the next kernel loads its weights while the GEMV streams: "none", "all", "except_kda_inputs" (not the
     # GEMVs that feed a fused KDA kernel, whose programs would then hold SMs the GEMV's own programs need; 48B batch 1,
-    # traces/h200_s12/call1: "all" made the step 1% slower)
+    # traces/h200_s12/call1: "all" made the step 1% slower), or "moe_inputs" (only the GEMVs that feed P6's fused MoE:
+    # a latent MoE's front, so that kernel A's programs, with P6's up_prewait, load their expert rows while it streams)
     early_release: str = "none"
     # only configurations within this fraction of the fastest kernel at the first bucket (M = 1) compete; then the
     # time saved over the buckets decides as before; < 0: every configuration competes (the rule before session 13).
@@ -169,11 +171,21 @@ def _weight_of(node: Node, gm: GraphModule, dtypes) -> Node | None:
 def _feeds_fused_kda(node: Node, depth: int = 4) -> bool:
     """Whether node's output reaches a fused KDA kernel (P5) through at most `depth` views, splits and their getitems
     (an in-projection's column blocks): nodes that launch no kernel of their own."""
+    return _feeds(node, lambda target: target == _FUSED_KDA, depth)
+
+
+def _feeds_fused_moe(node: Node, depth: int = 4) -> bool:
+    """Whether node's output reaches P6's fused MoE op (a latent MoE's front GEMV: z and the shared expert's gate/up
+    are its column blocks) through at most `depth` views, splits and their getitems."""
+    return _feeds(node, lambda target: str(target) in _FUSED_MOE, depth)
+
+
+def _feeds(node: Node, is_consumer, depth: int) -> bool:
     frontier = list(node.users)
     for _ in range(depth):
         nxt = []
         for user in frontier:
-            if user.target == _FUSED_KDA:
+            if is_consumer(user.target):
                 return True
             if user.target is operator.getitem or is_call(user, *_SPLITS) or (
                     isinstance(user.target, torch._ops.OpOverload) and user.target.is_view):
@@ -373,7 +385,8 @@ def small_m_gemm(gm: GraphModule, config: SmallMGemmConfig) -> int:
             continue
         args = (x, w, None, max_m, *cfg[:4], bool(config.use_pdl), cfg[4])
         early = bool(config.use_pdl) and (config.early_release == "all" or config.early_release == "except_kda_inputs"
-                                          and not _feeds_fused_kda(node))
+                                          and not _feeds_fused_kda(node)
+                                          or config.early_release == "moe_inputs" and _feeds_fused_moe(node))
         if config.use_pdl and (config.l2_prefetch_mb or early):  # (without either: as before the options existed)
             args += (int(config.l2_prefetch_mb) << 10,)
             rec["l2_prefetch_kb"] = args[-1]

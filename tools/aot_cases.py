@@ -206,7 +206,7 @@ CASES = [
 ]
 if "shared_w13" in moe_decode.fused_moe_triton.__code__.co_varnames:
     CASES += [("moe 48B batch 1, shared slot in A", moe(1, True))]
-if hasattr(moe_decode, "SPLIT_CANDIDATES"):  # every kernel B' launch tools/bench_moe9.py tries (PDL on)
+if hasattr(moe_launch, "SPLIT_CANDIDATES"):  # every kernel B' launch tools/bench_moe9.py tries (PDL on)
     CASES += [(f"moe 48B batch 1, B' {tuple(c)}", moe(1, True, c)) for c in moe_launch.SPLIT_CANDIDATES]
     CASES += [("moe 48B batch 8, B' (64, 128, 4, 2, True)", moe(8, True, moe_launch.SplitConfig(64, 128, 4, 2, True))),
               ("moe 48B MXFP4 batch 1, B' (16, 256, 4, 4, True)", moe_mxfp4(1, moe_launch.SplitConfig(16, 256, 4, 4, True)))]
@@ -278,7 +278,7 @@ def moe_mini(batch, rows=None, split=None, latent=None, **options):
     return run
 
 
-if hasattr(moe_decode, "LATENT_CANDIDATES"):  # every launch tools/bench_moe10mini.py tries (k3-mini-6b, PDL on)
+if hasattr(moe_launch, "LATENT_CANDIDATES"):  # every launch tools/bench_moe10mini.py tries (k3-mini-6b, PDL on)
     for _b in (1, 8):
         CASES += [(f"moe mini batch {_b} (today's launches)", moe_mini(_b))]
         CASES += [(f"moe mini batch {_b}, A {c}", moe_mini(_b, rows=c)) for c in moe_launch.ROWS_CANDIDATES]
@@ -302,6 +302,14 @@ if "latent_prewait" in moe_decode.fused_moe_triton.__code__.co_varnames:  # P6's
     for _b in (1, 8):  # batch 1: C's W_up tile before the wait too (one K step); 8: the shared expert only
         CASES += [(f"moe mini batch {_b}, latent_prewait + early releases",
                    moe_mini(_b, early_release=True, down_early_release=True, latent_prewait=True))]
+
+if "up_prewait" in moe_decode.fused_moe_triton.__code__.co_varnames:  # P6's up_prewait (kernel A, session 20)
+    for _b in (1, 8):
+        CASES += [(f"moe mini batch {_b}, up_prewait + latent_prewait + early releases",
+                   moe_mini(_b, early_release=True, down_early_release=True, latent_prewait=True, up_prewait=True))]
+    CASES += [("moe mini batch 1, up_prewait, A (8, 1024, 4): the whole K before the wait",
+               moe_mini(1, rows=(8, 1024, 4), early_release=True, down_early_release=True, latent_prewait=True,
+                        up_prewait=True))]
 
 try:  # p07_moe_out_norm's kernel C with the AttnRes norm tail (tools/gpu_mini14.sh), k3-mini-6b, PDL on
     from k3compile.passes.kernels import moe_out_norm

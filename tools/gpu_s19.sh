@@ -4,9 +4,11 @@
 #   PART=h200a (needs the H200's memory, ~480 s warm) the GPU tests changed since they last ran on a GPU (TESTS_TL),
 #              the 48B ladder at batch 1 with v-rpf (T48), the 48B batch-1 attributed profile
 #              (tools/profile_engine_step.py, PROF_TL) for `k3compile report` on CPU
-#   PART=mini  (H100 or H200, ~400 s warm) GPU tests of tests/passes (TESTS_TL), k3-mini-6b batch 1 with v-b16 (P6
+#   PART=mini  (H100 or H200, ~500 s warm) GPU tests of tests/passes (TESTS_TL), k3-mini-6b batch 1 with v-b16 (P6
 #              down_split 16x512x4: kernel B' in 512 programs, one wave at 4 an SM, instead of 1,024 in 1.94 waves --
-#              traces/h200_s19/call1's profile), then `chain` below. (Session 19 ran gpu_s18.sh's mini here: v-front and
+#              traces/h200_s19/call1's profile), v-upre (session 20: P6 up_prewait, kernel A's expert rows before its
+#              wait, with P8 early_release=moe_inputs, the front GEMV releasing A) and v-upreK (the same with A's
+#              whole K, 8x1024x4, loaded before the wait: 124 registers, one wave). (Session 19 ran gpu_s18.sh's mini here: v-front and
 #              v-rpf lost, traces/h200_s19/call2.)
 #   PART=chain (H100 or H200, ~300 s) the GEMV-chain kernel's GPU tests and tools/bench_gemv_chain.py (CHAIN_TL): what a
 #              GEMV -> GEMV launch boundary costs against an in-kernel dependency (the megakernel question); session 20
@@ -67,12 +69,14 @@ if [ "$PART" = h100_48b ]; then
   (cd $OUT && tar cf logs.tar logs && rm -rf logs); exit 0
 fi
 if [ "$PART" = mini ]; then
-  timeout ${TESTS_TL:-230} python3 -m pytest -q -rfP -m gpu -n 4 --dist loadfile -p no:cacheprovider tests/passes \
+  timeout ${TESTS_TL:-200} python3 -m pytest -q -rfP -m gpu -n 4 --dist loadfile -p no:cacheprovider tests/passes \
     $TRAINED_TEST > $OUT/logs/tests.log 2>&1
   say "tests/passes (gpu): exit $?"; tail -2 $OUT/logs/tests.log; grep -a "greedy tokens agreeing" $OUT/logs/tests.log; grep -E "^FAILED|^ERROR" $OUT/logs/tests.log | head
-  T=${T6:-200}
+  T=${T6:-250}
+  UPRE="p06_fused_moe_decode.up_prewait=true,p08_small_m_gemm.early_release=moe_inputs"
   timeout $((T + 40)) k3compile bench ladder --model k3-mini-6b --dtype bf16 --batch 1 --context 512 --device cuda \
-    --quick --time-budget $T --variant "b16:p06_fused_moe_decode.down_split=16x512x4" --out $OUT/l \
+    --quick --time-budget $T --variant "b16:p06_fused_moe_decode.down_split=16x512x4" --variant "upre:$UPRE" \
+    --variant "upreK:$UPRE,p06_fused_moe_decode.up_launch=8x1024x4" --out $OUT/l \
     > $OUT/logs/ladder_mini1.log 2>&1
   say "ladder mini1: exit $?"
   for f in $OUT/l/ladder_*.{md,json,png}; do [ -f "$f" ] && cp "$f" "$OUT/mini1_$(basename $f)"; done

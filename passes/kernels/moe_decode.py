@@ -671,9 +671,28 @@ if triton is not None:
     @triton.jit
     def _rows_dot(w_ptr, rows, row_mask, v_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Σ_k W[row, k] v[k] for a block of dense rows of W [*, K] (fp32); v: K contiguous values."""
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        return _rows_dot_from(tl.zeros([BLOCK_N], dtype=tl.float32), w_ptr, rows, row_mask, v_ptr, K, 0, BLOCK_K)
+
+    @triton.jit
+    def _rows_dot_first(w_first, v_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """_rows_dot's first K step on a weight tile loaded earlier (`_rows_tile`): the same sum, so the same bits."""
         kk = tl.arange(0, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
+        v = tl.load(v_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc += tl.sum(w_first.to(tl.float32) * v[None, :], axis=1)
+        return acc
+
+    @triton.jit
+    def _rows_tile(w_ptr, rows, row_mask, K, BLOCK_K: tl.constexpr):
+        """The first K step's [rows, BLOCK_K] tile of W [*, K]: loadable before gdc_wait (weights are constants)."""
+        kk = tl.arange(0, BLOCK_K)
+        return tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0)
+
+    @triton.jit
+    def _rows_dot_from(acc, w_ptr, rows, row_mask, v_ptr, K, K0, BLOCK_K: tl.constexpr):
+        """acc + Σ_{k >= K0} W[row, k] v[k], one tl.sum per K step in order (_rows_dot from its step K0 on)."""
+        kk = tl.arange(0, BLOCK_K)
+        for k0 in range(K0, K, BLOCK_K):
             k = k0 + kk
             kmask = k < K
             w = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=row_mask[:, None] & kmask[None, :],
@@ -689,7 +708,7 @@ if triton is not None:
                                USE_PDL: tl.constexpr, SHARED_FIRST: tl.constexpr = False,
                                SHARED_L2_PREFETCH: tl.constexpr = False, PIECES: tl.constexpr = 128,
                                FLAGS: tl.constexpr = False, KSPLIT: tl.constexpr = 1, FLAG_STRIDE: tl.constexpr = 32,
-                               EARLY: tl.constexpr = False):
+                               EARLY: tl.constexpr = False, PREWAIT: tl.constexpr = False):
         # pair: token * TOP_K + slot; from PAIRS on (SHARED_SLOT) the shared slot; FLAGS: as in _expert_up_kernel
         pair, col_block = _up_program(PAIRS, TOP_K, SHARED_FIRST)
         if SHARED_SLOT:
@@ -701,15 +720,29 @@ if triton is not None:
                 return
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < I
+        if PREWAIT:
+            # (up_prewait, a latent MoE: the router ran two kernels back, before the front GEMV that makes x, and a
+            # program of this kernel starts only once every front program has waited for it, so the ids are final)
+            # the expert and its first K step of gate and up rows load before the wait; only x waits
+            expert = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int64)
+            w_base = w13_ptr + expert * (2 * I) * D
+            g_first = _rows_tile(w_base, cols, cmask, D, BLOCK_K)
+            u_first = _rows_tile(w_base, cols + I, cmask, D, BLOCK_K)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # the ids (routing) and x come from earlier kernels
             if FLAGS or EARLY:  # released right after the wait (flag_deps, early_release)
                 tl.extra.cuda.gdc_launch_dependents()
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
         x_row = x_ptr + (pair // TOP_K) * x_row_stride
-        w_base = w13_ptr + expert * (2 * I) * D
-        g = _rows_dot(w_base, cols, cmask, x_row, D, BLOCK_N, BLOCK_K)
-        u = _rows_dot(w_base, cols + I, cmask, x_row, D, BLOCK_N, BLOCK_K)
+        if PREWAIT:  # the same sums in the same order as below: the same bits
+            g = _rows_dot_from(_rows_dot_first(g_first, x_row, D, BLOCK_N, BLOCK_K), w_base, cols, cmask, x_row, D,
+                               BLOCK_K, BLOCK_K)
+            u = _rows_dot_from(_rows_dot_first(u_first, x_row, D, BLOCK_N, BLOCK_K), w_base, cols + I, cmask, x_row,
+                               D, BLOCK_K, BLOCK_K)
+        else:
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            w_base = w13_ptr + expert * (2 * I) * D
+            g = _rows_dot(w_base, cols, cmask, x_row, D, BLOCK_N, BLOCK_K)
+            u = _rows_dot(w_base, cols + I, cmask, x_row, D, BLOCK_N, BLOCK_K)
         if USE_PDL and not (FLAGS or EARLY):
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(h_ptr + pair * I + cols, _glu(g, u, beta, linear_beta, ACT), mask=cmask)
@@ -834,7 +867,7 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
                      down_l2_prefetch: bool = False, up_launch: tuple[int, int, int] | None = None,
                      flag_deps: bool = False, early_release: bool = False,
                      down_early_release: bool = False, latent_prewait: bool = False, latent_tail=None,
-                     routed_l2_prefetch: bool = False):
+                     routed_l2_prefetch: bool = False, up_prewait: bool = False):
     """Launch kernels A, B (and C) (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). block_n / block_k
     / num_warps override the tile rule's choice for every kernel (tests, tile sweeps). use_pdl: launch with
     programmatic dependent launch where available (sm90+, Triton >= 3.4; ignored elsewhere). designs: (up,
@@ -855,6 +888,9 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     latent row loads its W_up tile, before its gdc_wait; only the routed part waits for B''s u (same bits).
     routed_l2_prefetch: with PDL, B' (split, dense)'s routed slots ask L2 for their W2 rows (the experts the router
     chose, two kernels back) before the wait, while kernel A streams (same bits).
+    up_prewait (latent MoE, kernel A's "rows" design; ignored otherwise): A's routed programs read their expert and
+    load their first K step of gate and up rows before gdc_wait. The router ran two kernels back (the front GEMV that
+    makes x comes between), so the ids are final once A's programs run; only x waits (same bits).
     latent_tail (latent MoE): a callable (grid, kernel C's arguments, its constexprs and launch options, launch) that
     launches kernel C in its stead and whose result this function returns (kernels.moe_out_norm: C with the next
     AttnRes norm as its last program's tail); None: C as above, the output returned."""
@@ -939,6 +975,8 @@ def fused_moe_triton(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scal
     a_opts = dict(SHARED_FIRST=first, SHARED_L2_PREFETCH=prefetch_a, PIECES=32 * warps) if first else {}
     if pdl and early_release:
         a_opts["EARLY"] = True
+    if up_prewait and latent and up_design == "rows":
+        a_opts["PREWAIT"] = True
     if up_design == "rows":
         _expert_up_rows_kernel[grid_a](
             x, ids, w13, h, sw13, hs, flag_buf, x.stride(0), width, inter, shared_width_a, n * k, chunk, chunk_s,
@@ -1027,14 +1065,15 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      flag_deps: bool = False, early_release: bool = False,
                      down_early_release: bool = False, latent_prewait: bool = False,
                      grouped_sorted: bool = False, sorted_finish: bool = False,
-                     routed_l2_prefetch: bool = False) -> torch.Tensor:
+                     routed_l2_prefetch: bool = False, up_prewait: bool = False) -> torch.Tensor:
     """Routed experts (+ latent tail, + shared expert) of a decode step in one node; see the module doc.
     down_split: kernel B''s launch (SplitConfig's fields, prefetch as 0/1) at every batch below the crossover,
     instead of split_config()'s per-shape choice (P6's down_split option; the CPU reference ignores it).
     shared_l2_prefetch / down_l2_prefetch / up_launch / flag_deps / early_release / down_early_release /
     latent_prewait: fused_moe_triton's options of the same names (P6's; same values). grouped_sorted: from the
     crossover on, the routed experts by kernels.moe_sorted instead of torch._grouped_mm; sorted_finish: its sum and
-    latent RMSNorm in one kernel; routed_l2_prefetch: fused_moe_triton's (P6's options of the same names)."""
+    latent RMSNorm in one kernel; routed_l2_prefetch, up_prewait: fused_moe_triton's (P6's options of the same
+    names)."""
     return fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                shared_w2, act, beta, linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
 
@@ -1045,7 +1084,7 @@ def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
                            shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
                            early_release=False, down_early_release=False, latent_prewait=False,
-                           grouped_sorted=False, sorted_finish=False, routed_l2_prefetch=False):
+                           grouped_sorted=False, sorted_finish=False, routed_l2_prefetch=False, up_prewait=False):
     args = (x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up, shared_w2, act, beta,
             linear_beta, latent_up_w, latent_norm_w, latent_eps, shared_w13)
     if triton is None or x.shape[0] >= crossover:
@@ -1056,7 +1095,8 @@ def _fused_moe_decode_cuda(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
         return fused_moe_triton(*args, use_pdl=use_pdl, split=split, shared_l2_prefetch=shared_l2_prefetch,
                                 down_l2_prefetch=down_l2_prefetch, up_launch=up_launch, flag_deps=flag_deps,
                                 early_release=early_release, down_early_release=down_early_release,
-                                latent_prewait=latent_prewait, routed_l2_prefetch=routed_l2_prefetch)
+                                latent_prewait=latent_prewait, routed_l2_prefetch=routed_l2_prefetch,
+                                up_prewait=up_prewait)
 
 
 @fused_moe_decode.register_fake
@@ -1065,7 +1105,7 @@ def _fused_moe_decode_fake(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_sca
                            latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
                            shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
                            early_release=False, down_early_release=False, latent_prewait=False,
-                           grouped_sorted=False, sorted_finish=False, routed_l2_prefetch=False):
+                           grouped_sorted=False, sorted_finish=False, routed_l2_prefetch=False, up_prewait=False):
     _, _, _, out_width = check_args(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                     shared_w2, act, latent_up_w, latent_norm_w, shared_w13)
     return x.new_empty(x.shape[0], out_width)

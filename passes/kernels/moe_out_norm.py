@@ -217,7 +217,7 @@ def fused_moe_decode_norm(
         up_launch: list[int] | None = None, flag_deps: bool = False, early_release: bool = False,
         down_early_release: bool = False, latent_prewait: bool = False,
         grouped_sorted: bool = False, sorted_finish: bool = False,
-        routed_l2_prefetch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        routed_l2_prefetch: bool = False, up_prewait: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, p): k3::fused_moe_decode, then k3::attn_res_norm on its output. See the module doc. tail_warps /
     tail_block_n: kernel C's warps / output columns per program with the tail (0: its own launch's; the results do not
     depend on them beyond the sums' order)."""
@@ -235,7 +235,8 @@ def _fused_moe_decode_norm_cuda(bank, residual, query, norm_weight, res_eps, nor
                                 latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
                                 shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
                                 early_release=False, down_early_release=False, latent_prewait=False,
-                                grouped_sorted=False, sorted_finish=False, routed_l2_prefetch=False):
+                                grouped_sorted=False, sorted_finish=False, routed_l2_prefetch=False,
+                                up_prewait=False):
     check_args(bank, residual, query, norm_weight, x, latent_up_w)
     bank_c = [r.contiguous() for r in bank]
     with torch.cuda.device(x.device):  # Triton launches on the current device
@@ -247,14 +248,14 @@ def _fused_moe_decode_norm_cuda(bank, residual, query, norm_weight, res_eps, nor
                 latent_norm_w, latent_eps, shared_w13, tail_warps=tail_warps, tail_block_n=tail_block_n, use_pdl=use_pdl, split=split,
                 shared_l2_prefetch=shared_l2_prefetch, down_l2_prefetch=down_l2_prefetch, up_launch=up_launch,
                 flag_deps=flag_deps, early_release=early_release, down_early_release=down_early_release,
-                latent_prewait=latent_prewait, routed_l2_prefetch=routed_l2_prefetch)
+                latent_prewait=latent_prewait, routed_l2_prefetch=routed_l2_prefetch, up_prewait=up_prewait)
         # the pair the pass replaced
         y = torch.ops.k3.fused_moe_decode(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in,
                                           shared_up, shared_w2, act, beta, linear_beta, crossover, latent_up_w,
                                           latent_norm_w, latent_eps, use_pdl, shared_w13, down_split,
                                           shared_l2_prefetch, down_l2_prefetch, up_launch, flag_deps, early_release,
                                           down_early_release, latent_prewait, grouped_sorted, sorted_finish,
-                                          routed_l2_prefetch)
+                                          routed_l2_prefetch, up_prewait)
         nx, delta = _norm_inputs(y, bank, residual)
         return torch.ops.k3.attn_res_norm(bank, nx, delta, query, norm_weight, res_eps, norm_eps, norm_pdl)
 
@@ -267,7 +268,8 @@ def _fused_moe_decode_norm_fake(bank, residual, query, norm_weight, res_eps, nor
                                 latent_eps=1e-5, use_pdl=False, shared_w13=None, down_split=None,
                                 shared_l2_prefetch=False, down_l2_prefetch=False, up_launch=None, flag_deps=False,
                                 early_release=False, down_early_release=False, latent_prewait=False,
-                                grouped_sorted=False, sorted_finish=False, routed_l2_prefetch=False):
+                                grouped_sorted=False, sorted_finish=False, routed_l2_prefetch=False,
+                                up_prewait=False):
     check_args(bank, residual, query, norm_weight, x, latent_up_w)
     y = torch.ops.k3.fused_moe_decode(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, shared_in, shared_up,
                                       shared_w2, act, beta, linear_beta, crossover, latent_up_w, latent_norm_w,

@@ -397,9 +397,9 @@ def test_crossover_measurement_gets_the_layers_latent_tail_and_shared_width(monk
 
 def test_grouped_sorted_is_the_ops_last_argument():
     """grouped_sorted (the sorted M-tiled experts above the crossover, kernels/moe_sorted.py; on by default since
-    traces/h200_s16) becomes the op's argument 27 behind latent_prewait, sorted_finish 28 (only with it) and
-    routed_l2_prefetch 29 (only with PDL); off, a node keeps its old arguments. On CPU the op is the reference
-    whatever they say."""
+    traces/h200_s16) becomes the op's argument 27 behind latent_prewait, sorted_finish 28 (only with it),
+    routed_l2_prefetch 29 and up_prewait 30 (each only with PDL); off, a node keeps its old arguments. On CPU the op is
+    the reference whatever they say."""
     m = _k3_mini_like()
     captured = capture_step(m, "decode")
     x = randomized_inputs(step_inputs(m, "decode"), 7)
@@ -414,6 +414,10 @@ def test_grouped_sorted_is_the_ops_last_argument():
                           ({"routed_l2_prefetch": True},  # B''s routed W2 rows to L2 before its wait (PDL)
                            (None, True, True, None, False, True, True, True, True, False, True)),
                           ({"routed_l2_prefetch": True, "use_pdl": False},
+                           (None, True, True, None, False, False, False, False, True)),
+                          ({"up_prewait": True},  # kernel A's expert rows before its wait (PDL)
+                           (None, True, True, None, False, True, True, True, True, False, False, True)),
+                          ({"up_prewait": True, "use_pdl": False},
                            (None, True, True, None, False, False, False, False, True))):
         gm = _after_p1_p4(snapshot(captured))
         assert run_pass(gm, P6, **options) == 2

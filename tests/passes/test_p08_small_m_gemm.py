@@ -179,6 +179,22 @@ def test_early_release_except_kda_inputs_skips_the_in_projections():
         pipeline_from_flags(P8, pass_opts=[f"{P8}.early_release=yes"]).validate()
 
 
+@pytest.mark.parametrize("name, fronts", [("k3-tiny", "moe"), ("kimi-linear-tiny", 0)])
+def test_early_release_moe_inputs_takes_only_the_latent_moe_fronts(name, fronts):
+    """early_release="moe_inputs": only the GEMVs whose output reaches P6's fused MoE op get the release argument. In
+    K3's latent MoE that is each MoE layer's front (the experts' latent down-projection merged with the shared
+    expert's gate/up); Kimi-Linear's experts read the hidden state (the norm's output), so no GEMV qualifies."""
+    from k3compile.passes.p08_small_m_gemm import _feeds_fused_moe
+    from .helpers import UP_TO_P7
+    gm = graph_after(name, "decode", torch.bfloat16, UP_TO_P7)
+    want = layer_counts(model(name, torch.bfloat16).config)["moe"] if fronts == "moe" else 0
+    assert run_pass(gm, P8, choice="gemv", early_release="moe_inputs") > 0
+    gemvs = [n for n in gm.graph.nodes if n.target == GEMV]
+    early = [n for n in gemvs if len(n.args) >= 12 and n.args[11] is True]
+    assert len(early) == want
+    assert all(_feeds_fused_moe(n) for n in early) and not any(_feeds_fused_moe(n) for n in gemvs if n not in early)
+
+
 def test_prefetch_plan_counts_the_leading_programs_the_budget_covers_and_refuses_unaligned_rows():
     w = torch.zeros(64, 256, dtype=torch.bfloat16)  # 512-byte rows
     assert gemv_kernels.prefetch_plan(w, 4, 1, 256, 0) == 0

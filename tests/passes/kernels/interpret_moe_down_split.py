@@ -7,8 +7,8 @@ CUDA graph replays the kernel with no memset). Then with flag_deps (kernel A cou
 B' K chunk, B' waits per chunk): bit-identical to it off, its counters zero again after the launch (every chunk
 fully counted by A and read by all its readers), also with kernel A's shared slot (shared_w13: hs counted too) and
 with A's launch from up_launch (column blocks wider than a K chunk, and narrower). Latent cases: kernel C with
-latent_prewait bit-identical to it without. Tiny shapes: the interpreter runs
-every program in Python.
+latent_prewait bit-identical to it without, and with kernel A's up_prewait too (dense weights: A's rows design, one
+and two K steps). Tiny shapes: the interpreter runs every program in Python.
 Prints one line per failing case and exits 1 if any failed.
 """
 import os
@@ -121,6 +121,11 @@ def main() -> int:
                                               split=split, latent_prewait=True)
             if not torch.equal(pre, runs[0]):
                 failures.append(f"{name}: latent_prewait changes the output")
+            if up == "rows":  # kernel A's expert and first K step of rows ahead of the wait (one or two K steps)
+                both = moe_decode.fused_moe_triton(**kw, block_n=block_n, block_k=block_k, designs=(up, "split"),
+                                                   split=split, latent_prewait=True, up_prewait=True)
+                if not torch.equal(both, runs[0]):
+                    failures.append(f"{name}: up_prewait changes the output")
             continue  # (flag_deps cases below: every form of B' once, the latent tail adds nothing to them)
         flagged = moe_decode.fused_moe_triton(**kw, block_n=block_n, block_k=block_k, designs=(up, "split"),
                                               split=split, flag_deps=True)

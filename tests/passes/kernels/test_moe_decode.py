@@ -366,6 +366,55 @@ def test_cuda_latent_prewait_gives_the_same_bits_at_the_k3_mini_shape(n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n, up_launch", [(1, None), (1, (8, 1024, 4)), (8, None)])
+def test_cuda_up_prewait_reads_final_ids_behind_an_early_released_front_gemv(n, up_launch):
+    """up_prewait (kernel A reads its expert and first K step of rows before gdc_wait) at k3-mini-6b's latent MoE
+    shape, as the engine runs it: new routing written by one kernel, then the front GEMV (PDL, early release) making
+    x, then the op, replayed from a CUDA graph on routing it has not seen. Bit-identical to the option off on the same
+    routing (a stale id read before the wait would not be), and within the reference's tolerance."""
+    from k3compile.passes.kernels import gemv as gemv_kernels
+    cfg = get_preset("k3-mini-6b")
+    d, lat = cfg.hidden_size, cfg.latent_size
+    s = cfg.moe_intermediate_size * cfg.num_shared_experts
+    p = _cuda_problem(n, 810 + n, e=cfg.num_experts, k=cfg.num_experts_per_token, d=lat, i=cfg.moe_intermediate_size,
+                      do=lat, s=s)
+    gen = torch.Generator(device="cuda").manual_seed(811)
+    p["shared_w2"] = (torch.randn(d, s, generator=gen, device="cuda") * s ** -0.5).bfloat16()
+    up_w = (torch.randn(d, lat, generator=gen, device="cuda") * lat ** -0.5).bfloat16()
+    norm_w = (1 + 0.1 * torch.randn(lat, generator=gen, device="cuda")).bfloat16()
+    w_front = (torch.randn(lat, d, generator=gen, device="cuda") * d ** -0.5).bfloat16()
+    h = torch.randn(n, d, generator=gen, device="cuda").bfloat16()
+    routings = [random_routing(n, cfg.num_experts, cfg.num_experts_per_token, "cuda", seed=812 + r)[0]
+                for r in range(3)]
+    ids = routings[0].clone()
+    options = dict(use_pdl=True, early_release=True, down_early_release=True, latent_prewait=True,
+                   up_launch=up_launch)
+
+    def step(pre):
+        ids.copy_(routing_in)  # the router's kernel
+        x = gemv_kernels.gemv_triton(h, w_front, None, 4, 1024, 1, design=gemv_kernels.DESIGNS["rows"],
+                                     use_pdl=True, early_release=True)  # the front GEMV, releasing A early
+        return moe_decode.fused_moe_triton(x, ids, p["topk_weights"], p["w13"], p["w2"], None, None, p["shared_in"],
+                                           p["shared_up"], p["shared_w2"], "situ", 4.0, 25.0, up_w, norm_w, 1e-5,
+                                           up_prewait=pre, **options)
+    routing_in = routings[0].clone()
+    graphs = [_graphed(lambda pre=pre: step(pre)) for pre in (False, True)]
+    for r in routings[1:]:
+        routing_in.copy_(r)
+        for graph, _ in graphs:
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graphs[0][1], graphs[1][1])
+        x = torch.mm(h.float(), w_front.float().t()).bfloat16().float()
+        f32 = {key: (v.float() if v.dtype == torch.bfloat16 else v) for key, v in p.items()}
+        ref = fused_moe_reference(x, r, f32["topk_weights"], f32["w13"], f32["w2"], None, None, f32["shared_in"],
+                                  f32["shared_up"], f32["shared_w2"], "situ", 4.0, 25.0, up_w.float(), norm_w.float(),
+                                  1e-5)
+        assert _rel(graphs[1][1], ref) < 1e-2, _rel(graphs[1][1], ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["k3-mini-6b", "kimi-linear-48b"])
 def test_cuda_routed_l2_prefetch_gives_the_same_bits(name):
     """routed_l2_prefetch (B''s routed slots ask L2 for their W2 rows before gdc_wait) at batch 1 with today's
