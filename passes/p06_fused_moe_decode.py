@@ -52,7 +52,8 @@ from torch.fx import GraphModule, Node
 from .gemm_columns import column_block, drop_column_blocks, record_merge, source_name
 from .graph_utils import (add_constant, attr_tensor, drop_unused_constants, erase_if_dead, fake_mode_of, is_call,
                           replace_uses, set_meta_val, val_of)
-from .kernels import moe_decode, moe_launch  # registers torch.ops.k3.fused_moe_decode; split_from_list checks down_split
+from .kernels import moe_decode  # registers torch.ops.k3.fused_moe_decode
+from .kernels import moe_launch  # split_from_list checks down_split
 from .patterns import NoMatch, is_cast, match_rms_norm
 from .registry import PassConfig, PassConfigError, register_pass
 
@@ -334,8 +335,8 @@ def _resolve_crossover(config: FusedMoEDecodeConfig, weights: list[torch.Tensor]
 def _launch_options(config: FusedMoEDecodeConfig) -> tuple:
     """The op's trailing launch options (down_split, shared_l2_prefetch, down_l2_prefetch, up_launch, flag_deps
     (always False), early_release, down_early_release, latent_prewait, grouped_sorted, sorted_finish,
-    routed_l2_prefetch, up_prewait), cut after the last one that differs from the op's default: unset, a node keeps the arguments
-    it had before the options existed."""
+    routed_l2_prefetch, up_prewait), cut after the last one that differs from the op's default: unset, a node keeps
+    the arguments it had before the options existed."""
     options = [config.down_split_values(), bool(config.shared_l2_prefetch), bool(config.down_l2_prefetch),
                config.up_launch_values(), False, bool(config.early_release and config.use_pdl),
                bool(config.down_early_release and config.use_pdl), bool(config.latent_prewait and config.use_pdl),
