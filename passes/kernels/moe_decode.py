@@ -76,6 +76,7 @@ kernels run on CPU tensors (`fused_moe_triton`), which is how they are tested wi
 from __future__ import annotations
 
 import os
+
 import torch
 import torch.nn.functional as F
 
