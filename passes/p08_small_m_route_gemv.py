@@ -74,6 +74,16 @@ def _match(route: Node):
     return gemv, outs
 
 
+def _no_up_prewait(node: Node) -> None:
+    """P6's up_prewait lets kernel A read its expert ids before gdc_wait, which holds only while the router runs two
+    launches before A. Folded here, the router and the front GEMV are one launch, right before A: the option goes."""
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "up_prewait" in names and names.index("up_prewait") < len(node.args):
+        i = names.index("up_prewait")
+        node.args = (*node.args[:i], False, *node.args[i + 1:])
+
+
 @register_pass("p08_small_m_route_gemv", RouteGemvConfig)
 def route_gemv(gm: GraphModule, config: RouteGemvConfig) -> int:
     """k3.norm_route + the k3.gemv on its h -> one k3.norm_route_gemv."""
@@ -103,6 +113,8 @@ def route_gemv(gm: GraphModule, config: RouteGemvConfig) -> int:
         gemv.replace_all_uses_with(items[4])
         for node in [gemv, *outs.values(), route]:
             g.erase_node(node)
+        for user in list(items[3].users):  # the routing now comes from the launch right before P6's kernel A
+            _no_up_prewait(user)
         for item in items:  # an output nobody reads (h: its one reader was the gemv) loses its getitem
             if not item.users:
                 g.erase_node(item)

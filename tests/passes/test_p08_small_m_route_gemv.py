@@ -59,6 +59,25 @@ def test_one_fused_node_per_moe_front(name):
     assert_pass_leaves_alone(gm, P)
 
 
+def test_folding_the_front_takes_p6s_up_prewait_off():
+    """P6's up_prewait reads the expert ids before kernel A's gdc_wait, safe only while the router runs two launches
+    before A. Once the front GEMV is folded into the router's launch, the router is the launch right before A: each
+    MoE node that reads the fused node's ids gets up_prewait False (the other arguments unchanged)."""
+    from .helpers import UP_TO_P7, graph_after
+    gm = graph_after("k3-tiny", "decode", torch.bfloat16, UP_TO_P7[:5])
+    run_pass(gm, "p06_fused_moe_decode", up_prewait=True)
+    for name in UP_TO_P7[6:]:
+        run_pass(gm, name)
+    run_pass(gm, "p08_small_m_gemm", choice="gemv")
+    moe = [n for n in gm.graph.nodes if n.target == torch.ops.k3.fused_moe_decode.default]
+    assert moe and all(n.args[30] is True for n in moe)
+    before = {n: n.args for n in moe}
+    assert run_pass(gm, P) == _expected("k3-tiny")
+    for n in moe:  # ids and weights (args 1, 2) now come from the fused node's outputs
+        assert n.args[30] is False and n.args[1].args[0].target == torch.ops.k3.norm_route_gemv.default
+        assert all(a is b for i, (a, b) in enumerate(zip(n.args, before[n])) if i not in (1, 2, 30))
+
+
 @pytest.mark.parametrize("name,mode,choice", [("k3-tiny", "decode", "cublas"), ("k3-tiny", "prefill", "gemv")])
 def test_graphs_without_gemv_or_router_are_left_alone(name, mode, choice):
     gm = graph_after_p8(name, mode, choice)
