@@ -389,11 +389,13 @@ def test_cuda_up_prewait_reads_final_ids_behind_an_early_released_front_gemv(n, 
     ids = routings[0].clone()
     options = dict(use_pdl=True, early_release=True, down_early_release=True, latent_prewait=True,
                    up_launch=up_launch)
+    rows = n <= gemv_kernels.ROWS_MAX_M  # the front's launch as P8 may pick it: rows design up to 4 rows, else dot
+    front = (4, 1024, 1, 4, gemv_kernels.DESIGNS["rows"]) if rows else (64, 128, 1, 4, gemv_kernels.DESIGNS["dot"])
 
     def step(pre):
         ids.copy_(routing_in)  # the router's kernel
-        x = gemv_kernels.gemv_triton(h, w_front, None, 4, 1024, 1, design=gemv_kernels.DESIGNS["rows"],
-                                     use_pdl=True, early_release=True)  # the front GEMV, releasing A early
+        x = gemv_kernels.gemv_triton(h, w_front, None, *front, use_pdl=True,
+                                     early_release=True)  # the front GEMV, releasing A early
         return moe_decode.fused_moe_triton(x, ids, p["topk_weights"], p["w13"], p["w2"], None, None, p["shared_in"],
                                            p["shared_up"], p["shared_w2"], "situ", 4.0, 25.0, up_w, norm_w, 1e-5,
                                            up_prewait=pre, **options)
