@@ -321,6 +321,21 @@ def test_cuda_latent_tail_at_the_k3_mini_shape(quant, n):
         assert _rel(got, ref) < 1e-2, (down, _rel(got, ref))
 
 
+def _k3_mini_latent_problem(n, seed, tail_seed):
+    """k3-mini-6b's latent MoE at batch n on the GPU, bf16: the op's inputs (routed experts and the shared expert's
+    down-projection) with the latent up-projection and norm weights; and the generator, for more inputs."""
+    cfg = get_preset("k3-mini-6b")
+    d, lat = cfg.hidden_size, cfg.latent_size
+    s = cfg.moe_intermediate_size * cfg.num_shared_experts
+    p = _cuda_problem(n, seed, e=cfg.num_experts, k=cfg.num_experts_per_token, d=lat, i=cfg.moe_intermediate_size,
+                      do=lat, s=s)
+    gen = torch.Generator(device="cuda").manual_seed(tail_seed)
+    p["shared_w2"] = (torch.randn(d, s, generator=gen, device="cuda") * s ** -0.5).bfloat16()
+    up_w = (torch.randn(d, lat, generator=gen, device="cuda") * lat ** -0.5).bfloat16()
+    norm_w = (1 + 0.1 * torch.randn(lat, generator=gen, device="cuda")).bfloat16()
+    return p, up_w, norm_w, gen
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n", [1, 8])
@@ -329,15 +344,7 @@ def test_cuda_latent_prewait_gives_the_same_bits_at_the_k3_mini_shape(n):
     at k3-mini-6b's latent MoE shape, PDL on, with and without A's and B''s early release (B' then releases C right
     after its own wait): eager and replayed from CUDA graphs behind another kernel, outputs bit-identical with the
     option off, and within the reference's tolerance."""
-    cfg = get_preset("k3-mini-6b")
-    d, lat = cfg.hidden_size, cfg.latent_size
-    s = cfg.moe_intermediate_size * cfg.num_shared_experts
-    p = _cuda_problem(n, 800 + n, e=cfg.num_experts, k=cfg.num_experts_per_token, d=lat, i=cfg.moe_intermediate_size,
-                      do=lat, s=s)
-    gen = torch.Generator(device="cuda").manual_seed(801)
-    p["shared_w2"] = (torch.randn(d, s, generator=gen, device="cuda") * s ** -0.5).bfloat16()
-    up_w = (torch.randn(d, lat, generator=gen, device="cuda") * lat ** -0.5).bfloat16()
-    norm_w = (1 + 0.1 * torch.randn(lat, generator=gen, device="cuda")).bfloat16()
+    p, up_w, norm_w, _ = _k3_mini_latent_problem(n, 800 + n, 801)
     f32 = {key: (v.float() if v.dtype == torch.bfloat16 else v) for key, v in p.items()}
     ref = fused_moe_reference(*_op_args(f32, "situ", 0)[:13], up_w.float(), norm_w.float(), 1e-5)
     args = (*_op_args(p, "situ", 0)[:13], up_w, norm_w, 1e-5)
@@ -375,13 +382,7 @@ def test_cuda_up_prewait_reads_final_ids_behind_an_early_released_front_gemv(n, 
     from k3compile.passes.kernels import gemv as gemv_kernels
     cfg = get_preset("k3-mini-6b")
     d, lat = cfg.hidden_size, cfg.latent_size
-    s = cfg.moe_intermediate_size * cfg.num_shared_experts
-    p = _cuda_problem(n, 810 + n, e=cfg.num_experts, k=cfg.num_experts_per_token, d=lat, i=cfg.moe_intermediate_size,
-                      do=lat, s=s)
-    gen = torch.Generator(device="cuda").manual_seed(811)
-    p["shared_w2"] = (torch.randn(d, s, generator=gen, device="cuda") * s ** -0.5).bfloat16()
-    up_w = (torch.randn(d, lat, generator=gen, device="cuda") * lat ** -0.5).bfloat16()
-    norm_w = (1 + 0.1 * torch.randn(lat, generator=gen, device="cuda")).bfloat16()
+    p, up_w, norm_w, gen = _k3_mini_latent_problem(n, 810 + n, 811)
     w_front = (torch.randn(lat, d, generator=gen, device="cuda") * d ** -0.5).bfloat16()
     h = torch.randn(n, d, generator=gen, device="cuda").bfloat16()
     routings = [random_routing(n, cfg.num_experts, cfg.num_experts_per_token, "cuda", seed=812 + r)[0]
