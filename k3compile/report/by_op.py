@@ -15,6 +15,7 @@ excess is what fusing it away or shortening it could at most give back, not a gu
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 from k3compile.report.attribution import Attribution
@@ -34,29 +35,28 @@ class OpRow:
     mbytes: float             # per step
 
 
-def by_op(steps: list[list[Event]], attr: dict[Event, Attribution], floor_of: dict[str, float]) -> list[OpRow]:
-    """One row per op over the attributed kernels of `steps`, ranked by excess (largest first). floor_of: per node,
-    ns per step."""
+def by_op(rows, steps: list[list[Event]], attr: dict[Event, Attribution]) -> list[OpRow]:
+    """One row per op, ranked by excess (largest first): roofline.py's per-node rows (`RooflineRow`: time, launches,
+    bytes and floor per step) summed per op, with the exclusive time of each node's kernels over `steps`."""
     n = max(len(steps), 1)
-    acc: dict[str, list] = {}  # op -> [nodes, launches, dur ns, exclusive ns, bytes per step]
+    exclusive: dict[str, int] = defaultdict(int)  # node -> exclusive ns over all steps
     for gpu in steps:
         excl = exclusive_ns(gpu)
         for ev in gpu:
             a = attr.get(ev)
-            if a is None or a.node is None:
-                continue
-            row = acc.setdefault(a.node.op, [set(), 0, 0, 0, {}])
-            row[0].add(a.node.name)
-            row[1] += 1
-            row[2] += ev.dur
-            row[3] += excl[id(ev)]
-            row[4][a.node.name] = a.node.bytes
-    out = []
-    for op, (nodes, launches, dur, ex, nbytes) in acc.items():
-        floor = sum(floor_of.get(name, 0.0) for name in nodes)  # ns per step
-        ex_step = ex / n
-        out.append(OpRow(op, len(nodes), round(launches / n, 3), round(dur / n / 1000, 3), round(ex_step / 1000, 3),
-                         round(floor / 1000, 3), round((ex_step - floor) / 1000, 3),
-                         round(floor / ex_step, 4) if ex_step else None, round(sum(nbytes.values()) / 1e6, 3)))
+            if a is not None and a.node is not None:
+                exclusive[a.node.name] += excl[id(ev)]
+    acc: dict[str, list] = {}  # op -> [nodes, launches, time us, exclusive us, floor us, bytes], per step
+    for r in rows:
+        t = acc.setdefault(r.op, [0, 0.0, 0.0, 0.0, 0.0, 0])
+        t[0] += 1
+        t[1] += r.launches_per_step
+        t[2] += r.time_us
+        t[3] += exclusive[r.node] / n / 1000
+        t[4] += r.floor_us or 0.0
+        t[5] += r.bytes
+    out = [OpRow(op, nodes, round(launches, 3), round(time, 3), round(ex, 3), round(floor, 3), round(ex - floor, 3),
+                 round(floor / ex, 4) if ex else None, round(nbytes / 1e6, 3))
+           for op, (nodes, launches, time, ex, floor, nbytes) in acc.items()]
     out.sort(key=lambda r: (-r.excess_us, r.op))
     return out

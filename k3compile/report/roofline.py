@@ -188,7 +188,7 @@ def analyze_roofline(trace: Trace, steps: list[list[Event]], attr: dict[Event, A
     rep.attributed_us = _us(sum(t for k, (_, t, _) in layers.items() if k != UNATTRIBUTED) / n)
     rep.unattributed_reasons = {k: _us(v / n) for k, v in sorted(reasons.items())}
     rep.fusions = next_fusions(steps, attr, bound_of, floor_of)
-    rep.by_op = by_op(steps, attr, floor_of)
+    rep.by_op = by_op(rep.rows, steps, attr)
     return rep
 
 

@@ -241,6 +241,7 @@ def test_by_op_splits_the_busy_time_over_the_floor_with_pdl_overlap():
     exclusive time is what it adds after that end; the rows' exclusive times sum to the busy span."""
     from k3compile.report.attribution import Attribution, NodeInfo
     from k3compile.report.by_op import by_op
+    from k3compile.report.roofline import RooflineRow
     from k3compile.report.trace import Event
 
     def kernel(name, ts_us, dur_us, stream=7):
@@ -257,8 +258,11 @@ def test_by_op_splits_the_busy_time_over_the_floor_with_pdl_overlap():
             attr[ev] = Attribution(info)
         attr[evs[3]] = Attribution(None, reason="outside")
         steps.append(evs)
-    floors = {"norm_0": 1_000.0, "gemv_0": 3_000.0, "gemv_1": 4_500.0}  # ns per step
-    rows = {r.op: r for r in by_op(steps, attr, floors)}
+    # roofline.py's per-node rows (per step: kernel time, one launch, bytes, floor), which by_op sums per op
+    node_rows = [RooflineRow(info.name, info.op, info.layer, info.pass_, [], 1, time_us, info.bytes, 0, floor_us,
+                             None, None, None, "memory", True)
+                 for info, time_us, floor_us in ((norm, 4.0, 1.0), (gemv_a, 6.0, 3.0), (gemv_b, 5.0, 4.5))]
+    rows = {r.op: r for r in by_op(node_rows, steps, attr)}
     assert list(rows) == ["k3.attn_res_norm.default", "k3.gemv.default"]  # ranked by excess: 3.0 > 1.5
     g, n = rows["k3.gemv.default"], rows["k3.attn_res_norm.default"]
     # gemv_0 runs 2-8 but adds only 4-8 after the norm; gemv_1 8-13
