@@ -206,10 +206,10 @@ CASES = [
 ]
 if "shared_w13" in moe_decode.fused_moe_triton.__code__.co_varnames:
     CASES += [("moe 48B batch 1, shared slot in A", moe(1, True))]
-if hasattr(moe_launch, "SPLIT_CANDIDATES"):  # every kernel B' launch tools/bench_moe9.py tries (PDL on)
-    CASES += [(f"moe 48B batch 1, B' {tuple(c)}", moe(1, True, c)) for c in moe_launch.SPLIT_CANDIDATES]
-    CASES += [("moe 48B batch 8, B' (64, 128, 4, 2, True)", moe(8, True, moe_launch.SplitConfig(64, 128, 4, 2, True))),
-              ("moe 48B MXFP4 batch 1, B' (16, 256, 4, 4, True)", moe_mxfp4(1, moe_launch.SplitConfig(16, 256, 4, 4, True)))]
+# every kernel B' launch tools/bench_moe9.py tries (PDL on)
+CASES += [(f"moe 48B batch 1, B' {tuple(c)}", moe(1, True, c)) for c in moe_launch.SPLIT_CANDIDATES]
+CASES += [("moe 48B batch 8, B' (64, 128, 4, 2, True)", moe(8, True, moe_launch.SplitConfig(64, 128, 4, 2, True))),
+          ("moe 48B MXFP4 batch 1, B' (16, 256, 4, 4, True)", moe_mxfp4(1, moe_launch.SplitConfig(16, 256, 4, 4, True)))]
 if "shared_l2_prefetch" in moe_decode.fused_moe_triton.__code__.co_varnames:  # P6's L2 prefetch options (moepf10)
     _pf = dict(shared_l2_prefetch=True, down_l2_prefetch=True)
     CASES += [("moe 48B batch 1, shared slot first + L2 prefetch in A and B'", moe(1, True, **_pf)),
@@ -278,13 +278,13 @@ def moe_mini(batch, rows=None, split=None, latent=None, **options):
     return run
 
 
-if hasattr(moe_launch, "LATENT_CANDIDATES"):  # every launch tools/bench_moe10mini.py tries (k3-mini-6b, PDL on)
-    for _b in (1, 8):
-        CASES += [(f"moe mini batch {_b} (today's launches)", moe_mini(_b))]
-        CASES += [(f"moe mini batch {_b}, A {c}", moe_mini(_b, rows=c)) for c in moe_launch.ROWS_CANDIDATES]
-        CASES += [(f"moe mini batch {_b}, B' {tuple(c)}", moe_mini(_b, split=c))
-                  for c in moe_launch.LATENT_SPLIT_CANDIDATES]
-        CASES += [(f"moe mini batch {_b}, C {tuple(c)}", moe_mini(_b, latent=c)) for c in moe_launch.LATENT_CANDIDATES]
+# every launch tools/bench_moe10mini.py tries (k3-mini-6b, PDL on)
+for _b in (1, 8):
+    CASES += [(f"moe mini batch {_b} (today's launches)", moe_mini(_b))]
+    CASES += [(f"moe mini batch {_b}, A {c}", moe_mini(_b, rows=c)) for c in moe_launch.ROWS_CANDIDATES]
+    CASES += [(f"moe mini batch {_b}, B' {tuple(c)}", moe_mini(_b, split=c))
+              for c in moe_launch.LATENT_SPLIT_CANDIDATES]
+    CASES += [(f"moe mini batch {_b}, C {tuple(c)}", moe_mini(_b, latent=c)) for c in moe_launch.LATENT_CANDIDATES]
 
 if "target_programs" in gemv.rows_configs.__code__.co_varnames:  # P8's rows_programs candidates, k3-mini shapes
     for _n in (2048, 8336):
