@@ -165,8 +165,8 @@ class GemvChain:
     block_n: output columns per tile (a power of two); block_k: the K step (a power of two >= 16); backoff_ns: a
     waiting tile sleeps this long between reads of the counter (CUDA only: `nanosleep`; 0 spins); persistent: one
     program per SM walks its tiles in order (no ticket atomics, no program started per tile) instead of a program
-    per tile taking a ticket. The weights are
-    copied into one flat buffer (an experiment's layout: an engine would pass its own tensors)."""
+    per tile taking a ticket. The weights are copied into one flat buffer (an experiment's layout: an engine would
+    pass its own tensors)."""
 
     def __init__(self, weights: list[torch.Tensor], m: int, block_n: int = 4, block_k: int = 1024,
                  num_warps: int = 4, backoff_ns: int = 0, persistent: bool = False):
